@@ -1,0 +1,438 @@
+// The CPU backend: the same functions as the CUDA backend, on host memory,
+// computed on the calling thread. It runs the per-token math of
+// kernels/kda_math.h with one lane per state row, and the per-row checks and
+// plan of kernels/internal/checks.h, so it accepts, rejects and plans exactly
+// as the CUDA backend does.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/internal/checks.h"
+#include "kernels/internal/dispatch.h"
+#include "kernels/kda_kernels.h"
+#include "kernels/kda_math.h"
+
+namespace specstate {
+namespace kernels {
+namespace {
+
+using internal::CommitPlanRow;
+using internal::DispatchAct;
+using internal::DispatchKda;
+using internal::IsBlock;
+using internal::RowFault;
+
+// ---------------------------------------------------------------------------
+// Checks.
+
+// Runs `check(n)` for every row and writes the fault of the lowest failing
+// row to `status`. Returns whether every row passed.
+template <typename Check>
+bool CheckRows(int num_rows, DeviceStatus* status, Check check) {
+  for (int n = 0; n < num_rows; ++n) {
+    const RowFault f = check(n);
+    if (f.problem != 0) {
+      *status = internal::StatusFromFault(f, n, -1);
+      return false;
+    }
+  }
+  return true;
+}
+
+// The cross-row pass (see checks.h): no block written by two rows, none
+// written by one row and read by another. `owner` is all zero on entry and
+// on return.
+template <typename Writes, typename Reads>
+bool CheckCrossRow(int num_rows, int32_t* owner, DeviceStatus* status, Writes writes,
+                   Reads reads) {
+  for (int n = 0; n < num_rows; ++n) {
+    writes(n, [&](int32_t block, CheckedField, int32_t, int32_t) {
+      owner[block] = std::max(owner[block], internal::OwnerTag(n));
+    });
+  }
+  bool ok = true;
+  for (int n = 0; n < num_rows && ok; ++n) {
+    writes(n, [&](int32_t block, CheckedField field, int32_t index, int32_t col) {
+      const int other = internal::OwnerRow(owner[block]);
+      if (ok && other != n) {
+        *status = internal::StatusFromFault(
+            internal::MakeFault(field, CheckProblem::kDuplicateWrite, index, col, block, 0), n,
+            other);
+        ok = false;
+      }
+    });
+    reads(n, [&](int32_t block, CheckedField field, int32_t index, int32_t col) {
+      if (ok && owner[block] != 0 && internal::OwnerRow(owner[block]) != n) {
+        *status = internal::StatusFromFault(
+            internal::MakeFault(field, CheckProblem::kWriteOfRead, index, col, block, 0), n,
+            internal::OwnerRow(owner[block]));
+        ok = false;
+      }
+    });
+  }
+  for (int n = 0; n < num_rows; ++n) {
+    writes(n, [&](int32_t block, CheckedField, int32_t, int32_t) { owner[block] = 0; });
+  }
+  return ok;
+}
+
+// ---------------------------------------------------------------------------
+// The recurrence of one (row, head).
+
+// The prepared inputs (kda::TokenInputs) of `tokens` tokens of one head.
+struct PreparedHead {
+  std::vector<float> q, k, decay, v, beta;
+};
+
+template <typename Act, int K>
+void PrepareHead(const KdaShape& shape, const Activation& q, const Activation& k,
+                 const Activation& v, const Activation& g, const Activation& beta,
+                 const LayerParams& params, int h, int64_t bos, int tokens, PreparedHead* out) {
+  out->q.resize(size_t(tokens) * K);
+  out->k.resize(size_t(tokens) * K);
+  out->decay.resize(size_t(tokens) * K);
+  out->v.resize(size_t(tokens) * K);
+  out->beta.resize(tokens);
+  const float scale = kda::QueryScale(K);
+  const float a = expf(params.a_log[h]);
+  const float* bias = params.dt_bias + int64_t{h} * K;
+  for (int t = 0; t < tokens; ++t) {
+    const int64_t tok = bos + t;
+    const Act* qt = static_cast<const Act*>(q.data) + tok * q.token_stride + int64_t{h} * K;
+    const Act* kt = static_cast<const Act*>(k.data) + tok * k.token_stride + int64_t{h} * K;
+    const Act* vt = static_cast<const Act*>(v.data) + tok * v.token_stride + int64_t{h} * K;
+    const Act* gt = static_cast<const Act*>(g.data) + tok * g.token_stride + int64_t{h} * K;
+    const Act* bt = static_cast<const Act*>(beta.data) + tok * beta.token_stride + h;
+    float* qo = &out->q[size_t(t) * K];
+    float* ko = &out->k[size_t(t) * K];
+    float q_sum = 0.0f, k_sum = 0.0f;
+    for (int j = 0; j < K; ++j) {
+      qo[j] = ToFloat(qt[j]);
+      ko[j] = ToFloat(kt[j]);
+      q_sum = kda::MulAdd(qo[j], qo[j], q_sum);
+      k_sum = kda::MulAdd(ko[j], ko[j], k_sum);
+    }
+    const float q_norm = kda::L2Norm(q_sum);
+    const float k_norm = kda::L2Norm(k_sum);
+    for (int j = 0; j < K; ++j) {
+      qo[j] = kda::Normalize(qo[j], q_norm, scale);
+      ko[j] = kda::Normalize(ko[j], k_norm, 1.0f);
+      out->decay[size_t(t) * K + j] =
+          kda::GateDecay(ToFloat(gt[j]), bias[j], a, shape.lower_bound);
+      out->v[size_t(t) * K + j] = ToFloat(vt[j]);
+    }
+    out->beta[t] = kda::Sigmoid(ToFloat(bt[0]));
+  }
+}
+
+// Runs `tokens` tokens of one head from `initial` ([V, K] of the state dtype).
+// `output(t, v, o)` receives o_v of token t (when want_output); after token t
+// the state goes to destination(t) when that is not null.
+template <typename State, int K, typename Output, typename Destination>
+void RunHead(const PreparedHead& prep, const State* initial, int tokens, bool want_output,
+             Output output, Destination destination) {
+  constexpr int V = K;
+  std::vector<float> s(size_t(V) * K);
+  for (size_t i = 0; i < s.size(); ++i) s[i] = ToFloat(initial[i]);
+  const auto row_sum = [](float x) { return x; };  // one lane per row
+  for (int t = 0; t < tokens; ++t) {
+    const kda::TokenInputs tok{&prep.q[size_t(t) * K], &prep.k[size_t(t) * K],
+                               &prep.decay[size_t(t) * K], prep.beta[t]};
+    for (int v = 0; v < V; ++v) {
+      const float o = kda::TokenStep<K, 1>(&s[size_t(v) * K], 0, tok, prep.v[size_t(t) * K + v],
+                                           row_sum, want_output);
+      if (want_output) output(t, v, o);
+    }
+    if (State* dst = destination(t)) {
+      for (size_t i = 0; i < s.size(); ++i) dst[i] = FromFloat<State>(s[i]);
+    }
+  }
+}
+
+template <typename State>
+State* HeadOf(const StatePool& pool, int32_t block, int h, int head_elems) {
+  return static_cast<State*>(pool.data) + int64_t{block} * pool.block_stride +
+         int64_t{h} * head_elems;
+}
+
+// ---------------------------------------------------------------------------
+// Stock kernel.
+
+// The stock kernel's work for one layer: rows [0, num_rows) as `row_of`
+// describes them. Shared by Stock and the commit's replay, which is this
+// kernel over the records.
+struct StockLayerWork {
+  KdaShape shape;
+  Activation q, k, v, g, beta;
+  void* out;  // null: outputs are discarded (replay)
+  StatePool state;
+  LayerParams params;
+};
+
+template <typename Act, typename State, int K, typename RowOf>
+void RunStockLayer(const StockLayerWork& w, int num_rows, RowOf row_of) {
+  const int H = w.shape.num_heads;
+  PreparedHead prep;
+  for (int n = 0; n < num_rows; ++n) {
+    int64_t bos = 0;
+    int tokens = 0;
+    int32_t source = 0;
+    const int32_t* idx = nullptr;
+    row_of(n, &bos, &tokens, &source, &idx);
+    if (tokens == 0 || !IsBlock(source)) continue;
+    for (int h = 0; h < H; ++h) {
+      PrepareHead<Act, K>(w.shape, w.q, w.k, w.v, w.g, w.beta, w.params, h, bos, tokens, &prep);
+      Act* out = static_cast<Act*>(w.out);
+      RunHead<State, K>(
+          prep, HeadOf<State>(w.state, source, h, K * K), tokens, out != nullptr,
+          [&](int t, int v, float o) {
+            out[((bos + t) * H + h) * K + v] = FromFloat<Act>(o);
+          },
+          [&](int t) -> State* {
+            return IsBlock(idx[t]) ? HeadOf<State>(w.state, idx[t], h, K * K) : nullptr;
+          });
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Commit pieces.
+
+// SEMANTICS.md, Commit step 2, for one row of one layer.
+template <typename Act>
+void CompactConvRow(const ConvPool& c, int history_len, const CommitPlanRow& p, bool align,
+                    std::vector<Act>* scratch) {
+  if (!internal::CommitsAnything(p)) return;
+  Act* base = static_cast<Act*>(c.data);
+  const Act* src = base + int64_t{p.source} * c.block_stride;
+  const bool boundary = align && IsBlock(p.boundary_block);
+  // Read the row's windows before writing: final or boundary may be the source.
+  scratch->resize(size_t(c.dim) * history_len * 2);
+  Act* final_window = scratch->data();
+  Act* boundary_window = final_window + size_t(c.dim) * history_len;
+  for (int d = 0; d < c.dim; ++d) {
+    for (int x = 0; x < history_len; ++x) {
+      final_window[size_t(d) * history_len + x] =
+          src[d * c.dim_stride + int64_t(p.commit_len - 1 + x) * c.token_stride];
+      if (boundary) {
+        boundary_window[size_t(d) * history_len + x] =
+            src[d * c.dim_stride + int64_t(p.boundary_len - 1 + x) * c.token_stride];
+      }
+    }
+  }
+  Act* dst = base + int64_t{p.final_block} * c.block_stride;
+  Act* bdst = base + int64_t{p.boundary_block} * c.block_stride;
+  for (int d = 0; d < c.dim; ++d) {
+    for (int x = 0; x < history_len; ++x) {
+      if (boundary) {
+        bdst[d * c.dim_stride + x * c.token_stride] = boundary_window[size_t(d) * history_len + x];
+      }
+      dst[d * c.dim_stride + x * c.token_stride] = final_window[size_t(d) * history_len + x];
+    }
+  }
+}
+
+// The stock kernel reads the records as its q/k/v/g/beta (q = k = recorded k).
+StockLayerWork ReplayWork(const KdaShape& shape, const CommitLayer& layer) {
+  const int64_t hk = int64_t{shape.num_heads} * shape.head_dim;
+  const size_t es = DTypeSize(shape.act_dtype);
+  StockLayerWork w;
+  w.shape = shape;
+  w.k = Activation{layer.records.kv, 2 * hk};
+  w.q = w.k;
+  w.v = Activation{static_cast<const char*>(layer.records.kv) + hk * es, 2 * hk};
+  w.g = Activation{layer.records.g, hk};
+  w.beta = Activation{layer.records.beta, shape.num_heads};
+  w.out = nullptr;
+  w.state = layer.state;
+  w.params = layer.params;
+  return w;
+}
+
+// ---------------------------------------------------------------------------
+
+class CpuKernels final : public KdaKernels {
+ public:
+  Backend backend() const override { return Backend::kCpu; }
+
+ protected:
+  absl::Status LaunchStock(const StockArgs& a, Stream) const override {
+    *a.status = internal::OkStatus();
+    std::vector<internal::StockRow> rows(a.num_rows);
+    if (!CheckRows(a.num_rows, a.status,
+                   [&](int n) { return internal::CheckStockRow(a, n, &rows[n]); })) {
+      return absl::OkStatus();
+    }
+    if (!CheckCrossRow(
+            a.num_rows, static_cast<int32_t*>(a.workspace), a.status,
+            [&](int n, auto fn) { internal::ForEachStockWrite(a, rows[n], n, fn); },
+            [&](int n, auto fn) { internal::ForEachStockRead(rows[n], n, fn); })) {
+      return absl::OkStatus();
+    }
+    StockLayerWork w{a.shape, a.q, a.k, a.v, a.g, a.beta, a.out, a.state, a.params};
+    DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+      using Act = typename decltype(act)::type;
+      using State = typename decltype(state)::type;
+      RunStockLayer<Act, State, decltype(head_dim)::value>(
+          w, a.num_rows,
+          [&](int n, int64_t* bos, int* tokens, int32_t* source, const int32_t** idx) {
+            *bos = a.query_start_loc[n];
+            *tokens = rows[n].tokens;
+            *source = rows[n].source;
+            *idx = a.ssm_state_indices.data + n * a.ssm_state_indices.row_stride;
+          });
+    });
+    return absl::OkStatus();
+  }
+
+  absl::Status LaunchVerify(const VerifyArgs& a, Stream) const override {
+    *a.status = internal::OkStatus();
+    std::vector<internal::VerifyRow> rows(a.num_rows);
+    if (!CheckRows(a.num_rows, a.status,
+                   [&](int n) { return internal::CheckVerifyRow(a, n, &rows[n]); })) {
+      return absl::OkStatus();
+    }
+    DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+      using Act = typename decltype(act)::type;
+      using State = typename decltype(state)::type;
+      constexpr int K = decltype(head_dim)::value;
+      const int H = a.shape.num_heads;
+      PreparedHead prep;
+      Act* out = static_cast<Act*>(a.out);
+      for (int n = 0; n < a.num_rows; ++n) {
+        const int tokens = rows[n].tokens;
+        if (tokens == 0 || !IsBlock(rows[n].source)) continue;
+        const int64_t bos = a.query_start_loc[n];
+        for (int h = 0; h < H; ++h) {
+          PrepareHead<Act, K>(a.shape, a.q, a.k, a.v, a.g, a.beta, a.params, h, bos, tokens,
+                              &prep);
+          RunHead<State, K>(
+              prep, HeadOf<State>(a.state, rows[n].source, h, K * K), tokens, true,
+              [&](int t, int v, float o) {
+                out[((bos + t) * H + h) * K + v] = FromFloat<Act>(o);
+              },
+              [](int) -> State* { return nullptr; });  // verify writes no state
+        }
+        RecordRow<Act, K>(a, n, bos, tokens);
+      }
+    });
+    return absl::OkStatus();
+  }
+
+  absl::Status LaunchCommit(const CommitArgs& a, Stream) const override {
+    *a.status = internal::OkStatus();
+    const int64_t num_blocks = a.layers[0].state.num_blocks;
+    const internal::CommitWorkspace ws =
+        internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks);
+    if (!CheckRows(a.num_rows, a.status, [&](int i) {
+          return internal::PlanCommitRow(a, num_blocks, i, &ws.plan[i]);
+        })) {
+      return absl::OkStatus();
+    }
+    if (!CheckCrossRow(
+            a.num_rows, ws.owner, a.status,
+            [&](int i, auto fn) { internal::ForEachCommitWrite(a, ws.plan[i], i, fn); },
+            [&](int i, auto fn) { internal::ForEachCommitRead(ws.plan[i], i, fn); })) {
+      return absl::OkStatus();
+    }
+    const int Q = a.spec_query_len;
+    for (int i = 0; i < a.num_rows; ++i) {
+      for (int col = 0; col <= Q; ++col) {
+        ws.replay_indices[i * (Q + 1) + col] = internal::ReplayIndex(ws.plan[i], Q, col);
+      }
+    }
+    const bool align = a.block_table.data != nullptr;
+    const int history_len = a.layers[0].conv.width - Q + 1;
+    DispatchAct(a.shape.act_dtype, [&](auto act) {
+      using Act = typename decltype(act)::type;
+      std::vector<Act> scratch;
+      for (int l = 0; l < a.num_layers; ++l) {
+        for (int i = 0; i < a.num_rows; ++i) {
+          CompactConvRow<Act>(a.layers[l].conv, history_len, ws.plan[i], align, &scratch);
+        }
+      }
+    });
+    // Replay: the stock kernel over the records, Q tokens per row, reading
+    // the source at column Q and storing only the planned columns. Tokens
+    // after the last stored column cannot change a stored state, so they
+    // are not run.
+    DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+      using Act = typename decltype(act)::type;
+      using State = typename decltype(state)::type;
+      for (int l = 0; l < a.num_layers; ++l) {
+        RunStockLayer<Act, State, decltype(head_dim)::value>(
+            ReplayWork(a.shape, a.layers[l]), a.num_rows,
+            [&](int i, int64_t* bos, int* tokens, int32_t* source, const int32_t** idx) {
+              const int32_t* row = ws.replay_indices + i * (Q + 1);
+              *bos = int64_t{i} * Q;
+              *source = row[Q];
+              *idx = row;
+              *tokens = internal::ReplayTokens(row, Q);
+            });
+      }
+    });
+    return absl::OkStatus();
+  }
+
+  absl::Status LaunchRecordStateBlocks(const RecordStateBlocksArgs& a, Stream) const override {
+    *a.status = internal::OkStatus();
+    std::vector<internal::RecordRow> rows(a.num_rows);
+    if (!CheckRows(a.num_rows, a.status,
+                   [&](int i) { return internal::CheckRecordRow(a, i, &rows[i]); })) {
+      return absl::OkStatus();
+    }
+    const auto no_reads = [](int, auto) {};
+    if (!CheckCrossRow(
+            a.num_rows, static_cast<int32_t*>(a.workspace), a.status,
+            [&](int i, auto fn) { internal::ForEachRecordWrite(rows[i], fn); }, no_reads)) {
+      return absl::OkStatus();
+    }
+    for (int i = 0; i < a.num_rows; ++i) {
+      if (rows[i].request_row < 0) continue;
+      a.state_idx[rows[i].request_row] = internal::RecordedStateColumn(a, rows[i].batch_row);
+      a.num_accepted[rows[i].request_row] = 1;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  // Copies row n's raw k, v, g and beta, bit for bit, to record tokens
+  // [n * Q, n * Q + tokens).
+  template <typename Act, int K>
+  static void RecordRow(const VerifyArgs& a, int n, int64_t bos, int tokens) {
+    const int H = a.shape.num_heads;
+    const size_t head_bytes = size_t(K) * sizeof(Act);
+    Act* kv = static_cast<Act*>(a.records.kv);
+    Act* g = static_cast<Act*>(a.records.g);
+    Act* beta = static_cast<Act*>(a.records.beta);
+    for (int t = 0; t < tokens; ++t) {
+      const int64_t tok = bos + t;
+      const int64_t rec = int64_t{n} * a.records.q + t;
+      for (int h = 0; h < H; ++h) {
+        std::memcpy(kv + ((rec * 2 + 0) * H + h) * K,
+                    static_cast<const Act*>(a.k.data) + tok * a.k.token_stride + int64_t{h} * K,
+                    head_bytes);
+        std::memcpy(kv + ((rec * 2 + 1) * H + h) * K,
+                    static_cast<const Act*>(a.v.data) + tok * a.v.token_stride + int64_t{h} * K,
+                    head_bytes);
+        std::memcpy(g + (rec * H + h) * K,
+                    static_cast<const Act*>(a.g.data) + tok * a.g.token_stride + int64_t{h} * K,
+                    head_bytes);
+        beta[rec * H + h] = static_cast<const Act*>(a.beta.data)[tok * a.beta.token_stride + h];
+      }
+    }
+  }
+};
+
+}  // namespace
+
+const KdaKernels& CpuKdaKernels() {
+  static const CpuKernels* const kernels = new CpuKernels();
+  return *kernels;
+}
+
+}  // namespace kernels
+}  // namespace specstate

@@ -1,0 +1,408 @@
+// The per-row device checks and the commit plan, shared by the CPU and CUDA
+// backends so that both accept, reject and plan exactly alike
+// (SEMANTICS.md: "What the device checks before anything is written").
+//
+// Each Check*/Plan* function looks at one row, reads only what that row
+// uses, and returns the first fault it finds. The backends run them over all
+// rows, report the fault of the lowest row, and only then run the
+// cross-row pass (no two rows writing one block, no row writing a block
+// another row reads) with a table of owners indexed by block.
+#ifndef SPECSTATE_KERNELS_INTERNAL_CHECKS_H_
+#define SPECSTATE_KERNELS_INTERNAL_CHECKS_H_
+
+#include <cstdint>
+
+#include "kernels/device_status.h"
+#include "kernels/kda_args.h"
+#include "kernels/numeric.h"
+
+namespace specstate {
+namespace kernels {
+namespace internal {
+
+struct RowFault {
+  int32_t field;
+  int32_t problem;  // 0: no fault
+  int32_t index;
+  int32_t col;
+  int64_t value;
+  int64_t bound;
+};
+
+SPECSTATE_HD RowFault NoFault() { return RowFault{0, 0, 0, -1, 0, 0}; }
+
+SPECSTATE_HD RowFault MakeFault(CheckedField field, CheckProblem problem, int32_t index, int32_t col,
+                                int64_t value, int64_t bound) {
+  return RowFault{static_cast<int32_t>(field), static_cast<int32_t>(problem), index, col, value,
+                  bound};
+}
+
+SPECSTATE_HD bool IsBlock(int32_t block) { return block > kNullBlock; }
+
+SPECSTATE_HD DeviceStatus StatusFromFault(const RowFault& f, int32_t row, int32_t other_row) {
+  DeviceStatus s;
+  s.failed = f.problem != 0 ? 1 : 0;
+  s.field = f.field;
+  s.problem = f.problem;
+  s.row = row;
+  s.index = f.index;
+  s.col = f.col;
+  s.other_row = other_row;
+  s.value = f.value;
+  s.bound = f.bound;
+  return s;
+}
+
+SPECSTATE_HD DeviceStatus OkStatus() {
+  DeviceStatus s;
+  s.failed = 0;
+  s.field = 0;
+  s.problem = 0;
+  s.row = -1;
+  s.index = -1;
+  s.col = -1;
+  s.other_row = -1;
+  s.value = 0;
+  s.bound = 0;
+  return s;
+}
+
+// Row n's token count from query_start_loc, checking the entries it reads:
+// qsl[0] >= 0 (row 0), non-decreasing, at most `max_tokens` tokens, and the
+// last offset within the `num_tokens` tokens of the activations.
+SPECSTATE_HD RowFault CheckRowTokens(const int32_t* qsl, int n, int num_rows, int max_tokens,
+                                     int64_t num_tokens, int* tokens) {
+  *tokens = 0;
+  const int64_t begin = qsl[n];
+  const int64_t end = qsl[n + 1];
+  if (n == 0 && begin < 0) {
+    return MakeFault(CheckedField::kQueryStartLoc, CheckProblem::kNegativeStart, 0, -1, begin, 0);
+  }
+  if (end < begin) {
+    return MakeFault(CheckedField::kQueryStartLoc, CheckProblem::kDecreasing, n + 1, -1, end,
+                     begin);
+  }
+  if (end - begin > max_tokens) {
+    return MakeFault(CheckedField::kQueryStartLoc, CheckProblem::kTooManyTokens, n + 1, -1,
+                     end - begin, max_tokens);
+  }
+  if (n == num_rows - 1 && end > num_tokens) {
+    return MakeFault(CheckedField::kQueryStartLoc, CheckProblem::kPastLastToken, n + 1, -1, end,
+                     num_tokens);
+  }
+  *tokens = static_cast<int>(end - begin);
+  return NoFault();
+}
+
+// A block index the call will use: null (<= 0) or below the pool's size.
+SPECSTATE_HD RowFault CheckBlock(CheckedField field, int32_t block, int64_t num_blocks,
+                                 int32_t index, int32_t col) {
+  if (block >= num_blocks) {
+    return MakeFault(field, CheckProblem::kIndexTooLarge, index, col, block, num_blocks);
+  }
+  return NoFault();
+}
+
+// An index into a tensor of `bound` rows.
+SPECSTATE_HD RowFault CheckRowIndex(CheckedField field, int32_t value, int64_t bound,
+                                    int32_t index) {
+  if (value < 0) return MakeFault(field, CheckProblem::kNegative, index, -1, value, bound);
+  if (value >= bound) {
+    return MakeFault(field, CheckProblem::kIndexTooLarge, index, -1, value, bound);
+  }
+  return NoFault();
+}
+
+// ---------------------------------------------------------------------------
+// Stock kernel.
+
+struct StockRow {
+  int tokens;
+  int first_col;   // column holding the initial state
+  int32_t source;  // initial block; the row is idle unless IsBlock(source)
+};
+
+SPECSTATE_HD RowFault CheckStockRow(const StockArgs& a, int n, StockRow* row) {
+  row->tokens = 0;
+  row->first_col = 0;
+  row->source = kNullBlock;
+  const int cols = a.ssm_state_indices.cols;
+  int tokens = 0;
+  RowFault f = CheckRowTokens(a.query_start_loc, n, a.num_rows, cols, a.num_tokens, &tokens);
+  if (f.problem != 0 || tokens == 0) return f;
+  int first_col = 0;
+  if (a.num_accepted_tokens != nullptr) {
+    const int32_t accepted = a.num_accepted_tokens[n];
+    if (accepted < 1 || accepted > cols) {
+      return MakeFault(CheckedField::kNumAcceptedTokens, CheckProblem::kNumAcceptedRange, n, -1,
+                       accepted, cols);
+    }
+    first_col = accepted - 1;
+  }
+  const int32_t* idx = a.ssm_state_indices.data + n * a.ssm_state_indices.row_stride;
+  const int32_t source = idx[first_col];
+  f = CheckBlock(CheckedField::kStateIndices, source, a.state.num_blocks, n, first_col);
+  if (f.problem != 0 || !IsBlock(source)) return f;
+  for (int t = 0; t < tokens; ++t) {
+    f = CheckBlock(CheckedField::kStateIndices, idx[t], a.state.num_blocks, n, t);
+    if (f.problem != 0) return f;
+  }
+  row->tokens = tokens;
+  row->first_col = first_col;
+  row->source = source;
+  return NoFault();
+}
+
+// ---------------------------------------------------------------------------
+// Verify.
+
+struct VerifyRow {
+  int tokens;
+  int32_t source;
+};
+
+SPECSTATE_HD RowFault CheckVerifyRow(const VerifyArgs& a, int n, VerifyRow* row) {
+  row->tokens = 0;
+  row->source = kNullBlock;
+  int tokens = 0;
+  RowFault f =
+      CheckRowTokens(a.query_start_loc, n, a.num_rows, a.records.q, a.num_tokens, &tokens);
+  if (f.problem != 0) return f;
+  const int32_t source = a.state_indices.data[n * a.state_indices.row_stride];
+  f = CheckBlock(CheckedField::kStateIndices, source, a.state.num_blocks, n, -1);
+  if (f.problem != 0) return f;
+  row->tokens = tokens;
+  row->source = source;
+  return NoFault();
+}
+
+// ---------------------------------------------------------------------------
+// Commit.
+
+// One spec row's commit plan (SEMANTICS.md, Commit step 1).
+struct CommitPlanRow {
+  int32_t source;
+  int32_t commit_len;
+  int32_t final_block;
+  int32_t boundary_block;
+  int32_t boundary_len;
+};
+
+// Whether the row changes anything: conv compaction and replay both need a
+// real source, a token to commit and a real final block.
+SPECSTATE_HD bool CommitsAnything(const CommitPlanRow& p) {
+  return IsBlock(p.source) && p.commit_len > 0 && IsBlock(p.final_block);
+}
+
+SPECSTATE_HD int64_t MinI64(int64_t a, int64_t b) { return a < b ? a : b; }
+SPECSTATE_HD int64_t MaxI64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+SPECSTATE_HD RowFault PlanCommitRow(const CommitArgs& a, int64_t num_blocks, int i,
+                                    CommitPlanRow* plan) {
+  *plan = CommitPlanRow{kNullBlock, 0, kNullBlock, kNullBlock, 0};
+  const int q = a.spec_query_len;
+  int tokens = 0;
+  RowFault f = CheckRowTokens(a.query_start_loc, i, a.num_rows, q, INT64_MAX, &tokens);
+  if (f.problem != 0) return f;
+  int32_t r = i;
+  if (a.request_indices != nullptr) {
+    r = a.request_indices[i];
+    f = CheckRowIndex(CheckedField::kRequestIndices, r, a.batch, i);
+    if (f.problem != 0) return f;
+  }
+  const int32_t source = a.state_indices.data[i * a.state_indices.row_stride];
+  f = CheckBlock(CheckedField::kStateIndices, source, num_blocks, i, -1);
+  if (f.problem != 0) return f;
+  plan->source = source;
+  const int64_t accepted = a.num_accepted[r];
+  const int32_t commit_len =
+      static_cast<int32_t>(MinI64(MinI64(MaxI64(accepted, 0), tokens), q));
+  if (!IsBlock(source) || commit_len <= 0) return NoFault();
+
+  int32_t final_block = source;
+  int32_t boundary_block = kNullBlock;
+  int32_t boundary_len = 0;
+  if (a.block_table.data != nullptr) {
+    const int64_t computed = a.num_computed_tokens[r];
+    if (computed < 0) {
+      return MakeFault(CheckedField::kNumComputedTokens, CheckProblem::kNegative, r, -1, computed,
+                       0);
+    }
+    const int64_t bs = a.mamba_block_size;
+    const int width = a.block_table.cols;
+    const int32_t* table = a.block_table.data + r * a.block_table.row_stride;
+    const int64_t final_computed = computed + commit_len;
+    const int32_t final_col =
+        static_cast<int32_t>(MinI64(MaxI64(final_computed - 1, 0) / bs, width - 1));
+    final_block = table[final_col];
+    f = CheckBlock(CheckedField::kBlockTable, final_block, num_blocks, r, final_col);
+    if (f.problem != 0) return f;
+    const int64_t next_boundary = (computed / bs + 1) * bs;
+    boundary_len = static_cast<int32_t>(next_boundary - computed);
+    if (final_computed >= next_boundary) {
+      const int64_t boundary_col = next_boundary / bs - 1;
+      if (boundary_col >= width) {
+        return MakeFault(CheckedField::kBlockTable, CheckProblem::kColumnPastWidth, r, -1,
+                         boundary_col, width);
+      }
+      boundary_block = table[boundary_col];
+      f = CheckBlock(CheckedField::kBlockTable, boundary_block, num_blocks, r,
+                     static_cast<int32_t>(boundary_col));
+      if (f.problem != 0) return f;
+    }
+    if (IsBlock(final_block) && IsBlock(boundary_block) && boundary_block == final_block &&
+        boundary_len < commit_len) {
+      return MakeFault(CheckedField::kBlockTable, CheckProblem::kTwoStatesOneBlock, r,
+                       static_cast<int32_t>(next_boundary / bs - 1), boundary_block, 0);
+    }
+  }
+  plan->commit_len = commit_len;
+  plan->final_block = final_block;
+  plan->boundary_block = boundary_block;
+  plan->boundary_len = boundary_len;
+  return NoFault();
+}
+
+// Column `col` (0..Q) of the row's replay indices (SEMANTICS.md, Commit step 3).
+SPECSTATE_HD int32_t ReplayIndex(const CommitPlanRow& p, int q, int col) {
+  if (!CommitsAnything(p)) return kNullBlock;
+  if (col == q) return p.source;
+  if (col == p.boundary_len - 1 && p.boundary_len < p.commit_len && IsBlock(p.boundary_block)) {
+    return p.boundary_block;
+  }
+  if (col == p.commit_len - 1) return p.final_block;
+  return kNullBlock;
+}
+
+// ---------------------------------------------------------------------------
+// RecordStateBlocks.
+
+struct RecordRow {
+  int32_t batch_row;
+  int32_t request_row;  // < 0: skipped
+};
+
+SPECSTATE_HD RowFault CheckRecordRow(const RecordStateBlocksArgs& a, int i, RecordRow* row) {
+  row->batch_row = i;
+  row->request_row = -1;
+  int32_t b = i;
+  if (a.request_indices != nullptr) {
+    b = a.request_indices[i];
+    const RowFault f = CheckRowIndex(CheckedField::kRequestIndices, b, a.batch, i);
+    if (f.problem != 0) return f;
+  }
+  row->batch_row = b;
+  const int32_t r = a.idx_mapping[b];
+  if (r < 0) return NoFault();
+  if (r >= a.num_requests) {
+    return MakeFault(CheckedField::kIdxMapping, CheckProblem::kIndexTooLarge, b, -1, r,
+                     a.num_requests);
+  }
+  const int32_t computed = a.num_computed_tokens[b];
+  if (computed < 0) {
+    return MakeFault(CheckedField::kNumComputedTokens, CheckProblem::kNegative, b, -1, computed, 0);
+  }
+  row->request_row = r;
+  return NoFault();
+}
+
+// The block-table column now holding the request's running state.
+SPECSTATE_HD int32_t RecordedStateColumn(const RecordStateBlocksArgs& a, int32_t batch_row) {
+  const int64_t last =
+      MaxI64(int64_t{a.num_computed_tokens[batch_row]} + a.num_sampled[batch_row] - 1, 0);
+  return static_cast<int32_t>(MinI64(last / a.mamba_block_size, a.block_table_width - 1));
+}
+
+// ---------------------------------------------------------------------------
+// Cross-row pass. `owner` has one int32 per block (or request row), zero
+// outside a call. Writers claim their blocks with a max of (INT32_MAX - row),
+// so after the claims each block names its lowest writer whatever the order
+// of the claims; every other writer, and every row reading the block, then
+// reports a conflict with that lowest writer.
+
+SPECSTATE_HD int32_t OwnerTag(int row) { return INT32_MAX - row; }
+SPECSTATE_HD int32_t OwnerRow(int32_t tag) { return INT32_MAX - tag; }
+
+// The blocks each row writes and reads, for the cross-row pass:
+// fn(block, field, index, col) for every block, naming where it came from.
+
+template <typename Fn>
+SPECSTATE_HD void ForEachStockWrite(const StockArgs& a, const StockRow& row, int n, Fn fn) {
+  if (!IsBlock(row.source)) return;
+  const int32_t* idx = a.ssm_state_indices.data + n * a.ssm_state_indices.row_stride;
+  for (int t = 0; t < row.tokens; ++t) {
+    if (IsBlock(idx[t])) fn(idx[t], CheckedField::kStateIndices, n, t);
+  }
+}
+
+template <typename Fn>
+SPECSTATE_HD void ForEachStockRead(const StockRow& row, int n, Fn fn) {
+  if (IsBlock(row.source)) fn(row.source, CheckedField::kStateIndices, n, row.first_col);
+}
+
+template <typename Fn>
+SPECSTATE_HD void ForEachCommitWrite(const CommitArgs& a, const CommitPlanRow& p, int i, Fn fn) {
+  if (!CommitsAnything(p)) return;
+  if (a.block_table.data == nullptr) {
+    fn(p.final_block, CheckedField::kStateIndices, i, -1);
+    return;
+  }
+  const int32_t r = a.request_indices != nullptr ? a.request_indices[i] : i;
+  fn(p.final_block, CheckedField::kBlockTable, r, -1);
+  if (IsBlock(p.boundary_block) && p.boundary_block != p.final_block) {
+    fn(p.boundary_block, CheckedField::kBlockTable, r, -1);
+  }
+}
+
+template <typename Fn>
+SPECSTATE_HD void ForEachCommitRead(const CommitPlanRow& p, int i, Fn fn) {
+  if (CommitsAnything(p)) fn(p.source, CheckedField::kStateIndices, i, -1);
+}
+
+template <typename Fn>
+SPECSTATE_HD void ForEachRecordWrite(const RecordRow& row, Fn fn) {
+  if (row.request_row >= 0) fn(row.request_row, CheckedField::kIdxMapping, row.batch_row, -1);
+}
+
+// Tokens the replay runs for one row of replay indices: up to the last
+// column it stores (later tokens cannot change a stored state).
+SPECSTATE_HD int ReplayTokens(const int32_t* replay_row, int q) {
+  if (!IsBlock(replay_row[q])) return 0;
+  for (int t = q - 1; t >= 0; --t) {
+    if (IsBlock(replay_row[t])) return t + 1;
+  }
+  return 0;
+}
+
+// Workspace layout of a commit: the owner table first (its place must not
+// depend on the number of rows), then the plan, then the replay indices.
+struct CommitWorkspace {
+  int32_t* owner;            // [num_blocks]
+  CommitPlanRow* plan;       // [rows]
+  int32_t* replay_indices;   // [rows, q + 1]
+};
+
+SPECSTATE_HD size_t AlignUp(size_t bytes) { return (bytes + 255) & ~size_t{255}; }
+
+SPECSTATE_HD size_t CommitWorkspaceSize(int rows, int q, int64_t num_blocks) {
+  return AlignUp(static_cast<size_t>(num_blocks) * sizeof(int32_t)) +
+         AlignUp(static_cast<size_t>(rows) * sizeof(CommitPlanRow)) +
+         AlignUp(static_cast<size_t>(rows) * (q + 1) * sizeof(int32_t));
+}
+
+SPECSTATE_HD CommitWorkspace CommitWorkspaceLayout(void* base, int rows, int64_t num_blocks) {
+  char* p = static_cast<char*>(base);
+  CommitWorkspace w;
+  w.owner = reinterpret_cast<int32_t*>(p);
+  p += AlignUp(static_cast<size_t>(num_blocks) * sizeof(int32_t));
+  w.plan = reinterpret_cast<CommitPlanRow*>(p);
+  p += AlignUp(static_cast<size_t>(rows) * sizeof(CommitPlanRow));
+  w.replay_indices = reinterpret_cast<int32_t*>(p);
+  return w;
+}
+
+}  // namespace internal
+}  // namespace kernels
+}  // namespace specstate
+
+#endif  // SPECSTATE_KERNELS_INTERNAL_CHECKS_H_

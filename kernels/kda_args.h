@@ -1,0 +1,181 @@
+// Arguments of the RecoverSSM kernels: raw pointers, shapes, strides.
+//
+// Every pointer is in the backend's memory: device memory for the CUDA
+// backend, host memory for the CPU backend. Strides count elements. See
+// ../shared/reference/SEMANTICS.md (docs/semantics.md in this repository
+// summarizes it) for what each kernel computes.
+#ifndef SPECSTATE_KERNELS_KDA_ARGS_H_
+#define SPECSTATE_KERNELS_KDA_ARGS_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/device_status.h"
+#include "kernels/dtype.h"
+
+namespace specstate {
+namespace kernels {
+
+inline constexpr int32_t kNullBlock = 0;
+// A row may verify at most this many tokens (num_spec + 1).
+inline constexpr int kMaxSpecQueryLen = 16;
+
+// What all layers of a layer group share.
+struct KdaShape {
+  int num_heads = 0;                     // H
+  int head_dim = 0;                      // K = V: 64, 128 or 256
+  DType act_dtype = DType::kBFloat16;    // q, k, v, g, beta, o, records, conv state
+  DType state_dtype = DType::kFloat32;   // the recurrent state: fp32 or bf16
+  float lower_bound = -5.0f;             // the KDA gate's lower bound (negative)
+};
+
+// A token-major activation: element (t, h, d) of a [T, H, D] tensor (or
+// (t, h) of a [T, H] one) is at data + t * token_stride + h * D + d. Each
+// token's [H, D] block is dense; token_stride may exceed H * D (column slices
+// of a wider projection buffer).
+struct Activation {
+  const void* data = nullptr;
+  int64_t token_stride = 0;
+};
+
+// One layer's recurrent-state pool [num_blocks, H, V, K]: block b starts at
+// data + b * block_stride; inside a block the layout is dense. Block 0 is the
+// null block and is never written.
+struct StatePool {
+  void* data = nullptr;
+  int64_t num_blocks = 0;
+  int64_t block_stride = 0;
+};
+
+// One layer's conv-state pool [num_blocks, dim, width] (dim-first), any strides.
+struct ConvPool {
+  void* data = nullptr;
+  int64_t num_blocks = 0;
+  int64_t block_stride = 0;
+  int64_t dim_stride = 0;
+  int64_t token_stride = 0;
+  int dim = 0;
+  int width = 0;  // (conv_kernel - 1) + num_spec
+};
+
+// One layer's gate parameters: A_log [H] and dt_bias [H * K], fp32.
+struct LayerParams {
+  const float* a_log = nullptr;
+  const float* dt_bias = nullptr;
+};
+
+// One layer's records, dense, in the activation dtype: kv [rows * q, 2, H, K]
+// (kv[t, 0] = raw k, kv[t, 1] = raw v), g [rows * q, H, K], beta [rows * q, H].
+// Row n owns record tokens [n * q, n * q + q).
+struct Records {
+  void* kv = nullptr;
+  void* g = nullptr;
+  void* beta = nullptr;
+  int rows = 0;
+  int q = 0;
+};
+
+// An int32 matrix [rows, cols] with column stride 1.
+struct IndexMatrix {
+  const int32_t* data = nullptr;
+  int64_t row_stride = 0;
+  int cols = 0;
+};
+
+// The stock spec-path kernel (vLLM's fused_recurrent_kda on the spec path):
+// per row, reads the state at column num_accepted_tokens[n] - 1 (0 when
+// absent), writes o for every token and the state after token t to block
+// ssm_state_indices[n, t] when that is not null.
+struct StockArgs {
+  KdaShape shape;
+  Activation q, k, v, g, beta;  // g must be dense (token_stride == H * K)
+  int64_t num_tokens = 0;       // tokens in the activations and in `out`
+  void* out = nullptr;          // o [num_tokens, H, V], dense, activation dtype
+  StatePool state;
+  LayerParams params;
+  int num_rows = 0;                          // N
+  const int32_t* query_start_loc = nullptr;  // [N + 1]
+  IndexMatrix ssm_state_indices;             // [N, C]
+  const int32_t* num_accepted_tokens = nullptr;  // [N] or null
+  void* workspace = nullptr;  // StockWorkspaceBytes(); zeroed once when allocated
+  size_t workspace_bytes = 0;
+  DeviceStatus* status = nullptr;
+};
+
+// RecoverSSM verify: one checkpoint per row, outputs and records, no state writes.
+struct VerifyArgs {
+  KdaShape shape;
+  Activation q, k, v, g, beta;
+  int64_t num_tokens = 0;
+  void* out = nullptr;
+  StatePool state;
+  LayerParams params;
+  Records records;
+  int num_rows = 0;
+  const int32_t* query_start_loc = nullptr;  // [N + 1]; every row has at most records.q tokens
+  IndexMatrix state_indices;                 // [N, >= 1]: column 0 is the checkpoint block
+  DeviceStatus* status = nullptr;
+};
+
+// One layer of a commit.
+struct CommitLayer {
+  StatePool state;
+  ConvPool conv;
+  LayerParams params;
+  Records records;
+};
+
+// RecoverSSM commit of every layer of a group at once: plan, conv compaction,
+// replay indices, replay through the stock kernel.
+struct CommitArgs {
+  KdaShape shape;
+  int spec_query_len = 0;  // Q
+  int num_layers = 0;
+  const CommitLayer* layers = nullptr;         // host copy: validated on the host
+  const CommitLayer* device_layers = nullptr;  // the same table where the kernels read it
+  int num_rows = 0;                            // N spec rows (those of the verify)
+  const int32_t* query_start_loc = nullptr;    // [N + 1], as verified
+  IndexMatrix state_indices;                   // [N, >= 1], as verified
+  int batch = 0;                               // rows of num_accepted (and align metadata)
+  const int32_t* num_accepted = nullptr;       // [batch]
+  const int32_t* request_indices = nullptr;    // [N] spec row -> batch row; null: identity
+  // Align mode: all of block_table.data, num_computed_tokens and
+  // mamba_block_size, or none of them (mode "none").
+  IndexMatrix block_table;                       // [batch, width]
+  const int32_t* num_computed_tokens = nullptr;  // [batch]
+  int mamba_block_size = 0;
+  void* workspace = nullptr;  // CommitWorkspaceBytes(); zeroed once when allocated
+  size_t workspace_bytes = 0;
+  DeviceStatus* status = nullptr;
+};
+
+// Align mode, after the commit: point each request at the block holding its
+// running state and reset its accepted count.
+struct RecordStateBlocksArgs {
+  int num_rows = 0;                             // N spec rows
+  const int32_t* request_indices = nullptr;     // [N] or null (identity)
+  int batch = 0;
+  const int32_t* idx_mapping = nullptr;         // [batch]: request row, < 0 skips
+  const int32_t* num_sampled = nullptr;         // [batch]
+  const int32_t* num_computed_tokens = nullptr; // [batch]
+  int mamba_block_size = 0;
+  int block_table_width = 0;
+  int num_requests = 0;
+  int32_t* state_idx = nullptr;     // [num_requests], written
+  int32_t* num_accepted = nullptr;  // [num_requests], written
+  void* workspace = nullptr;  // RecordStateBlocksWorkspaceBytes(); zeroed once
+  size_t workspace_bytes = 0;
+  DeviceStatus* status = nullptr;
+};
+
+// Scratch each call needs. The checks use part of it as a table they reset
+// before returning, so it must be zeroed once when allocated and then only
+// handed to one call at a time.
+size_t StockWorkspaceBytes(int64_t num_blocks);
+size_t CommitWorkspaceBytes(int max_rows, int spec_query_len, int64_t num_blocks);
+size_t RecordStateBlocksWorkspaceBytes(int num_requests);
+
+}  // namespace kernels
+}  // namespace specstate
+
+#endif  // SPECSTATE_KERNELS_KDA_ARGS_H_

@@ -1,0 +1,322 @@
+#include "kernels/kda_kernels.h"
+
+#include <cmath>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/internal/checks.h"
+
+namespace specstate {
+namespace kernels {
+
+absl::string_view BackendName(Backend backend) {
+  return backend == Backend::kCuda ? "cuda" : "cpu";
+}
+
+size_t StockWorkspaceBytes(int64_t num_blocks) {
+  return internal::AlignUp(static_cast<size_t>(num_blocks) * sizeof(int32_t));
+}
+
+size_t CommitWorkspaceBytes(int max_rows, int spec_query_len, int64_t num_blocks) {
+  return internal::CommitWorkspaceSize(max_rows, spec_query_len, num_blocks);
+}
+
+size_t RecordStateBlocksWorkspaceBytes(int num_requests) {
+  return internal::AlignUp(static_cast<size_t>(num_requests) * sizeof(int32_t));
+}
+
+namespace {
+
+absl::Status Invalid(absl::string_view op, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("In ", op, ": ", what));
+}
+
+absl::Status OutOfRange(absl::string_view op, absl::string_view what) {
+  return absl::OutOfRangeError(absl::StrCat("In ", op, ": ", what));
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+absl::Status CheckShape(absl::string_view op, const KdaShape& s) {
+  if (s.num_heads < 1) return Invalid(op, absl::StrCat("num_heads = ", s.num_heads, " must be >= 1"));
+  if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) {
+    return Invalid(op, absl::StrCat("head_dim = ", s.head_dim,
+                                    " is not supported (a power of two: 64, 128 or 256)"));
+  }
+  if (s.act_dtype != DType::kBFloat16 && s.act_dtype != DType::kFloat16 &&
+      s.act_dtype != DType::kFloat32) {
+    return Invalid(op, absl::StrCat("activation dtype ", DTypeName(s.act_dtype),
+                                    " is not supported (bf16, fp16 or fp32)"));
+  }
+  if (s.state_dtype != DType::kFloat32 && s.state_dtype != DType::kBFloat16) {
+    return Invalid(op, absl::StrCat("state dtype ", DTypeName(s.state_dtype),
+                                    " is not supported (fp32 or bf16)"));
+  }
+  if (!std::isfinite(s.lower_bound) || s.lower_bound >= 0.0f) {
+    return Invalid(op, absl::StrCat("lower_bound = ", s.lower_bound, " must be negative"));
+  }
+  return absl::OkStatus();
+}
+
+// Dense [H, D] tokens with token_stride >= H * D; `dense` demands equality.
+absl::Status CheckActivation(absl::string_view op, absl::string_view name, const Activation& a,
+                             int64_t per_token, int64_t num_tokens, bool dense) {
+  if (num_tokens > 0 && a.data == nullptr) return Invalid(op, absl::StrCat(name, " is null"));
+  if (dense && a.token_stride != per_token) {
+    return Invalid(op, absl::StrCat(name, " token stride ", a.token_stride, " must be ", per_token,
+                                    " (dense)"));
+  }
+  if (a.token_stride < per_token) {
+    return Invalid(op, absl::StrCat(name, " token stride ", a.token_stride,
+                                    " is less than one token's ", per_token, " elements"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckActivations(absl::string_view op, const KdaShape& s, const Activation& q,
+                              const Activation& k, const Activation& v, const Activation& g,
+                              const Activation& beta, int64_t num_tokens, const void* out) {
+  if (num_tokens < 0) return Invalid(op, absl::StrCat("num_tokens = ", num_tokens, " is negative"));
+  const int64_t hk = int64_t{s.num_heads} * s.head_dim;
+  absl::Status st = CheckActivation(op, "q", q, hk, num_tokens, false);
+  if (st.ok()) st = CheckActivation(op, "k", k, hk, num_tokens, false);
+  if (st.ok()) st = CheckActivation(op, "v", v, hk, num_tokens, false);
+  if (st.ok()) st = CheckActivation(op, "g", g, hk, num_tokens, true);
+  if (st.ok()) st = CheckActivation(op, "beta", beta, s.num_heads, num_tokens, false);
+  if (st.ok() && num_tokens > 0 && out == nullptr) st = Invalid(op, "out is null");
+  return st;
+}
+
+absl::Status CheckStatePool(absl::string_view op, const KdaShape& s, const StatePool& p,
+                            absl::string_view name) {
+  if (p.data == nullptr) return Invalid(op, absl::StrCat(name, " is null"));
+  if (p.num_blocks < 1) return Invalid(op, absl::StrCat(name, " has no blocks"));
+  const int64_t per_block = int64_t{s.num_heads} * s.head_dim * s.head_dim;
+  if (p.block_stride < per_block) {
+    return Invalid(op, absl::StrCat(name, " block stride ", p.block_stride,
+                                    " is less than one block's ", per_block, " elements"));
+  }
+  if (!Aligned16(p.data) || (p.block_stride * int64_t(DTypeSize(s.state_dtype))) % 16 != 0) {
+    return Invalid(op, absl::StrCat(name, " blocks must start on 16-byte boundaries"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckParams(absl::string_view op, const LayerParams& p, absl::string_view layer) {
+  if (p.a_log == nullptr || p.dt_bias == nullptr) {
+    return Invalid(op, absl::StrCat(layer, "A_log and dt_bias must be set"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckIndexMatrix(absl::string_view op, absl::string_view name, const IndexMatrix& m,
+                              int rows, int min_cols) {
+  if (rows == 0) return absl::OkStatus();
+  if (m.data == nullptr) return Invalid(op, absl::StrCat(name, " is null"));
+  if (m.cols < min_cols) {
+    return Invalid(op, absl::StrCat(name, " has ", m.cols, " columns, needs at least ", min_cols));
+  }
+  if (rows > 1 && m.row_stride < 1) {
+    return Invalid(op, absl::StrCat(name, " row stride ", m.row_stride, " must be >= 1"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRecords(absl::string_view op, const Records& r, int num_rows,
+                          absl::string_view layer) {
+  if (r.kv == nullptr || r.g == nullptr || r.beta == nullptr) {
+    return Invalid(op, absl::StrCat(layer, "records are null"));
+  }
+  if (r.q < 1 || r.q > kMaxSpecQueryLen) {
+    return OutOfRange(op, absl::StrCat(layer, "record window q = ", r.q, " must be in [1, ",
+                                       kMaxSpecQueryLen, "]"));
+  }
+  if (num_rows > r.rows) {
+    return OutOfRange(op, absl::StrCat(layer, num_rows, " rows exceed the ", r.rows,
+                                       " record rows"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckRows(absl::string_view op, int num_rows, const int32_t* qsl) {
+  if (num_rows < 0) return Invalid(op, absl::StrCat("num_rows = ", num_rows, " is negative"));
+  if (num_rows > 0 && qsl == nullptr) return Invalid(op, "query_start_loc is null");
+  return absl::OkStatus();
+}
+
+absl::Status CheckWorkspace(absl::string_view op, const void* workspace, size_t have,
+                            size_t need) {
+  if (need > 0 && (workspace == nullptr || have < need)) {
+    return Invalid(op, absl::StrCat("workspace of ", have, " bytes is smaller than the ", need,
+                                    " bytes this call needs"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateShape(const KdaShape& shape) { return CheckShape("KdaShape", shape); }
+
+absl::Status ValidateStockArgs(const StockArgs& a) {
+  constexpr absl::string_view op = "Stock";
+  absl::Status st = CheckShape(op, a.shape);
+  if (st.ok()) st = CheckActivations(op, a.shape, a.q, a.k, a.v, a.g, a.beta, a.num_tokens, a.out);
+  if (st.ok()) st = CheckStatePool(op, a.shape, a.state, "state pool");
+  if (st.ok()) st = CheckParams(op, a.params, "");
+  if (st.ok()) st = CheckRows(op, a.num_rows, a.query_start_loc);
+  if (st.ok()) st = CheckIndexMatrix(op, "ssm_state_indices", a.ssm_state_indices, a.num_rows, 1);
+  if (st.ok()) {
+    st = CheckWorkspace(op, a.workspace, a.workspace_bytes, StockWorkspaceBytes(a.state.num_blocks));
+  }
+  if (st.ok() && a.status == nullptr) st = Invalid(op, "status is null");
+  return st;
+}
+
+absl::Status ValidateVerifyArgs(const VerifyArgs& a) {
+  constexpr absl::string_view op = "Verify";
+  absl::Status st = CheckShape(op, a.shape);
+  if (st.ok()) st = CheckActivations(op, a.shape, a.q, a.k, a.v, a.g, a.beta, a.num_tokens, a.out);
+  if (st.ok()) st = CheckStatePool(op, a.shape, a.state, "state pool");
+  if (st.ok()) st = CheckParams(op, a.params, "");
+  if (st.ok()) st = CheckRows(op, a.num_rows, a.query_start_loc);
+  if (st.ok()) st = CheckRecords(op, a.records, a.num_rows, "");
+  if (st.ok()) st = CheckIndexMatrix(op, "state_indices", a.state_indices, a.num_rows, 1);
+  if (st.ok() && a.status == nullptr) st = Invalid(op, "status is null");
+  return st;
+}
+
+absl::Status ValidateCommitArgs(const CommitArgs& a) {
+  constexpr absl::string_view op = "Commit";
+  absl::Status st = CheckShape(op, a.shape);
+  if (!st.ok()) return st;
+  if (a.num_layers < 1 || a.layers == nullptr || a.device_layers == nullptr) {
+    return Invalid(op, "a commit needs at least one layer");
+  }
+  if (a.spec_query_len < 1 || a.spec_query_len > kMaxSpecQueryLen) {
+    return OutOfRange(op, absl::StrCat("spec_query_len = ", a.spec_query_len, " must be in [1, ",
+                                       kMaxSpecQueryLen, "]"));
+  }
+  st = CheckRows(op, a.num_rows, a.query_start_loc);
+  if (!st.ok()) return st;
+  const CommitLayer& first = a.layers[0];
+  for (int l = 0; l < a.num_layers; ++l) {
+    const CommitLayer& layer = a.layers[l];
+    const std::string name = absl::StrCat("layer ", l, ": ");
+    st = CheckStatePool(op, a.shape, layer.state, absl::StrCat(name, "state pool"));
+    if (!st.ok()) return st;
+    if (layer.state.num_blocks != first.state.num_blocks) {
+      return Invalid(op, absl::StrCat(name, "state pool has ", layer.state.num_blocks,
+                                      " blocks, layer 0 has ", first.state.num_blocks));
+    }
+    const ConvPool& c = layer.conv;
+    if (c.data == nullptr) return Invalid(op, absl::StrCat(name, "conv pool is null"));
+    if (c.num_blocks != first.state.num_blocks) {
+      return Invalid(op, absl::StrCat(name, "conv pool has ", c.num_blocks,
+                                      " blocks, the state pool has ", first.state.num_blocks));
+    }
+    if (c.dim < 1) return Invalid(op, absl::StrCat(name, "conv dim must be >= 1"));
+    if (c.dim != first.conv.dim || c.width != first.conv.width) {
+      return Invalid(op, absl::StrCat(name, "conv blocks [", c.dim, ", ", c.width,
+                                      "] differ from layer 0's [", first.conv.dim, ", ",
+                                      first.conv.width, "]"));
+    }
+    if (c.width - a.spec_query_len + 1 <= 0) {
+      return Invalid(op, absl::StrCat(name, "conv window of ", c.width,
+                                      " columns is shorter than the ", a.spec_query_len,
+                                      "-token speculative window"));
+    }
+    if (c.block_stride < 1 || c.dim_stride < 1 || c.token_stride < 1) {
+      return Invalid(op, absl::StrCat(name, "conv pool strides must be positive"));
+    }
+    st = CheckParams(op, layer.params, name);
+    if (!st.ok()) return st;
+    st = CheckRecords(op, layer.records, a.num_rows, name);
+    if (!st.ok()) return st;
+    if (layer.records.q != a.spec_query_len) {
+      return Invalid(op, absl::StrCat(name, "records hold windows of ", layer.records.q,
+                                      " tokens, the commit expects ", a.spec_query_len));
+    }
+  }
+  st = CheckIndexMatrix(op, "state_indices", a.state_indices, a.num_rows, 1);
+  if (!st.ok()) return st;
+  if (a.batch < 0) return Invalid(op, absl::StrCat("batch = ", a.batch, " is negative"));
+  if (a.num_rows > 0 && a.num_accepted == nullptr) return Invalid(op, "num_accepted is null");
+  if (a.request_indices == nullptr && a.batch < a.num_rows) {
+    return OutOfRange(op, absl::StrCat("without request_indices, num_accepted needs one entry per "
+                                       "row: batch ", a.batch, " < ", a.num_rows, " rows"));
+  }
+  const bool has_table = a.block_table.data != nullptr;
+  const bool has_computed = a.num_computed_tokens != nullptr;
+  const bool has_size = a.mamba_block_size != 0;
+  if (has_table || has_computed || has_size) {
+    if (!(has_table && has_computed && has_size)) {
+      return Invalid(op, "align mode needs block_table, num_computed_tokens and mamba_block_size "
+                         "together");
+    }
+    if (a.mamba_block_size < a.spec_query_len) {
+      return Invalid(op, absl::StrCat("mamba_block_size = ", a.mamba_block_size,
+                                      " must cover one speculative window of ",
+                                      a.spec_query_len, " tokens"));
+    }
+    st = CheckIndexMatrix(op, "block_table", a.block_table, a.batch, 1);
+    if (!st.ok()) return st;
+  }
+  st = CheckWorkspace(op, a.workspace, a.workspace_bytes,
+                      CommitWorkspaceBytes(a.num_rows, a.spec_query_len, first.state.num_blocks));
+  if (!st.ok()) return st;
+  if (a.status == nullptr) return Invalid(op, "status is null");
+  return absl::OkStatus();
+}
+
+absl::Status ValidateRecordStateBlocksArgs(const RecordStateBlocksArgs& a) {
+  constexpr absl::string_view op = "RecordStateBlocks";
+  if (a.num_rows < 0 || a.batch < 0 || a.num_requests < 0) {
+    return Invalid(op, "num_rows, batch and num_requests must not be negative");
+  }
+  if (a.mamba_block_size < 1) {
+    return Invalid(op, absl::StrCat("mamba_block_size = ", a.mamba_block_size, " must be >= 1"));
+  }
+  if (a.block_table_width < 1) {
+    return Invalid(op, absl::StrCat("block_table_width = ", a.block_table_width, " must be >= 1"));
+  }
+  if (a.request_indices == nullptr && a.batch < a.num_rows) {
+    return OutOfRange(op, absl::StrCat("without request_indices, the batch tensors need one entry "
+                                       "per row: batch ", a.batch, " < ", a.num_rows, " rows"));
+  }
+  if (a.num_rows > 0 && (a.idx_mapping == nullptr || a.num_sampled == nullptr ||
+                         a.num_computed_tokens == nullptr)) {
+    return Invalid(op, "idx_mapping, num_sampled and num_computed_tokens must be set");
+  }
+  if (a.num_rows > 0 && (a.state_idx == nullptr || a.num_accepted == nullptr)) {
+    return Invalid(op, "the outputs state_idx and num_accepted must be set");
+  }
+  absl::Status st = CheckWorkspace(op, a.workspace, a.workspace_bytes,
+                                   RecordStateBlocksWorkspaceBytes(a.num_requests));
+  if (st.ok() && a.status == nullptr) st = Invalid(op, "status is null");
+  return st;
+}
+
+absl::Status KdaKernels::Stock(const StockArgs& args, Stream stream) const {
+  absl::Status st = ValidateStockArgs(args);
+  return st.ok() ? LaunchStock(args, stream) : st;
+}
+
+absl::Status KdaKernels::Verify(const VerifyArgs& args, Stream stream) const {
+  absl::Status st = ValidateVerifyArgs(args);
+  return st.ok() ? LaunchVerify(args, stream) : st;
+}
+
+absl::Status KdaKernels::Commit(const CommitArgs& args, Stream stream) const {
+  absl::Status st = ValidateCommitArgs(args);
+  return st.ok() ? LaunchCommit(args, stream) : st;
+}
+
+absl::Status KdaKernels::RecordStateBlocks(const RecordStateBlocksArgs& args,
+                                           Stream stream) const {
+  absl::Status st = ValidateRecordStateBlocksArgs(args);
+  return st.ok() ? LaunchRecordStateBlocks(args, stream) : st;
+}
+
+}  // namespace kernels
+}  // namespace specstate

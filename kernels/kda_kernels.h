@@ -1,0 +1,83 @@
+// The RecoverSSM kernels, on the CPU and on CUDA, behind one interface.
+//
+// Each entry point validates everything it can see on the host (shapes,
+// dtypes, strides, capacities) and returns an error naming the field and the
+// bound before anything runs. Then it enqueues the call on `stream`
+// (cudaStream_t on CUDA; the CPU backend runs on the calling thread) and
+// returns without synchronizing. The first thing each call does on the device
+// is check every value that lives in device memory (SEMANTICS.md, "What the
+// device checks"); if one fails, no kernel of the call writes anything and
+// `args.status` says which field and row failed. Read it after the stream
+// reaches the call and convert it with DeviceStatusToStatus().
+//
+//   const KdaKernels& kernels = CpuKdaKernels();
+//   VerifyArgs args = ...;                 // pointers into host memory
+//   absl::Status s = kernels.Verify(args, /*stream=*/nullptr);
+//   if (s.ok()) s = DeviceStatusToStatus(*args.status, "Verify");
+#ifndef SPECSTATE_KERNELS_KDA_KERNELS_H_
+#define SPECSTATE_KERNELS_KDA_KERNELS_H_
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/kda_args.h"
+
+namespace specstate {
+namespace kernels {
+
+enum class Backend { kCpu, kCuda };
+
+absl::string_view BackendName(Backend backend);  // "cpu", "cuda"
+
+using Stream = void*;
+
+class KdaKernels {
+ public:
+  virtual ~KdaKernels() = default;
+
+  virtual Backend backend() const = 0;
+
+  // The stock spec-path recurrent kernel (one layer).
+  // \returns INVALID_ARGUMENT / OUT_OF_RANGE for bad host-visible arguments.
+  absl::Status Stock(const StockArgs& args, Stream stream) const;
+
+  // RecoverSSM verify (one layer): outputs and records, no state writes.
+  absl::Status Verify(const VerifyArgs& args, Stream stream) const;
+
+  // RecoverSSM commit of every layer of a group, with a number of kernel
+  // launches that does not depend on the number of layers.
+  absl::Status Commit(const CommitArgs& args, Stream stream) const;
+
+  // Align mode: record each request's state block and reset its accepted count.
+  absl::Status RecordStateBlocks(const RecordStateBlocksArgs& args, Stream stream) const;
+
+ protected:
+  // Called with validated arguments.
+  virtual absl::Status LaunchStock(const StockArgs& args, Stream stream) const = 0;
+  virtual absl::Status LaunchVerify(const VerifyArgs& args, Stream stream) const = 0;
+  virtual absl::Status LaunchCommit(const CommitArgs& args, Stream stream) const = 0;
+  virtual absl::Status LaunchRecordStateBlocks(const RecordStateBlocksArgs& args,
+                                               Stream stream) const = 0;
+};
+
+// The CPU backend: host memory, runs on the calling thread.
+const KdaKernels& CpuKdaKernels();
+
+// The CUDA backend (sm_90). UNAVAILABLE when this build has no CUDA.
+absl::StatusOr<const KdaKernels*> CudaKdaKernels();
+
+// Whether this build includes the CUDA backend.
+bool BuiltWithCuda();
+
+// Host-side validation, exposed for the service (which checks a request
+// before it enqueues anything) and for tests.
+absl::Status ValidateShape(const KdaShape& shape);
+absl::Status ValidateStockArgs(const StockArgs& args);
+absl::Status ValidateVerifyArgs(const VerifyArgs& args);
+absl::Status ValidateCommitArgs(const CommitArgs& args);
+absl::Status ValidateRecordStateBlocksArgs(const RecordStateBlocksArgs& args);
+
+}  // namespace kernels
+}  // namespace specstate
+
+#endif  // SPECSTATE_KERNELS_KDA_KERNELS_H_
