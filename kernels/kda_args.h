@@ -19,6 +19,8 @@ namespace kernels {
 inline constexpr int32_t kNullBlock = 0;
 // A row may verify at most this many tokens (num_spec + 1).
 inline constexpr int kMaxSpecQueryLen = 16;
+// The conv history (conv_kernel - 1 columns) a commit moves per channel.
+inline constexpr int kMaxConvHistory = 16;
 
 // What all layers of a layer group share.
 struct KdaShape {

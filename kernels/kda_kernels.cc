@@ -226,6 +226,10 @@ absl::Status ValidateCommitArgs(const CommitArgs& a) {
                                       " columns is shorter than the ", a.spec_query_len,
                                       "-token speculative window"));
     }
+    if (c.width - a.spec_query_len + 1 > kMaxConvHistory) {
+      return Invalid(op, absl::StrCat(name, "conv history of ", c.width - a.spec_query_len + 1,
+                                      " columns exceeds the supported ", kMaxConvHistory));
+    }
     if (c.block_stride < 1 || c.dim_stride < 1 || c.token_stride < 1) {
       return Invalid(op, absl::StrCat(name, "conv pool strides must be positive"));
     }

@@ -122,13 +122,20 @@ struct StockRow {
   int32_t source;  // initial block; the row is idle unless IsBlock(source)
 };
 
+// A stock row runs at most one token per column of ssm_state_indices, and at
+// most kMaxSpecQueryLen (the kernels stage a row's tokens in shared memory).
+SPECSTATE_HD int StockMaxTokens(int cols) {
+  return cols < kMaxSpecQueryLen ? cols : kMaxSpecQueryLen;
+}
+
 SPECSTATE_HD RowFault CheckStockRow(const StockArgs& a, int n, StockRow* row) {
   row->tokens = 0;
   row->first_col = 0;
   row->source = kNullBlock;
   const int cols = a.ssm_state_indices.cols;
   int tokens = 0;
-  RowFault f = CheckRowTokens(a.query_start_loc, n, a.num_rows, cols, a.num_tokens, &tokens);
+  RowFault f = CheckRowTokens(a.query_start_loc, n, a.num_rows, StockMaxTokens(cols),
+                              a.num_tokens, &tokens);
   if (f.problem != 0 || tokens == 0) return f;
   int first_col = 0;
   if (a.num_accepted_tokens != nullptr) {

@@ -1,0 +1,685 @@
+// The CUDA backend (sm_90).
+//
+// One kernel template, RecurrentKernel<Mode>, is the stock spec-path kernel,
+// RecoverSSM verify and the commit's replay: all three run the per-token math
+// of kernels/kda_math.h with the same thread layout and reduction order, so
+// verify's outputs equal the stock kernel's and the replayed states equal the
+// stock kernel's stored states bit for bit.
+//
+// Layout of a recurrent block: 128 threads own kRows = 32 consecutive rows
+// of one head's state [V, K], 4 lanes per row, each lane holding K / 4 fp32
+// state values in registers (quads l, l + 4, ... of the row). The per-token
+// inputs that every row needs (normalized q and k, the gate's decay factors,
+// sigmoid(beta)) are computed once per block into shared memory, for all of
+// the row's tokens, before the token loop; lanes read them as float4, which
+// is conflict-free with this quad interleaving. Grid: one block per
+// (layer, row, head, chunk of 32 state rows).
+//
+// Every call starts with a single-block check kernel (the values it checks
+// live in device memory); the kernels that follow read its DeviceStatus
+// first and return at once when it failed, so a rejected call writes nothing.
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/internal/checks.h"
+#include "kernels/internal/dispatch.h"
+#include "kernels/kda_args.h"
+#include "kernels/kda_kernels.h"
+#include "kernels/kda_math.h"
+#include "kernels/numeric.h"
+
+namespace specstate {
+namespace kernels {
+namespace {
+
+using internal::CommitPlanRow;
+using internal::IsBlock;
+using internal::RowFault;
+
+constexpr int kLanes = 4;
+constexpr int kThreads = 128;
+constexpr int kRows = kThreads / kLanes;  // state rows per block
+constexpr int kCheckThreads = 1024;
+constexpr int kConvThreads = 256;
+
+// ---------------------------------------------------------------------------
+// State quads: 4 consecutive state elements as fp32.
+
+template <typename State>
+struct StateIo;
+
+template <>
+struct StateIo<float> {
+  static __device__ __forceinline__ kda::Quad Load(const float* p) {
+    const float4 f = __ldcs(reinterpret_cast<const float4*>(p));
+    return kda::Quad{{f.x, f.y, f.z, f.w}};
+  }
+  static __device__ __forceinline__ void Store(float* p, const float* s) {
+    __stcs(reinterpret_cast<float4*>(p), make_float4(s[0], s[1], s[2], s[3]));
+  }
+};
+
+template <>
+struct StateIo<BFloat16> {
+  static __device__ __forceinline__ kda::Quad Load(const BFloat16* p) {
+    const uint2 u = __ldcs(reinterpret_cast<const uint2*>(p));
+    return kda::Quad{{BitsToFloat(u.x << 16), BitsToFloat(u.x & 0xffff0000u),
+                      BitsToFloat(u.y << 16), BitsToFloat(u.y & 0xffff0000u)}};
+  }
+  static __device__ __forceinline__ void Store(BFloat16* p, const float* s) {
+    uint2 u;
+    u.x = uint32_t{FromFloat<BFloat16>(s[0]).bits} | (uint32_t{FromFloat<BFloat16>(s[1]).bits} << 16);
+    u.y = uint32_t{FromFloat<BFloat16>(s[2]).bits} | (uint32_t{FromFloat<BFloat16>(s[3]).bits} << 16);
+    __stcs(reinterpret_cast<uint2*>(p), u);
+  }
+};
+
+// ---------------------------------------------------------------------------
+// The recurrent kernel.
+
+enum class Mode { kStock, kVerify, kReplay };
+
+// Where one layer's inputs and outputs are.
+struct LayerView {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* g;
+  const void* beta;
+  int64_t q_stride, k_stride, v_stride, beta_stride;  // token strides; g is dense
+  void* out;                                         // null: outputs discarded
+  void* state;
+  int64_t block_stride;
+  const float* a_log;
+  const float* dt_bias;
+  void* rec_kv;  // verify: where the raw inputs go
+  void* rec_g;
+  void* rec_beta;
+};
+
+struct RecurrentLaunch {
+  int num_rows;
+  int num_heads;
+  int num_layers;
+  float lower_bound;
+  // Stock and verify: tokens of row n are [qsl[n], qsl[n + 1]). Replay: row
+  // n's tokens are records [n * window, n * window + window).
+  const int32_t* qsl;
+  const int32_t* indices;  // ssm_state_indices / state_indices / replay indices
+  int64_t indices_stride;
+  const int32_t* num_accepted;  // stock, optional
+  int window;                   // Q: records per row (verify, replay)
+  int max_tokens;               // bound on tokens per row (shared memory)
+  const DeviceStatus* status;
+  LayerView layer;                   // stock and verify
+  const CommitLayer* replay_layers;  // replay: the group's layers
+};
+
+// The replay reads the records as the stock kernel's inputs: q = k = kv[:, 0],
+// v = kv[:, 1], g and beta as recorded.
+template <typename Act>
+__device__ __forceinline__ LayerView ReplayView(const CommitLayer& l, int heads, int head_dim) {
+  const int64_t hk = int64_t{heads} * head_dim;
+  LayerView view;
+  view.k = l.records.kv;
+  view.q = l.records.kv;
+  view.v = static_cast<const Act*>(l.records.kv) + hk;
+  view.g = l.records.g;
+  view.beta = l.records.beta;
+  view.q_stride = 2 * hk;
+  view.k_stride = 2 * hk;
+  view.v_stride = 2 * hk;
+  view.beta_stride = heads;
+  view.out = nullptr;
+  view.state = l.state.data;
+  view.block_stride = l.state.block_stride;
+  view.a_log = l.params.a_log;
+  view.dt_bias = l.params.dt_bias;
+  view.rec_kv = view.rec_g = view.rec_beta = nullptr;
+  return view;
+}
+
+// Shared memory of one block, carved from the dynamic allocation:
+// q, k, decay [T][K], v [T][kRows], beta [T], partial squares [2][T][K / 32].
+template <int K>
+__host__ __device__ constexpr size_t RecurrentSmemBytes(int max_tokens) {
+  return sizeof(float) * size_t(max_tokens) * (3 * K + kRows + 1 + 2 * (K / 32));
+}
+
+__device__ __forceinline__ float LaneSum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+}
+
+__device__ __forceinline__ float WarpSum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+template <Mode M, typename Act, typename State, int K>
+__global__ void __launch_bounds__(kThreads) RecurrentKernel(const RecurrentLaunch p) {
+  constexpr int V = K;
+  constexpr int kSeg = K / kLanes;
+  constexpr int kChunks = V / kRows;
+  constexpr bool kWantOutput = M != Mode::kReplay;
+  if (p.status->failed) return;
+
+  int64_t block = blockIdx.x;
+  const int chunk = static_cast<int>(block % kChunks);
+  block /= kChunks;
+  const int h = static_cast<int>(block % p.num_heads);
+  block /= p.num_heads;
+  const int n = static_cast<int>(block % p.num_rows);
+  const int layer = static_cast<int>(block / p.num_rows);
+  const int H = p.num_heads;
+
+  // The row: its tokens, initial block and store destinations.
+  int64_t bos;
+  int tokens;
+  int32_t source;
+  const int32_t* idx = p.indices + n * p.indices_stride;
+  if (M == Mode::kReplay) {
+    bos = int64_t{n} * p.window;
+    source = idx[p.window];
+    tokens = internal::ReplayTokens(idx, p.window);
+  } else {
+    bos = p.qsl[n];
+    tokens = static_cast<int>(p.qsl[n + 1] - bos);
+    const int first_col =
+        (M == Mode::kStock && p.num_accepted != nullptr) ? p.num_accepted[n] - 1 : 0;
+    source = tokens > 0 ? idx[first_col] : kNullBlock;
+  }
+  if (tokens == 0 || !IsBlock(source)) return;
+  const LayerView L =
+      M == Mode::kReplay ? ReplayView<Act>(p.replay_layers[layer], H, K) : p.layer;
+
+  const int tid = threadIdx.x;
+  const int row = tid / kLanes;
+  const int lane = tid % kLanes;
+  const int v = chunk * kRows + row;
+
+  // Start the state load first: it is the bulk of the bytes, and the loads
+  // stay in flight while the block prepares the token inputs.
+  float s[kSeg];
+  State* const state = static_cast<State*>(L.state);
+  const int64_t row_offset = (int64_t{h} * V + v) * K;
+  {
+    const State* src = state + int64_t{source} * L.block_stride + row_offset;
+#pragma unroll
+    for (int i = 0; i < kSeg / 4; ++i) {
+      const kda::Quad quad = StateIo<State>::Load(src + kda::QuadColumn<kLanes>(lane, i));
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[4 * i + c] = quad.x[c];
+    }
+  }
+
+  extern __shared__ float4 smem_raw[];
+  float* const sq = reinterpret_cast<float*>(smem_raw);
+  float* const sk = sq + p.max_tokens * K;
+  float* const sdecay = sk + p.max_tokens * K;
+  float* const sv = sdecay + p.max_tokens * K;
+  float* const sbeta = sv + p.max_tokens * kRows;
+  float* const spart_q = sbeta + p.max_tokens;
+  float* const spart_k = spart_q + p.max_tokens * (K / 32);
+
+  const Act* const q = static_cast<const Act*>(L.q);
+  const Act* const k = static_cast<const Act*>(L.k);
+  const Act* const g = static_cast<const Act*>(L.g);
+  const float a = expf(L.a_log[h]);
+  const float scale = kda::QueryScale(K);
+  const bool record = M == Mode::kVerify && chunk == 0;
+  const int64_t rec0 = int64_t{n} * p.window;
+
+  // Raw q and k, the decay factors, and per-warp partial sums of squares.
+  // K is a multiple of 32, so the 32 items of a warp share one token.
+  for (int item = tid; item < tokens * K; item += kThreads) {
+    const int t = item / K;
+    const int j = item % K;
+    const int64_t tok = bos + t;
+    const Act q_raw = q[tok * L.q_stride + int64_t{h} * K + j];
+    const Act k_raw = k[tok * L.k_stride + int64_t{h} * K + j];
+    const Act g_raw = g[(tok * H + h) * K + j];
+    const float xq = ToFloat(q_raw);
+    const float xk = ToFloat(k_raw);
+    sq[t * K + j] = xq;
+    sk[t * K + j] = xk;
+    sdecay[t * K + j] = kda::GateDecay(ToFloat(g_raw), L.dt_bias[h * K + j], a, p.lower_bound);
+    const float sum_q = WarpSum(xq * xq);
+    const float sum_k = WarpSum(xk * xk);
+    if ((tid & 31) == 0) {
+      spart_q[t * (K / 32) + j / 32] = sum_q;
+      spart_k[t * (K / 32) + j / 32] = sum_k;
+    }
+    if (record) {
+      Act* rec_kv = static_cast<Act*>(L.rec_kv);
+      rec_kv[((rec0 + t) * 2) * H * K + int64_t{h} * K + j] = k_raw;
+      static_cast<Act*>(L.rec_g)[((rec0 + t) * H + h) * K + j] = g_raw;
+    }
+  }
+  const Act* const vin = static_cast<const Act*>(L.v);
+  for (int item = tid; item < tokens * kRows; item += kThreads) {
+    const int t = item / kRows;
+    const int r = item % kRows;
+    const Act v_raw = vin[(bos + t) * L.v_stride + int64_t{h} * V + chunk * kRows + r];
+    sv[t * kRows + r] = ToFloat(v_raw);
+    if (M == Mode::kVerify) {
+      static_cast<Act*>(L.rec_kv)[((rec0 + t) * 2 + 1) * H * K + int64_t{h} * V + chunk * kRows +
+                                  r] = v_raw;
+    }
+  }
+  for (int t = tid; t < tokens; t += kThreads) {
+    const Act b_raw = static_cast<const Act*>(L.beta)[(bos + t) * L.beta_stride + h];
+    sbeta[t] = kda::Sigmoid(ToFloat(b_raw));
+    if (record) static_cast<Act*>(L.rec_beta)[(rec0 + t) * H + h] = b_raw;
+  }
+  __syncthreads();
+  for (int item = tid; item < tokens * K; item += kThreads) {
+    const int t = item / K;
+    float sum_q = 0.0f, sum_k = 0.0f;
+#pragma unroll
+    for (int c = 0; c < K / 32; ++c) {
+      sum_q += spart_q[t * (K / 32) + c];
+      sum_k += spart_k[t * (K / 32) + c];
+    }
+    sq[item] = kda::Normalize(sq[item], kda::L2Norm(sum_q), scale);
+    sk[item] = kda::Normalize(sk[item], kda::L2Norm(sum_k), 1.0f);
+  }
+  __syncthreads();
+
+  Act* const out = static_cast<Act*>(L.out);
+  for (int t = 0; t < tokens; ++t) {
+    const kda::TokenInputs tok{sq + t * K, sk + t * K, sdecay + t * K, sbeta[t]};
+    const float o = kda::TokenStep<kSeg, kLanes>(
+        s, lane, tok, sv[t * kRows + row], [](float x) { return LaneSum(x); }, kWantOutput);
+    if (kWantOutput && lane == 0) out[((bos + t) * H + h) * V + v] = FromFloat<Act>(o);
+    if (M != Mode::kVerify) {
+      const int32_t dst = idx[t];
+      if (IsBlock(dst)) {
+        State* d = state + int64_t{dst} * L.block_stride + row_offset;
+#pragma unroll
+        for (int i = 0; i < kSeg / 4; ++i) {
+          StateIo<State>::Store(d + kda::QuadColumn<kLanes>(lane, i), s + 4 * i);
+        }
+      }
+    }
+  }
+}
+
+template <Mode M, typename Act, typename State, int K>
+cudaError_t LaunchRecurrent(const RecurrentLaunch& p, int num_layers, cudaStream_t stream) {
+  const int64_t blocks = int64_t{num_layers} * p.num_rows * p.num_heads * (K / kRows);
+  if (blocks == 0) return cudaSuccess;
+  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  const size_t smem = RecurrentSmemBytes<K>(p.max_tokens);
+  auto kernel = RecurrentKernel<M, Act, State, K>;
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// ---------------------------------------------------------------------------
+// Single-block checks.
+
+// Runs check(n) over all rows; the fault of the lowest failing row goes to
+// `status`. Returns (to every thread) whether all rows passed.
+template <typename Check>
+__device__ bool BlockCheckRows(int num_rows, DeviceStatus* status, Check check) {
+  __shared__ int lowest;
+  if (threadIdx.x == 0) lowest = INT_MAX;
+  __syncthreads();
+  RowFault fault = internal::NoFault();
+  int fault_row = INT_MAX;
+  for (int n = threadIdx.x; n < num_rows; n += blockDim.x) {
+    const RowFault f = check(n);
+    if (f.problem != 0) {
+      fault = f;
+      fault_row = n;
+      break;  // rows grow with the loop: this is the thread's lowest
+    }
+  }
+  if (fault_row != INT_MAX) atomicMin(&lowest, fault_row);
+  __syncthreads();
+  const int result = lowest;
+  if (fault_row != INT_MAX && fault_row == result) {
+    *status = internal::StatusFromFault(fault, fault_row, -1);
+  }
+  __syncthreads();
+  return result == INT_MAX;
+}
+
+// The cross-row pass of checks.h on one block. `owner` is zero on entry and on return.
+template <typename Writes, typename Reads>
+__device__ bool BlockCheckCrossRow(int num_rows, int32_t* owner, DeviceStatus* status,
+                                   Writes writes, Reads reads) {
+  __shared__ int lowest;
+  if (threadIdx.x == 0) lowest = INT_MAX;
+  for (int n = threadIdx.x; n < num_rows; n += blockDim.x) {
+    writes(n, [&](int32_t b, CheckedField, int32_t, int32_t) {
+      atomicMax(&owner[b], internal::OwnerTag(n));
+    });
+  }
+  __syncthreads();
+  RowFault fault = internal::NoFault();
+  int fault_row = INT_MAX;
+  int other_row = -1;
+  for (int n = threadIdx.x; n < num_rows && fault_row == INT_MAX; n += blockDim.x) {
+    writes(n, [&](int32_t b, CheckedField field, int32_t index, int32_t col) {
+      const int other = internal::OwnerRow(__ldcg(&owner[b]));
+      if (fault_row == INT_MAX && other != n) {
+        fault = internal::MakeFault(field, CheckProblem::kDuplicateWrite, index, col, b, 0);
+        fault_row = n;
+        other_row = other;
+      }
+    });
+    reads(n, [&](int32_t b, CheckedField field, int32_t index, int32_t col) {
+      const int32_t tag = __ldcg(&owner[b]);
+      if (fault_row == INT_MAX && tag != 0 && internal::OwnerRow(tag) != n) {
+        fault = internal::MakeFault(field, CheckProblem::kWriteOfRead, index, col, b, 0);
+        fault_row = n;
+        other_row = internal::OwnerRow(tag);
+      }
+    });
+  }
+  if (fault_row != INT_MAX) atomicMin(&lowest, fault_row);
+  __syncthreads();
+  const int result = lowest;
+  if (fault_row != INT_MAX && fault_row == result) {
+    *status = internal::StatusFromFault(fault, fault_row, other_row);
+  }
+  for (int n = threadIdx.x; n < num_rows; n += blockDim.x) {
+    writes(n, [&](int32_t b, CheckedField, int32_t, int32_t) { owner[b] = 0; });
+  }
+  __syncthreads();
+  return result == INT_MAX;
+}
+
+__global__ void __launch_bounds__(kCheckThreads) StockCheckKernel(const StockArgs a) {
+  if (threadIdx.x == 0) *a.status = internal::OkStatus();
+  __syncthreads();
+  internal::StockRow unused;
+  if (!BlockCheckRows(a.num_rows, a.status,
+                      [&](int n) { return internal::CheckStockRow(a, n, &unused); })) {
+    return;
+  }
+  BlockCheckCrossRow(
+      a.num_rows, static_cast<int32_t*>(a.workspace), a.status,
+      [&](int n, auto fn) {
+        internal::StockRow row;
+        internal::CheckStockRow(a, n, &row);
+        internal::ForEachStockWrite(a, row, n, fn);
+      },
+      [&](int n, auto fn) {
+        internal::StockRow row;
+        internal::CheckStockRow(a, n, &row);
+        internal::ForEachStockRead(row, n, fn);
+      });
+}
+
+__global__ void __launch_bounds__(kCheckThreads) VerifyCheckKernel(const VerifyArgs a) {
+  if (threadIdx.x == 0) *a.status = internal::OkStatus();
+  __syncthreads();
+  internal::VerifyRow unused;
+  BlockCheckRows(a.num_rows, a.status,
+                 [&](int n) { return internal::CheckVerifyRow(a, n, &unused); });
+}
+
+// Checks, plans and writes the replay indices of a commit.
+__global__ void __launch_bounds__(kCheckThreads) CommitPlanKernel(const CommitArgs a,
+                                                                  int64_t num_blocks) {
+  if (threadIdx.x == 0) *a.status = internal::OkStatus();
+  __syncthreads();
+  const internal::CommitWorkspace ws =
+      internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks);
+  if (!BlockCheckRows(a.num_rows, a.status, [&](int i) {
+        return internal::PlanCommitRow(a, num_blocks, i, &ws.plan[i]);
+      })) {
+    return;
+  }
+  if (!BlockCheckCrossRow(
+          a.num_rows, ws.owner, a.status,
+          [&](int i, auto fn) { internal::ForEachCommitWrite(a, ws.plan[i], i, fn); },
+          [&](int i, auto fn) { internal::ForEachCommitRead(ws.plan[i], i, fn); })) {
+    return;
+  }
+  const int q = a.spec_query_len;
+  for (int item = threadIdx.x; item < a.num_rows * (q + 1); item += blockDim.x) {
+    const int i = item / (q + 1);
+    ws.replay_indices[item] = internal::ReplayIndex(ws.plan[i], q, item % (q + 1));
+  }
+}
+
+// SEMANTICS.md, Commit step 2: one thread per (layer, row, conv channel) reads
+// the row's windows into registers before it writes them (the final or
+// boundary block may be the source).
+template <typename Act>
+__global__ void __launch_bounds__(kConvThreads)
+    ConvCompactKernel(const CommitArgs a, int64_t num_blocks, int dim_blocks, int history_len) {
+  if (a.status->failed) return;
+  const int64_t block = blockIdx.x;
+  const int dim_block = static_cast<int>(block % dim_blocks);
+  const int i = static_cast<int>((block / dim_blocks) % a.num_rows);
+  const int l = static_cast<int>(block / (int64_t{dim_blocks} * a.num_rows));
+  const int d = dim_block * kConvThreads + threadIdx.x;
+  const internal::CommitWorkspace ws =
+      internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks);
+  const CommitPlanRow plan = ws.plan[i];
+  const ConvPool c = a.device_layers[l].conv;
+  if (!internal::CommitsAnything(plan) || d >= c.dim) return;
+  const bool boundary = a.block_table.data != nullptr && IsBlock(plan.boundary_block);
+  Act* const base = static_cast<Act*>(c.data);
+  const Act* src = base + int64_t{plan.source} * c.block_stride + d * c.dim_stride;
+  Act final_window[kMaxConvHistory];
+  Act boundary_window[kMaxConvHistory];
+#pragma unroll
+  for (int x = 0; x < kMaxConvHistory; ++x) {
+    if (x < history_len) {
+      final_window[x] = src[int64_t(plan.commit_len - 1 + x) * c.token_stride];
+      if (boundary) boundary_window[x] = src[int64_t(plan.boundary_len - 1 + x) * c.token_stride];
+    }
+  }
+  Act* dst = base + int64_t{plan.final_block} * c.block_stride + d * c.dim_stride;
+  Act* bdst = base + int64_t{plan.boundary_block} * c.block_stride + d * c.dim_stride;
+#pragma unroll
+  for (int x = 0; x < kMaxConvHistory; ++x) {
+    if (x < history_len) {
+      if (boundary) bdst[x * c.token_stride] = boundary_window[x];
+      dst[x * c.token_stride] = final_window[x];
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kCheckThreads)
+    RecordStateBlocksKernel(const RecordStateBlocksArgs a) {
+  if (threadIdx.x == 0) *a.status = internal::OkStatus();
+  __syncthreads();
+  internal::RecordRow unused;
+  if (!BlockCheckRows(a.num_rows, a.status,
+                      [&](int i) { return internal::CheckRecordRow(a, i, &unused); })) {
+    return;
+  }
+  const auto row_of = [&](int i) {
+    internal::RecordRow row;
+    internal::CheckRecordRow(a, i, &row);
+    return row;
+  };
+  if (!BlockCheckCrossRow(
+          a.num_rows, static_cast<int32_t*>(a.workspace), a.status,
+          [&](int i, auto fn) { internal::ForEachRecordWrite(row_of(i), fn); },
+          [](int, auto) {})) {
+    return;
+  }
+  for (int i = threadIdx.x; i < a.num_rows; i += blockDim.x) {
+    const internal::RecordRow row = row_of(i);
+    if (row.request_row < 0) continue;
+    a.state_idx[row.request_row] = internal::RecordedStateColumn(a, row.batch_row);
+    a.num_accepted[row.request_row] = 1;
+  }
+}
+
+// ---------------------------------------------------------------------------
+
+absl::Status CudaStatus(cudaError_t err, absl::string_view op) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrCat("In ", op, ": CUDA launch failed: ", cudaGetErrorString(err)));
+}
+
+absl::Status Unsupported(absl::string_view op) {
+  return absl::InvalidArgumentError(absl::StrCat("In ", op, ": unsupported dtype or head dim"));
+}
+
+LayerView ViewOf(const Activation& q, const Activation& k, const Activation& v,
+                 const Activation& g, const Activation& beta, void* out, const StatePool& state,
+                 const LayerParams& params) {
+  LayerView view{};
+  view.q = q.data;
+  view.k = k.data;
+  view.v = v.data;
+  view.g = g.data;
+  view.beta = beta.data;
+  view.q_stride = q.token_stride;
+  view.k_stride = k.token_stride;
+  view.v_stride = v.token_stride;
+  view.beta_stride = beta.token_stride;
+  view.out = out;
+  view.state = state.data;
+  view.block_stride = state.block_stride;
+  view.a_log = params.a_log;
+  view.dt_bias = params.dt_bias;
+  return view;
+}
+
+class CudaKernels final : public KdaKernels {
+ public:
+  Backend backend() const override { return Backend::kCuda; }
+
+ protected:
+  absl::Status LaunchStock(const StockArgs& a, Stream stream) const override {
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    StockCheckKernel<<<1, kCheckThreads, 0, s>>>(a);
+    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.num_rows == 0) {
+      return CudaStatus(err, "Stock");
+    }
+    RecurrentLaunch p{};
+    p.num_rows = a.num_rows;
+    p.num_heads = a.shape.num_heads;
+    p.lower_bound = a.shape.lower_bound;
+    p.qsl = a.query_start_loc;
+    p.indices = a.ssm_state_indices.data;
+    p.indices_stride = a.ssm_state_indices.row_stride;
+    p.num_accepted = a.num_accepted_tokens;
+    p.max_tokens = internal::StockMaxTokens(a.ssm_state_indices.cols);
+    p.status = a.status;
+    p.layer = ViewOf(a.q, a.k, a.v, a.g, a.beta, a.out, a.state, a.params);
+    cudaError_t err = cudaErrorInvalidValue;
+    const bool ok = internal::DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+      err = LaunchRecurrent<Mode::kStock, typename decltype(act)::type,
+                            typename decltype(state)::type, decltype(head_dim)::value>(p, 1, s);
+    });
+    return ok ? CudaStatus(err, "Stock") : Unsupported("Stock");
+  }
+
+  absl::Status LaunchVerify(const VerifyArgs& a, Stream stream) const override {
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    VerifyCheckKernel<<<1, kCheckThreads, 0, s>>>(a);
+    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.num_rows == 0) {
+      return CudaStatus(err, "Verify");
+    }
+    RecurrentLaunch p{};
+    p.num_rows = a.num_rows;
+    p.num_heads = a.shape.num_heads;
+    p.lower_bound = a.shape.lower_bound;
+    p.qsl = a.query_start_loc;
+    p.indices = a.state_indices.data;
+    p.indices_stride = a.state_indices.row_stride;
+    p.window = a.records.q;
+    p.max_tokens = a.records.q;
+    p.status = a.status;
+    p.layer = ViewOf(a.q, a.k, a.v, a.g, a.beta, a.out, a.state, a.params);
+    p.layer.rec_kv = a.records.kv;
+    p.layer.rec_g = a.records.g;
+    p.layer.rec_beta = a.records.beta;
+    cudaError_t err = cudaErrorInvalidValue;
+    const bool ok = internal::DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+      err = LaunchRecurrent<Mode::kVerify, typename decltype(act)::type,
+                            typename decltype(state)::type, decltype(head_dim)::value>(p, 1, s);
+    });
+    return ok ? CudaStatus(err, "Verify") : Unsupported("Verify");
+  }
+
+  absl::Status LaunchCommit(const CommitArgs& a, Stream stream) const override {
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    const int64_t num_blocks = a.layers[0].state.num_blocks;
+    const int history_len = a.layers[0].conv.width - a.spec_query_len + 1;
+    CommitPlanKernel<<<1, kCheckThreads, 0, s>>>(a, num_blocks);
+    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.num_rows == 0) {
+      return CudaStatus(err, "Commit");
+    }
+
+    const int dim_blocks = (a.layers[0].conv.dim + kConvThreads - 1) / kConvThreads;
+    const int64_t conv_blocks = int64_t{dim_blocks} * a.num_rows * a.num_layers;
+    internal::DispatchAct(a.shape.act_dtype, [&](auto act) {
+      ConvCompactKernel<typename decltype(act)::type>
+          <<<static_cast<unsigned>(conv_blocks), kConvThreads, 0, s>>>(a, num_blocks, dim_blocks,
+                                                                      history_len);
+    });
+    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+      return CudaStatus(err, "Commit");
+    }
+
+    RecurrentLaunch p{};
+    p.num_rows = a.num_rows;
+    p.num_heads = a.shape.num_heads;
+    p.num_layers = a.num_layers;
+    p.lower_bound = a.shape.lower_bound;
+    p.indices = internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks).replay_indices;
+    p.indices_stride = a.spec_query_len + 1;
+    p.window = a.spec_query_len;
+    p.max_tokens = a.spec_query_len;
+    p.status = a.status;
+    p.replay_layers = a.device_layers;
+    cudaError_t err = cudaErrorInvalidValue;
+    const bool ok = internal::DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+      err = LaunchRecurrent<Mode::kReplay, typename decltype(act)::type,
+                            typename decltype(state)::type, decltype(head_dim)::value>(
+          p, a.num_layers, s);
+    });
+    return ok ? CudaStatus(err, "Commit") : Unsupported("Commit");
+  }
+
+  absl::Status LaunchRecordStateBlocks(const RecordStateBlocksArgs& a,
+                                       Stream stream) const override {
+    RecordStateBlocksKernel<<<1, kCheckThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+    return CudaStatus(cudaGetLastError(), "RecordStateBlocks");
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<const KdaKernels*> CudaKdaKernels() {
+  int devices = 0;
+  const cudaError_t err = cudaGetDeviceCount(&devices);
+  if (err != cudaSuccess || devices == 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "no CUDA device is available (",
+        err != cudaSuccess ? cudaGetErrorString(err) : "no devices", ")"));
+  }
+  static const CudaKernels* const kernels = new CudaKernels();
+  return kernels;
+}
+
+bool BuiltWithCuda() { return true; }
+
+}  // namespace kernels
+}  // namespace specstate
