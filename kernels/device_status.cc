@@ -27,6 +27,8 @@ absl::string_view CheckedFieldName(CheckedField field) {
       return "num_computed_tokens";
     case CheckedField::kIdxMapping:
       return "idx_mapping";
+    case CheckedField::kPrerequisites:
+      return "prerequisites";
   }
   return "unknown";
 }
@@ -91,6 +93,13 @@ absl::Status DeviceStatusToStatus(const DeviceStatus& s, absl::string_view opera
       return absl::OutOfRangeError(absl::StrCat(where, element, " = ", s.value,
                                                 " must be in [1, ", s.bound,
                                                 "] (the columns of ssm_state_indices)"));
+    case CheckProblem::kMismatch:
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, element, " = ", s.value, " differs from ", s.bound,
+          ", the value the step's first call used (row ", s.row, ")"));
+    case CheckProblem::kPrerequisiteFailed:
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, "not run: earlier call ", s.index, " of the same step failed on the device"));
     case CheckProblem::kNone:
       break;
   }

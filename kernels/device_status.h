@@ -33,6 +33,7 @@ enum class CheckedField : int32_t {
   kBlockTable = 6,
   kNumComputedTokens = 7,
   kIdxMapping = 8,
+  kPrerequisites = 9,
 };
 
 // What was wrong with it.
@@ -49,6 +50,8 @@ enum class CheckProblem : int32_t {
   kWriteOfRead = 9,         // a row writes the block another row reads
   kTwoStatesOneBlock = 10,  // one row writes two different states to one block
   kNumAcceptedRange = 11,   // num_accepted_tokens outside [1, columns]
+  kMismatch = 12,           // differs from the value the step's first call used
+  kPrerequisiteFailed = 13, // an earlier call this one depends on failed
 };
 
 // Written by the first kernel of every call (plain data: lives in device

@@ -77,6 +77,15 @@ struct Records {
   int q = 0;
 };
 
+// Statuses of earlier calls this call depends on (device memory on CUDA).
+// When one of them failed, this call's checks fail with problem
+// kPrerequisiteFailed and nothing of it runs: the service chains a step's
+// Verify, Commit and RecordStateBlocks this way without a host round trip.
+struct Prerequisites {
+  const DeviceStatus* statuses = nullptr;
+  int count = 0;
+};
+
 // An int32 matrix [rows, cols] with column stride 1.
 struct IndexMatrix {
   const int32_t* data = nullptr;
@@ -116,6 +125,14 @@ struct VerifyArgs {
   int num_rows = 0;
   const int32_t* query_start_loc = nullptr;  // [N + 1]; every row has at most records.q tokens
   IndexMatrix state_indices;                 // [N, >= 1]: column 0 is the checkpoint block
+  // Optional. The check pass copies query_start_loc [N + 1] and column 0 of
+  // state_indices [N] here (dense)...
+  int32_t* snapshot_query_start_loc = nullptr;
+  int32_t* snapshot_state_indices = nullptr;
+  // ...or requires them equal to these (problem kMismatch).
+  const int32_t* expected_query_start_loc = nullptr;
+  const int32_t* expected_state_indices = nullptr;
+  Prerequisites prerequisites;
   DeviceStatus* status = nullptr;
 };
 
@@ -148,7 +165,18 @@ struct CommitArgs {
   int mamba_block_size = 0;
   void* workspace = nullptr;  // CommitWorkspaceBytes(); zeroed once when allocated
   size_t workspace_bytes = 0;
+  Prerequisites prerequisites;
   DeviceStatus* status = nullptr;
+};
+
+// One spec row's commit plan (SEMANTICS.md, Commit step 1), as the commit
+// leaves it in its workspace (see CommitPlanOf()).
+struct CommitPlanRow {
+  int32_t source;
+  int32_t commit_len;
+  int32_t final_block;
+  int32_t boundary_block;
+  int32_t boundary_len;
 };
 
 // Align mode, after the commit: point each request at the block holding its
@@ -167,6 +195,7 @@ struct RecordStateBlocksArgs {
   int32_t* num_accepted = nullptr;  // [num_requests], written
   void* workspace = nullptr;  // RecordStateBlocksWorkspaceBytes(); zeroed once
   size_t workspace_bytes = 0;
+  Prerequisites prerequisites;
   DeviceStatus* status = nullptr;
 };
 
@@ -176,6 +205,10 @@ struct RecordStateBlocksArgs {
 size_t StockWorkspaceBytes(int64_t num_blocks);
 size_t CommitWorkspaceBytes(int max_rows, int spec_query_len, int64_t num_blocks);
 size_t RecordStateBlocksWorkspaceBytes(int num_requests);
+
+// Where a commit leaves its plan in `workspace`: rows [0, num_rows) of the
+// call, valid once it ran (for statistics: tokens committed per row).
+const CommitPlanRow* CommitPlanOf(const void* workspace, int64_t num_blocks);
 
 }  // namespace kernels
 }  // namespace specstate

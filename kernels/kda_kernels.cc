@@ -22,6 +22,10 @@ size_t CommitWorkspaceBytes(int max_rows, int spec_query_len, int64_t num_blocks
   return internal::CommitWorkspaceSize(max_rows, spec_query_len, num_blocks);
 }
 
+const CommitPlanRow* CommitPlanOf(const void* workspace, int64_t num_blocks) {
+  return internal::CommitWorkspaceLayout(const_cast<void*>(workspace), 0, num_blocks).plan;
+}
+
 size_t RecordStateBlocksWorkspaceBytes(int num_requests) {
   return internal::AlignUp(static_cast<size_t>(num_requests) * sizeof(int32_t));
 }
@@ -145,6 +149,13 @@ absl::Status CheckRows(absl::string_view op, int num_rows, const int32_t* qsl) {
   return absl::OkStatus();
 }
 
+absl::Status CheckPrerequisites(absl::string_view op, const Prerequisites& p) {
+  if (p.count < 0 || (p.count > 0 && p.statuses == nullptr)) {
+    return Invalid(op, "prerequisites: a count without statuses");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckWorkspace(absl::string_view op, const void* workspace, size_t have,
                             size_t need) {
   if (need > 0 && (workspace == nullptr || have < need)) {
@@ -182,6 +193,7 @@ absl::Status ValidateVerifyArgs(const VerifyArgs& a) {
   if (st.ok()) st = CheckRows(op, a.num_rows, a.query_start_loc);
   if (st.ok()) st = CheckRecords(op, a.records, a.num_rows, "");
   if (st.ok()) st = CheckIndexMatrix(op, "state_indices", a.state_indices, a.num_rows, 1);
+  if (st.ok()) st = CheckPrerequisites(op, a.prerequisites);
   if (st.ok() && a.status == nullptr) st = Invalid(op, "status is null");
   return st;
 }
@@ -269,6 +281,8 @@ absl::Status ValidateCommitArgs(const CommitArgs& a) {
   st = CheckWorkspace(op, a.workspace, a.workspace_bytes,
                       CommitWorkspaceBytes(a.num_rows, a.spec_query_len, first.state.num_blocks));
   if (!st.ok()) return st;
+  st = CheckPrerequisites(op, a.prerequisites);
+  if (!st.ok()) return st;
   if (a.status == nullptr) return Invalid(op, "status is null");
   return absl::OkStatus();
 }
@@ -297,6 +311,7 @@ absl::Status ValidateRecordStateBlocksArgs(const RecordStateBlocksArgs& a) {
   }
   absl::Status st = CheckWorkspace(op, a.workspace, a.workspace_bytes,
                                    RecordStateBlocksWorkspaceBytes(a.num_requests));
+  if (st.ok()) st = CheckPrerequisites(op, a.prerequisites);
   if (st.ok() && a.status == nullptr) st = Invalid(op, "status is null");
   return st;
 }

@@ -19,7 +19,6 @@ namespace specstate {
 namespace kernels {
 namespace {
 
-using internal::CommitPlanRow;
 using internal::DispatchAct;
 using internal::DispatchKda;
 using internal::IsBlock;
@@ -77,6 +76,14 @@ bool CheckCrossRow(int num_rows, int32_t* owner, DeviceStatus* status, Writes wr
     writes(n, [&](int32_t block, CheckedField, int32_t, int32_t) { owner[block] = 0; });
   }
   return ok;
+}
+
+// False (with the status written) when a prerequisite failed.
+bool PrerequisitesPassed(const Prerequisites& p, DeviceStatus* status) {
+  const RowFault f = internal::CheckPrerequisites(p);
+  if (f.problem == 0) return true;
+  *status = internal::StatusFromFault(f, -1, -1);
+  return false;
 }
 
 // ---------------------------------------------------------------------------
@@ -290,7 +297,9 @@ class CpuKernels final : public KdaKernels {
 
   absl::Status LaunchVerify(const VerifyArgs& a, Stream) const override {
     *a.status = internal::OkStatus();
+    if (!PrerequisitesPassed(a.prerequisites, a.status)) return absl::OkStatus();
     std::vector<internal::VerifyRow> rows(a.num_rows);
+    for (int n = 0; n < a.num_rows; ++n) internal::SnapshotVerifyRow(a, n);
     if (!CheckRows(a.num_rows, a.status,
                    [&](int n) { return internal::CheckVerifyRow(a, n, &rows[n]); })) {
       return absl::OkStatus();
@@ -324,6 +333,7 @@ class CpuKernels final : public KdaKernels {
 
   absl::Status LaunchCommit(const CommitArgs& a, Stream) const override {
     *a.status = internal::OkStatus();
+    if (!PrerequisitesPassed(a.prerequisites, a.status)) return absl::OkStatus();
     const int64_t num_blocks = a.layers[0].state.num_blocks;
     const internal::CommitWorkspace ws =
         internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks);
@@ -379,6 +389,7 @@ class CpuKernels final : public KdaKernels {
 
   absl::Status LaunchRecordStateBlocks(const RecordStateBlocksArgs& a, Stream) const override {
     *a.status = internal::OkStatus();
+    if (!PrerequisitesPassed(a.prerequisites, a.status)) return absl::OkStatus();
     std::vector<internal::RecordRow> rows(a.num_rows);
     if (!CheckRows(a.num_rows, a.status,
                    [&](int i) { return internal::CheckRecordRow(a, i, &rows[i]); })) {

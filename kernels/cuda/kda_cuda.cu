@@ -37,7 +37,6 @@ namespace specstate {
 namespace kernels {
 namespace {
 
-using internal::CommitPlanRow;
 using internal::IsBlock;
 using internal::RowFault;
 
@@ -358,6 +357,26 @@ __device__ bool BlockCheckRows(int num_rows, DeviceStatus* status, Check check) 
   return result == INT_MAX;
 }
 
+// False (to every thread, with the status written) when a prerequisite failed.
+__device__ bool BlockCheckPrerequisites(const Prerequisites& p, DeviceStatus* status) {
+  __shared__ int lowest_failed;
+  if (threadIdx.x == 0) lowest_failed = INT_MAX;
+  __syncthreads();
+  for (int i = threadIdx.x; i < p.count; i += blockDim.x) {
+    if (p.statuses[i].failed != 0) atomicMin(&lowest_failed, i);
+  }
+  __syncthreads();
+  const int failed = lowest_failed;
+  if (failed != INT_MAX && threadIdx.x == 0) {
+    *status = internal::StatusFromFault(
+        internal::MakeFault(CheckedField::kPrerequisites, CheckProblem::kPrerequisiteFailed,
+                            failed, -1, 0, 0),
+        -1, -1);
+  }
+  __syncthreads();
+  return failed == INT_MAX;
+}
+
 // The cross-row pass of checks.h on one block. `owner` is zero on entry and on return.
 template <typename Writes, typename Reads>
 __device__ bool BlockCheckCrossRow(int num_rows, int32_t* owner, DeviceStatus* status,
@@ -429,6 +448,8 @@ __global__ void __launch_bounds__(kCheckThreads) StockCheckKernel(const StockArg
 __global__ void __launch_bounds__(kCheckThreads) VerifyCheckKernel(const VerifyArgs a) {
   if (threadIdx.x == 0) *a.status = internal::OkStatus();
   __syncthreads();
+  if (!BlockCheckPrerequisites(a.prerequisites, a.status)) return;
+  for (int n = threadIdx.x; n < a.num_rows; n += blockDim.x) internal::SnapshotVerifyRow(a, n);
   internal::VerifyRow unused;
   BlockCheckRows(a.num_rows, a.status,
                  [&](int n) { return internal::CheckVerifyRow(a, n, &unused); });
@@ -439,6 +460,7 @@ __global__ void __launch_bounds__(kCheckThreads) CommitPlanKernel(const CommitAr
                                                                   int64_t num_blocks) {
   if (threadIdx.x == 0) *a.status = internal::OkStatus();
   __syncthreads();
+  if (!BlockCheckPrerequisites(a.prerequisites, a.status)) return;
   const internal::CommitWorkspace ws =
       internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks);
   if (!BlockCheckRows(a.num_rows, a.status, [&](int i) {
@@ -503,6 +525,7 @@ __global__ void __launch_bounds__(kCheckThreads)
     RecordStateBlocksKernel(const RecordStateBlocksArgs a) {
   if (threadIdx.x == 0) *a.status = internal::OkStatus();
   __syncthreads();
+  if (!BlockCheckPrerequisites(a.prerequisites, a.status)) return;
   internal::RecordRow unused;
   if (!BlockCheckRows(a.num_rows, a.status,
                       [&](int i) { return internal::CheckRecordRow(a, i, &unused); })) {

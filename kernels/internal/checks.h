@@ -171,11 +171,23 @@ struct VerifyRow {
 SPECSTATE_HD RowFault CheckVerifyRow(const VerifyArgs& a, int n, VerifyRow* row) {
   row->tokens = 0;
   row->source = kNullBlock;
+  const int32_t source = a.state_indices.data[n * a.state_indices.row_stride];
+  if (a.expected_query_start_loc != nullptr) {
+    for (int e = (n == 0 ? 0 : n + 1); e <= n + 1; ++e) {
+      if (a.query_start_loc[e] != a.expected_query_start_loc[e]) {
+        return MakeFault(CheckedField::kQueryStartLoc, CheckProblem::kMismatch, e, -1,
+                         a.query_start_loc[e], a.expected_query_start_loc[e]);
+      }
+    }
+  }
+  if (a.expected_state_indices != nullptr && source != a.expected_state_indices[n]) {
+    return MakeFault(CheckedField::kStateIndices, CheckProblem::kMismatch, n, -1, source,
+                     a.expected_state_indices[n]);
+  }
   int tokens = 0;
   RowFault f =
       CheckRowTokens(a.query_start_loc, n, a.num_rows, a.records.q, a.num_tokens, &tokens);
   if (f.problem != 0) return f;
-  const int32_t source = a.state_indices.data[n * a.state_indices.row_stride];
   f = CheckBlock(CheckedField::kStateIndices, source, a.state.num_blocks, n, -1);
   if (f.problem != 0) return f;
   row->tokens = tokens;
@@ -186,14 +198,28 @@ SPECSTATE_HD RowFault CheckVerifyRow(const VerifyArgs& a, int n, VerifyRow* row)
 // ---------------------------------------------------------------------------
 // Commit.
 
-// One spec row's commit plan (SEMANTICS.md, Commit step 1).
-struct CommitPlanRow {
-  int32_t source;
-  int32_t commit_len;
-  int32_t final_block;
-  int32_t boundary_block;
-  int32_t boundary_len;
-};
+
+// The row's entries of Verify's snapshot (dense copies the service keeps).
+SPECSTATE_HD void SnapshotVerifyRow(const VerifyArgs& a, int n) {
+  if (a.snapshot_query_start_loc != nullptr) {
+    if (n == 0) a.snapshot_query_start_loc[0] = a.query_start_loc[0];
+    a.snapshot_query_start_loc[n + 1] = a.query_start_loc[n + 1];
+  }
+  if (a.snapshot_state_indices != nullptr) {
+    a.snapshot_state_indices[n] = a.state_indices.data[n * a.state_indices.row_stride];
+  }
+}
+
+// The first failed prerequisite, if any.
+SPECSTATE_HD RowFault CheckPrerequisites(const Prerequisites& p) {
+  for (int i = 0; i < p.count; ++i) {
+    if (p.statuses[i].failed != 0) {
+      return MakeFault(CheckedField::kPrerequisites, CheckProblem::kPrerequisiteFailed, i, -1, 0,
+                       0);
+    }
+  }
+  return NoFault();
+}
 
 // Whether the row changes anything: conv compaction and replay both need a
 // real source, a token to commit and a real final block.

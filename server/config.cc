@@ -1,0 +1,201 @@
+#include "server/config.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "google/protobuf/text_format.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace specstate {
+namespace server {
+
+v1::ServiceConfig DefaultServiceConfig() {
+  v1::ServiceConfig config;
+  v1::Layout* l = config.mutable_layout();
+  l->set_num_layers(4);
+  l->set_num_heads(4);
+  l->set_head_dim(64);
+  l->set_conv_dim(3 * 4 * 64);
+  l->set_conv_kernel(4);
+  l->set_num_spec(3);
+  l->set_num_blocks(64);
+  l->set_max_rows(16);
+  l->set_activation_dtype(v1::BF16);
+  l->set_state_dtype(v1::FP32);
+  l->set_cache_mode(v1::NONE);
+  l->set_mamba_block_size(0);
+  l->set_lower_bound(-5.0f);
+  l->set_backend(v1::AUTO);
+  l->set_device(0);
+  config.set_listen(kDefaultListen);
+  config.set_default_lease_ms(10000);
+  config.set_max_lease_ms(600000);
+  return config;
+}
+
+absl::StatusOr<v1::ServiceConfig> LoadServiceConfig(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read config file ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  v1::ServiceConfig parsed;
+  if (absl::EndsWith(path, ".json")) {
+    const auto status = google::protobuf::util::JsonStringToMessage(text.str(), &parsed);
+    if (!status.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config file ", path, " is not a valid ServiceConfig in JSON: ",
+                       status.ToString()));
+    }
+  } else if (!google::protobuf::TextFormat::ParseFromString(text.str(), &parsed)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config file ", path, " is not a valid ServiceConfig in protobuf text format"));
+  }
+  v1::ServiceConfig config = DefaultServiceConfig();
+  // Scalars that the file leaves at zero keep their defaults.
+  v1::Layout defaults = config.layout();
+  config.MergeFrom(parsed);
+  v1::Layout* l = config.mutable_layout();
+  if (parsed.layout().backend() == v1::BACKEND_UNSPECIFIED) l->set_backend(defaults.backend());
+  if (parsed.layout().cache_mode() == v1::CACHE_MODE_UNSPECIFIED) {
+    l->set_cache_mode(defaults.cache_mode());
+  }
+  return config;
+}
+
+namespace {
+
+absl::Status Bad(absl::string_view field, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat("layout.", field, " ", what));
+}
+
+}  // namespace
+
+absl::Status ValidateLayout(const v1::Layout& l) {
+  if (l.num_layers() < 1 || l.num_layers() > 4096) {
+    return Bad("num_layers", absl::StrCat("= ", l.num_layers(), " must be in [1, 4096]"));
+  }
+  if (l.num_heads() < 1 || l.num_heads() > 1024) {
+    return Bad("num_heads", absl::StrCat("= ", l.num_heads(), " must be in [1, 1024]"));
+  }
+  if (l.head_dim() != 64 && l.head_dim() != 128 && l.head_dim() != 256) {
+    return Bad("head_dim", absl::StrCat("= ", l.head_dim(), " must be 64, 128 or 256"));
+  }
+  if (l.conv_dim() < 1) return Bad("conv_dim", absl::StrCat("= ", l.conv_dim(), " must be >= 1"));
+  if (l.conv_kernel() < 2 || l.conv_kernel() - 1 > kernels::kMaxConvHistory) {
+    return Bad("conv_kernel", absl::StrCat("= ", l.conv_kernel(), " must be in [2, ",
+                                           kernels::kMaxConvHistory + 1, "]"));
+  }
+  if (l.num_spec() < 0 || l.num_spec() + 1 > kernels::kMaxSpecQueryLen) {
+    return Bad("num_spec", absl::StrCat("= ", l.num_spec(), " must be in [0, ",
+                                        kernels::kMaxSpecQueryLen - 1, "]"));
+  }
+  if (l.num_blocks() < 2) {
+    return Bad("num_blocks", absl::StrCat("= ", l.num_blocks(),
+                                          " must be >= 2 (block 0 is the null block)"));
+  }
+  if (l.max_rows() < 1 || l.max_rows() > 65536) {
+    return Bad("max_rows", absl::StrCat("= ", l.max_rows(), " must be in [1, 65536]"));
+  }
+  const auto act = FromProto(l.activation_dtype());
+  if (!act.ok() || *act == DType::kInt32) {
+    return Bad("activation_dtype", "must be BF16, FP16 or FP32");
+  }
+  const auto state = FromProto(l.state_dtype());
+  if (!state.ok() || (*state != DType::kFloat32 && *state != DType::kBFloat16)) {
+    return Bad("state_dtype", "must be FP32 or BF16");
+  }
+  if (l.cache_mode() != v1::NONE && l.cache_mode() != v1::ALIGN) {
+    return Bad("cache_mode", "must be NONE or ALIGN");
+  }
+  const int q = l.num_spec() + 1;
+  if (l.cache_mode() == v1::ALIGN && l.mamba_block_size() < q) {
+    return Bad("mamba_block_size", absl::StrCat("= ", l.mamba_block_size(),
+                                                " must cover one speculative window of ", q,
+                                                " tokens in ALIGN mode"));
+  }
+  if (!(l.lower_bound() < 0.0f)) {
+    return Bad("lower_bound", absl::StrCat("= ", l.lower_bound(), " must be negative"));
+  }
+  if (l.device() < 0) return Bad("device", "must not be negative");
+  return absl::OkStatus();
+}
+
+namespace {
+
+int64_t Align256(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+
+}  // namespace
+
+LayoutSizes ComputeLayoutSizes(const v1::Layout& l) {
+  LayoutSizes s;
+  s.spec_query_len = l.num_spec() + 1;
+  s.conv_width = l.conv_kernel() - 1 + l.num_spec();
+  const int64_t act = DTypeSize(FromProto(l.activation_dtype()).value_or(DType::kFloat32));
+  const int64_t st = DTypeSize(FromProto(l.state_dtype()).value_or(DType::kFloat32));
+  const int64_t hk = int64_t{l.num_heads()} * l.head_dim();
+  s.state_block_bytes = hk * l.head_dim() * st;
+  s.conv_block_bytes = int64_t{l.conv_dim()} * s.conv_width * act;
+  s.state_pool_bytes = Align256(s.state_block_bytes * l.num_blocks());
+  s.conv_pool_bytes = Align256(s.conv_block_bytes * l.num_blocks());
+  s.pool_bytes = (s.state_pool_bytes + s.conv_pool_bytes) * l.num_layers();
+  const int64_t tokens = int64_t{l.max_rows()} * s.spec_query_len;
+  s.records_per_layer_bytes =
+      Align256(tokens * 2 * hk * act) + Align256(tokens * hk * act) + Align256(tokens * l.num_heads() * act);
+  s.record_bytes = s.records_per_layer_bytes * l.num_layers();
+  s.workspace_bytes =
+      int64_t(kernels::CommitWorkspaceBytes(l.max_rows(), s.spec_query_len, l.num_blocks()));
+  return s;
+}
+
+int64_t StatePoolOffset(const LayoutSizes& s, int layer) {
+  return (s.state_pool_bytes + s.conv_pool_bytes) * layer;
+}
+
+int64_t ConvPoolOffset(const LayoutSizes& s, int layer) {
+  return StatePoolOffset(s, layer) + s.state_pool_bytes;
+}
+
+absl::StatusOr<DType> FromProto(v1::DType dtype) {
+  switch (dtype) {
+    case v1::FP32:
+      return DType::kFloat32;
+    case v1::FP16:
+      return DType::kFloat16;
+    case v1::BF16:
+      return DType::kBFloat16;
+    case v1::INT32:
+      return DType::kInt32;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("dtype ", v1::DType_Name(dtype), " is not FP32, FP16, BF16 or INT32"));
+  }
+}
+
+v1::DType ToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return v1::FP32;
+    case DType::kFloat16:
+      return v1::FP16;
+    case DType::kBFloat16:
+      return v1::BF16;
+    case DType::kInt32:
+      return v1::INT32;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+kernels::KdaShape ShapeOf(const v1::Layout& l) {
+  kernels::KdaShape shape;
+  shape.num_heads = l.num_heads();
+  shape.head_dim = l.head_dim();
+  shape.act_dtype = FromProto(l.activation_dtype()).value_or(DType::kBFloat16);
+  shape.state_dtype = FromProto(l.state_dtype()).value_or(DType::kFloat32);
+  shape.lower_bound = l.lower_bound();
+  return shape;
+}
+
+}  // namespace server
+}  // namespace specstate

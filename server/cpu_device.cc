@@ -1,0 +1,299 @@
+// The CPU device: host memory, POSIX shared memory for everything shared
+// with clients, and one worker thread that runs submitted work in order, the
+// way a CUDA stream would. Doorbells are 32-bit counters in shared memory:
+// the worker polls a wait's counter and writes a signal's.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "server/device.h"
+
+namespace specstate {
+namespace server {
+namespace {
+
+absl::Status ErrnoError(absl::string_view what, int err) {
+  const std::string message = absl::StrCat(what, ": ", std::strerror(err));
+  if (err == ENOENT) return absl::NotFoundError(message);
+  if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(message);
+  if (err == ENOMEM || err == ENOSPC) return absl::ResourceExhaustedError(message);
+  return absl::InternalError(message);
+}
+
+// A mapping of a whole shared-memory object; the region starts `offset` in.
+class ShmRegion final : public MappedRegion {
+ public:
+  ShmRegion(void* base, uint64_t mapped, uint64_t offset, uint64_t size)
+      : base_(base), mapped_(mapped), offset_(offset), size_(size) {}
+  ~ShmRegion() override { munmap(base_, mapped_); }
+  void* data() const override { return static_cast<char*>(base_) + offset_; }
+  uint64_t byte_size() const override { return size_; }
+  absl::string_view kind() const override { return "shm"; }
+
+ private:
+  void* base_;
+  uint64_t mapped_;
+  uint64_t offset_;
+  uint64_t size_;
+};
+
+class HostScratch final : public Scratch {
+ public:
+  absl::StatusOr<void*> Upload(const void* host, uint64_t bytes) override {
+    buffers_.emplace_back(static_cast<const char*>(host), static_cast<const char*>(host) + bytes);
+    return static_cast<void*>(buffers_.back().data());
+  }
+
+ private:
+  std::deque<std::string> buffers_;
+};
+
+uint32_t LoadAcquire(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+void StoreRelease(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+
+class CpuDevice final : public Device {
+ public:
+  CpuDevice() : worker_([this] { Run(); }) {}
+
+  ~CpuDevice() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+    if (exported_ != nullptr) {
+      munmap(exported_, exported_bytes_);
+      shm_unlink(export_name_.c_str());
+    }
+    for (void* p : allocations_) std::free(p);
+  }
+
+  kernels::Backend kind() const override { return kernels::Backend::kCpu; }
+  int ordinal() const override { return 0; }
+  const kernels::KdaKernels& kernels() const override { return kernels::CpuKdaKernels(); }
+
+  absl::StatusOr<uint64_t> FreeBytes() const override {
+    // MemAvailable, and /dev/shm's free space for the exported pools.
+    std::ifstream meminfo("/proc/meminfo");
+    std::string key;
+    uint64_t kb = 0;
+    std::string unit;
+    uint64_t available = 0;
+    while (meminfo >> key >> kb >> unit) {
+      if (key == "MemAvailable:") available = kb * 1024;
+    }
+    if (available == 0) return absl::InternalError("cannot read MemAvailable from /proc/meminfo");
+    return available;
+  }
+
+  absl::StatusOr<void*> AllocateExported(uint64_t bytes) override {
+    if (exported_ != nullptr) return absl::FailedPreconditionError("the pools are allocated once");
+    export_name_ = absl::StrCat("/specstate-", getpid(), "-pools");
+    shm_unlink(export_name_.c_str());  // a stale object of a dead process with our pid
+    const int fd = shm_open(export_name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) return ErrnoError(absl::StrCat("shm_open(", export_name_, ")"), errno);
+    // posix_fallocate reserves the pages now, so a /dev/shm too small for
+    // the layout fails here, not with SIGBUS later.
+    const int err = ftruncate(fd, static_cast<off_t>(bytes)) == 0
+                        ? posix_fallocate(fd, 0, static_cast<off_t>(bytes))
+                        : errno;
+    if (err != 0) {
+      close(fd);
+      shm_unlink(export_name_.c_str());
+      return ErrnoError(absl::StrCat("reserving ", bytes, " bytes of shared memory for the pools in ",
+                                     export_name_, " (is /dev/shm large enough?)"),
+                        err);
+    }
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+      shm_unlink(export_name_.c_str());
+      return ErrnoError("mmap of the pools", errno);
+    }
+    exported_ = p;
+    exported_bytes_ = bytes;
+    return p;
+  }
+
+  std::string ExportName() const override { return export_name_; }
+  std::string ExportHandle() const override { return ""; }
+
+  absl::StatusOr<void*> AllocateDevice(uint64_t bytes) override { return AllocateHost(bytes); }
+
+  absl::StatusOr<void*> AllocateHost(uint64_t bytes) override {
+    void* p = std::calloc(1, bytes == 0 ? 1 : bytes);
+    if (p == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    allocations_.push_back(p);
+    return p;
+  }
+
+  absl::Status CopyToDevice(void* device, const void* host, uint64_t bytes) override {
+    return RunOrdered([&] { std::memcpy(device, host, bytes); });
+  }
+
+  absl::Status CopyFromDevice(void* host, const void* device, uint64_t bytes) override {
+    return RunOrdered([&] { std::memcpy(host, device, bytes); });
+  }
+
+  absl::StatusOr<std::unique_ptr<MappedRegion>> MapShm(absl::string_view shm_name,
+                                                       uint64_t offset_bytes,
+                                                       uint64_t byte_size) override {
+    const std::string name(shm_name);
+    if (name.empty() || name[0] != '/' || name.find('/', 1) != std::string::npos ||
+        name.size() > 255) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "shm_name \"", name, "\" must be a POSIX shared-memory name: \"/\" then up to 254 "
+          "characters without \"/\""));
+    }
+    const int fd = shm_open(name.c_str(), O_RDWR, 0);
+    if (fd < 0) return ErrnoError(absl::StrCat("shm_open(", name, ")"), errno);
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+      const int err = errno;
+      close(fd);
+      return ErrnoError(absl::StrCat("fstat(", name, ")"), err);
+    }
+    const uint64_t real = static_cast<uint64_t>(st.st_size);
+    if (offset_bytes > real || byte_size > real - offset_bytes) {
+      close(fd);
+      return absl::OutOfRangeError(absl::StrCat("region of ", byte_size, " bytes at offset ",
+                                                offset_bytes, " does not fit in ", name, " (",
+                                                real, " bytes)"));
+    }
+    void* p = mmap(nullptr, real, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) return ErrnoError(absl::StrCat("mmap(", name, ")"), errno);
+    return std::unique_ptr<MappedRegion>(new ShmRegion(p, real, offset_bytes, byte_size));
+  }
+
+  absl::StatusOr<std::unique_ptr<MappedRegion>> MapCudaIpc(absl::string_view, int, uint64_t,
+                                                           uint64_t) override {
+    return absl::InvalidArgumentError(
+        "this service runs the CPU backend: register regions by shm_name, not cuda_ipc_handle");
+  }
+
+  absl::StatusOr<void*> OpenIpcEvent(absl::string_view) override {
+    return absl::InvalidArgumentError(
+        "interprocess events need the CUDA backend; the CPU backend orders work with doorbells");
+  }
+
+  absl::Status Submit(Work work) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return absl::UnavailableError("the service is shutting down");
+      queue_.push_back(std::move(work));
+    }
+    cv_.notify_all();
+    return absl::OkStatus();
+  }
+
+  bool DoorbellsInDeviceMemory() const override { return false; }
+
+ private:
+  // Runs `fn` on the worker after everything queued, and waits for it.
+  template <typename Fn>
+  absl::Status RunOrdered(Fn fn) {
+    std::mutex done_mu;
+    std::condition_variable done_cv;
+    bool finished = false;
+    Work work;
+    work.launch = [&](kernels::Stream, Scratch&) {
+      fn();
+      return absl::OkStatus();
+    };
+    work.done = [&](absl::Status) {
+      std::lock_guard<std::mutex> lock(done_mu);
+      finished = true;
+      done_cv.notify_all();
+    };
+    absl::Status st = Submit(std::move(work));
+    if (!st.ok()) return st;
+    std::unique_lock<std::mutex> lock(done_mu);
+    done_cv.wait(lock, [&] { return finished; });
+    return absl::OkStatus();
+  }
+
+  // Polls a doorbell: spins briefly, then sleeps with a growing pause (up to
+  // 100 us), until it rings, its wait is cancelled or the device stops.
+  bool WaitFor(const WaitOp& wait) {
+    int spins = 0;
+    auto pause = std::chrono::microseconds(1);
+    while (LoadAcquire(wait.counter) < wait.value) {
+      if (wait.cancellation != nullptr && wait.cancellation->cancelled.load()) return false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stopping_) return false;
+      }
+      if (++spins < 64) continue;
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(100));
+    }
+    return true;
+  }
+
+  void Run() {
+    for (;;) {
+      Work work;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, nothing left
+        work = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      absl::Status status = absl::OkStatus();
+      for (const WaitOp& wait : work.waits) {
+        if (!WaitFor(wait)) {
+          status = absl::CancelledError("a wait of this call was cancelled before its doorbell rang");
+          break;
+        }
+      }
+      if (status.ok()) {
+        HostScratch scratch;
+        status = work.launch(nullptr, scratch);
+      }
+      for (const Readback& r : work.readbacks) std::memcpy(r.host, r.device, r.bytes);
+      // Signal even after a failure: the caller's stream must not wait forever;
+      // the failure reaches it through the session's next call.
+      for (const SignalOp& signal : work.signals) StoreRelease(signal.counter, signal.value);
+      if (work.done) work.done(status);
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Work> queue_;
+  bool stopping_ = false;
+  std::vector<void*> allocations_;
+  void* exported_ = nullptr;
+  uint64_t exported_bytes_ = 0;
+  std::string export_name_;
+  std::thread worker_;  // last: starts after the members it uses
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Device>> CreateCpuDevice() {
+  return std::unique_ptr<Device>(new CpuDevice());
+}
+
+}  // namespace server
+}  // namespace specstate

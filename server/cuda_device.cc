@@ -1,0 +1,479 @@
+// The CUDA device: one non-blocking stream carries all work in submission
+// order; waits and signals are stream operations (cuStreamWaitValue32 and
+// cuStreamWriteValue32 on doorbells, cudaStreamWaitEvent and cudaEventRecord
+// on interprocess events), so no host thread waits on the GPU on the hot
+// path. A reaper thread waits for each piece of work's completion event and
+// then runs its `done` (releases regions, reads back device statuses).
+//
+// The driver API functions come from cudaGetDriverEntryPointByVersion: the
+// binary does not link libcuda, so it starts (and serves on the CPU
+// backend) on machines without an NVIDIA driver.
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "server/device.h"
+
+namespace specstate {
+namespace server {
+namespace {
+
+absl::Status CudaError(cudaError_t err, absl::string_view what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  const std::string message = absl::StrCat(what, ": ", cudaGetErrorString(err));
+  if (err == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(message);
+  if (err == cudaErrorInvalidValue || err == cudaErrorInvalidResourceHandle ||
+      err == cudaErrorMapBufferObjectFailed || err == cudaErrorInvalidDevice) {
+    return absl::InvalidArgumentError(message);
+  }
+  return absl::InternalError(message);
+}
+
+#define SPECSTATE_CUDA_RETURN(expr, what)                                 \
+  do {                                                                    \
+    const cudaError_t specstate_err = (expr);                             \
+    if (specstate_err != cudaSuccess) return CudaError(specstate_err, what); \
+  } while (0)
+
+using WaitValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using GetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+
+// Makes `device` current for the scope and restores the caller's device.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) {
+      changed_ = cudaSetDevice(device) == cudaSuccess;
+    }
+  }
+  ~ScopedDevice() {
+    if (changed_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
+class IpcRegion final : public MappedRegion {
+ public:
+  IpcRegion(int device, void* base, uint64_t offset, uint64_t size)
+      : device_(device), base_(base), offset_(offset), size_(size) {}
+  ~IpcRegion() override {
+    ScopedDevice scoped(device_);
+    cudaIpcCloseMemHandle(base_);
+  }
+  void* data() const override { return static_cast<char*>(base_) + offset_; }
+  uint64_t byte_size() const override { return size_; }
+  absl::string_view kind() const override { return "cuda_ipc"; }
+
+ private:
+  int device_;
+  void* base_;
+  uint64_t offset_;
+  uint64_t size_;
+};
+
+// cudaMallocAsync'd copies of inline tensors, freed in stream order after
+// the work that reads them.
+class StreamScratch final : public Scratch {
+ public:
+  explicit StreamScratch(cudaStream_t stream) : stream_(stream) {}
+  ~StreamScratch() override {
+    for (void* p : buffers_) cudaFreeAsync(p, stream_);
+  }
+  absl::StatusOr<void*> Upload(const void* host, uint64_t bytes) override {
+    void* p = nullptr;
+    SPECSTATE_CUDA_RETURN(cudaMallocAsync(&p, bytes == 0 ? 4 : bytes, stream_),
+                          "cudaMallocAsync for an inline tensor");
+    buffers_.push_back(p);
+    SPECSTATE_CUDA_RETURN(cudaMemcpyAsync(p, host, bytes, cudaMemcpyHostToDevice, stream_),
+                          "copying an inline tensor");
+    return p;
+  }
+
+ private:
+  cudaStream_t stream_;
+  std::vector<void*> buffers_;
+};
+
+class CudaDevice final : public Device {
+ public:
+  static absl::StatusOr<std::unique_ptr<Device>> Create(int ordinal) {
+    int count = 0;
+    const cudaError_t err = cudaGetDeviceCount(&count);
+    if (err != cudaSuccess || count == 0) {
+      return absl::UnavailableError(absl::StrCat(
+          "no CUDA device is available (",
+          err != cudaSuccess ? cudaGetErrorString(err) : "0 devices", ")"));
+    }
+    if (ordinal < 0 || ordinal >= count) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("device ", ordinal, " does not exist (", count, " CUDA devices)"));
+    }
+    auto kernels = kernels::CudaKdaKernels();
+    if (!kernels.ok()) return kernels.status();
+    std::unique_ptr<CudaDevice> device(new CudaDevice(ordinal, **kernels));
+    absl::Status st = device->Init();
+    if (!st.ok()) return st;
+    return std::unique_ptr<Device>(std::move(device));
+  }
+
+  ~CudaDevice() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (reaper_.joinable()) reaper_.join();
+    ScopedDevice scoped(ordinal_);
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    for (auto& [handle, event] : ipc_events_) cudaEventDestroy(event);
+    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+    for (void* p : device_allocations_) cudaFree(p);
+    for (void* p : host_allocations_) cudaFreeHost(p);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  kernels::Backend kind() const override { return kernels::Backend::kCuda; }
+  int ordinal() const override { return ordinal_; }
+  const kernels::KdaKernels& kernels() const override { return kernels_; }
+
+  absl::StatusOr<uint64_t> FreeBytes() const override {
+    ScopedDevice scoped(ordinal_);
+    size_t free = 0, total = 0;
+    SPECSTATE_CUDA_RETURN(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+    return uint64_t{free};
+  }
+
+  absl::StatusOr<void*> AllocateExported(uint64_t bytes) override {
+    if (exported_ != nullptr) return absl::FailedPreconditionError("the pools are allocated once");
+    ScopedDevice scoped(ordinal_);
+    void* p = nullptr;
+    SPECSTATE_CUDA_RETURN(cudaMalloc(&p, bytes), absl::StrCat("cudaMalloc of ", bytes,
+                                                              " bytes for the pools"));
+    device_allocations_.push_back(p);
+    SPECSTATE_CUDA_RETURN(cudaMemset(p, 0, bytes), "zeroing the pools");
+    cudaIpcMemHandle_t handle;
+    SPECSTATE_CUDA_RETURN(cudaIpcGetMemHandle(&handle, p), "cudaIpcGetMemHandle of the pools");
+    export_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+    exported_ = p;
+    return p;
+  }
+
+  std::string ExportName() const override { return ""; }
+  std::string ExportHandle() const override { return export_handle_; }
+
+  absl::StatusOr<void*> AllocateDevice(uint64_t bytes) override {
+    ScopedDevice scoped(ordinal_);
+    void* p = nullptr;
+    SPECSTATE_CUDA_RETURN(cudaMalloc(&p, bytes == 0 ? 4 : bytes),
+                          absl::StrCat("cudaMalloc of ", bytes, " bytes"));
+    std::lock_guard<std::mutex> lock(mu_);
+    device_allocations_.push_back(p);
+    SPECSTATE_CUDA_RETURN(cudaMemset(p, 0, bytes), "cudaMemset");
+    return p;
+  }
+
+  absl::StatusOr<void*> AllocateHost(uint64_t bytes) override {
+    ScopedDevice scoped(ordinal_);
+    void* p = nullptr;
+    SPECSTATE_CUDA_RETURN(cudaMallocHost(&p, bytes == 0 ? 4 : bytes),
+                          absl::StrCat("cudaMallocHost of ", bytes, " bytes"));
+    std::memset(p, 0, bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    host_allocations_.push_back(p);
+    return p;
+  }
+
+  absl::Status CopyToDevice(void* device, const void* host, uint64_t bytes) override {
+    ScopedDevice scoped(ordinal_);
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    SPECSTATE_CUDA_RETURN(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream_),
+                          "cudaMemcpyAsync");
+    SPECSTATE_CUDA_RETURN(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    return absl::OkStatus();
+  }
+
+  absl::Status CopyFromDevice(void* host, const void* device, uint64_t bytes) override {
+    ScopedDevice scoped(ordinal_);
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    SPECSTATE_CUDA_RETURN(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_),
+                          "cudaMemcpyAsync");
+    SPECSTATE_CUDA_RETURN(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::unique_ptr<MappedRegion>> MapShm(absl::string_view, uint64_t,
+                                                       uint64_t) override {
+    return absl::InvalidArgumentError(
+        "this service runs the CUDA backend: register regions by cuda_ipc_handle, not shm_name");
+  }
+
+  absl::StatusOr<std::unique_ptr<MappedRegion>> MapCudaIpc(absl::string_view handle, int device,
+                                                           uint64_t offset_bytes,
+                                                           uint64_t byte_size) override {
+    if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda_ipc_handle has ", handle.size(), " bytes; a cudaIpcMemHandle_t has ",
+          sizeof(cudaIpcMemHandle_t),
+          " (torch's expandable segments give handles that cannot be opened: see "
+          "docs/clients.md)"));
+    }
+    if (device != ordinal_) {
+      return absl::InvalidArgumentError(absl::StrCat("region is on device ", device,
+                                                     ", the service runs on device ", ordinal_));
+    }
+    ScopedDevice scoped(ordinal_);
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof(h));
+    void* base = nullptr;
+    SPECSTATE_CUDA_RETURN(cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess),
+                          "cudaIpcOpenMemHandle");
+    std::unique_ptr<MappedRegion> region(new IpcRegion(ordinal_, base, offset_bytes, byte_size));
+    // The real size of what the handle names, not what the client claims.
+    CUdeviceptr alloc_base = 0;
+    size_t alloc_size = 0;
+    if (get_address_range_(&alloc_base, &alloc_size, reinterpret_cast<CUdeviceptr>(base)) !=
+        CUDA_SUCCESS) {
+      return absl::InternalError("cuMemGetAddressRange failed on an opened IPC handle");
+    }
+    const uint64_t available =
+        alloc_size - (reinterpret_cast<CUdeviceptr>(base) - alloc_base);
+    if (offset_bytes > available || byte_size > available - offset_bytes) {
+      return absl::OutOfRangeError(absl::StrCat("region of ", byte_size, " bytes at offset ",
+                                                offset_bytes, " does not fit in the ",
+                                                available, "-byte allocation the handle names"));
+    }
+    return region;
+  }
+
+  absl::StatusOr<void*> OpenIpcEvent(absl::string_view handle) override {
+    if (handle.size() != sizeof(cudaIpcEventHandle_t)) {
+      return absl::InvalidArgumentError(absl::StrCat("event handle has ", handle.size(),
+                                                     " bytes; a cudaIpcEventHandle_t has ",
+                                                     sizeof(cudaIpcEventHandle_t)));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = ipc_events_.find(std::string(handle));
+    if (it != ipc_events_.end()) return static_cast<void*>(it->second);
+    ScopedDevice scoped(ordinal_);
+    cudaIpcEventHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof(h));
+    cudaEvent_t event = nullptr;
+    SPECSTATE_CUDA_RETURN(cudaIpcOpenEventHandle(&event, h), "cudaIpcOpenEventHandle");
+    ipc_events_.emplace(std::string(handle), event);
+    return static_cast<void*>(event);
+  }
+
+  absl::Status Submit(Work work) override {
+    ScopedDevice scoped(ordinal_);
+    std::lock_guard<std::mutex> submit_lock(submit_mu_);
+    for (const WaitOp& wait : work.waits) {
+      if (wait.kind == WaitOp::Kind::kDoorbell) {
+        if (wait_value32_(stream_, reinterpret_cast<CUdeviceptr>(wait.counter), wait.value,
+                          CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
+          return absl::InternalError("cuStreamWaitValue32 failed");
+        }
+        PendingWait pending;
+        pending.work_id = next_work_id_;
+        pending.counter = wait.counter;
+        pending.value = wait.value;
+        pending.cancellation = wait.cancellation;
+        std::lock_guard<std::mutex> lock(mu_);
+        pending_waits_.push_back(pending);
+      } else {
+        SPECSTATE_CUDA_RETURN(
+            cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(wait.event), 0),
+            "cudaStreamWaitEvent");
+      }
+    }
+    absl::Status launched;
+    {
+      StreamScratch scratch(stream_);
+      launched = work.launch(stream_, scratch);
+    }
+    for (const StatusSlot& slot : work.statuses) {
+      cudaMemcpyAsync(slot.host, slot.device, sizeof(kernels::DeviceStatus),
+                      cudaMemcpyDeviceToHost, stream_);
+    }
+    for (const Readback& r : work.readbacks) {
+      cudaMemcpyAsync(r.host, r.device, r.bytes, cudaMemcpyDeviceToHost, stream_);
+    }
+    // Signal even after a failure: the caller's stream must not wait forever;
+    // the failure reaches it through the session's next call.
+    for (const SignalOp& signal : work.signals) {
+      if (signal.kind == SignalOp::Kind::kDoorbell) {
+        write_value32_(stream_, reinterpret_cast<CUdeviceptr>(signal.counter), signal.value, 0);
+      } else {
+        cudaEventRecord(static_cast<cudaEvent_t>(signal.event), stream_);
+      }
+    }
+    cudaEvent_t completion = TakeEvent();
+    if (completion == nullptr) return absl::InternalError("cannot create a CUDA event");
+    const cudaError_t record = cudaEventRecord(completion, stream_);
+    if (record != cudaSuccess) return CudaError(record, "cudaEventRecord");
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_flight_.push_back(InFlight{next_work_id_, completion, std::move(work.done), launched});
+    }
+    ++next_work_id_;
+    cv_.notify_all();
+    return absl::OkStatus();
+  }
+
+  bool DoorbellsInDeviceMemory() const override { return true; }
+
+ private:
+  struct InFlight {
+    uint64_t work_id;
+    cudaEvent_t completion;
+    std::function<void(absl::Status)> done;
+    absl::Status launched;
+  };
+
+  struct PendingWait {
+    uint64_t work_id;
+    uint32_t* counter;
+    uint32_t value;
+    std::shared_ptr<WaitCancellation> cancellation;
+  };
+
+  CudaDevice(int ordinal, const kernels::KdaKernels& kernels)
+      : ordinal_(ordinal), kernels_(kernels) {}
+
+  absl::Status Init() {
+    ScopedDevice scoped(ordinal_);
+    SPECSTATE_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
+                          "cudaStreamCreate");
+    SPECSTATE_CUDA_RETURN(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking),
+                          "cudaStreamCreate");
+    absl::Status st = Entry("cuStreamWaitValue32", &wait_value32_);
+    if (st.ok()) st = Entry("cuStreamWriteValue32", &write_value32_);
+    if (st.ok()) st = Entry("cuMemGetAddressRange", &get_address_range_);
+    if (!st.ok()) return st;
+    reaper_ = std::thread([this] { Reap(); });
+    return absl::OkStatus();
+  }
+
+  template <typename Fn>
+  absl::Status Entry(const char* name, Fn* fn) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult result;
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &result);
+    if (err != cudaSuccess || result != cudaDriverEntryPointSuccess || p == nullptr) {
+      return absl::UnavailableError(absl::StrCat("the CUDA driver has no ", name));
+    }
+    *fn = reinterpret_cast<Fn>(p);
+    return absl::OkStatus();
+  }
+
+  cudaEvent_t TakeEvent() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_events_.empty()) {
+        cudaEvent_t e = free_events_.back();
+        free_events_.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    // Blocking sync: the reaper sleeps in cudaEventSynchronize instead of spinning.
+    if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventBlockingSync) !=
+        cudaSuccess) {
+      return nullptr;
+    }
+    return e;
+  }
+
+  // Ends waits whose doorbell will never ring (their session ended) by
+  // writing the awaited value from a side stream, which the blocked stream
+  // does not hold up.
+  void ReleaseCancelledWaits() override {
+    ScopedDevice scoped(ordinal_);
+    std::vector<PendingWait> cancelled;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = pending_waits_.begin(); it != pending_waits_.end();) {
+        if (it->cancellation != nullptr && it->cancellation->cancelled.load()) {
+          cancelled.push_back(*it);
+          it = pending_waits_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    for (const PendingWait& w : cancelled) {
+      write_value32_(side_stream_, reinterpret_cast<CUdeviceptr>(w.counter), w.value, 0);
+    }
+  }
+
+  void Reap() {
+    cudaSetDevice(ordinal_);  // the reaper's own thread
+    for (;;) {
+      InFlight item;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !in_flight_.empty(); });
+        if (in_flight_.empty()) return;  // stopping, nothing left
+        item = std::move(in_flight_.front());
+        in_flight_.pop_front();
+      }
+      // A stream blocked on a doorbell of an ended session is released by
+      // ReleaseCancelledWaits(), which the service calls when the session ends.
+      cudaEventSynchronize(item.completion);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        free_events_.push_back(item.completion);
+        for (auto it = pending_waits_.begin(); it != pending_waits_.end();) {
+          it = it->work_id == item.work_id ? pending_waits_.erase(it) : it + 1;
+        }
+      }
+      if (item.done) item.done(item.launched);
+    }
+  }
+
+  const int ordinal_;
+  const kernels::KdaKernels& kernels_;
+  cudaStream_t stream_ = nullptr;
+  cudaStream_t side_stream_ = nullptr;
+  WaitValue32Fn wait_value32_ = nullptr;
+  WriteValue32Fn write_value32_ = nullptr;
+  GetAddressRangeFn get_address_range_ = nullptr;
+  void* exported_ = nullptr;
+  std::string export_handle_;
+
+  std::mutex submit_mu_;  // keeps enqueues in submission order
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::deque<InFlight> in_flight_;
+  uint64_t next_work_id_ = 0;  // guarded by submit_mu_
+  std::vector<PendingWait> pending_waits_;
+  std::vector<cudaEvent_t> free_events_;
+  std::unordered_map<std::string, cudaEvent_t> ipc_events_;
+  std::vector<void*> device_allocations_;
+  std::vector<void*> host_allocations_;
+  std::thread reaper_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int ordinal) {
+  return CudaDevice::Create(ordinal);
+}
+
+}  // namespace server
+}  // namespace specstate

@@ -1,0 +1,163 @@
+// The device the service computes on: its memory, the regions it maps from
+// clients, and an in-order queue of work (a CUDA stream, or a CPU worker
+// thread that plays the same role). The rest of the service is the same for
+// both backends.
+//
+//   std::unique_ptr<Device> device = CreateCpuDevice().value();
+//   Work work;
+//   work.launch = [&](kernels::Stream stream, Scratch& scratch) {
+//     return device->kernels().Verify(args, stream);
+//   };
+//   work.done = [](absl::Status launched) { ... };  // after the device finished
+//   absl::Status enqueued = device->Submit(std::move(work));
+#ifndef SPECSTATE_SERVER_DEVICE_H_
+#define SPECSTATE_SERVER_DEVICE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "kernels/device_status.h"
+#include "kernels/kda_kernels.h"
+
+namespace specstate {
+namespace server {
+
+// A client's buffer mapped into the service. Unmapped on destruction.
+class MappedRegion {
+ public:
+  virtual ~MappedRegion() = default;
+  // Where the region starts (after the registration's offset_bytes).
+  virtual void* data() const = 0;
+  virtual uint64_t byte_size() const = 0;
+  virtual absl::string_view kind() const = 0;  // "shm" or "cuda_ipc"
+};
+
+// Raised by the service to end waits that can no longer be satisfied (the
+// session that was to ring the doorbell has ended).
+struct WaitCancellation {
+  std::atomic<bool> cancelled{false};
+};
+
+// Make the queue wait before the work.
+struct WaitOp {
+  enum class Kind { kDoorbell, kEvent };
+  Kind kind = Kind::kDoorbell;
+  uint32_t* counter = nullptr;  // doorbell: wait until *counter >= value
+  uint32_t value = 0;
+  void* event = nullptr;  // event: an opened interprocess event
+  std::shared_ptr<WaitCancellation> cancellation;
+};
+
+// Signal after the work.
+struct SignalOp {
+  enum class Kind { kDoorbell, kEvent };
+  Kind kind = Kind::kDoorbell;
+  uint32_t* counter = nullptr;  // doorbell: *counter = value
+  uint32_t value = 0;
+  void* event = nullptr;  // event: recorded after the work
+};
+
+// A DeviceStatus the kernels write, and the host copy the service reads
+// once the work has finished (the same memory on the CPU backend).
+struct StatusSlot {
+  kernels::DeviceStatus* device = nullptr;
+  kernels::DeviceStatus* host = nullptr;
+};
+
+// Device bytes to copy to host memory after the work (statistics).
+struct Readback {
+  const void* device = nullptr;
+  void* host = nullptr;
+  uint64_t bytes = 0;
+};
+
+// Stream-ordered scratch for one piece of work: released after it.
+class Scratch {
+ public:
+  virtual ~Scratch() = default;
+  // Device memory holding a copy of `bytes` bytes of host memory.
+  virtual absl::StatusOr<void*> Upload(const void* host, uint64_t bytes) = 0;
+};
+
+struct Work {
+  std::vector<WaitOp> waits;
+  // Enqueues the kernels (CUDA) or runs them (CPU) on `stream`.
+  std::function<absl::Status(kernels::Stream stream, Scratch& scratch)> launch;
+  std::vector<StatusSlot> statuses;
+  std::vector<Readback> readbacks;
+  std::vector<SignalOp> signals;
+  // Runs once the device has finished the work (on a service thread, never
+  // on the RPC's), with the launch's own status; the StatusSlot host copies
+  // and the readbacks are filled by then. Also runs when a wait was
+  // cancelled (status CANCELLED) or timed out.
+  std::function<void(absl::Status launched)> done;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  virtual kernels::Backend kind() const = 0;
+  virtual int ordinal() const = 0;
+  virtual const kernels::KdaKernels& kernels() const = 0;
+
+  // Memory still free for the pools, the records and the workspaces.
+  virtual absl::StatusOr<uint64_t> FreeBytes() const = 0;
+
+  // The pools: one zeroed allocation other processes can map. Once.
+  virtual absl::StatusOr<void*> AllocateExported(uint64_t bytes) = 0;
+  // How a client maps it: shm_name (CPU) or cuda_ipc_handle (CUDA).
+  virtual std::string ExportName() const = 0;
+  virtual std::string ExportHandle() const = 0;
+
+  // Zeroed memory only the service uses (records, workspaces, tables).
+  virtual absl::StatusOr<void*> AllocateDevice(uint64_t bytes) = 0;
+  // Host memory the device can write into (pinned on CUDA).
+  virtual absl::StatusOr<void*> AllocateHost(uint64_t bytes) = 0;
+
+  // Synchronous copies, ordered after all submitted work. For set-up and
+  // debugging, never on the hot path.
+  virtual absl::Status CopyToDevice(void* device, const void* host, uint64_t bytes) = 0;
+  virtual absl::Status CopyFromDevice(void* host, const void* device, uint64_t bytes) = 0;
+
+  // Maps a client's buffer: a POSIX shared-memory object (CPU) or a CUDA IPC
+  // memory handle (CUDA), checked against the real size of what it names.
+  virtual absl::StatusOr<std::unique_ptr<MappedRegion>> MapShm(absl::string_view shm_name,
+                                                               uint64_t offset_bytes,
+                                                               uint64_t byte_size) = 0;
+  virtual absl::StatusOr<std::unique_ptr<MappedRegion>> MapCudaIpc(absl::string_view handle,
+                                                                   int device,
+                                                                   uint64_t offset_bytes,
+                                                                   uint64_t byte_size) = 0;
+  // Opens (once; cached) a CUDA interprocess event.
+  virtual absl::StatusOr<void*> OpenIpcEvent(absl::string_view handle) = 0;
+
+  // Enqueues `work` after everything submitted before. Returns an error when
+  // nothing was enqueued (then `done` never runs).
+  virtual absl::Status Submit(Work work) = 0;
+
+  // Whether doorbell counters must live in device memory (CUDA) or host
+  // memory (CPU), for validation.
+  virtual bool DoorbellsInDeviceMemory() const = 0;
+
+  // Unblocks the queue from waits whose WaitCancellation was raised (called
+  // when the session that was to ring them has ended). The CPU device's
+  // worker watches the flags itself.
+  virtual void ReleaseCancelledWaits() {}
+};
+
+absl::StatusOr<std::unique_ptr<Device>> CreateCpuDevice();
+// UNAVAILABLE without a CUDA build or device.
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int ordinal);
+
+}  // namespace server
+}  // namespace specstate
+
+#endif  // SPECSTATE_SERVER_DEVICE_H_
