@@ -153,6 +153,16 @@ class CpuDevice final : public Device {
     return RunOrdered([&] { std::memcpy(host, device, bytes); });
   }
 
+  absl::Status CopyOnStream(void* dst, const void* src, uint64_t bytes, kernels::Stream) override {
+    std::memmove(dst, src, bytes);
+    return absl::OkStatus();
+  }
+
+  absl::Status ZeroOnStream(void* dst, uint64_t bytes, kernels::Stream) override {
+    std::memset(dst, 0, bytes);
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<std::unique_ptr<MappedRegion>> MapShm(absl::string_view shm_name,
                                                        uint64_t offset_bytes,
                                                        uint64_t byte_size) override {

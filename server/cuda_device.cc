@@ -215,6 +215,20 @@ class CudaDevice final : public Device {
     return absl::OkStatus();
   }
 
+  absl::Status CopyOnStream(void* dst, const void* src, uint64_t bytes,
+                            kernels::Stream stream) override {
+    SPECSTATE_CUDA_RETURN(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault,
+                                          static_cast<cudaStream_t>(stream)),
+                          "cudaMemcpyAsync");
+    return absl::OkStatus();
+  }
+
+  absl::Status ZeroOnStream(void* dst, uint64_t bytes, kernels::Stream stream) override {
+    SPECSTATE_CUDA_RETURN(cudaMemsetAsync(dst, 0, bytes, static_cast<cudaStream_t>(stream)),
+                          "cudaMemsetAsync");
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<std::unique_ptr<MappedRegion>> MapShm(absl::string_view, uint64_t,
                                                        uint64_t) override {
     return absl::InvalidArgumentError(

@@ -127,6 +127,12 @@ class Device {
   virtual absl::Status CopyToDevice(void* device, const void* host, uint64_t bytes) = 0;
   virtual absl::Status CopyFromDevice(void* host, const void* device, uint64_t bytes) = 0;
 
+  // Stream-ordered copy / zeroing of device memory, for use inside a Work's
+  // launch (the CPU device runs them at once: its launch runs on the worker).
+  virtual absl::Status CopyOnStream(void* dst, const void* src, uint64_t bytes,
+                                    kernels::Stream stream) = 0;
+  virtual absl::Status ZeroOnStream(void* dst, uint64_t bytes, kernels::Stream stream) = 0;
+
   // Maps a client's buffer: a POSIX shared-memory object (CPU) or a CUDA IPC
   // memory handle (CUDA), checked against the real size of what it names.
   virtual absl::StatusOr<std::unique_ptr<MappedRegion>> MapShm(absl::string_view shm_name,

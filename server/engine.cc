@@ -1,0 +1,1442 @@
+#include "server/engine.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kernels/kda_kernels.h"
+#include "kernels/numeric.h"
+
+namespace specstate {
+namespace server {
+namespace {
+
+// An int32 index tensor from a region (device memory) or inline (uploaded
+// in stream order when the work is enqueued).
+struct IndexInput {
+  bool present = false;
+  const int32_t* data = nullptr;  // region
+  std::vector<int32_t> values;    // inline
+  int64_t rows = 0;
+  int64_t cols = 1;
+  int64_t row_stride = 1;
+  RegionPin pin;
+
+  absl::StatusOr<const int32_t*> Pointer(Scratch& scratch) const {
+    if (data != nullptr) return data;
+    absl::StatusOr<void*> p = scratch.Upload(values.data(), values.size() * sizeof(int32_t));
+    if (!p.ok()) return p.status();
+    return static_cast<const int32_t*>(*p);
+  }
+};
+
+// Shape rules: `rows` (-1: any), and 1-D unless `allow_2d` ([rows, cols],
+// column stride 1, any row stride). Dense 1-D unless `strided_1d` (a column
+// slice [rows] with a row stride, like block_table[:, 0]).
+struct IndexSpec {
+  int64_t rows = -1;
+  bool allow_2d = false;
+  bool strided_1d = false;
+  int64_t cols = -1;  // for 2-D: -1 any
+};
+
+absl::StatusOr<IndexInput> ResolveIndex(const RegionRegistry& regions, const std::string& session,
+                                        const v1::IndexTensor& t, absl::string_view field,
+                                        const IndexSpec& spec) {
+  IndexInput in;
+  if (t.source_case() == v1::IndexTensor::SOURCE_NOT_SET) return in;
+  in.present = true;
+  if (t.has_values()) {
+    std::vector<int64_t> shape(t.values().shape().begin(), t.values().shape().end());
+    if (shape.empty()) shape.push_back(t.values().values_size());
+    if (shape.size() > 2 || (shape.size() == 2 && !spec.allow_2d)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": inline values have rank ", shape.size(), ", expected ",
+                       spec.allow_2d ? "1 or 2" : "1"));
+    }
+    int64_t count = 1;
+    for (int64_t d : shape) {
+      if (d < 0) return absl::InvalidArgumentError(absl::StrCat(field, ": negative dimension"));
+      count *= d;
+    }
+    if (count != t.values().values_size()) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": shape holds ", count,
+                                                     " values but ", t.values().values_size(),
+                                                     " are given"));
+    }
+    in.values.assign(t.values().values().begin(), t.values().values().end());
+    in.rows = shape[0];
+    in.cols = shape.size() == 2 ? shape[1] : 1;
+    in.row_stride = in.cols;
+  } else {
+    const int rank = t.region().shape_size();
+    if (rank != 1 && !(rank == 2 && spec.allow_2d)) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": rank ", rank, ", expected ",
+                                                     spec.allow_2d ? "1 or 2" : "1"));
+    }
+    TensorSpec ts;
+    ts.dtype = DType::kInt32;
+    ts.shape.assign(rank, -1);
+    ts.dense_inner = rank == 2 ? 1 : (spec.strided_1d ? 0 : 1);
+    absl::StatusOr<TensorView> view = regions.ResolveTensor(session, t.region(), field, ts);
+    if (!view.ok()) return view.status();
+    in.data = static_cast<const int32_t*>(view->data);
+    in.rows = view->shape[0];
+    in.cols = rank == 2 ? view->shape[1] : 1;
+    in.row_stride = view->strides[0];
+    in.pin = view->pin;
+  }
+  if (spec.rows >= 0 && in.rows != spec.rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": has ", in.rows, " rows, expected ", spec.rows));
+  }
+  if (spec.cols >= 0 && in.cols != spec.cols) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": has ", in.cols, " columns, expected ", spec.cols));
+  }
+  if (in.rows > 0 && in.cols < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": has no columns"));
+  }
+  return in;
+}
+
+absl::Status Required(const IndexInput& in, absl::string_view field) {
+  if (in.present) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, " is required"));
+}
+
+// Stands in for an inline tensor's device address while the host checks a
+// call (never dereferenced).
+const int32_t kPlaceholder[1] = {0};
+
+uint64_t Fnv1a(const std::string& bytes) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// What identifies a Commit / RecordStateBlocks retry: every argument but the
+// ordering (a retry may wait on another doorbell value).
+template <typename Request>
+uint64_t Fingerprint(Request request) {
+  request.clear_ordering();
+  request.clear_wait();
+  request.clear_signal();
+  std::string bytes;
+  request.SerializeToString(&bytes);
+  return Fnv1a(bytes);
+}
+
+std::string LayerList(const std::vector<int>& layers) {
+  return absl::StrJoin(layers, ", ");
+}
+
+absl::Status Prefix(absl::string_view prefix, const absl::Status& s) {
+  if (s.ok()) return s;
+  return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Set-up.
+
+Engine::Engine(const v1::ServiceConfig& config, std::unique_ptr<Device> device)
+    : config_(config), layout_(config.layout()), device_(std::move(device)) {}
+
+Engine::~Engine() = default;
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const v1::ServiceConfig& config,
+                                                       std::unique_ptr<Device> device) {
+  absl::Status st = ValidateLayout(config.layout());
+  if (!st.ok()) return st;
+  std::unique_ptr<Engine> engine(new Engine(config, std::move(device)));
+  st = engine->Allocate();
+  if (!st.ok()) return st;
+  return engine;
+}
+
+absl::Status Engine::Allocate() {
+  sizes_ = ComputeLayoutSizes(layout_);
+  shape_ = ShapeOf(layout_);
+  const int L = layout_.num_layers();
+  const int H = layout_.num_heads();
+  const int K = layout_.head_dim();
+  const int Q = sizes_.spec_query_len;
+  const int rows = layout_.max_rows();
+
+  layout_.set_backend(device_->kind() == kernels::Backend::kCuda ? v1::CUDA : v1::CPU);
+  layout_.set_device(device_->ordinal());
+  layout_.set_conv_width(sizes_.conv_width);
+  layout_.set_state_block_bytes(sizes_.state_block_bytes);
+  layout_.set_conv_block_bytes(sizes_.conv_block_bytes);
+  layout_.set_pool_bytes(sizes_.pool_bytes);
+  layout_.set_record_bytes(sizes_.record_bytes);
+
+  commit_workspace_bytes_ = kernels::CommitWorkspaceBytes(rows, Q, layout_.num_blocks());
+  record_workspace_bytes_ = kernels::RecordStateBlocksWorkspaceBytes(rows);
+  const uint64_t params_bytes = uint64_t(L) * (H + int64_t{H} * K) * sizeof(float);
+  const uint64_t slot_bytes =
+      kStepSlots * (uint64_t(L + 2) * sizeof(kernels::DeviceStatus) + uint64_t(2 * rows + 1) * 4);
+  const uint64_t needed = uint64_t(sizes_.pool_bytes) + uint64_t(sizes_.record_bytes) +
+                          commit_workspace_bytes_ + record_workspace_bytes_ + params_bytes +
+                          slot_bytes + L * sizeof(kernels::CommitLayer);
+  absl::StatusOr<uint64_t> free = device_->FreeBytes();
+  if (!free.ok()) return free.status();
+  if (needed > *free) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the layout needs ", needed, " bytes (pools ", sizes_.pool_bytes, ", records ",
+        sizes_.record_bytes, ") but the ", kernels::BackendName(device_->kind()),
+        " device has ", *free, " bytes free: lower num_blocks, max_rows or num_layers"));
+  }
+
+  absl::StatusOr<void*> pools = device_->AllocateExported(sizes_.pool_bytes);
+  if (!pools.ok()) return pools.status();
+  pools_ = static_cast<char*>(*pools);
+
+  const int64_t hk = int64_t{H} * K;
+  const int64_t act_size = DTypeSize(shape_.act_dtype);
+  const int64_t tokens = int64_t{rows} * Q;
+  layers_.resize(L);
+  host_layer_table_.resize(L);
+  for (int l = 0; l < L; ++l) {
+    LayerState& layer = layers_[l];
+    layer.state.data = pools_ + StatePoolOffset(sizes_, l);
+    layer.state.num_blocks = layout_.num_blocks();
+    layer.state.block_stride = hk * K;
+    layer.conv.data = pools_ + ConvPoolOffset(sizes_, l);
+    layer.conv.num_blocks = layout_.num_blocks();
+    layer.conv.dim = layout_.conv_dim();
+    layer.conv.width = sizes_.conv_width;
+    layer.conv.block_stride = int64_t{layout_.conv_dim()} * sizes_.conv_width;
+    layer.conv.dim_stride = sizes_.conv_width;
+    layer.conv.token_stride = 1;
+    absl::StatusOr<void*> a_log = device_->AllocateDevice(H * sizeof(float));
+    if (!a_log.ok()) return a_log.status();
+    absl::StatusOr<void*> dt_bias = device_->AllocateDevice(hk * sizeof(float));
+    if (!dt_bias.ok()) return dt_bias.status();
+    layer.a_log = static_cast<float*>(*a_log);
+    layer.dt_bias = static_cast<float*>(*dt_bias);
+    absl::StatusOr<void*> rec = device_->AllocateDevice(sizes_.records_per_layer_bytes);
+    if (!rec.ok()) return rec.status();
+    char* r = static_cast<char*>(*rec);
+    const auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
+    layer.records.kv = r;
+    layer.records.g = r + align(tokens * 2 * hk * act_size);
+    layer.records.beta =
+        static_cast<char*>(layer.records.g) + align(tokens * hk * act_size);
+    layer.records.rows = rows;
+    layer.records.q = Q;
+    kernels::CommitLayer& entry = host_layer_table_[l];
+    entry.state = layer.state;
+    entry.conv = layer.conv;
+    entry.params = kernels::LayerParams{layer.a_log, layer.dt_bias};
+    entry.records = layer.records;
+  }
+  absl::StatusOr<void*> table = device_->AllocateDevice(L * sizeof(kernels::CommitLayer));
+  if (!table.ok()) return table.status();
+  device_layer_table_ = static_cast<kernels::CommitLayer*>(*table);
+  absl::Status st = device_->CopyToDevice(device_layer_table_, host_layer_table_.data(),
+                                          L * sizeof(kernels::CommitLayer));
+  if (!st.ok()) return st;
+
+  absl::StatusOr<void*> ws = device_->AllocateDevice(commit_workspace_bytes_);
+  if (!ws.ok()) return ws.status();
+  commit_workspace_ = *ws;
+  ws = device_->AllocateDevice(record_workspace_bytes_);
+  if (!ws.ok()) return ws.status();
+  record_workspace_ = *ws;
+
+  absl::MutexLock lock(&mu_);
+  slots_.resize(kStepSlots);
+  for (StepSlot& slot : slots_) {
+    absl::StatusOr<void*> p = device_->AllocateDevice((L + 2) * sizeof(kernels::DeviceStatus));
+    if (!p.ok()) return p.status();
+    slot.status_device = static_cast<kernels::DeviceStatus*>(*p);
+    p = device_->kind() == kernels::Backend::kCpu
+            ? absl::StatusOr<void*>(static_cast<void*>(slot.status_device))
+            : device_->AllocateHost((L + 2) * sizeof(kernels::DeviceStatus));
+    if (!p.ok()) return p.status();
+    slot.status_host = static_cast<kernels::DeviceStatus*>(*p);
+    p = device_->AllocateDevice((rows + 1) * sizeof(int32_t));
+    if (!p.ok()) return p.status();
+    slot.query_start_loc = static_cast<int32_t*>(*p);
+    p = device_->AllocateDevice(rows * sizeof(int32_t));
+    if (!p.ok()) return p.status();
+    slot.state_indices = static_cast<int32_t*>(*p);
+    p = device_->AllocateHost((rows + 1) * sizeof(int32_t));
+    if (!p.ok()) return p.status();
+    slot.qsl_host = static_cast<int32_t*>(*p);
+    p = device_->AllocateHost(rows * sizeof(kernels::CommitPlanRow));
+    if (!p.ok()) return p.status();
+    slot.plan_host = static_cast<kernels::CommitPlanRow*>(*p);
+  }
+  return absl::OkStatus();
+}
+
+v1::ExportPoolsResponse Engine::ExportPools() const {
+  v1::ExportPoolsResponse out;
+  out.set_backend(layout_.backend());
+  out.set_shm_name(device_->ExportName());
+  out.set_cuda_ipc_handle(device_->ExportHandle());
+  out.set_device(device_->ordinal());
+  out.set_allocation_bytes(sizes_.pool_bytes);
+  for (int l = 0; l < layout_.num_layers(); ++l) {
+    v1::PoolView* s = out.add_pools();
+    s->set_layer(l);
+    s->set_kind("recurrent");
+    s->set_dtype(layout_.state_dtype());
+    for (int64_t d : {int64_t{layout_.num_blocks()}, int64_t{layout_.num_heads()},
+                      int64_t{layout_.head_dim()}, int64_t{layout_.head_dim()}}) {
+      s->add_shape(d);
+    }
+    const int64_t k = layout_.head_dim();
+    for (int64_t d : {int64_t{layout_.num_heads()} * k * k, k * k, k, int64_t{1}}) s->add_strides(d);
+    s->set_offset_bytes(StatePoolOffset(sizes_, l));
+    s->set_byte_size(sizes_.state_block_bytes * layout_.num_blocks());
+    v1::PoolView* c = out.add_pools();
+    c->set_layer(l);
+    c->set_kind("conv");
+    c->set_dtype(layout_.activation_dtype());
+    for (int64_t d : {int64_t{layout_.num_blocks()}, int64_t{layout_.conv_dim()},
+                      int64_t{sizes_.conv_width}}) {
+      c->add_shape(d);
+    }
+    for (int64_t d : {int64_t{layout_.conv_dim()} * sizes_.conv_width, int64_t{sizes_.conv_width},
+                      int64_t{1}}) {
+      c->add_strides(d);
+    }
+    c->set_offset_bytes(ConvPoolOffset(sizes_, l));
+    c->set_byte_size(sizes_.conv_block_bytes * layout_.num_blocks());
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Debugging.
+
+namespace {
+
+template <typename T>
+void Summarize(const T* values, int64_t count, bool keep, const std::vector<int64_t>& shape,
+               v1::TensorSummary* out) {
+  double mn = std::numeric_limits<double>::infinity();
+  double mx = -mn, sum = 0, sq = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const double x = ToFloat(values[i]);
+    mn = std::min(mn, x);
+    mx = std::max(mx, x);
+    sum += x;
+    sq += x * x;
+    if (keep) out->add_values(static_cast<float>(x));
+  }
+  for (int64_t d : shape) out->add_shape(d);
+  out->set_min(count ? mn : 0);
+  out->set_max(count ? mx : 0);
+  out->set_mean(count ? sum / count : 0);
+  out->set_l2_norm(std::sqrt(sq));
+  out->set_checksum(Fnv1a(std::string(reinterpret_cast<const char*>(values), count * sizeof(T))));
+}
+
+template <typename F>
+void WithDType(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32:
+      f(float{});
+      break;
+    case DType::kFloat16:
+      f(Float16{});
+      break;
+    case DType::kBFloat16:
+      f(BFloat16{});
+      break;
+    case DType::kInt32:
+      break;
+  }
+}
+
+}  // namespace
+
+void Engine::ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateResponse> reply) {
+  if (request.layer() < 0 || request.layer() >= layout_.num_layers()) {
+    reply(absl::OutOfRangeError(absl::StrCat("layer ", request.layer(),
+                                             " is out of range: the layout has ",
+                                             layout_.num_layers(), " layers")),
+          {});
+    return;
+  }
+  if (request.block() < 0 || request.block() >= layout_.num_blocks()) {
+    reply(absl::OutOfRangeError(absl::StrCat("block ", request.block(),
+                                             " is out of range: the pools have ",
+                                             layout_.num_blocks(), " blocks")),
+          {});
+    return;
+  }
+  const LayerState& layer = layers_[request.layer()];
+  // Host memory the device copies into (pinned on CUDA, so the copies stay
+  // asynchronous); reused across calls.
+  char* buffer = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!read_buffers_.empty()) {
+      buffer = read_buffers_.back();
+      read_buffers_.pop_back();
+    }
+  }
+  if (buffer == nullptr) {
+    absl::StatusOr<void*> p =
+        device_->AllocateHost(sizes_.state_block_bytes + sizes_.conv_block_bytes);
+    if (!p.ok()) {
+      reply(p.status(), {});
+      return;
+    }
+    buffer = static_cast<char*>(*p);
+  }
+  const int64_t state_bytes = sizes_.state_block_bytes;
+  const int64_t conv_bytes = sizes_.conv_block_bytes;
+  Work work;
+  work.launch = [](kernels::Stream, Scratch&) { return absl::OkStatus(); };
+  work.readbacks.push_back(Readback{
+      static_cast<const char*>(layer.state.data) + request.block() * state_bytes, buffer,
+      uint64_t(state_bytes)});
+  work.readbacks.push_back(Readback{
+      static_cast<const char*>(layer.conv.data) + request.block() * conv_bytes,
+      buffer + state_bytes, uint64_t(conv_bytes)});
+  const v1::Layout layout = layout_;
+  const bool values = request.values();
+  work.done = [this, buffer, state_bytes, conv_bytes, layout, values,
+               reply](absl::Status launched) {
+    v1::ReadStateResponse out;
+    if (launched.ok()) {
+      const int64_t k = layout.head_dim();
+      WithDType(FromProto(layout.state_dtype()).value(), [&](auto tag) {
+        using T = decltype(tag);
+        Summarize(reinterpret_cast<const T*>(buffer), state_bytes / sizeof(T), values,
+                  {layout.num_heads(), k, k}, out.mutable_recurrent());
+      });
+      WithDType(FromProto(layout.activation_dtype()).value(), [&](auto tag) {
+        using T = decltype(tag);
+        Summarize(reinterpret_cast<const T*>(buffer + state_bytes), conv_bytes / sizeof(T), values,
+                  {layout.conv_dim(), layout.conv_width()}, out.mutable_conv());
+      });
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      read_buffers_.push_back(buffer);
+    }
+    reply(launched, std::move(out));
+  };
+  absl::Status st = device_->Submit(std::move(work));
+  if (!st.ok()) {
+    {
+      absl::MutexLock lock(&mu_);
+      read_buffers_.push_back(buffer);
+    }
+    reply(st, {});
+  }
+}
+
+absl::Status Engine::RegisterRegion(const v1::RegisterRegionRequest& request) {
+  if (request.name().empty()) return absl::InvalidArgumentError("name is empty");
+  if (request.byte_size() == 0) return absl::InvalidArgumentError("byte_size is 0");
+  absl::StatusOr<std::unique_ptr<MappedRegion>> mapped;
+  switch (request.kind_case()) {
+    case v1::RegisterRegionRequest::kShmName:
+      mapped = device_->MapShm(request.shm_name(), request.offset_bytes(), request.byte_size());
+      break;
+    case v1::RegisterRegionRequest::kCudaIpcHandle:
+      mapped = device_->MapCudaIpc(request.cuda_ipc_handle(), request.device(),
+                                   request.offset_bytes(), request.byte_size());
+      break;
+    default:
+      return absl::InvalidArgumentError("set shm_name (CPU backend) or cuda_ipc_handle (CUDA)");
+  }
+  if (!mapped.ok()) {
+    return Prefix(absl::StrCat("region \"", request.name(), "\": "), mapped.status());
+  }
+  return regions_.Register(request.session_id(), request.name(), *std::move(mapped));
+}
+
+// ---------------------------------------------------------------------------
+// Steps.
+
+absl::Status Engine::TakeSessionError(const std::string& session) {
+  auto it = session_errors_.find(session);
+  if (it == session_errors_.end()) return absl::OkStatus();
+  absl::Status s = it->second;
+  session_errors_.erase(it);
+  return s;
+}
+
+void Engine::MarkFailed(uint64_t step_id, const std::string& session, absl::Status status,
+                        bool async) {
+  Step* step = FindStep(step_id);
+  if (step != nullptr && !step->failed) {
+    step->failed = true;
+    step->failure = status;
+    ++counters_.steps_failed;
+  }
+  if (async && session_errors_.count(session) == 0) {
+    session_errors_[session] = absl::Status(
+        status.code(), absl::StrCat("an earlier asynchronous call failed (its step ", step_id,
+                                    " is marked failed; nothing of it was committed): ",
+                                    status.message()));
+  }
+}
+
+Engine::Step* Engine::FindStep(uint64_t id) {
+  for (auto& step : steps_) {
+    if (step->id == id) return step.get();
+  }
+  return nullptr;
+}
+
+absl::StatusOr<Engine::Step*> Engine::StartOrFindStep(uint64_t id, int num_rows) {
+  Step* step = FindStep(id);
+  if (step != nullptr) {
+    if (step != steps_.back().get()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step ", id, " has ended: step ", steps_.back()->id, " started after it"));
+    }
+    if (step->failed) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("step ", id, " failed: ", step->failure.message()));
+    }
+    if (step->commit.started) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("step ", id, " is already committed: start a new step id"));
+    }
+    if (num_rows != step->num_rows) {
+      return absl::InvalidArgumentError(absl::StrCat("num_rows = ", num_rows, " differs from the ",
+                                                     step->num_rows,
+                                                     " rows of step ", id, "'s first Verify"));
+    }
+    return step;
+  }
+  const int slot = next_slot_;
+  if (slots_[slot].in_flight > 0) {
+    return absl::UnavailableError(absl::StrCat(
+        kStepSlots, " steps are still in flight on the device; retry once one has finished"));
+  }
+  next_slot_ = (next_slot_ + 1) % kStepSlots;
+  auto fresh = std::make_unique<Step>();
+  fresh->id = id;
+  fresh->slot = slot;
+  fresh->num_rows = num_rows;
+  fresh->verified.assign(layout_.num_layers(), false);
+  std::memset(slots_[slot].status_host, 0,
+              (layout_.num_layers() + 2) * sizeof(kernels::DeviceStatus));
+  steps_.push_back(std::move(fresh));
+  while (steps_.size() > kStepHistory) steps_.pop_front();
+  ++counters_.steps_verified;
+  counters_.rows_verified += num_rows;
+  counters_.state_bytes_saved += uint64_t(num_rows) * (sizes_.spec_query_len - 1) *
+                                 sizes_.state_block_bytes * layout_.num_layers();
+  return steps_.back().get();
+}
+
+absl::StatusOr<Engine::Ordering> Engine::ResolveOrdering(const std::string& session,
+                                                         v1::Ordering ordering,
+                                                         const v1::Signal& wait,
+                                                         const v1::Signal& signal, bool has_wait,
+                                                         bool has_signal) {
+  Ordering out;
+  out.async = ordering == v1::ASYNC;
+  if (!out.async && (has_wait || has_signal)) {
+    return absl::InvalidArgumentError("wait and signal need ordering ASYNC");
+  }
+  std::shared_ptr<WaitCancellation> cancellation;
+  {
+    absl::MutexLock lock(&mu_);
+    auto& c = session_waits_[session];
+    if (c == nullptr) c = std::make_shared<WaitCancellation>();
+    cancellation = c;
+  }
+  if (has_wait) {
+    WaitOp op;
+    op.cancellation = cancellation;
+    if (wait.has_doorbell()) {
+      auto counter = regions_.ResolveCounter(session, wait.doorbell(), "wait.doorbell");
+      if (!counter.ok()) return counter.status();
+      op.kind = WaitOp::Kind::kDoorbell;
+      op.counter = counter->first;
+      op.value = wait.doorbell().value();
+      out.pins.push_back(counter->second);
+    } else if (wait.has_event()) {
+      auto event = device_->OpenIpcEvent(wait.event().handle());
+      if (!event.ok()) return Prefix("wait.event: ", event.status());
+      op.kind = WaitOp::Kind::kEvent;
+      op.event = *event;
+    } else {
+      return absl::InvalidArgumentError("wait: set doorbell or event");
+    }
+    out.waits.push_back(op);
+  }
+  if (has_signal) {
+    SignalOp op;
+    if (signal.has_doorbell()) {
+      auto counter = regions_.ResolveCounter(session, signal.doorbell(), "signal.doorbell");
+      if (!counter.ok()) return counter.status();
+      op.kind = SignalOp::Kind::kDoorbell;
+      op.counter = counter->first;
+      op.value = signal.doorbell().value();
+      out.pins.push_back(counter->second);
+    } else if (signal.has_event()) {
+      auto event = device_->OpenIpcEvent(signal.event().handle());
+      if (!event.ok()) return Prefix("signal.event: ", event.status());
+      op.kind = SignalOp::Kind::kEvent;
+      op.event = *event;
+    } else {
+      return absl::InvalidArgumentError("signal: set doorbell or event");
+    }
+    out.signals.push_back(op);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Driving calls.
+
+void Engine::LoadLayerParams(const std::string& session, const v1::LoadLayerParamsRequest& req,
+                             Reply<v1::LoadLayerParamsResponse> reply) {
+  const int L = layout_.num_layers();
+  const int H = layout_.num_heads();
+  const int64_t hk = int64_t{H} * layout_.head_dim();
+  if (req.layer() < 0 || req.layer() >= L) {
+    reply(absl::OutOfRangeError(absl::StrCat("layer ", req.layer(),
+                                             " is out of range: the layout has ", L, " layers")),
+          {});
+    return;
+  }
+  if (req.has_lower_bound() && req.lower_bound() != layout_.lower_bound()) {
+    reply(absl::InvalidArgumentError(absl::StrCat(
+              "lower_bound = ", req.lower_bound(), " differs from the layout's ",
+              layout_.lower_bound(), ": all layers share one lower_bound")),
+          {});
+    return;
+  }
+  // Each parameter inline or from a region; both copied into service memory.
+  struct Source {
+    std::vector<float> values;
+    const float* region = nullptr;
+    RegionPin pin;
+  };
+  auto resolve = [&](const v1::FloatTensor& t, absl::string_view field,
+                     int64_t count) -> absl::StatusOr<Source> {
+    Source s;
+    if (t.has_values()) {
+      if (t.values().values_size() != count) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ": ", t.values().values_size(),
+                                                       " values, expected ", count));
+      }
+      s.values.assign(t.values().values().begin(), t.values().values().end());
+      for (float x : s.values) {
+        if (!std::isfinite(x)) {
+          return absl::InvalidArgumentError(absl::StrCat(field, ": values must be finite"));
+        }
+      }
+      return s;
+    }
+    if (!t.has_region()) return absl::InvalidArgumentError(absl::StrCat(field, " is required"));
+    TensorSpec spec;
+    spec.dtype = DType::kFloat32;
+    spec.shape = {count};
+    spec.dense_inner = 1;
+    absl::StatusOr<TensorView> view = regions_.ResolveTensor(session, t.region(), field, spec);
+    if (!view.ok()) return view.status();
+    s.region = static_cast<const float*>(view->data);
+    s.pin = view->pin;
+    return s;
+  };
+  absl::StatusOr<Source> a_log = resolve(req.a_log(), "a_log", H);
+  if (!a_log.ok()) {
+    reply(a_log.status(), {});
+    return;
+  }
+  absl::StatusOr<Source> dt_bias = resolve(req.dt_bias(), "dt_bias", hk);
+  if (!dt_bias.ok()) {
+    reply(dt_bias.status(), {});
+    return;
+  }
+  LayerState& layer = layers_[req.layer()];
+  auto sources = std::make_shared<std::pair<Source, Source>>(*std::move(a_log), *std::move(dt_bias));
+  Work work;
+  work.launch = [this, sources, &layer, H, hk](kernels::Stream stream,
+                                               Scratch& scratch) -> absl::Status {
+    // Region sources are already device memory; inline ones go through the scratch.
+    auto copy = [&](const Source& s, float* dst, int64_t count) -> absl::Status {
+      const float* src = s.region;
+      if (src == nullptr) {
+        absl::StatusOr<void*> up = scratch.Upload(s.values.data(), count * sizeof(float));
+        if (!up.ok()) return up.status();
+        src = static_cast<const float*>(*up);
+      }
+      return device_->CopyOnStream(dst, src, count * sizeof(float), stream);
+    };
+    absl::Status st = copy(sources->first, layer.a_log, H);
+    return st.ok() ? copy(sources->second, layer.dt_bias, hk) : st;
+  };
+  work.done = [this, sources, reply, l = req.layer()](absl::Status launched) {
+    if (launched.ok()) {
+      absl::MutexLock lock(&mu_);
+      layers_[l].params_loaded = true;
+    }
+    reply(launched, {});
+  };
+  absl::Status st = device_->Submit(std::move(work));
+  if (!st.ok()) reply(st, {});
+}
+
+void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
+                    Reply<v1::VerifyResponse> reply) {
+  const int L = layout_.num_layers();
+  const int H = layout_.num_heads();
+  const int K = layout_.head_dim();
+  if (req.layer() < 0 || req.layer() >= L) {
+    reply(absl::OutOfRangeError(absl::StrCat("layer ", req.layer(),
+                                             " is out of range: the layout has ", L, " layers")),
+          {});
+    return;
+  }
+  if (req.num_rows() < 0 || req.num_rows() > layout_.max_rows()) {
+    reply(absl::OutOfRangeError(absl::StrCat("num_rows = ", req.num_rows(),
+                                             " is out of range: the records hold at most ",
+                                             layout_.max_rows(), " rows (max_rows)")),
+          {});
+    return;
+  }
+  const int N = req.num_rows();
+  // Activations: q, k, v [T, H, K] with dense tokens; g, o dense; beta [T, H].
+  TensorSpec act;
+  act.dtype = shape_.act_dtype;
+  act.shape = {-1, H, K};
+  act.dense_inner = 2;
+  absl::StatusOr<TensorView> q = regions_.ResolveTensor(session, req.q(), "q", act);
+  if (!q.ok()) {
+    reply(q.status(), {});
+    return;
+  }
+  const int64_t T = q->shape[0];
+  act.shape[0] = T;
+  absl::StatusOr<TensorView> k = regions_.ResolveTensor(session, req.k(), "k", act);
+  absl::StatusOr<TensorView> v = k.ok() ? regions_.ResolveTensor(session, req.v(), "v", act) : k;
+  TensorSpec dense = act;
+  dense.dense_inner = 3;
+  absl::StatusOr<TensorView> g = v.ok() ? regions_.ResolveTensor(session, req.g(), "g", dense) : v;
+  absl::StatusOr<TensorView> o = g.ok() ? regions_.ResolveTensor(session, req.o(), "o", dense) : g;
+  TensorSpec beta_spec;
+  beta_spec.dtype = shape_.act_dtype;
+  beta_spec.shape = {T, H};
+  beta_spec.dense_inner = 1;
+  absl::StatusOr<TensorView> beta =
+      o.ok() ? regions_.ResolveTensor(session, req.beta(), "beta", beta_spec) : o;
+  if (!beta.ok()) {
+    reply(beta.status(), {});
+    return;
+  }
+  absl::StatusOr<IndexInput> qsl =
+      ResolveIndex(regions_, session, req.query_start_loc(), "query_start_loc", {N + 1});
+  if (!qsl.ok()) {
+    reply(qsl.status(), {});
+    return;
+  }
+  IndexSpec idx_spec;
+  idx_spec.rows = N;
+  idx_spec.allow_2d = true;
+  idx_spec.strided_1d = true;
+  absl::StatusOr<IndexInput> indices =
+      ResolveIndex(regions_, session, req.state_indices(), "state_indices", idx_spec);
+  if (!indices.ok()) {
+    reply(indices.status(), {});
+    return;
+  }
+  if (qsl->present != indices->present) {
+    reply(absl::InvalidArgumentError(
+              "give query_start_loc and state_indices together (or omit both after the step's "
+              "first Verify)"),
+          {});
+    return;
+  }
+  absl::StatusOr<Ordering> ordering = ResolveOrdering(
+      session, req.ordering(), req.wait(), req.signal(), req.has_wait(), req.has_signal());
+  if (!ordering.ok()) {
+    reply(ordering.status(), {});
+    return;
+  }
+
+  absl::ReleasableMutexLock lock(&mu_);
+  absl::Status pending = TakeSessionError(session);
+  if (!pending.ok()) {
+    lock.Release();
+    reply(pending, {});
+    return;
+  }
+  LayerState& layer = layers_[req.layer()];
+  if (!layer.params_loaded) {
+    lock.Release();
+    reply(absl::FailedPreconditionError(absl::StrCat(
+              "layer ", req.layer(), " has no parameters yet: call LoadLayerParams first")),
+          {});
+    return;
+  }
+  absl::StatusOr<Step*> step_or = StartOrFindStep(req.step(), N);
+  if (!step_or.ok()) {
+    lock.Release();
+    reply(step_or.status(), {});
+    return;
+  }
+  Step* step = *step_or;
+  const bool first = step->verified_count == 0 && !step->verified[req.layer()];
+  if (first && !qsl->present) {
+    lock.Release();
+    reply(absl::InvalidArgumentError(absl::StrCat(
+              "query_start_loc and state_indices are required on the first Verify of step ",
+              req.step())),
+          {});
+    return;
+  }
+  StepSlot& slot = slots_[step->slot];
+  const int layer_index = req.layer();
+
+  kernels::VerifyArgs args;
+  args.shape = shape_;
+  args.q = kernels::Activation{q->data, q->strides[0]};
+  args.k = kernels::Activation{k->data, k->strides[0]};
+  args.v = kernels::Activation{v->data, v->strides[0]};
+  args.g = kernels::Activation{g->data, g->strides[0]};
+  args.beta = kernels::Activation{beta->data, beta->strides[0]};
+  args.num_tokens = T;
+  args.out = o->data;
+  args.state = layer.state;
+  args.params = kernels::LayerParams{layer.a_log, layer.dt_bias};
+  args.records = layer.records;
+  args.num_rows = N;
+  args.prerequisites = kernels::Prerequisites{slot.status_device, L};
+  args.status = slot.status_device + layer_index;
+  if (first) {
+    args.snapshot_query_start_loc = slot.query_start_loc;
+    args.snapshot_state_indices = slot.state_indices;
+  } else if (qsl->present) {
+    args.expected_query_start_loc = slot.query_start_loc;
+    args.expected_state_indices = slot.state_indices;
+  }
+
+  {
+    // Everything the kernels check on the host, checked now so the caller
+    // hears of it even in ASYNC mode (inline tensors get their real address
+    // only when enqueued).
+    kernels::VerifyArgs check = args;
+    check.query_start_loc = kPlaceholder;
+    check.state_indices = kernels::IndexMatrix{kPlaceholder, 1, 1};
+    absl::Status valid = kernels::ValidateVerifyArgs(check);
+    if (!valid.ok()) {
+      lock.Release();
+      reply(valid, {});
+      return;
+    }
+  }
+
+  Work work;
+  work.waits = ordering->waits;
+  work.signals = ordering->signals;
+  work.statuses.push_back(StatusSlot{slot.status_device + layer_index, slot.status_host + layer_index});
+  if (first && N > 0) {
+    work.readbacks.push_back(Readback{slot.query_start_loc, slot.qsl_host, uint64_t(N + 1) * 4});
+  }
+  auto inputs = std::make_shared<std::pair<IndexInput, IndexInput>>(*std::move(qsl),
+                                                                      *std::move(indices));
+  work.launch = [this, args, inputs, &slot, first, L](kernels::Stream stream,
+                                                     Scratch& scratch) mutable -> absl::Status {
+    if (first) {
+      // Later calls of the step read these as prerequisites: start clean.
+      absl::Status st =
+          device_->ZeroOnStream(slot.status_device, (L + 2) * sizeof(kernels::DeviceStatus), stream);
+      if (!st.ok()) return st;
+    }
+    if (inputs->first.present) {
+      absl::StatusOr<const int32_t*> p = inputs->first.Pointer(scratch);
+      if (!p.ok()) return p.status();
+      args.query_start_loc = *p;
+      absl::StatusOr<const int32_t*> i = inputs->second.Pointer(scratch);
+      if (!i.ok()) return i.status();
+      args.state_indices = kernels::IndexMatrix{*i, inputs->second.row_stride,
+                                                static_cast<int>(inputs->second.cols)};
+    } else {
+      args.query_start_loc = slot.query_start_loc;
+      args.state_indices = kernels::IndexMatrix{slot.state_indices, 1, 1};
+    }
+    return device_->kernels().Verify(args, stream);
+  };
+  const bool async = ordering->async;
+  const uint64_t step_id = req.step();
+  auto pins = std::make_shared<std::vector<RegionPin>>(ordering->pins);
+  for (const TensorView* t : {&*q, &*k, &*v, &*g, &*beta, &*o}) pins->push_back(t->pin);
+  work.done = [this, pins, reply, async, step_id, session, layer_index, first, N,
+               slot_index = step->slot](absl::Status launched) {
+    absl::Status result = launched;
+    {
+      absl::MutexLock lock(&mu_);
+      StepSlot& s = slots_[slot_index];
+      --s.in_flight;
+      if (result.ok()) {
+        result = kernels::DeviceStatusToStatus(s.status_host[layer_index],
+                                               absl::StrCat("Verify of layer ", layer_index));
+      }
+      if (!result.ok()) {
+        MarkFailed(step_id, session, result, async);
+      } else if (first && N > 0) {
+        counters_.tokens_verified += uint64_t(s.qsl_host[N] - s.qsl_host[0]);
+      }
+    }
+    pins->clear();  // the regions may go now
+    if (!async) reply(result, {});
+  };
+
+  step->verified[layer_index] = true;
+  ++step->verified_count;
+  layer.records_step = step_id;
+  layer.records_valid = true;
+  ++slot.in_flight;
+  absl::Status st = device_->Submit(std::move(work));
+  if (!st.ok()) {
+    --slot.in_flight;
+    MarkFailed(step_id, session, st, false);
+    lock.Release();
+    reply(st, {});
+    return;
+  }
+  lock.Release();
+  if (async) {
+    v1::VerifyResponse response;
+    response.set_enqueued(true);
+    reply(absl::OkStatus(), response);
+  }
+}
+
+void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
+                    Reply<v1::CommitResponse> reply) {
+  const int L = layout_.num_layers();
+  const int max_rows = layout_.max_rows();
+  const bool align = layout_.cache_mode() == v1::ALIGN;
+  absl::StatusOr<IndexInput> accepted =
+      ResolveIndex(regions_, session, req.num_accepted(), "num_accepted", {});
+  if (accepted.ok()) {
+    absl::Status st = Required(*accepted, "num_accepted");
+    if (st.ok() && accepted->rows > max_rows) {
+      st = absl::OutOfRangeError(absl::StrCat("num_accepted has ", accepted->rows,
+                                              " rows; a batch has at most ", max_rows,
+                                              " (max_rows)"));
+    }
+    if (!st.ok()) accepted = st;
+  }
+  if (!accepted.ok()) {
+    reply(accepted.status(), {});
+    return;
+  }
+  const int64_t batch = accepted->rows;
+  absl::StatusOr<IndexInput> request_indices =
+      ResolveIndex(regions_, session, req.request_indices(), "request_indices", {});
+  if (!request_indices.ok()) {
+    reply(request_indices.status(), {});
+    return;
+  }
+  IndexSpec table_spec;
+  table_spec.rows = batch;
+  table_spec.allow_2d = true;
+  absl::StatusOr<IndexInput> block_table =
+      ResolveIndex(regions_, session, req.block_table(), "block_table", table_spec);
+  absl::StatusOr<IndexInput> computed =
+      block_table.ok() ? ResolveIndex(regions_, session, req.num_computed_tokens(),
+                                      "num_computed_tokens", {batch})
+                       : block_table;
+  if (!computed.ok()) {
+    reply(computed.status(), {});
+    return;
+  }
+  if (align != block_table->present || align != computed->present) {
+    reply(absl::InvalidArgumentError(
+              align ? "cache_mode ALIGN: block_table and num_computed_tokens are required"
+                    : "block_table and num_computed_tokens are for cache_mode ALIGN; this "
+                      "service runs cache_mode NONE"),
+          {});
+    return;
+  }
+  if (align && block_table->rows > 0 && block_table->cols < 1) {
+    reply(absl::InvalidArgumentError("block_table has no columns"), {});
+    return;
+  }
+  absl::StatusOr<Ordering> ordering = ResolveOrdering(
+      session, req.ordering(), req.wait(), req.signal(), req.has_wait(), req.has_signal());
+  if (!ordering.ok()) {
+    reply(ordering.status(), {});
+    return;
+  }
+  const uint64_t fingerprint = Fingerprint(req);
+
+  absl::ReleasableMutexLock lock(&mu_);
+  Step* step = FindStep(req.step());
+  if (step != nullptr && step->commit.started) {
+    if (step->commit.fingerprint != fingerprint) {
+      lock.Release();
+      reply(absl::FailedPreconditionError(absl::StrCat(
+                "step ", req.step(), " was already committed with different arguments")),
+            {});
+      return;
+    }
+    v1::CommitResponse cached;
+    cached.set_replayed_from_cache(true);
+    cached.set_enqueued(ordering->async);
+    cached.set_num_rows(step->num_rows);
+    cached.set_num_layers(L);
+    if (step->commit.finished || ordering->async) {
+      const absl::Status s = step->commit.finished ? step->commit.status : absl::OkStatus();
+      lock.Release();
+      reply(s, cached);
+    } else {
+      step->commit.waiters.push_back([reply, cached](absl::Status s) { reply(s, cached); });
+    }
+    return;
+  }
+  absl::Status pending = TakeSessionError(session);
+  if (!pending.ok()) {
+    lock.Release();
+    reply(pending, {});
+    return;
+  }
+  if (step == nullptr) {
+    lock.Release();
+    reply(absl::FailedPreconditionError(absl::StrCat(
+              "step ", req.step(), " was not verified (or ended long ago): Verify every layer "
+              "before Commit")),
+          {});
+    return;
+  }
+  if (step->failed) {
+    lock.Release();
+    reply(absl::FailedPreconditionError(
+              absl::StrCat("step ", req.step(), " failed: ", step->failure.message())),
+          {});
+    return;
+  }
+  std::vector<int> unverified, overwritten;
+  for (int l = 0; l < L; ++l) {
+    if (!step->verified[l]) {
+      unverified.push_back(l);
+    } else if (!layers_[l].records_valid || layers_[l].records_step != req.step()) {
+      overwritten.push_back(l);
+    }
+  }
+  if (!unverified.empty()) {
+    lock.Release();
+    reply(absl::FailedPreconditionError(absl::StrCat(
+              "step ", req.step(), " cannot be committed: layers ", LayerList(unverified),
+              " were not verified in it")),
+          {});
+    return;
+  }
+  if (!overwritten.empty()) {
+    lock.Release();
+    reply(absl::FailedPreconditionError(absl::StrCat(
+              "step ", req.step(), " cannot be committed: a later Verify overwrote the records "
+              "of layers ", LayerList(overwritten))),
+          {});
+    return;
+  }
+  if (!request_indices->present && batch < step->num_rows) {
+    lock.Release();
+    reply(absl::OutOfRangeError(absl::StrCat("num_accepted has ", batch,
+                                             " rows but the step has ", step->num_rows,
+                                             " rows and no request_indices")),
+          {});
+    return;
+  }
+  if (request_indices->present && request_indices->rows != step->num_rows) {
+    lock.Release();
+    reply(absl::InvalidArgumentError(absl::StrCat("request_indices has ", request_indices->rows,
+                                                  " rows, the step has ", step->num_rows)),
+          {});
+    return;
+  }
+  StepSlot& slot = slots_[step->slot];
+  const int N = step->num_rows;
+  kernels::CommitArgs args;
+  args.shape = shape_;
+  args.spec_query_len = sizes_.spec_query_len;
+  args.num_layers = L;
+  args.layers = host_layer_table_.data();
+  args.device_layers = device_layer_table_;
+  args.num_rows = N;
+  args.query_start_loc = slot.query_start_loc;
+  args.state_indices = kernels::IndexMatrix{slot.state_indices, 1, 1};
+  args.batch = static_cast<int>(batch);
+  args.mamba_block_size = align ? layout_.mamba_block_size() : 0;
+  args.workspace = commit_workspace_;
+  args.workspace_bytes = commit_workspace_bytes_;
+  args.prerequisites = kernels::Prerequisites{slot.status_device, L};
+  args.status = slot.status_device + L;
+  {
+    kernels::CommitArgs check = args;
+    check.num_accepted = kPlaceholder;
+    if (request_indices->present) check.request_indices = kPlaceholder;
+    if (align) {
+      check.block_table = kernels::IndexMatrix{kPlaceholder, block_table->row_stride,
+                                               static_cast<int>(block_table->cols)};
+      check.num_computed_tokens = kPlaceholder;
+    }
+    absl::Status valid = kernels::ValidateCommitArgs(check);
+    if (!valid.ok()) {
+      lock.Release();
+      reply(valid, {});
+      return;
+    }
+  }
+
+  Work work;
+  work.waits = ordering->waits;
+  work.signals = ordering->signals;
+  work.statuses.push_back(StatusSlot{slot.status_device + L, slot.status_host + L});
+  if (N > 0) {
+    work.readbacks.push_back(Readback{kernels::CommitPlanOf(commit_workspace_, layout_.num_blocks()),
+                                      slot.plan_host, N * sizeof(kernels::CommitPlanRow)});
+  }
+  struct Inputs {
+    IndexInput accepted, request_indices, block_table, computed;
+  };
+  auto inputs = std::make_shared<Inputs>(Inputs{*std::move(accepted), *std::move(request_indices),
+                                                *std::move(block_table), *std::move(computed)});
+  work.launch = [this, args, inputs](kernels::Stream stream, Scratch& scratch) mutable -> absl::Status {
+    absl::StatusOr<const int32_t*> p = inputs->accepted.Pointer(scratch);
+    if (!p.ok()) return p.status();
+    args.num_accepted = *p;
+    if (inputs->request_indices.present) {
+      p = inputs->request_indices.Pointer(scratch);
+      if (!p.ok()) return p.status();
+      args.request_indices = *p;
+    }
+    if (inputs->block_table.present) {
+      p = inputs->block_table.Pointer(scratch);
+      if (!p.ok()) return p.status();
+      args.block_table = kernels::IndexMatrix{*p, inputs->block_table.row_stride,
+                                              static_cast<int>(inputs->block_table.cols)};
+      p = inputs->computed.Pointer(scratch);
+      if (!p.ok()) return p.status();
+      args.num_computed_tokens = *p;
+    }
+    return device_->kernels().Commit(args, stream);
+  };
+  const bool async = ordering->async;
+  const uint64_t step_id = req.step();
+  auto pins = std::make_shared<std::vector<RegionPin>>(ordering->pins);
+  for (const IndexInput* in : {&inputs->accepted, &inputs->request_indices, &inputs->block_table,
+                               &inputs->computed}) {
+    if (in->pin != nullptr) pins->push_back(in->pin);
+  }
+  v1::CommitResponse response;
+  response.set_enqueued(async);
+  response.set_num_rows(N);
+  response.set_num_layers(L);
+  work.done = [this, pins, reply, async, step_id, session, N, L, response,
+               slot_index = step->slot](absl::Status launched) {
+    absl::Status result = launched;
+    std::vector<std::function<void(absl::Status)>> waiters;
+    {
+      absl::MutexLock lock(&mu_);
+      StepSlot& s = slots_[slot_index];
+      --s.in_flight;
+      if (result.ok()) result = kernels::DeviceStatusToStatus(s.status_host[L], "Commit");
+      if (!result.ok()) {
+        MarkFailed(step_id, session, result, async);
+      } else {
+        ++counters_.steps_committed;
+        for (int i = 0; i < N; ++i) {
+          const kernels::CommitPlanRow& p = s.plan_host[i];
+          if (p.source > 0 && p.commit_len > 0 && p.final_block > 0) {
+            ++counters_.rows_committed;
+            counters_.tokens_committed += p.commit_len;
+          }
+        }
+      }
+      if (Step* st = FindStep(step_id)) {
+        st->commit.finished = true;
+        st->commit.status = result;
+        waiters.swap(st->commit.waiters);
+      }
+    }
+    pins->clear();
+    if (!async) reply(result, response);
+    for (auto& w : waiters) w(result);
+  };
+  step->commit.started = true;
+  step->commit.fingerprint = fingerprint;
+  ++slot.in_flight;
+  absl::Status st = device_->Submit(std::move(work));
+  if (!st.ok()) {
+    --slot.in_flight;
+    step->commit.started = false;
+    lock.Release();
+    reply(st, {});
+    return;
+  }
+  lock.Release();
+  if (async) reply(absl::OkStatus(), response);
+}
+
+void Engine::RecordStateBlocks(const std::string& session,
+                               const v1::RecordStateBlocksRequest& req,
+                               Reply<v1::RecordStateBlocksResponse> reply) {
+  const int L = layout_.num_layers();
+  const int max_rows = layout_.max_rows();
+  if (layout_.cache_mode() != v1::ALIGN) {
+    reply(absl::FailedPreconditionError(
+              "RecordStateBlocks is for cache_mode ALIGN; this service runs cache_mode NONE"),
+          {});
+    return;
+  }
+  absl::StatusOr<IndexInput> mapping =
+      ResolveIndex(regions_, session, req.idx_mapping(), "idx_mapping", {});
+  if (mapping.ok()) {
+    absl::Status st = Required(*mapping, "idx_mapping");
+    if (st.ok() && mapping->rows > max_rows) {
+      st = absl::OutOfRangeError(absl::StrCat("idx_mapping has ", mapping->rows,
+                                              " rows; a batch has at most ", max_rows));
+    }
+    if (!st.ok()) mapping = st;
+  }
+  if (!mapping.ok()) {
+    reply(mapping.status(), {});
+    return;
+  }
+  const int64_t batch = mapping->rows;
+  absl::StatusOr<IndexInput> sampled =
+      ResolveIndex(regions_, session, req.num_sampled(), "num_sampled", {batch});
+  absl::StatusOr<IndexInput> computed =
+      sampled.ok() ? ResolveIndex(regions_, session, req.num_computed_tokens(),
+                                  "num_computed_tokens", {batch})
+                   : sampled;
+  absl::StatusOr<IndexInput> request_indices =
+      computed.ok() ? ResolveIndex(regions_, session, req.request_indices(), "request_indices", {})
+                    : computed;
+  if (!request_indices.ok()) {
+    reply(request_indices.status(), {});
+    return;
+  }
+  absl::Status st = Required(*sampled, "num_sampled");
+  if (st.ok()) st = Required(*computed, "num_computed_tokens");
+  if (st.ok() && req.block_table_width() < 1) {
+    st = absl::InvalidArgumentError(
+        absl::StrCat("block_table_width = ", req.block_table_width(), " must be >= 1"));
+  }
+  TensorSpec out_spec;
+  out_spec.dtype = DType::kInt32;
+  out_spec.shape = {-1};
+  out_spec.dense_inner = 1;
+  absl::StatusOr<TensorView> state_idx =
+      st.ok() ? regions_.ResolveTensor(session, req.state_idx(), "state_idx", out_spec)
+              : absl::StatusOr<TensorView>(st);
+  if (state_idx.ok() && state_idx->shape[0] > max_rows) {
+    state_idx = absl::OutOfRangeError(absl::StrCat("state_idx has ", state_idx->shape[0],
+                                                   " rows; at most ", max_rows, " requests"));
+  }
+  if (state_idx.ok()) out_spec.shape[0] = state_idx->shape[0];
+  absl::StatusOr<TensorView> out_accepted =
+      state_idx.ok()
+          ? regions_.ResolveTensor(session, req.num_accepted(), "num_accepted", out_spec)
+          : state_idx;
+  if (!out_accepted.ok()) {
+    reply(out_accepted.status(), {});
+    return;
+  }
+  absl::StatusOr<Ordering> ordering = ResolveOrdering(
+      session, req.ordering(), req.wait(), req.signal(), req.has_wait(), req.has_signal());
+  if (!ordering.ok()) {
+    reply(ordering.status(), {});
+    return;
+  }
+  const uint64_t fingerprint = Fingerprint(req);
+
+  absl::ReleasableMutexLock lock(&mu_);
+  Step* step = FindStep(req.step());
+  if (step != nullptr && step->record.started) {
+    if (step->record.fingerprint != fingerprint) {
+      lock.Release();
+      reply(absl::FailedPreconditionError(absl::StrCat(
+                "step ", req.step(), " already recorded its state blocks with different arguments")),
+            {});
+      return;
+    }
+    v1::RecordStateBlocksResponse cached;
+    cached.set_replayed_from_cache(true);
+    cached.set_enqueued(ordering->async);
+    if (step->record.finished || ordering->async) {
+      const absl::Status s = step->record.finished ? step->record.status : absl::OkStatus();
+      lock.Release();
+      reply(s, cached);
+    } else {
+      step->record.waiters.push_back([reply, cached](absl::Status s) { reply(s, cached); });
+    }
+    return;
+  }
+  absl::Status pending = TakeSessionError(session);
+  if (!pending.ok()) {
+    lock.Release();
+    reply(pending, {});
+    return;
+  }
+  if (step == nullptr || !step->commit.started) {
+    lock.Release();
+    reply(absl::FailedPreconditionError(
+              absl::StrCat("step ", req.step(), " was not committed: Commit before RecordStateBlocks")),
+          {});
+    return;
+  }
+  if (step->failed) {
+    lock.Release();
+    reply(absl::FailedPreconditionError(
+              absl::StrCat("step ", req.step(), " failed: ", step->failure.message())),
+          {});
+    return;
+  }
+  if (request_indices->present && request_indices->rows != step->num_rows) {
+    lock.Release();
+    reply(absl::InvalidArgumentError(absl::StrCat("request_indices has ", request_indices->rows,
+                                                  " rows, the step has ", step->num_rows)),
+          {});
+    return;
+  }
+  if (!request_indices->present && batch < step->num_rows) {
+    lock.Release();
+    reply(absl::OutOfRangeError(absl::StrCat("idx_mapping has ", batch, " rows but the step has ",
+                                             step->num_rows, " rows and no request_indices")),
+          {});
+    return;
+  }
+  StepSlot& slot = slots_[step->slot];
+  kernels::RecordStateBlocksArgs args;
+  args.num_rows = step->num_rows;
+  args.batch = static_cast<int>(batch);
+  args.mamba_block_size = layout_.mamba_block_size();
+  args.block_table_width = req.block_table_width();
+  args.num_requests = static_cast<int>(state_idx->shape[0]);
+  args.state_idx = static_cast<int32_t*>(state_idx->data);
+  args.num_accepted = static_cast<int32_t*>(out_accepted->data);
+  args.workspace = record_workspace_;
+  args.workspace_bytes = record_workspace_bytes_;
+  args.prerequisites = kernels::Prerequisites{slot.status_device, L + 1};
+  args.status = slot.status_device + L + 1;
+  {
+    kernels::RecordStateBlocksArgs check = args;
+    check.idx_mapping = check.num_sampled = check.num_computed_tokens = kPlaceholder;
+    if (request_indices->present) check.request_indices = kPlaceholder;
+    absl::Status valid = kernels::ValidateRecordStateBlocksArgs(check);
+    if (!valid.ok()) {
+      lock.Release();
+      reply(valid, {});
+      return;
+    }
+  }
+
+  Work work;
+  work.waits = ordering->waits;
+  work.signals = ordering->signals;
+  work.statuses.push_back(StatusSlot{slot.status_device + L + 1, slot.status_host + L + 1});
+  struct Inputs {
+    IndexInput mapping, sampled, computed, request_indices;
+  };
+  auto inputs = std::make_shared<Inputs>(Inputs{*std::move(mapping), *std::move(sampled),
+                                                *std::move(computed), *std::move(request_indices)});
+  work.launch = [this, args, inputs](kernels::Stream stream, Scratch& scratch) mutable -> absl::Status {
+    absl::StatusOr<const int32_t*> p = inputs->mapping.Pointer(scratch);
+    if (!p.ok()) return p.status();
+    args.idx_mapping = *p;
+    p = inputs->sampled.Pointer(scratch);
+    if (!p.ok()) return p.status();
+    args.num_sampled = *p;
+    p = inputs->computed.Pointer(scratch);
+    if (!p.ok()) return p.status();
+    args.num_computed_tokens = *p;
+    if (inputs->request_indices.present) {
+      p = inputs->request_indices.Pointer(scratch);
+      if (!p.ok()) return p.status();
+      args.request_indices = *p;
+    }
+    return device_->kernels().RecordStateBlocks(args, stream);
+  };
+  const bool async = ordering->async;
+  const uint64_t step_id = req.step();
+  auto pins = std::make_shared<std::vector<RegionPin>>(ordering->pins);
+  pins->push_back(state_idx->pin);
+  pins->push_back(out_accepted->pin);
+  for (const IndexInput* in : {&inputs->mapping, &inputs->sampled, &inputs->computed,
+                               &inputs->request_indices}) {
+    if (in->pin != nullptr) pins->push_back(in->pin);
+  }
+  v1::RecordStateBlocksResponse response;
+  response.set_enqueued(async);
+  work.done = [this, pins, reply, async, step_id, session, L, response,
+               slot_index = step->slot](absl::Status launched) {
+    absl::Status result = launched;
+    std::vector<std::function<void(absl::Status)>> waiters;
+    {
+      absl::MutexLock lock(&mu_);
+      StepSlot& s = slots_[slot_index];
+      --s.in_flight;
+      if (result.ok()) {
+        result = kernels::DeviceStatusToStatus(s.status_host[L + 1], "RecordStateBlocks");
+      }
+      if (!result.ok()) MarkFailed(step_id, session, result, async);
+      if (Step* st = FindStep(step_id)) {
+        st->record.finished = true;
+        st->record.status = result;
+        waiters.swap(st->record.waiters);
+      }
+    }
+    pins->clear();
+    if (!async) reply(result, response);
+    for (auto& w : waiters) w(result);
+  };
+  step->record.started = true;
+  step->record.fingerprint = fingerprint;
+  ++slot.in_flight;
+  st = device_->Submit(std::move(work));
+  if (!st.ok()) {
+    --slot.in_flight;
+    step->record.started = false;
+    lock.Release();
+    reply(st, {});
+    return;
+  }
+  lock.Release();
+  if (async) reply(absl::OkStatus(), response);
+}
+
+void Engine::EndSession(const std::string& session) {
+  std::shared_ptr<WaitCancellation> cancellation;
+  {
+    absl::MutexLock lock(&mu_);
+    session_errors_.erase(session);
+    auto it = session_waits_.find(session);
+    if (it != session_waits_.end()) {
+      cancellation = it->second;
+      session_waits_.erase(it);
+    }
+  }
+  if (cancellation != nullptr) {
+    cancellation->cancelled.store(true);
+    device_->ReleaseCancelledWaits();
+  }
+  regions_.ReleaseSession(session);
+}
+
+EngineCounters Engine::counters() const {
+  absl::MutexLock lock(&mu_);
+  return counters_;
+}
+
+}  // namespace server
+}  // namespace specstate

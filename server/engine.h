@@ -1,0 +1,183 @@
+// The service's core, independent of gRPC: it owns the pools, the records,
+// the layer parameters and the step protocol, translates requests into
+// kernel calls on its Device, and orders them with the caller's work.
+//
+// Every driving call answers through `reply`, exactly once: at once in
+// ASYNC mode (after enqueueing) and for errors found on the host; after the
+// device finished the work in SYNC mode.
+//
+//   auto engine = Engine::Create(config, std::move(device)).value();
+//   engine->Verify(session_id, request, [](absl::Status s, v1::VerifyResponse r) { ... });
+#ifndef SPECSTATE_SERVER_ENGINE_H_
+#define SPECSTATE_SERVER_ENGINE_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/kda_args.h"
+#include "proto/specstate/v1/specstate.pb.h"
+#include "server/config.h"
+#include "server/device.h"
+#include "server/regions.h"
+
+namespace specstate {
+namespace server {
+
+template <typename Response>
+using Reply = std::function<void(absl::Status, Response)>;
+
+// Counters of the step protocol (a consistent copy).
+struct EngineCounters {
+  uint64_t steps_verified = 0;
+  uint64_t steps_committed = 0;
+  uint64_t steps_failed = 0;
+  uint64_t rows_verified = 0;
+  uint64_t rows_committed = 0;
+  uint64_t tokens_verified = 0;
+  uint64_t tokens_committed = 0;
+  uint64_t state_bytes_saved = 0;
+};
+
+class Engine {
+ public:
+  // Validates the layout, checks that it fits in the device's free memory
+  // (RESOURCE_EXHAUSTED naming the bytes otherwise) and allocates everything.
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(const v1::ServiceConfig& config,
+                                                        std::unique_ptr<Device> device);
+  ~Engine();
+
+  // The layout, with the backend and derived sizes filled in.
+  const v1::Layout& layout() const { return layout_; }
+  Device& device() { return *device_; }
+  RegionRegistry& regions() { return regions_; }
+
+  v1::ExportPoolsResponse ExportPools() const;
+
+  void ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateResponse> reply);
+
+  absl::Status RegisterRegion(const v1::RegisterRegionRequest& request);
+
+  // Driving calls; `session` has been checked to be the driver.
+  void LoadLayerParams(const std::string& session, const v1::LoadLayerParamsRequest& request,
+                       Reply<v1::LoadLayerParamsResponse> reply);
+  void Verify(const std::string& session, const v1::VerifyRequest& request,
+              Reply<v1::VerifyResponse> reply);
+  void Commit(const std::string& session, const v1::CommitRequest& request,
+              Reply<v1::CommitResponse> reply);
+  void RecordStateBlocks(const std::string& session, const v1::RecordStateBlocksRequest& request,
+                         Reply<v1::RecordStateBlocksResponse> reply);
+
+  // The session ended: its regions go (once their work is done), waits on
+  // its doorbells are released, its pending errors are dropped.
+  void EndSession(const std::string& session);
+
+  EngineCounters counters() const;
+
+ private:
+  struct LayerState {
+    kernels::StatePool state;
+    kernels::ConvPool conv;
+    float* a_log = nullptr;    // device [H]
+    float* dt_bias = nullptr;  // device [H * K]
+    bool params_loaded = false;
+    kernels::Records records;
+    uint64_t records_step = 0;  // the step whose Verify last wrote the records
+    bool records_valid = false;
+  };
+
+  // Device memory of one step in flight (a ring of these).
+  struct StepSlot {
+    kernels::DeviceStatus* status_device = nullptr;  // [layers + 2]
+    kernels::DeviceStatus* status_host = nullptr;
+    int32_t* query_start_loc = nullptr;  // [max_rows + 1], the step's snapshot
+    int32_t* state_indices = nullptr;    // [max_rows]
+    int32_t* qsl_host = nullptr;         // readback of the snapshot
+    kernels::CommitPlanRow* plan_host = nullptr;  // readback of the commit plan
+    int in_flight = 0;                   // submitted work not yet done
+  };
+
+  // What the service knows of one step.
+  struct Step {
+    uint64_t id = 0;
+    int slot = 0;
+    int num_rows = 0;
+    std::vector<bool> verified;
+    int verified_count = 0;
+    bool failed = false;
+    absl::Status failure;
+    // Commit / RecordStateBlocks: at most once, answered from here on retry.
+    struct Once {
+      bool started = false;
+      bool finished = false;
+      uint64_t fingerprint = 0;
+      absl::Status status;
+      std::vector<std::function<void(absl::Status)>> waiters;
+    };
+    Once commit;
+    Once record;
+  };
+
+  Engine(const v1::ServiceConfig& config, std::unique_ptr<Device> device);
+  absl::Status Allocate();
+
+  // The step `id`, started (with a free slot) when new.
+  absl::StatusOr<Step*> StartOrFindStep(uint64_t id, int num_rows)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Step* FindStep(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The first asynchronous error of the session, once (then cleared).
+  absl::Status TakeSessionError(const std::string& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkFailed(uint64_t step, const std::string& session, absl::Status status, bool async)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  struct Ordering {
+    std::vector<WaitOp> waits;
+    std::vector<SignalOp> signals;
+    std::vector<RegionPin> pins;
+    bool async = false;
+  };
+  absl::StatusOr<Ordering> ResolveOrdering(const std::string& session, v1::Ordering ordering,
+                                           const v1::Signal& wait, const v1::Signal& signal,
+                                           bool has_wait, bool has_signal);
+
+  const v1::ServiceConfig config_;
+  v1::Layout layout_;
+  LayoutSizes sizes_;
+  kernels::KdaShape shape_;
+  std::unique_ptr<Device> device_;
+  RegionRegistry regions_;
+
+  char* pools_ = nullptr;
+  std::vector<LayerState> layers_;
+  kernels::CommitLayer* device_layer_table_ = nullptr;
+  std::vector<kernels::CommitLayer> host_layer_table_;
+  void* commit_workspace_ = nullptr;
+  size_t commit_workspace_bytes_ = 0;
+  void* record_workspace_ = nullptr;
+  size_t record_workspace_bytes_ = 0;
+
+  static constexpr int kStepSlots = 8;
+  static constexpr int kStepHistory = 64;
+
+  mutable absl::Mutex mu_;
+  std::vector<StepSlot> slots_ ABSL_GUARDED_BY(mu_);
+  int next_slot_ ABSL_GUARDED_BY(mu_) = 0;
+  // Recent steps, oldest first; the last is the current one.
+  std::deque<std::unique_ptr<Step>> steps_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, absl::Status> session_errors_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::shared_ptr<WaitCancellation>> session_waits_ ABSL_GUARDED_BY(mu_);
+  EngineCounters counters_ ABSL_GUARDED_BY(mu_);
+  std::vector<char*> read_buffers_ ABSL_GUARDED_BY(mu_);  // ReadState's host buffers
+};
+
+}  // namespace server
+}  // namespace specstate
+
+#endif  // SPECSTATE_SERVER_ENGINE_H_

@@ -1,0 +1,228 @@
+#include "server/regions.h"
+
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace specstate {
+namespace server {
+
+Region::~Region() {
+  mapped_.reset();
+  std::vector<std::function<void()>> callbacks;
+  {
+    absl::MutexLock lock(&mu_);
+    callbacks.swap(on_unmapped_);
+  }
+  for (auto& fn : callbacks) fn();
+}
+
+void Region::OnUnmapped(std::function<void()> fn) {
+  absl::MutexLock lock(&mu_);
+  on_unmapped_.push_back(std::move(fn));
+}
+
+absl::Status RegionRegistry::Register(const std::string& session, const std::string& name,
+                                      std::unique_ptr<MappedRegion> mapped) {
+  if (name.empty()) return absl::InvalidArgumentError("region name is empty");
+  absl::MutexLock lock(&mu_);
+  auto key = std::make_pair(session, name);
+  if (regions_.count(key) != 0) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("region \"", name, "\" is already registered by this session"));
+  }
+  regions_.emplace(key, std::make_shared<Region>(session, name, std::move(mapped)));
+  return absl::OkStatus();
+}
+
+absl::Status RegionRegistry::Unregister(const std::string& session, const std::string& name,
+                                        std::function<void()> unmapped) {
+  RegionPin region;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = regions_.find(std::make_pair(session, name));
+    if (it == regions_.end()) {
+      return absl::NotFoundError(absl::StrCat("no region \"", name, "\" in this session"));
+    }
+    region = std::move(it->second);
+    regions_.erase(it);
+  }
+  region->OnUnmapped(std::move(unmapped));
+  region.reset();  // the last reference unless in-flight work pins it
+  return absl::OkStatus();
+}
+
+void RegionRegistry::ReleaseSession(const std::string& session) {
+  std::vector<RegionPin> dropped;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = regions_.begin(); it != regions_.end();) {
+      if (it->first.first == session) {
+        dropped.push_back(std::move(it->second));
+        it = regions_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  // Unmapped here, or by the last in-flight work that pins them.
+}
+
+std::vector<v1::RegionInfo> RegionRegistry::List(const std::string& session) const {
+  std::vector<v1::RegionInfo> out;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, region] : regions_) {
+    if (!session.empty() && key.first != session) continue;
+    v1::RegionInfo info;
+    info.set_session_id(key.first);
+    info.set_name(key.second);
+    info.set_kind(std::string(region->kind()));
+    info.set_byte_size(region->byte_size());
+    info.set_in_use(static_cast<int32_t>(region.use_count() - 1));
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+int RegionRegistry::Count() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int>(regions_.size());
+}
+
+absl::StatusOr<RegionPin> RegionRegistry::Find(const std::string& session,
+                                               const std::string& name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = regions_.find(std::make_pair(session, name));
+  if (it == regions_.end()) {
+    return absl::NotFoundError(absl::StrCat("no region \"", name, "\" in this session"));
+  }
+  return it->second;
+}
+
+namespace {
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  std::vector<std::string> dims;
+  for (int64_t d : shape) dims.push_back(d < 0 ? "*" : absl::StrCat(d));
+  return absl::StrCat("[", absl::StrJoin(dims, ", "), "]");
+}
+
+}  // namespace
+
+absl::StatusOr<TensorView> RegionRegistry::ResolveTensor(const std::string& session,
+                                                         const v1::RegionTensor& t,
+                                                         absl::string_view field,
+                                                         const TensorSpec& spec) const {
+  if (t.region().empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": region is empty"));
+  absl::StatusOr<RegionPin> region = Find(session, t.region());
+  if (!region.ok()) return absl::NotFoundError(absl::StrCat(field, ": ", region.status().message()));
+  if (t.dtype() == v1::DTYPE_UNSPECIFIED) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": dtype is not set (expected ",
+                                                   DTypeName(spec.dtype), ")"));
+  }
+  const int rank = static_cast<int>(spec.shape.size());
+  std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+  if (static_cast<int>(shape.size()) != rank) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", ShapeString(shape),
+                                                   " has rank ", shape.size(), ", expected ",
+                                                   ShapeString(spec.shape)));
+  }
+  const DType want = spec.dtype;
+  const bool dtype_ok = (t.dtype() == v1::FP32 && want == DType::kFloat32) ||
+                        (t.dtype() == v1::FP16 && want == DType::kFloat16) ||
+                        (t.dtype() == v1::BF16 && want == DType::kBFloat16) ||
+                        (t.dtype() == v1::INT32 && want == DType::kInt32);
+  if (!dtype_ok) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": dtype ", v1::DType_Name(t.dtype()),
+                                                   ", expected ", DTypeName(want)));
+  }
+  for (int d = 0; d < rank; ++d) {
+    if (shape[d] < 0 || (spec.shape[d] >= 0 && shape[d] != spec.shape[d])) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", ShapeString(shape),
+                                                     ", expected ", ShapeString(spec.shape)));
+    }
+  }
+  std::vector<int64_t> strides(t.strides().begin(), t.strides().end());
+  if (strides.empty()) {
+    strides.assign(rank, 1);
+    for (int d = rank - 2; d >= 0; --d) strides[d] = strides[d + 1] * std::max<int64_t>(shape[d + 1], 1);
+  } else if (static_cast<int>(strides.size()) != rank) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", strides.size(),
+                                                   " strides for a tensor of rank ", rank));
+  }
+  int64_t dense = 1;
+  for (int d = rank - 1; d >= 0; --d) {
+    if (strides[d] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": stride ", d, " is negative"));
+    }
+    if (d >= rank - spec.dense_inner && shape[d] > 1 && strides[d] != dense) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": stride of dimension ", d, " is ",
+                                                     strides[d], ", must be ", dense,
+                                                     " (these dimensions must be dense)"));
+    }
+    dense *= shape[d];
+  }
+  // Last element offset, with overflow checks: every product and sum stays
+  // below the region size, which is far below INT64_MAX.
+  const uint64_t elem = DTypeSize(want);
+  const uint64_t size = (*region)->byte_size();
+  if (t.offset_bytes() % elem != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": offset_bytes ", t.offset_bytes(),
+                                                   " is not a multiple of the element size ",
+                                                   elem));
+  }
+  bool empty = false;
+  uint64_t last = 0;  // elements
+  for (int d = 0; d < rank; ++d) {
+    if (shape[d] == 0) empty = true;
+    if (shape[d] <= 1) continue;
+    const uint64_t extent = static_cast<uint64_t>(shape[d] - 1);
+    const uint64_t stride = static_cast<uint64_t>(strides[d]);
+    if (stride != 0 && extent > (size / elem) / stride) {
+      return absl::OutOfRangeError(absl::StrCat(field, ": shape ", ShapeString(shape),
+                                                " with these strides reaches past region \"",
+                                                t.region(), "\" (", size, " bytes)"));
+    }
+    last += extent * stride;
+    if (last > size / elem) {
+      return absl::OutOfRangeError(absl::StrCat(field, ": shape ", ShapeString(shape),
+                                                " with these strides reaches past region \"",
+                                                t.region(), "\" (", size, " bytes)"));
+    }
+  }
+  const uint64_t needed = empty ? 0 : (last + 1) * elem;
+  if (t.offset_bytes() > size || needed > size - t.offset_bytes()) {
+    return absl::OutOfRangeError(absl::StrCat(field, ": ", needed, " bytes at offset ",
+                                              t.offset_bytes(), " are past the end of region \"",
+                                              t.region(), "\" (", size, " bytes)"));
+  }
+  TensorView view;
+  view.data = static_cast<char*>((*region)->data()) + t.offset_bytes();
+  view.shape = std::move(shape);
+  view.strides = std::move(strides);
+  view.pin = *std::move(region);
+  return view;
+}
+
+absl::StatusOr<std::pair<uint32_t*, RegionPin>> RegionRegistry::ResolveCounter(
+    const std::string& session, const v1::Doorbell& doorbell, absl::string_view field) const {
+  absl::StatusOr<RegionPin> region = Find(session, doorbell.region());
+  if (!region.ok()) return absl::NotFoundError(absl::StrCat(field, ": ", region.status().message()));
+  if (doorbell.offset_bytes() % 4 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": offset_bytes ", doorbell.offset_bytes(), " is not 4-byte aligned"));
+  }
+  const uint64_t size = (*region)->byte_size();
+  if (doorbell.offset_bytes() > size || size - doorbell.offset_bytes() < 4) {
+    return absl::OutOfRangeError(absl::StrCat(field, ": offset_bytes ", doorbell.offset_bytes(),
+                                              " is past the end of region \"", doorbell.region(),
+                                              "\" (", size, " bytes)"));
+  }
+  auto* counter = reinterpret_cast<uint32_t*>(static_cast<char*>((*region)->data()) +
+                                              doorbell.offset_bytes());
+  return std::make_pair(counter, *std::move(region));
+}
+
+}  // namespace server
+}  // namespace specstate

@@ -1,0 +1,120 @@
+// Client buffers registered with the service, after Triton Inference
+// Server's shared-memory protocol: a session registers a buffer once under a
+// name, and requests then refer to tensors in it by name + byte offset +
+// dtype + shape + strides.
+//
+// A region stays mapped while work that uses it is in flight: resolving a
+// tensor pins its region (a shared_ptr the work holds until the device has
+// finished it). Unregistering, or the end of the owning session, drops the
+// registry's reference; the mapping goes, and the unregister completes,
+// when the last pin is released.
+//
+//   RegionRegistry regions;
+//   regions.Register("s1", "acts", std::move(mapped));
+//   absl::StatusOr<TensorView> q = regions.ResolveTensor("s1", request.q(), "q", spec);
+#ifndef SPECSTATE_SERVER_REGIONS_H_
+#define SPECSTATE_SERVER_REGIONS_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/dtype.h"
+#include "proto/specstate/v1/specstate.pb.h"
+#include "server/device.h"
+
+namespace specstate {
+namespace server {
+
+// A registered region. Unmaps (and runs the unregister's completions) when
+// the last reference goes.
+class Region {
+ public:
+  Region(std::string session, std::string name, std::unique_ptr<MappedRegion> mapped)
+      : session_(std::move(session)), name_(std::move(name)), mapped_(std::move(mapped)) {}
+  ~Region();
+
+  const std::string& session() const { return session_; }
+  const std::string& name() const { return name_; }
+  void* data() const { return mapped_->data(); }
+  uint64_t byte_size() const { return mapped_->byte_size(); }
+  absl::string_view kind() const { return mapped_->kind(); }
+
+  // Runs `fn` once the region is unmapped.
+  void OnUnmapped(std::function<void()> fn);
+
+ private:
+  std::string session_;
+  std::string name_;
+  std::unique_ptr<MappedRegion> mapped_;
+  absl::Mutex mu_;
+  std::vector<std::function<void()>> on_unmapped_;
+};
+
+using RegionPin = std::shared_ptr<Region>;
+
+// What a tensor must look like: dtype, and per dimension the size required
+// (-1: any, reported back). `dense_inner` dimensions at the end must be
+// dense (stride = product of the later sizes).
+struct TensorSpec {
+  DType dtype = DType::kInt32;
+  std::vector<int64_t> shape;
+  int dense_inner = 0;
+};
+
+// A resolved tensor: its address, shape and strides (in elements).
+struct TensorView {
+  void* data = nullptr;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  RegionPin pin;
+};
+
+class RegionRegistry {
+ public:
+  // ALREADY_EXISTS if the session already has a region of that name.
+  absl::Status Register(const std::string& session, const std::string& name,
+                        std::unique_ptr<MappedRegion> mapped);
+
+  // Drops the registration; `unmapped` runs once no in-flight work pins it
+  // (at once when none does). NOT_FOUND for an unknown name.
+  absl::Status Unregister(const std::string& session, const std::string& name,
+                          std::function<void()> unmapped);
+
+  // Drops every region of `session` (its end).
+  void ReleaseSession(const std::string& session);
+
+  // The regions of `session`, or of all sessions when it is empty.
+  std::vector<v1::RegionInfo> List(const std::string& session) const;
+  int Count() const;
+
+  absl::StatusOr<RegionPin> Find(const std::string& session, const std::string& name) const;
+
+  // Resolves `tensor` of the session against `spec`: the region exists, the
+  // dtype and shape match, the strides are non-negative, and every element
+  // lies inside the region (computed without overflow). Errors name `field`.
+  absl::StatusOr<TensorView> ResolveTensor(const std::string& session,
+                                           const v1::RegionTensor& tensor,
+                                           absl::string_view field, const TensorSpec& spec) const;
+
+  // A 4-byte counter for a doorbell, inside a region of the session.
+  absl::StatusOr<std::pair<uint32_t*, RegionPin>> ResolveCounter(const std::string& session,
+                                                                 const v1::Doorbell& doorbell,
+                                                                 absl::string_view field) const;
+
+ private:
+  mutable absl::Mutex mu_;
+  // (session, name) -> region
+  std::map<std::pair<std::string, std::string>, RegionPin> regions_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace server
+}  // namespace specstate
+
+#endif  // SPECSTATE_SERVER_REGIONS_H_
