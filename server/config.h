@@ -14,7 +14,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/dtype.h"
 #include "kernels/kda_args.h"
-#include "proto/specstate/v1/specstate.pb.h"
+#include "specstate/v1/specstate.pb.h"
 
 namespace specstate {
 namespace server {

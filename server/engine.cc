@@ -476,7 +476,7 @@ absl::Status Engine::TakeSessionError(const std::string& session) {
 
 void Engine::MarkFailed(uint64_t step_id, const std::string& session, absl::Status status,
                         bool async) {
-  Step* step = FindStep(step_id);
+  Step* step = FindStep(session, step_id);
   if (step != nullptr && !step->failed) {
     step->failed = true;
     step->failure = status;
@@ -490,15 +490,16 @@ void Engine::MarkFailed(uint64_t step_id, const std::string& session, absl::Stat
   }
 }
 
-Engine::Step* Engine::FindStep(uint64_t id) {
+Engine::Step* Engine::FindStep(const std::string& session, uint64_t id) {
   for (auto& step : steps_) {
-    if (step->id == id) return step.get();
+    if (step->id == id && step->session == session) return step.get();
   }
   return nullptr;
 }
 
-absl::StatusOr<Engine::Step*> Engine::StartOrFindStep(uint64_t id, int num_rows) {
-  Step* step = FindStep(id);
+absl::StatusOr<Engine::Step*> Engine::StartOrFindStep(const std::string& session, uint64_t id,
+                                                      int num_rows) {
+  Step* step = FindStep(session, id);
   if (step != nullptr) {
     if (step != steps_.back().get()) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -526,6 +527,7 @@ absl::StatusOr<Engine::Step*> Engine::StartOrFindStep(uint64_t id, int num_rows)
   }
   next_slot_ = (next_slot_ + 1) % kStepSlots;
   auto fresh = std::make_unique<Step>();
+  fresh->session = session;
   fresh->id = id;
   fresh->slot = slot;
   fresh->num_rows = num_rows;
@@ -785,7 +787,7 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
           {});
     return;
   }
-  absl::StatusOr<Step*> step_or = StartOrFindStep(req.step(), N);
+  absl::StatusOr<Step*> step_or = StartOrFindStep(session, req.step(), N);
   if (!step_or.ok()) {
     lock.Release();
     reply(step_or.status(), {});
@@ -900,6 +902,7 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
 
   step->verified[layer_index] = true;
   ++step->verified_count;
+  layer.records_session = session;
   layer.records_step = step_id;
   layer.records_valid = true;
   ++slot.in_flight;
@@ -980,7 +983,7 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
   const uint64_t fingerprint = Fingerprint(req);
 
   absl::ReleasableMutexLock lock(&mu_);
-  Step* step = FindStep(req.step());
+  Step* step = FindStep(session, req.step());
   if (step != nullptr && step->commit.started) {
     if (step->commit.fingerprint != fingerprint) {
       lock.Release();
@@ -1028,7 +1031,8 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
   for (int l = 0; l < L; ++l) {
     if (!step->verified[l]) {
       unverified.push_back(l);
-    } else if (!layers_[l].records_valid || layers_[l].records_step != req.step()) {
+    } else if (!layers_[l].records_valid || layers_[l].records_step != req.step() ||
+               layers_[l].records_session != session) {
       overwritten.push_back(l);
     }
   }
@@ -1162,7 +1166,7 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
           }
         }
       }
-      if (Step* st = FindStep(step_id)) {
+      if (Step* st = FindStep(session, step_id)) {
         st->commit.finished = true;
         st->commit.status = result;
         waiters.swap(st->commit.waiters);
@@ -1261,7 +1265,7 @@ void Engine::RecordStateBlocks(const std::string& session,
   const uint64_t fingerprint = Fingerprint(req);
 
   absl::ReleasableMutexLock lock(&mu_);
-  Step* step = FindStep(req.step());
+  Step* step = FindStep(session, req.step());
   if (step != nullptr && step->record.started) {
     if (step->record.fingerprint != fingerprint) {
       lock.Release();
@@ -1390,7 +1394,7 @@ void Engine::RecordStateBlocks(const std::string& session,
         result = kernels::DeviceStatusToStatus(s.status_host[L + 1], "RecordStateBlocks");
       }
       if (!result.ok()) MarkFailed(step_id, session, result, async);
-      if (Step* st = FindStep(step_id)) {
+      if (Step* st = FindStep(session, step_id)) {
         st->record.finished = true;
         st->record.status = result;
         waiters.swap(st->record.waiters);

@@ -23,7 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/kda_args.h"
-#include "proto/specstate/v1/specstate.pb.h"
+#include "specstate/v1/specstate.pb.h"
 #include "server/config.h"
 #include "server/device.h"
 #include "server/regions.h"
@@ -89,7 +89,8 @@ class Engine {
     float* dt_bias = nullptr;  // device [H * K]
     bool params_loaded = false;
     kernels::Records records;
-    uint64_t records_step = 0;  // the step whose Verify last wrote the records
+    std::string records_session;  // the session and step whose Verify last wrote the records
+    uint64_t records_step = 0;
     bool records_valid = false;
   };
 
@@ -106,6 +107,7 @@ class Engine {
 
   // What the service knows of one step.
   struct Step {
+    std::string session;  // the driving session whose step it is
     uint64_t id = 0;
     int slot = 0;
     int num_rows = 0;
@@ -129,9 +131,10 @@ class Engine {
   absl::Status Allocate();
 
   // The step `id`, started (with a free slot) when new.
-  absl::StatusOr<Step*> StartOrFindStep(uint64_t id, int num_rows)
+  // Steps are the driving session's: a new driver starts its own numbering.
+  absl::StatusOr<Step*> StartOrFindStep(const std::string& session, uint64_t id, int num_rows)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  Step* FindStep(uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Step* FindStep(const std::string& session, uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The first asynchronous error of the session, once (then cleared).
   absl::Status TakeSessionError(const std::string& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkFailed(uint64_t step, const std::string& session, absl::Status status, bool async)

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
+#include "grpc/health/v1/health.pb.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/kda_kernels.h"
 #include "server/config.h"
@@ -164,6 +165,9 @@ int Run() {
     if (lstat(socket_path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) unlink(socket_path.c_str());
   }
 
+  // Referenced so the linker keeps grpc.health.v1's descriptor, which server
+  // reflection hands to grpcurl.
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -26,7 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/dtype.h"
-#include "proto/specstate/v1/specstate.pb.h"
+#include "specstate/v1/specstate.pb.h"
 #include "server/device.h"
 
 namespace specstate {

@@ -16,7 +16,7 @@
 
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
-#include "proto/specstate/v1/specstate.grpc.pb.h"
+#include "specstate/v1/specstate.grpc.pb.h"
 #include "server/engine.h"
 #include "server/sessions.h"
 #include "server/stats.h"

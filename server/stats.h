@@ -15,7 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "proto/specstate/v1/specstate.pb.h"
+#include "specstate/v1/specstate.pb.h"
 
 namespace specstate {
 namespace server {

@@ -1,0 +1,282 @@
+#include "client/client.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+
+namespace specstate {
+namespace client {
+
+absl::Status FromGrpc(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+namespace {
+
+void SetDeadline(grpc::ClientContext* ctx, absl::Duration d) {
+  ctx->set_deadline(std::chrono::system_clock::now() +
+                    std::chrono::microseconds(absl::ToInt64Microseconds(d)));
+}
+
+template <typename Request, typename Response, typename Method>
+absl::StatusOr<Response> Call(Client* client, Method method, const Request& request) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, client->deadline());
+  Response response;
+  grpc::Status st = (client->stub().*method)(&ctx, request, &response);
+  if (!st.ok()) return FromGrpc(st);
+  return response;
+}
+
+}  // namespace
+
+Client::Client(std::string address, std::shared_ptr<grpc::Channel> channel)
+    : address_(std::move(address)),
+      channel_(std::move(channel)),
+      stub_(v1::SpecState::NewStub(channel_)) {}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& address,
+                                                        absl::Duration timeout) {
+  if (address.empty()) return absl::InvalidArgumentError("server address is empty");
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(512 << 20);
+  auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  const auto deadline = std::chrono::system_clock::now() +
+                        std::chrono::microseconds(absl::ToInt64Microseconds(timeout));
+  if (!channel->WaitForConnected(deadline)) {
+    return absl::UnavailableError(absl::StrCat("cannot connect to specstated at ", address,
+                                               " within ", absl::FormatDuration(timeout),
+                                               " (is it running? see specstated --listen)"));
+  }
+  return std::unique_ptr<Client>(new Client(address, std::move(channel)));
+}
+
+absl::StatusOr<v1::Layout> Client::GetLayout() {
+  return Call<v1::GetLayoutRequest, v1::Layout>(this, &v1::SpecState::Stub::GetLayout, {});
+}
+
+absl::StatusOr<v1::ExportPoolsResponse> Client::ExportPools() {
+  return Call<v1::ExportPoolsRequest, v1::ExportPoolsResponse>(
+      this, &v1::SpecState::Stub::ExportPools, {});
+}
+
+absl::StatusOr<v1::ReadStateResponse> Client::ReadState(int layer, int block, bool values) {
+  v1::ReadStateRequest r;
+  r.set_layer(layer);
+  r.set_block(block);
+  r.set_values(values);
+  return Call<v1::ReadStateRequest, v1::ReadStateResponse>(this, &v1::SpecState::Stub::ReadState,
+                                                           r);
+}
+
+absl::StatusOr<v1::Stats> Client::GetStats() {
+  return Call<v1::GetStatsRequest, v1::Stats>(this, &v1::SpecState::Stub::GetStats, {});
+}
+
+absl::StatusOr<v1::ListRegionsResponse> Client::ListRegions(const std::string& session_id) {
+  v1::ListRegionsRequest r;
+  r.set_session_id(session_id);
+  return Call<v1::ListRegionsRequest, v1::ListRegionsResponse>(
+      this, &v1::SpecState::Stub::ListRegions, r);
+}
+
+absl::StatusOr<std::string> Client::Health(const std::string& service) {
+  auto health = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, deadline_);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  grpc::Status st = health->Check(&ctx, request, &response);
+  if (!st.ok()) return FromGrpc(st);
+  return grpc::health::v1::HealthCheckResponse::ServingStatus_Name(response.status());
+}
+
+absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& client_name,
+                                                             bool drive, uint32_t lease_ms) {
+  std::unique_ptr<Session> session(new Session(this));
+  absl::Status st = session->Open(client_name, drive, lease_ms);
+  if (!st.ok()) return st;
+  return session;
+}
+
+// ---------------------------------------------------------------------------
+
+absl::Status Session::Open(const std::string& client_name, bool drive, uint32_t lease_ms) {
+  stream_ = client_->stub().Session(&stream_context_);
+  v1::SessionRequest open;
+  open.mutable_open()->set_client_name(client_name);
+  open.mutable_open()->set_drive(drive);
+  open.mutable_open()->set_lease_ms(lease_ms);
+  v1::SessionEvent event;
+  if (!stream_->Write(open) || !stream_->Read(&event)) {
+    stream_->WritesDone();
+    return FromGrpc(stream_->Finish());
+  }
+  id_ = event.session_id();
+  driving_ = event.driving();
+  lease_ = absl::Milliseconds(event.lease_ms());
+  alive_ = true;
+  renewer_ = std::thread([this] { RenewLoop(); });
+  return absl::OkStatus();
+}
+
+void Session::RenewLoop() {
+  // Renew at a third of the lease: two renewals may be late before it runs out.
+  const absl::Duration period = lease_ / 3;
+  for (;;) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto closing = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return closing_; };
+      mu_.AwaitWithTimeout(absl::Condition(&closing), period);
+      if (closing_) return;
+    }
+    v1::SessionRequest renew;
+    renew.mutable_renew();
+    v1::SessionEvent event;
+    if (!stream_->Write(renew) || !stream_->Read(&event)) {
+      alive_ = false;
+      return;
+    }
+  }
+}
+
+absl::Status Session::Close() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (closing_) return absl::OkStatus();
+    closing_ = true;
+  }
+  if (renewer_.joinable()) renewer_.join();
+  std::vector<std::string> names;
+  {
+    absl::MutexLock lock(&regions_mu_);
+    for (const Registered& r : regions_) names.push_back(r.name);
+  }
+  absl::Status result = absl::OkStatus();
+  if (alive_) {
+    for (const std::string& name : names) {
+      absl::Status st = Unregister(name);
+      if (!st.ok() && result.ok()) result = st;
+    }
+  }
+  if (stream_ != nullptr) {
+    stream_->WritesDone();
+    grpc::Status st = stream_->Finish();
+    if (!st.ok() && st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED && result.ok()) {
+      result = FromGrpc(st);
+    }
+  }
+  alive_ = false;
+  return result;
+}
+
+Session::~Session() { Close().IgnoreError(); }
+
+absl::StatusOr<std::string> Session::RegisterBuffer(const SharedBuffer& buffer, std::string name) {
+  if (name.empty()) name = absl::StrCat("buffer-", next_region_++);
+  v1::RegisterRegionRequest request;
+  request.set_session_id(id_);
+  request.set_name(name);
+  buffer.Describe(&request);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, client_->deadline());
+  v1::RegisterRegionResponse response;
+  grpc::Status st = client_->stub().RegisterRegion(&ctx, request, &response);
+  if (!st.ok()) return FromGrpc(st);
+  absl::MutexLock lock(&regions_mu_);
+  regions_.push_back(
+      Registered{static_cast<const char*>(buffer.data()), buffer.byte_size(), name});
+  return name;
+}
+
+absl::Status Session::Unregister(const std::string& name) {
+  v1::UnregisterRegionRequest request;
+  request.set_session_id(id_);
+  request.set_name(name);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, client_->deadline());
+  v1::UnregisterRegionResponse response;
+  grpc::Status st = client_->stub().UnregisterRegion(&ctx, request, &response);
+  absl::MutexLock lock(&regions_mu_);
+  for (auto it = regions_.begin(); it != regions_.end(); ++it) {
+    if (it->name == name) {
+      regions_.erase(it);
+      break;
+    }
+  }
+  return FromGrpc(st);
+}
+
+absl::StatusOr<v1::RegionTensor> Session::Tensor(const void* data, DType dtype,
+                                                 std::vector<int64_t> shape,
+                                                 std::vector<int64_t> strides) const {
+  const char* p = static_cast<const char*>(data);
+  absl::MutexLock lock(&regions_mu_);
+  for (const Registered& r : regions_) {
+    if (p >= r.begin && p < r.begin + r.bytes) {
+      v1::RegionTensor t;
+      t.set_region(r.name);
+      t.set_offset_bytes(static_cast<uint64_t>(p - r.begin));
+      switch (dtype) {
+        case DType::kFloat32:
+          t.set_dtype(v1::FP32);
+          break;
+        case DType::kFloat16:
+          t.set_dtype(v1::FP16);
+          break;
+        case DType::kBFloat16:
+          t.set_dtype(v1::BF16);
+          break;
+        case DType::kInt32:
+          t.set_dtype(v1::INT32);
+          break;
+      }
+      for (int64_t d : shape) t.add_shape(d);
+      for (int64_t s : strides) t.add_strides(s);
+      return t;
+    }
+  }
+  return absl::NotFoundError("no registered buffer holds this tensor: RegisterBuffer it first");
+}
+
+absl::StatusOr<v1::IndexTensor> Session::Index(const int32_t* data, std::vector<int64_t> shape,
+                                               std::vector<int64_t> strides) const {
+  absl::StatusOr<v1::RegionTensor> t = Tensor(data, DType::kInt32, std::move(shape),
+                                              std::move(strides));
+  if (!t.ok()) return t.status();
+  v1::IndexTensor index;
+  *index.mutable_region() = *std::move(t);
+  return index;
+}
+
+absl::Status Session::LoadLayerParams(v1::LoadLayerParamsRequest request) {
+  request.set_session_id(id_);
+  return Call<v1::LoadLayerParamsRequest, v1::LoadLayerParamsResponse>(
+             client_, &v1::SpecState::Stub::LoadLayerParams, request)
+      .status();
+}
+
+absl::StatusOr<v1::VerifyResponse> Session::Verify(v1::VerifyRequest request) {
+  request.set_session_id(id_);
+  return Call<v1::VerifyRequest, v1::VerifyResponse>(client_, &v1::SpecState::Stub::Verify,
+                                                     request);
+}
+
+absl::StatusOr<v1::CommitResponse> Session::Commit(v1::CommitRequest request) {
+  request.set_session_id(id_);
+  return Call<v1::CommitRequest, v1::CommitResponse>(client_, &v1::SpecState::Stub::Commit,
+                                                     request);
+}
+
+absl::StatusOr<v1::RecordStateBlocksResponse> Session::RecordStateBlocks(
+    v1::RecordStateBlocksRequest request) {
+  request.set_session_id(id_);
+  return Call<v1::RecordStateBlocksRequest, v1::RecordStateBlocksResponse>(
+      client_, &v1::SpecState::Stub::RecordStateBlocks, request);
+}
+
+}  // namespace client
+}  // namespace specstate

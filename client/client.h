@@ -1,0 +1,156 @@
+// The C++ client of specstated: what a scheduler links.
+//
+//   auto client = Client::Connect("unix:///tmp/specstate.sock").value();
+//   v1::Layout layout = client->GetLayout().value();
+//   auto session = client->OpenSession("my-scheduler", /*drive=*/true).value();
+//
+//   auto memory = SharedMemory::Create(layout.backend()).value();
+//   auto acts = memory->Allocate(bytes).value();
+//   session->RegisterBuffer("acts", *acts);                 // once
+//   v1::RegionTensor q = session->Tensor(q_ptr, DType::kBFloat16, {T, H, K}).value();
+//
+//   v1::VerifyRequest verify;                               // fill q, k, v, ...
+//   uint64_t step = session->NextStep();
+//   verify.set_step(step);
+//   absl::Status s = session->Verify(verify).status();      // SYNC by default
+//
+// Errors are absl::Status values with the server's code and message, or
+// UNAVAILABLE (server down) / DEADLINE_EXCEEDED from the transport. A Session
+// keeps its stream open and renews its lease from a background thread; its
+// regions are unregistered and the session ends when it is destroyed.
+#ifndef SPECSTATE_CLIENT_CLIENT_H_
+#define SPECSTATE_CLIENT_CLIENT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "client/shared_memory.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/dtype.h"
+#include "specstate/v1/specstate.grpc.pb.h"
+
+namespace specstate {
+namespace client {
+
+// The server's status as an absl::Status (same codes).
+absl::Status FromGrpc(const grpc::Status& status);
+
+class Session;
+
+class Client {
+ public:
+  // Connects to `address`: unix:///PATH or HOST:PORT (the service's --listen
+  // forms), waiting up to `timeout` for the channel to come up.
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(
+      const std::string& address, absl::Duration timeout = absl::Seconds(5));
+
+  absl::StatusOr<v1::Layout> GetLayout();
+  absl::StatusOr<v1::ExportPoolsResponse> ExportPools();
+  absl::StatusOr<v1::ReadStateResponse> ReadState(int layer, int block, bool values);
+  absl::StatusOr<v1::Stats> GetStats();
+  absl::StatusOr<v1::ListRegionsResponse> ListRegions(const std::string& session_id = "");
+  // grpc.health.v1 Check of `service` ("" = the server as a whole): the
+  // status name, e.g. "SERVING".
+  absl::StatusOr<std::string> Health(const std::string& service = "");
+
+  // Opens a session; with `drive`, FAILED_PRECONDITION naming the holder when
+  // another session drives.
+  absl::StatusOr<std::unique_ptr<Session>> OpenSession(const std::string& client_name, bool drive,
+                                                       uint32_t lease_ms = 0);
+
+  v1::SpecState::Stub& stub() { return *stub_; }
+  const std::string& address() const { return address_; }
+
+  // Per-call deadline for unary calls (default 60 s).
+  void set_deadline(absl::Duration d) { deadline_ = d; }
+  absl::Duration deadline() const { return deadline_; }
+
+ private:
+  Client(std::string address, std::shared_ptr<grpc::Channel> channel);
+
+  std::string address_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::SpecState::Stub> stub_;
+  absl::Duration deadline_ = absl::Seconds(60);
+};
+
+class Session {
+ public:
+  ~Session();  // Close()
+
+  const std::string& id() const { return id_; }
+  bool driving() const { return driving_; }
+
+  // Registers `buffer` as region `name` (generated when empty), once; the
+  // region cache then turns pointers into it into RegionTensors.
+  absl::StatusOr<std::string> RegisterBuffer(const SharedBuffer& buffer, std::string name = "");
+  absl::Status Unregister(const std::string& name);
+
+  // A reference to the tensor at `data` (inside a registered buffer):
+  // NOT_FOUND when no registered buffer holds it. Empty strides: dense.
+  absl::StatusOr<v1::RegionTensor> Tensor(const void* data, DType dtype,
+                                          std::vector<int64_t> shape,
+                                          std::vector<int64_t> strides = {}) const;
+  // The same for an int32 index tensor.
+  absl::StatusOr<v1::IndexTensor> Index(const int32_t* data, std::vector<int64_t> shape,
+                                        std::vector<int64_t> strides = {}) const;
+
+  // Step ids for the caller: increasing, unique within the session.
+  uint64_t NextStep() { return ++last_step_; }
+
+  // The driving calls; session_id is filled in.
+  absl::Status LoadLayerParams(v1::LoadLayerParamsRequest request);
+  absl::StatusOr<v1::VerifyResponse> Verify(v1::VerifyRequest request);
+  absl::StatusOr<v1::CommitResponse> Commit(v1::CommitRequest request);
+  absl::StatusOr<v1::RecordStateBlocksResponse> RecordStateBlocks(
+      v1::RecordStateBlocksRequest request);
+
+  // Unregisters the regions, closes the stream (the session ends on the
+  // server) and stops the renewal thread. Idempotent.
+  absl::Status Close();
+
+  // Whether the lease is still being renewed (false once the server ended
+  // the session or the stream broke).
+  bool alive() const { return alive_.load(); }
+
+ private:
+  friend class Client;
+  Session(Client* client) : client_(client) {}
+  absl::Status Open(const std::string& client_name, bool drive, uint32_t lease_ms);
+  void RenewLoop();
+
+  struct Registered {
+    const char* begin;
+    uint64_t bytes;
+    std::string name;
+  };
+
+  Client* const client_;
+  std::string id_;
+  bool driving_ = false;
+  absl::Duration lease_;
+  grpc::ClientContext stream_context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream_;
+  std::thread renewer_;
+  std::atomic<bool> alive_{false};
+  absl::Mutex mu_;
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  mutable absl::Mutex regions_mu_;
+  std::vector<Registered> regions_ ABSL_GUARDED_BY(regions_mu_);
+  int next_region_ = 0;
+  uint64_t last_step_ = 0;
+};
+
+}  // namespace client
+}  // namespace specstate
+
+#endif  // SPECSTATE_CLIENT_CLIENT_H_

@@ -1,0 +1,918 @@
+#include "client/simulator.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/kda_kernels.h"
+#include "kernels/numeric.h"
+
+namespace specstate {
+namespace client {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Per-RPC latencies, for the report.
+class Latencies {
+ public:
+  void Add(const std::string& rpc, Clock::duration d) {
+    samples_[rpc].push_back(std::chrono::duration<double, std::micro>(d).count());
+  }
+  std::map<std::string, LatencySummary> Summaries() const {
+    std::map<std::string, LatencySummary> out;
+    for (auto [rpc, v] : samples_) {
+      std::sort(v.begin(), v.end());
+      LatencySummary s;
+      s.count = v.size();
+      s.p50_us = v[v.size() / 2];
+      s.p99_us = v[std::min(v.size() - 1, static_cast<size_t>(v.size() * 0.99))];
+      double sum = 0;
+      for (double x : v) sum += x;
+      s.mean_us = sum / v.size();
+      out[rpc] = s;
+    }
+    return out;
+  }
+
+ private:
+  std::map<std::string, std::vector<double>> samples_;
+};
+
+// Host bytes of `count` elements of `dtype`, uniform in [lo, hi).
+template <typename Rng>
+void FillRandom(std::vector<char>* out, int64_t count, DType dtype, float lo, float hi, Rng& rng) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  out->resize(count * DTypeSize(dtype));
+  for (int64_t i = 0; i < count; ++i) {
+    const float x = dist(rng);
+    switch (dtype) {
+      case DType::kFloat32:
+        std::memcpy(out->data() + 4 * i, &x, 4);
+        break;
+      case DType::kFloat16: {
+        const Float16 h = FromFloat<Float16>(x);
+        std::memcpy(out->data() + 2 * i, &h.bits, 2);
+        break;
+      }
+      case DType::kBFloat16: {
+        const BFloat16 b = FromFloat<BFloat16>(x);
+        std::memcpy(out->data() + 2 * i, &b.bits, 2);
+        break;
+      }
+      case DType::kInt32:
+        break;
+    }
+  }
+}
+
+float ElementAsFloat(const char* p, DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case DType::kFloat16: {
+      Float16 h;
+      std::memcpy(&h.bits, p, 2);
+      return ToFloat(h);
+    }
+    case DType::kBFloat16: {
+      BFloat16 b;
+      std::memcpy(&b.bits, p, 2);
+      return ToFloat(b);
+    }
+    case DType::kInt32:
+      break;
+  }
+  return 0;
+}
+
+struct Request {
+  bool live = false;
+  bool pinned = false;         // never finishes (carries a planted corruption)
+  int64_t num_computed = 0;    // tokens before the step
+  int acc_prev = 1;            // the stock state is in column acc_prev - 1
+  std::vector<int32_t> table;  // block per column (none mode: one column)
+  // Per layer: the conv window the next step reads, [D][hl] activation bytes.
+  std::vector<std::vector<char>> window;
+};
+
+class Simulator {
+ public:
+  Simulator(Client& client, const SimulationOptions& options)
+      : client_(client), options_(options), rng_(options.seed) {}
+
+  absl::StatusOr<SimulationReport> Run() {
+    absl::Status st = Setup();
+    if (!st.ok()) return st;
+    for (int s = 0; s < options_.steps; ++s) {
+      st = Step(s);
+      if (!st.ok()) return absl::Status(st.code(), absl::StrCat("step ", s, ": ", st.message()));
+      report_.steps = s + 1;
+      if (options_.progress) {
+        options_.progress(SimulationProgress{s + 1, options_.steps, report_.comparisons,
+                                             report_.mismatches});
+      }
+    }
+    report_.latency = latencies_.Summaries();
+    st = session_->Close();
+    if (!st.ok()) return st;
+    return report_;
+  }
+
+ private:
+  // ---- set-up ----
+
+  absl::Status Setup() {
+    absl::StatusOr<v1::Layout> layout = client_.GetLayout();
+    if (!layout.ok()) return layout.status();
+    layout_ = *layout;
+    L_ = layout_.num_layers();
+    H_ = layout_.num_heads();
+    K_ = layout_.head_dim();
+    Q_ = layout_.num_spec() + 1;
+    D_ = layout_.conv_dim();
+    W_ = layout_.conv_width();
+    hl_ = layout_.conv_kernel() - 1;
+    B_ = layout_.num_blocks();
+    align_ = layout_.cache_mode() == v1::ALIGN;
+    bs_ = layout_.mamba_block_size();
+    R_ = options_.requests;
+    act_ = layout_.activation_dtype() == v1::FP32   ? DType::kFloat32
+           : layout_.activation_dtype() == v1::FP16 ? DType::kFloat16
+                                                    : DType::kBFloat16;
+    state_ = layout_.state_dtype() == v1::BF16 ? DType::kBFloat16 : DType::kFloat32;
+    as_ = DTypeSize(act_);
+    ss_ = DTypeSize(state_);
+    HK_ = int64_t{H_} * K_;
+    state_block_bytes_ = HK_ * K_ * ss_;
+    report_.backend = layout_.backend() == v1::CUDA ? "cuda" : "cpu";
+    report_.layers = L_;
+    if (R_ < 1 || R_ > layout_.max_rows()) {
+      return absl::InvalidArgumentError(absl::StrCat("requests = ", R_, " must be in [1, ",
+                                                     layout_.max_rows(), "] (the service's max_rows)"));
+    }
+    // Blocks: none mode one per request; align mode one per mamba block of
+    // tokens the request reaches.
+    width_ = align_ ? 3 + (2 * bs_ + options_.steps * Q_) / bs_ : 1;
+    const int64_t needed = align_ ? int64_t{R_} * width_ : R_;
+    if (needed > B_ - 1) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the simulation may need ", needed, " blocks but the service has ", B_ - 1,
+          ": start specstated with more --blocks, or simulate fewer --requests or --steps"));
+    }
+    for (int b = B_ - 1; b >= 1; --b) free_blocks_.push_back(b);
+
+    if (layout_.backend() == v1::CUDA) {
+      absl::StatusOr<const kernels::KdaKernels*> k = kernels::CudaKdaKernels();
+      if (!k.ok()) return k.status();
+      stock_ = *k;
+    } else {
+      stock_ = &kernels::CpuKdaKernels();
+    }
+    absl::StatusOr<std::unique_ptr<SharedMemory>> memory =
+        SharedMemory::Create(layout_.backend(), layout_.device());
+    if (!memory.ok()) return memory.status();
+    memory_ = *std::move(memory);
+    absl::StatusOr<v1::ExportPoolsResponse> exported = client_.ExportPools();
+    if (!exported.ok()) return exported.status();
+    absl::StatusOr<std::unique_ptr<MappedPools>> pools = memory_->MapPools(*exported);
+    if (!pools.ok()) return pools.status();
+    pools_ = *std::move(pools);
+    for (const v1::PoolView& p : exported->pools()) {
+      if (p.kind() == "conv") {
+        conv_block_stride_ = p.strides(0);
+        conv_dim_stride_ = p.strides(1);
+        conv_token_stride_ = p.strides(2);
+      }
+    }
+
+    absl::StatusOr<std::unique_ptr<Session>> session =
+        client_.OpenSession("specstatectl simulate", /*drive=*/true);
+    if (!session.ok()) return session.status();
+    session_ = *std::move(session);
+
+    // Shared buffers: per layer proj = [q | k | v | beta] per token (so q, k,
+    // v and beta are column slices with a token stride larger than a token),
+    // g and o; and one int32 buffer for the step's metadata and doorbells.
+    tmax_ = int64_t{R_} * Q_;
+    proj_stride_ = 3 * HK_ + H_;
+    for (int l = 0; l < L_; ++l) {
+      for (auto* list : {&proj_, &g_, &o_}) {
+        const int64_t per_token = list == &proj_ ? proj_stride_ : HK_;
+        absl::StatusOr<std::unique_ptr<SharedBuffer>> buf =
+            memory_->Allocate(tmax_ * per_token * as_);
+        if (!buf.ok()) return buf.status();
+        absl::StatusOr<std::string> name = session_->RegisterBuffer(**buf);
+        if (!name.ok()) return name.status();
+        list->push_back(*std::move(buf));
+      }
+    }
+    batch_max_ = R_ + 1;
+    meta_ints_ = 4 * (R_ + 1) + 6 * batch_max_ + batch_max_ * width_ + 8;
+    absl::StatusOr<std::unique_ptr<SharedBuffer>> meta = memory_->Allocate(meta_ints_ * 4);
+    if (!meta.ok()) return meta.status();
+    meta_ = *std::move(meta);
+    absl::StatusOr<std::string> name = session_->RegisterBuffer(*meta_, "meta");
+    if (!name.ok()) return name.status();
+
+    // The stock path's own memory: Q blocks per request slot and layer.
+    stock_blocks_ = 1 + int64_t{R_} * Q_;
+    for (int l = 0; l < L_; ++l) {
+      for (auto* list : {&stock_pool_, &stock_out_}) {
+        const uint64_t bytes = list == &stock_pool_ ? stock_blocks_ * state_block_bytes_
+                                                    : tmax_ * HK_ * as_;
+        absl::StatusOr<std::unique_ptr<SharedBuffer>> buf = memory_->Allocate(bytes);
+        if (!buf.ok()) return buf.status();
+        list->push_back(*std::move(buf));
+      }
+    }
+    const uint64_t stock_meta_bytes =
+        4 * (int64_t{R_} * Q_ + R_ + R_ + 1) + kernels::StockWorkspaceBytes(stock_blocks_) +
+        sizeof(kernels::DeviceStatus) + 256;
+    absl::StatusOr<std::unique_ptr<SharedBuffer>> sm = memory_->Allocate(stock_meta_bytes);
+    if (!sm.ok()) return sm.status();
+    stock_meta_ = *std::move(sm);
+
+    // Layer parameters: random, loaded into the service and kept for the stock path.
+    for (int l = 0; l < L_; ++l) {
+      std::vector<char> a_log, dt_bias;
+      FillRandom(&a_log, H_, DType::kFloat32, -2.0f, 0.5f, rng_);
+      FillRandom(&dt_bias, HK_, DType::kFloat32, -1.0f, 1.0f, rng_);
+      v1::LoadLayerParamsRequest req;
+      req.set_layer(l);
+      for (int i = 0; i < H_; ++i) {
+        req.mutable_a_log()->mutable_values()->add_values(
+            reinterpret_cast<const float*>(a_log.data())[i]);
+      }
+      for (int64_t i = 0; i < HK_; ++i) {
+        req.mutable_dt_bias()->mutable_values()->add_values(
+            reinterpret_cast<const float*>(dt_bias.data())[i]);
+      }
+      const auto t0 = Clock::now();
+      absl::Status st = session_->LoadLayerParams(req);
+      latencies_.Add("LoadLayerParams", Clock::now() - t0);
+      if (!st.ok()) return st;
+      absl::StatusOr<std::unique_ptr<SharedBuffer>> p = memory_->Allocate((H_ + HK_) * 4);
+      if (!p.ok()) return p.status();
+      absl::Status copied = memory_->CopyIn((*p)->data(), a_log.data(), H_ * 4);
+      if (copied.ok()) {
+        copied = memory_->CopyIn(static_cast<char*>((*p)->data()) + H_ * 4, dt_bias.data(), HK_ * 4);
+      }
+      if (!copied.ok()) return copied;
+      stock_params_.push_back(*std::move(p));
+    }
+    requests_.resize(R_);
+    return absl::OkStatus();
+  }
+
+  // ---- pools ----
+
+  char* StateBlock(int layer, int32_t block) {
+    return pools_->Pool(layer, "recurrent").value() + int64_t{block} * state_block_bytes_;
+  }
+  char* ConvBlock(int layer, int32_t block) {
+    return pools_->Pool(layer, "conv").value() + int64_t{block} * conv_block_stride_ * as_;
+  }
+  char* StockBlock(int layer, int slot, int col) {
+    return static_cast<char*>(stock_pool_[layer]->data()) +
+           (1 + int64_t{slot} * Q_ + col) * state_block_bytes_;
+  }
+
+  // The conv block as [D][W] host bytes.
+  absl::Status ReadConv(int layer, int32_t block, std::vector<char>* out) {
+    std::vector<char> raw(conv_block_stride_ * as_);
+    absl::Status st = memory_->CopyOut(raw.data(), ConvBlock(layer, block), raw.size());
+    if (!st.ok()) return st;
+    out->assign(int64_t{D_} * W_ * as_, 0);
+    for (int d = 0; d < D_; ++d) {
+      for (int t = 0; t < W_; ++t) {
+        std::memcpy(out->data() + (int64_t{d} * W_ + t) * as_,
+                    raw.data() + (d * conv_dim_stride_ + t * conv_token_stride_) * as_, as_);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status WriteConv(int layer, int32_t block, const std::vector<char>& dw) {
+    std::vector<char> raw(conv_block_stride_ * as_);
+    absl::Status st = memory_->CopyOut(raw.data(), ConvBlock(layer, block), raw.size());
+    if (!st.ok()) return st;
+    for (int d = 0; d < D_; ++d) {
+      for (int t = 0; t < W_; ++t) {
+        std::memcpy(raw.data() + (d * conv_dim_stride_ + t * conv_token_stride_) * as_,
+                    dw.data() + (int64_t{d} * W_ + t) * as_, as_);
+      }
+    }
+    return memory_->CopyIn(ConvBlock(layer, block), raw.data(), raw.size());
+  }
+
+  // ---- checks ----
+
+  void Mismatch(const std::string& what) {
+    ++report_.mismatches;
+    if (report_.first_mismatch.empty()) report_.first_mismatch = what;
+  }
+
+  absl::Status CompareState(int step, int layer, int slot, int32_t block, int col,
+                            absl::string_view what) {
+    std::vector<char> service(state_block_bytes_), stock(state_block_bytes_);
+    absl::Status st = memory_->CopyOut(service.data(), StateBlock(layer, block), service.size());
+    if (st.ok()) st = memory_->CopyOut(stock.data(), StockBlock(layer, slot, col), stock.size());
+    if (!st.ok()) return st;
+    ++report_.comparisons;
+    if (std::memcmp(service.data(), stock.data(), service.size()) == 0) return absl::OkStatus();
+    int64_t i = 0;
+    while (std::memcmp(service.data() + i * ss_, stock.data() + i * ss_, ss_) == 0) ++i;
+    Mismatch(absl::StrFormat(
+        "step %d, layer %d, row %d: the %s in block %d differs from the stock path's state "
+        "(column %d) at element %d (head %d, row %d, col %d): %.9g vs %.9g",
+        step, layer, slot, std::string(what), block, col, i, i / (int64_t{K_} * K_), (i / K_) % K_,
+        i % K_, ElementAsFloat(service.data() + i * ss_, state_),
+        ElementAsFloat(stock.data() + i * ss_, state_)));
+    return absl::OkStatus();
+  }
+
+  absl::Status CompareWindow(int step, int layer, int slot, int32_t block,
+                             const std::vector<char>& expected, absl::string_view what) {
+    std::vector<char> dw;
+    absl::Status st = ReadConv(layer, block, &dw);
+    if (!st.ok()) return st;
+    ++report_.comparisons;
+    for (int d = 0; d < D_; ++d) {
+      for (int h = 0; h < hl_; ++h) {
+        const char* got = dw.data() + (int64_t{d} * W_ + h) * as_;
+        const char* want = expected.data() + (int64_t{d} * hl_ + h) * as_;
+        if (std::memcmp(got, want, as_) != 0) {
+          Mismatch(absl::StrFormat(
+              "step %d, layer %d, row %d: the %s in block %d differs from the window the stock "
+              "path reads next at channel %d, column %d: %.9g vs %.9g",
+              step, layer, slot, std::string(what), block, d, h, ElementAsFloat(got, act_),
+              ElementAsFloat(want, act_)));
+          return absl::OkStatus();
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // ---- requests ----
+
+  absl::StatusOr<int32_t> TakeBlock() {
+    if (free_blocks_.empty()) {
+      return absl::ResourceExhaustedError("the simulation ran out of blocks: raise --blocks");
+    }
+    const int32_t b = free_blocks_.back();
+    free_blocks_.pop_back();
+    return b;
+  }
+
+  int CheckpointColumn(const Request& r) const {
+    return align_ ? static_cast<int>((r.num_computed - 1) / bs_) : 0;
+  }
+
+  // A new request: its running state (random, as a prefill would leave it) in
+  // its checkpoint block and in its stock column 0, and its conv history.
+  absl::Status StartRequest(int slot) {
+    Request& r = requests_[slot];
+    r = Request();
+    r.live = true;
+    r.acc_prev = 1;
+    r.num_computed = align_ ? std::uniform_int_distribution<int>(1, 2 * bs_)(rng_) : 1;
+    r.table.assign(width_, 0);
+    absl::StatusOr<int32_t> block = TakeBlock();
+    if (!block.ok()) return block.status();
+    r.table[CheckpointColumn(r)] = *block;
+    r.window.resize(L_);
+    for (int l = 0; l < L_; ++l) {
+      std::vector<char> state;
+      FillRandom(&state, HK_ * K_, state_, -0.5f, 0.5f, rng_);
+      absl::Status st = memory_->CopyIn(StateBlock(l, *block), state.data(), state.size());
+      if (st.ok()) st = memory_->CopyIn(StockBlock(l, slot, 0), state.data(), state.size());
+      if (!st.ok()) return st;
+      FillRandom(&r.window[l], int64_t{D_} * hl_, act_, -1.0f, 1.0f, rng_);
+      std::vector<char> dw(int64_t{D_} * W_ * as_, 0);
+      for (int d = 0; d < D_; ++d) {
+        std::memcpy(dw.data() + int64_t{d} * W_ * as_, r.window[l].data() + int64_t{d} * hl_ * as_,
+                    hl_ * as_);
+      }
+      st = WriteConv(l, *block, dw);
+      if (!st.ok()) return st;
+    }
+    ++report_.requests_started;
+    return absl::OkStatus();
+  }
+
+  void FinishRequest(int slot) {
+    Request& r = requests_[slot];
+    for (int32_t b : r.table) {
+      if (b > 0) free_blocks_.push_back(b);
+    }
+    r = Request();
+    ++report_.requests_finished;
+  }
+
+  // ---- one step ----
+
+  int32_t* Meta(int offset) { return reinterpret_cast<int32_t*>(meta_->data()) + offset; }
+
+  absl::Status WaitDoorbell(int index, uint32_t value) {
+    const auto deadline = Clock::now() + std::chrono::seconds(60);
+    for (;;) {
+      uint32_t v = 0;
+      absl::Status st = memory_->CopyOut(&v, Meta(door_ + index), 4);
+      if (!st.ok()) return st;
+      if (v >= value) return absl::OkStatus();
+      if (Clock::now() > deadline) {
+        return absl::DeadlineExceededError(
+            absl::StrCat("the service did not signal doorbell ", index, " within 60 s"));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  v1::Doorbell Door(int index, uint32_t value) {
+    v1::Doorbell d;
+    d.set_region("meta");
+    d.set_offset_bytes((door_ + index) * 4);
+    d.set_value(value);
+    return d;
+  }
+
+  absl::Status Step(int s) {
+    // Churn: finished requests leave, new ones arrive; sometimes a slot stays
+    // empty for a step (a null row).
+    std::bernoulli_distribution finish(options_.finish_probability);
+    for (int i = 0; i < R_; ++i) {
+      Request& r = requests_[i];
+      if (r.live && !r.pinned && s > 0 && finish(rng_)) FinishRequest(i);
+      if (!r.live && (s == 0 || finish(rng_) || i > 0)) {
+        absl::Status st = StartRequest(i);
+        if (!st.ok()) return st;
+      }
+    }
+    int live = 0;
+    for (const Request& r : requests_) live += r.live;
+    report_.state_bytes_saved = std::max<uint64_t>(
+        report_.state_bytes_saved, uint64_t(live) * (Q_ - 1) * state_block_bytes_ * L_);
+
+    // The step's rows: tokens, accepted counts, checkpoints.
+    std::vector<int> tokens(R_), accepted(R_);
+    std::vector<int32_t> qsl(R_ + 1, 0), checkpoint(R_, 0);
+    for (int i = 0; i < R_; ++i) {
+      tokens[i] = std::uniform_int_distribution<int>(1, Q_)(rng_);
+      accepted[i] = std::uniform_int_distribution<int>(1, tokens[i])(rng_);
+      qsl[i + 1] = qsl[i] + tokens[i];
+      Request& r = requests_[i];
+      if (!r.live) {
+        ++report_.null_rows;
+        continue;
+      }
+      checkpoint[i] = r.table[CheckpointColumn(r)];
+      if (align_) {  // blocks for the columns the step's tokens reach
+        const int last = static_cast<int>((r.num_computed + tokens[i] - 1) / bs_);
+        for (int c = CheckpointColumn(r); c <= last && c < width_; ++c) {
+          if (r.table[c] == 0) {
+            absl::StatusOr<int32_t> b = TakeBlock();
+            if (!b.ok()) return b.status();
+            r.table[c] = *b;
+          }
+        }
+      }
+      ++report_.rows;
+      report_.tokens_verified += tokens[i];
+    }
+    const int64_t T = qsl[R_];
+
+    // Metadata in the shared int32 buffer. Odd steps put a prefill row in
+    // front of the batch and map spec rows to batch rows with request_indices.
+    const bool remap = s % 2 == 1;
+    const int batch = remap ? R_ + 1 : R_;
+    const int shift = remap ? 1 : 0;
+    std::vector<int32_t> meta(meta_ints_, 0);
+    int off = 0;
+    const int o_qsl = off;
+    off += R_ + 1;
+    const int o_idx = off;
+    off += R_;
+    const int o_req = off;
+    off += R_;
+    const int o_acc = off;
+    off += batch_max_;
+    const int o_nc = off;
+    off += batch_max_;
+    const int o_map = off;
+    off += batch_max_;
+    const int o_sampled = off;
+    off += batch_max_;
+    const int o_out_idx = off;
+    off += batch_max_;
+    const int o_out_acc = off;
+    off += batch_max_;
+    const int o_table = off;
+    off += batch_max_ * width_;
+    door_ = off;
+    for (int i = 0; i <= R_; ++i) meta[o_qsl + i] = qsl[i];
+    for (int i = 0; i < R_; ++i) {
+      const Request& r = requests_[i];
+      meta[o_idx + i] = checkpoint[i];
+      meta[o_req + i] = i + shift;
+      meta[o_acc + i + shift] = accepted[i];
+      meta[o_nc + i + shift] = r.live ? static_cast<int32_t>(r.num_computed) : 0;
+      meta[o_map + i + shift] = r.live ? i : -1;
+      meta[o_sampled + i + shift] = accepted[i];
+      for (int c = 0; c < width_; ++c) meta[o_table + (i + shift) * width_ + c] = r.live ? r.table[c] : 0;
+    }
+    if (remap) {  // the prefill row: accepts nothing, maps to no request
+      meta[o_map] = -1;
+    }
+    for (int i = 0; i < batch_max_; ++i) {
+      meta[o_out_idx + i] = -7;  // poison: rows with idx_mapping < 0 keep it
+      meta[o_out_acc + i] = -7;
+    }
+    // Doorbells keep their values across steps.
+    absl::Status st = memory_->CopyOut(meta.data() + door_, Meta(door_), 4 * 4);
+    if (!st.ok()) return st;
+
+    // Verify requests (ASYNC: sent before any input exists).
+    std::vector<v1::VerifyRequest> verifies(L_);
+    const uint64_t step_id = session_->NextStep();
+    for (int l = 0; l < L_; ++l) {
+      v1::VerifyRequest& v = verifies[l];
+      v.set_step(step_id);
+      v.set_layer(l);
+      v.set_num_rows(R_);
+      if (l == 0 || s % 3 == 0) {  // later layers may rely on the step's copy
+        *v.mutable_query_start_loc() = session_->Index(Meta(o_qsl), {R_ + 1}).value();
+        *v.mutable_state_indices() = session_->Index(Meta(o_idx), {R_}).value();
+      }
+      const char* proj = static_cast<const char*>(proj_[l]->data());
+      const std::vector<int64_t> strides = {proj_stride_, K_, 1};
+      *v.mutable_q() = session_->Tensor(proj, act_, {T, H_, K_}, strides).value();
+      *v.mutable_k() = session_->Tensor(proj + HK_ * as_, act_, {T, H_, K_}, strides).value();
+      *v.mutable_v() = session_->Tensor(proj + 2 * HK_ * as_, act_, {T, H_, K_}, strides).value();
+      *v.mutable_beta() =
+          session_->Tensor(proj + 3 * HK_ * as_, act_, {T, H_}, {proj_stride_, 1}).value();
+      *v.mutable_g() = session_->Tensor(g_[l]->data(), act_, {T, H_, K_}).value();
+      *v.mutable_o() = session_->Tensor(o_[l]->data(), act_, {T, H_, K_}).value();
+      if (options_.async) {
+        v.set_ordering(v1::ASYNC);
+        *v.mutable_wait()->mutable_doorbell() = Door(0, s + 1);
+        if (l == L_ - 1) *v.mutable_signal()->mutable_doorbell() = Door(1, s + 1);
+      }
+    }
+    if (options_.async) {
+      for (int l = 0; l < L_; ++l) {
+        const auto t0 = Clock::now();
+        absl::StatusOr<v1::VerifyResponse> r = session_->Verify(verifies[l]);
+        latencies_.Add("Verify (async)", Clock::now() - t0);
+        if (!r.ok()) return r.status();
+      }
+    }
+
+    // The inputs: metadata, activations, poisoned outputs, the conv update.
+    st = memory_->CopyIn(meta_->data(), meta.data(), door_ * 4);
+    if (!st.ok()) return st;
+    std::vector<char> poison(tmax_ * HK_ * as_, static_cast<char>(0xff));
+    for (int l = 0; l < L_; ++l) {
+      std::vector<char> proj, g;
+      FillRandom(&proj, tmax_ * proj_stride_, act_, -1.0f, 1.0f, rng_);
+      // beta (the last H columns of each token) as logits in [-3, 3].
+      std::vector<char> beta;
+      FillRandom(&beta, tmax_ * H_, act_, -3.0f, 3.0f, rng_);
+      for (int64_t t = 0; t < tmax_; ++t) {
+        std::memcpy(proj.data() + (t * proj_stride_ + 3 * HK_) * as_, beta.data() + t * H_ * as_,
+                    H_ * as_);
+      }
+      FillRandom(&g, tmax_ * HK_, act_, -3.0f, 1.0f, rng_);
+      st = memory_->CopyIn(proj_[l]->data(), proj.data(), proj.size());
+      if (st.ok()) st = memory_->CopyIn(g_[l]->data(), g.data(), g.size());
+      if (st.ok()) st = memory_->CopyIn(o_[l]->data(), poison.data(), poison.size());
+      if (st.ok()) st = memory_->CopyIn(stock_out_[l]->data(), poison.data(), poison.size());
+      if (!st.ok()) return st;
+    }
+    // The scheduler's conv update (SEMANTICS.md): the block's columns become
+    // [h_2..h_hl, x_0..x_{T-1}]; the window the next step reads is the hl
+    // columns ending at the last accepted token.
+    std::vector<std::vector<std::vector<char>>> updated(R_);  // [row][layer] = [D][hl-1+T]
+    for (int i = 0; i < R_; ++i) {
+      Request& r = requests_[i];
+      if (!r.live) continue;
+      updated[i].resize(L_);
+      const int cols = hl_ - 1 + tokens[i];
+      for (int l = 0; l < L_; ++l) {
+        std::vector<char> x;
+        FillRandom(&x, int64_t{D_} * tokens[i], act_, -1.0f, 1.0f, rng_);
+        std::vector<char>& u = updated[i][l];
+        u.assign(int64_t{D_} * cols * as_, 0);
+        for (int d = 0; d < D_; ++d) {
+          std::memcpy(u.data() + int64_t{d} * cols * as_,
+                      r.window[l].data() + (int64_t{d} * hl_ + 1) * as_, (hl_ - 1) * as_);
+          std::memcpy(u.data() + (int64_t{d} * cols + hl_ - 1) * as_,
+                      x.data() + int64_t{d} * tokens[i] * as_, tokens[i] * as_);
+        }
+        std::vector<char> dw;
+        st = ReadConv(l, checkpoint[i], &dw);
+        if (!st.ok()) return st;
+        for (int d = 0; d < D_; ++d) {
+          std::memcpy(dw.data() + int64_t{d} * W_ * as_, u.data() + int64_t{d} * cols * as_,
+                      cols * as_);
+        }
+        st = WriteConv(l, checkpoint[i], dw);
+        if (!st.ok()) return st;
+      }
+    }
+
+    // The stock path, on the simulator's own memory: row i's state blocks are
+    // its Q stock columns, and it reads the state at column acc_prev - 1.
+    st = RunStockPath(qsl, T);
+    if (!st.ok()) return st;
+
+    // Verify.
+    if (options_.async) {
+      uint32_t ring = s + 1;
+      st = memory_->CopyIn(Meta(door_ + 0), &ring, 4);
+      if (st.ok()) st = WaitDoorbell(1, s + 1);
+      if (!st.ok()) return st;
+    } else {
+      for (int l = 0; l < L_; ++l) {
+        const auto t0 = Clock::now();
+        absl::StatusOr<v1::VerifyResponse> r = session_->Verify(verifies[l]);
+        latencies_.Add("Verify", Clock::now() - t0);
+        if (!r.ok()) return r.status();
+      }
+    }
+    for (int l = 0; l < L_; ++l) {
+      std::vector<char> service(T * HK_ * as_), stock(T * HK_ * as_);
+      st = memory_->CopyOut(service.data(), o_[l]->data(), service.size());
+      if (st.ok()) st = memory_->CopyOut(stock.data(), stock_out_[l]->data(), stock.size());
+      if (!st.ok()) return st;
+      ++report_.comparisons;
+      if (std::memcmp(service.data(), stock.data(), service.size()) != 0) {
+        int64_t e = 0;
+        while (std::memcmp(service.data() + e * as_, stock.data() + e * as_, as_) == 0) ++e;
+        Mismatch(absl::StrFormat(
+            "step %d, layer %d: Verify's output differs from the stock kernel's at token %d, "
+            "head %d, column %d: %.9g vs %.9g",
+            s, l, e / HK_, (e / K_) % H_, e % K_, ElementAsFloat(service.data() + e * as_, act_),
+            ElementAsFloat(stock.data() + e * as_, act_)));
+      }
+    }
+
+    // Commit.
+    v1::CommitRequest commit;
+    commit.set_step(step_id);
+    *commit.mutable_num_accepted() = session_->Index(Meta(o_acc), {batch}).value();
+    if (remap) *commit.mutable_request_indices() = session_->Index(Meta(o_req), {R_}).value();
+    if (align_) {
+      *commit.mutable_block_table() =
+          session_->Index(Meta(o_table), {batch, width_}).value();
+      *commit.mutable_num_computed_tokens() = session_->Index(Meta(o_nc), {batch}).value();
+    }
+    if (options_.async) {
+      commit.set_ordering(v1::ASYNC);
+      *commit.mutable_signal()->mutable_doorbell() = Door(2, s + 1);
+    }
+    {
+      const auto t0 = Clock::now();
+      absl::StatusOr<v1::CommitResponse> r = session_->Commit(commit);
+      latencies_.Add(options_.async ? "Commit (async)" : "Commit", Clock::now() - t0);
+      if (!r.ok()) return r.status();
+      if (options_.async) {
+        st = WaitDoorbell(2, s + 1);
+        if (!st.ok()) return st;
+      }
+    }
+    if (align_) {
+      v1::RecordStateBlocksRequest record;
+      record.set_step(step_id);
+      *record.mutable_idx_mapping() = session_->Index(Meta(o_map), {batch}).value();
+      *record.mutable_num_sampled() = session_->Index(Meta(o_sampled), {batch}).value();
+      *record.mutable_num_computed_tokens() = session_->Index(Meta(o_nc), {batch}).value();
+      if (remap) *record.mutable_request_indices() = session_->Index(Meta(o_req), {R_}).value();
+      record.set_block_table_width(width_);
+      *record.mutable_state_idx() = session_->Tensor(Meta(o_out_idx), DType::kInt32, {R_}).value();
+      *record.mutable_num_accepted() =
+          session_->Tensor(Meta(o_out_acc), DType::kInt32, {R_}).value();
+      const auto t0 = Clock::now();
+      absl::StatusOr<v1::RecordStateBlocksResponse> r = session_->RecordStateBlocks(record);
+      latencies_.Add("RecordStateBlocks", Clock::now() - t0);
+      if (!r.ok()) return r.status();
+      std::vector<int32_t> out(2 * batch_max_);
+      st = memory_->CopyOut(out.data(), Meta(o_out_idx), out.size() * 4);
+      if (!st.ok()) return st;
+      for (int i = 0; i < R_; ++i) {
+        const Request& r = requests_[i];
+        const int32_t want_idx =
+            r.live ? static_cast<int32_t>(std::min<int64_t>(
+                         (r.num_computed + accepted[i] - 1) / bs_, width_ - 1))
+                   : -7;
+        const int32_t want_acc = r.live ? 1 : -7;
+        ++report_.comparisons;
+        if (out[i] != want_idx || out[batch_max_ + i] != want_acc) {
+          Mismatch(absl::StrFormat(
+              "step %d, row %d: RecordStateBlocks wrote state_idx %d, num_accepted %d; expected "
+              "%d, %d",
+              s, i, out[i], out[batch_max_ + i], want_idx, want_acc));
+        }
+      }
+    }
+
+    // The committed states and conv windows against the stock path's.
+    for (int i = 0; i < R_; ++i) {
+      Request& r = requests_[i];
+      if (!r.live) continue;
+      const int acc = accepted[i];
+      report_.tokens_accepted += acc;
+      const int64_t nc = r.num_computed;
+      const int64_t fnc = nc + acc;
+      const int32_t final_block =
+          align_ ? r.table[std::min<int64_t>((fnc - 1) / bs_, width_ - 1)] : checkpoint[i];
+      int32_t boundary_block = 0;
+      int boundary_len = 0;
+      if (align_) {
+        const int64_t next_boundary = (nc / bs_ + 1) * bs_;
+        if (fnc >= next_boundary) {
+          boundary_block = r.table[next_boundary / bs_ - 1];
+          boundary_len = static_cast<int>(next_boundary - nc);
+        }
+      }
+      const int cols = hl_ - 1 + tokens[i];
+      for (int l = 0; l < L_; ++l) {
+        st = CompareState(s, l, i, final_block, acc - 1, "committed state");
+        if (!st.ok()) return st;
+        std::vector<char> window(int64_t{D_} * hl_ * as_);
+        for (int d = 0; d < D_; ++d) {
+          std::memcpy(window.data() + int64_t{d} * hl_ * as_,
+                      updated[i][l].data() + (int64_t{d} * cols + acc - 1) * as_, hl_ * as_);
+        }
+        st = CompareWindow(s, l, i, final_block, window, "conv window");
+        if (!st.ok()) return st;
+        if (boundary_block > 0 && boundary_len < acc) {
+          st = CompareState(s, l, i, boundary_block, boundary_len - 1, "boundary state");
+          if (!st.ok()) return st;
+          std::vector<char> bwin(int64_t{D_} * hl_ * as_);
+          for (int d = 0; d < D_; ++d) {
+            std::memcpy(bwin.data() + int64_t{d} * hl_ * as_,
+                        updated[i][l].data() + (int64_t{d} * cols + boundary_len - 1) * as_,
+                        hl_ * as_);
+          }
+          st = CompareWindow(s, l, i, boundary_block, bwin, "boundary conv window");
+          if (!st.ok()) return st;
+          if (l == 0) ++report_.boundary_states;
+        }
+        r.window[l] = std::move(window);
+      }
+      r.acc_prev = acc;
+      r.num_computed = fnc;
+    }
+
+    if (s == options_.corrupt_after_step) {
+      for (int i = 0; i < R_; ++i) {
+        Request& r = requests_[i];
+        if (!r.live) continue;
+        // Flip one mantissa bit of the first element of the request's running
+        // state, in the service's pool, through the exported handle.
+        char* p = StateBlock(0, r.table[CheckpointColumn(r)]);
+        uint32_t word = 0;
+        st = memory_->CopyOut(&word, p, ss_);
+        if (!st.ok()) return st;
+        word ^= ss_ == 4 ? (1u << 20) : (1u << 5);
+        st = memory_->CopyIn(p, &word, ss_);
+        if (!st.ok()) return st;
+        r.pinned = true;
+        break;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status RunStockPath(const std::vector<int32_t>& qsl, int64_t T) {
+    // ssm_state_indices [R, Q]: the slot's stock columns (null rows: all 0),
+    // num_accepted_tokens [R], query_start_loc [R + 1].
+    std::vector<int32_t> indices(int64_t{R_} * Q_, 0), acc(R_, 1);
+    for (int i = 0; i < R_; ++i) {
+      if (!requests_[i].live) continue;
+      for (int c = 0; c < Q_; ++c) indices[int64_t{i} * Q_ + c] = static_cast<int32_t>(1 + i * Q_ + c);
+      acc[i] = requests_[i].acc_prev;
+    }
+    char* base = static_cast<char*>(stock_meta_->data());
+    int32_t* d_indices = reinterpret_cast<int32_t*>(base);
+    int32_t* d_acc = d_indices + int64_t{R_} * Q_;
+    int32_t* d_qsl = d_acc + R_;
+    char* workspace = base + ((4 * (int64_t{R_} * Q_ + 2 * R_ + 1) + 255) / 256) * 256;
+    auto* status = reinterpret_cast<kernels::DeviceStatus*>(
+        workspace + kernels::StockWorkspaceBytes(stock_blocks_));
+    absl::Status st = memory_->CopyIn(d_indices, indices.data(), indices.size() * 4);
+    if (st.ok()) st = memory_->CopyIn(d_acc, acc.data(), acc.size() * 4);
+    if (st.ok()) st = memory_->CopyIn(d_qsl, qsl.data(), qsl.size() * 4);
+    if (!st.ok()) return st;
+    for (int l = 0; l < L_; ++l) {
+      kernels::StockArgs a;
+      a.shape.num_heads = H_;
+      a.shape.head_dim = K_;
+      a.shape.act_dtype = act_;
+      a.shape.state_dtype = state_;
+      a.shape.lower_bound = layout_.lower_bound();
+      const char* proj = static_cast<const char*>(proj_[l]->data());
+      a.q = kernels::Activation{proj, proj_stride_};
+      a.k = kernels::Activation{proj + HK_ * as_, proj_stride_};
+      a.v = kernels::Activation{proj + 2 * HK_ * as_, proj_stride_};
+      a.beta = kernels::Activation{proj + 3 * HK_ * as_, proj_stride_};
+      a.g = kernels::Activation{g_[l]->data(), HK_};
+      a.num_tokens = T;
+      a.out = stock_out_[l]->data();
+      a.state = kernels::StatePool{stock_pool_[l]->data(), stock_blocks_, HK_ * K_};
+      const float* params = static_cast<const float*>(stock_params_[l]->data());
+      a.params = kernels::LayerParams{params, params + H_};
+      a.num_rows = R_;
+      a.query_start_loc = d_qsl;
+      a.ssm_state_indices = kernels::IndexMatrix{d_indices, Q_, Q_};
+      a.num_accepted_tokens = d_acc;
+      a.workspace = workspace;
+      a.workspace_bytes = kernels::StockWorkspaceBytes(stock_blocks_);
+      a.status = status;
+      st = stock_->Stock(a, nullptr);
+      if (!st.ok()) return st;
+      kernels::DeviceStatus host;
+      st = memory_->CopyOut(&host, status, sizeof(host));
+      if (!st.ok()) return st;
+      st = kernels::DeviceStatusToStatus(host, "the simulator's stock path");
+      if (!st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+
+  Client& client_;
+  const SimulationOptions options_;
+  std::mt19937_64 rng_;
+  SimulationReport report_;
+  Latencies latencies_;
+
+  v1::Layout layout_;
+  int L_ = 0, H_ = 0, K_ = 0, Q_ = 0, D_ = 0, W_ = 0, hl_ = 0, B_ = 0, R_ = 0, bs_ = 0;
+  bool align_ = false;
+  DType act_ = DType::kBFloat16, state_ = DType::kFloat32;
+  int64_t as_ = 2, ss_ = 4, HK_ = 0, state_block_bytes_ = 0;
+  int64_t conv_block_stride_ = 0, conv_dim_stride_ = 0, conv_token_stride_ = 0;
+  int width_ = 1;
+  int64_t tmax_ = 0, proj_stride_ = 0;
+  int batch_max_ = 0;
+  int64_t meta_ints_ = 0;
+  int door_ = 0;
+  int64_t stock_blocks_ = 0;
+
+  const kernels::KdaKernels* stock_ = nullptr;
+  std::unique_ptr<SharedMemory> memory_;
+  std::unique_ptr<MappedPools> pools_;
+  std::unique_ptr<Session> session_;
+  std::vector<std::unique_ptr<SharedBuffer>> proj_, g_, o_, stock_pool_, stock_out_, stock_params_;
+  std::unique_ptr<SharedBuffer> meta_, stock_meta_;
+  std::vector<int32_t> free_blocks_;
+  std::vector<Request> requests_;
+};
+
+}  // namespace
+
+absl::StatusOr<SimulationReport> RunSimulation(Client& client, const SimulationOptions& options) {
+  if (options.steps < 1) return absl::InvalidArgumentError("steps must be >= 1");
+  Simulator sim(client, options);
+  return sim.Run();
+}
+
+std::string FormatReport(const SimulationReport& r) {
+  std::string out = absl::StrFormat(
+      "steps %d on the %s backend, %d layers: %d rows (%d null), %d tokens verified, %d accepted\n"
+      "requests: %d started, %d finished; %d boundary states (align mode)\n"
+      "memory saved against the stock path: %d bytes of recurrent state\n",
+      r.steps, r.backend, r.layers, r.rows, r.null_rows, r.tokens_verified, r.tokens_accepted,
+      r.requests_started, r.requests_finished, r.boundary_states, r.state_bytes_saved);
+  out += "latency per RPC (us):           calls      p50      p99     mean\n";
+  for (const auto& [rpc, s] : r.latency) {
+    out += absl::StrFormat("  %-28s %7d %8.1f %8.1f %8.1f\n", rpc, s.count, s.p50_us, s.p99_us,
+                           s.mean_us);
+  }
+  if (r.passed()) {
+    out += absl::StrFormat(
+        "verdict: PASS: %d comparisons, every output, state and conv window bit-identical to "
+        "the stock path\n",
+        r.comparisons);
+  } else if (r.comparisons == 0) {
+    out += "verdict: FAIL: nothing was compared\n";
+  } else {
+    out += absl::StrFormat("verdict: FAIL: %d of %d comparisons differ; first: %s\n", r.mismatches,
+                           r.comparisons, r.first_mismatch);
+  }
+  return out;
+}
+
+}  // namespace client
+}  // namespace specstate

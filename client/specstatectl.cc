@@ -1,0 +1,244 @@
+// specstatectl: the command-line client of specstated.
+//
+//   specstatectl --server=unix:///tmp/specstate.sock health
+//   specstatectl layout
+//   specstatectl regions
+//   specstatectl state --layer=0 --block=1 [--values]
+//   specstatectl stats
+//   specstatectl simulate --steps=50 --requests=4 [--async] [--seed=N]
+//
+// Exit status: 0 on success; 1 on an error; 2 on bad usage; 3 when simulate's
+// verdict fails (a state differs from the stock path).
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/client.h"
+#include "client/simulator.h"
+#include "google/protobuf/util/json_util.h"
+
+ABSL_FLAG(std::string, server, "unix:///tmp/specstate.sock",
+          "the service's address: unix:///PATH or HOST:PORT");
+ABSL_FLAG(bool, json, false, "print replies as JSON (layout, regions, state, stats)");
+ABSL_FLAG(int, layer, 0, "state: the layer");
+ABSL_FLAG(int, block, 1, "state: the block");
+ABSL_FLAG(bool, values, false, "state: print every value, not only the summary");
+ABSL_FLAG(int, steps, 20, "simulate: decode steps");
+ABSL_FLAG(int, requests, 4, "simulate: concurrent requests (rows per step)");
+ABSL_FLAG(uint64_t, seed, 1, "simulate: random seed");
+ABSL_FLAG(bool, async, false,
+          "simulate: ASYNC Verify/Commit ordered by doorbells, Verify sent before its inputs");
+ABSL_FLAG(double, finish_probability, 0.15, "simulate: chance a request finishes each step");
+ABSL_FLAG(int, corrupt_after_step, -1,
+          "simulate: flip one bit of a committed state after this step (tests the verdict)");
+
+namespace specstate {
+namespace client {
+namespace {
+
+constexpr char kUsage[] =
+    "specstatectl [--server=ADDRESS] SUBCOMMAND [flags]\n"
+    "subcommands:\n"
+    "  health     the grpc.health.v1 status of the service\n"
+    "  layout     the layout the service runs\n"
+    "  regions    registered regions of every session\n"
+    "  state      one block of one layer (--layer, --block, --values)\n"
+    "  stats      counters and per-RPC latency\n"
+    "  simulate   a decode loop checked bit for bit against the stock path\n"
+    "             (--steps, --requests, --seed, --async)";
+
+std::string Json(const google::protobuf::Message& m) {
+  std::string out;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.preserve_proto_field_names = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &out, options);
+  return out;
+}
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "specstatectl: %s\n", s.ToString().c_str());
+  return 1;
+}
+
+int Health(Client& c) {
+  absl::StatusOr<std::string> all = c.Health("");
+  if (!all.ok()) return Fail(all.status());
+  absl::StatusOr<std::string> service = c.Health("specstate.v1.SpecState");
+  if (!service.ok()) return Fail(service.status());
+  std::printf("%s: %s (specstate.v1.SpecState: %s)\n", c.address().c_str(), all->c_str(),
+              service->c_str());
+  return *all == "SERVING" ? 0 : 1;
+}
+
+int Layout(Client& c) {
+  absl::StatusOr<v1::Layout> l = c.GetLayout();
+  if (!l.ok()) return Fail(l.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s", Json(*l).c_str());
+    return 0;
+  }
+  std::printf(
+      "backend          %s (device %d)\n"
+      "layers           %d\n"
+      "heads x dim      %d x %d\n"
+      "conv             dim %d, kernel %d, window %d\n"
+      "num_spec         %d (Q = %d)\n"
+      "blocks           %d (block 0 is null)\n"
+      "max_rows         %d\n"
+      "dtypes           activations %s, state %s\n"
+      "cache mode       %s%s\n"
+      "lower_bound      %g\n"
+      "bytes            state block %d, conv block %d, pools %d, records %d\n",
+      v1::Backend_Name(l->backend()).c_str(), l->device(), l->num_layers(), l->num_heads(),
+      l->head_dim(), l->conv_dim(), l->conv_kernel(), l->conv_width(), l->num_spec(),
+      l->num_spec() + 1, l->num_blocks(), l->max_rows(),
+      v1::DType_Name(l->activation_dtype()).c_str(), v1::DType_Name(l->state_dtype()).c_str(),
+      v1::CacheMode_Name(l->cache_mode()).c_str(),
+      l->cache_mode() == v1::ALIGN ? absl::StrCat(" (block size ", l->mamba_block_size(), ")").c_str()
+                                   : "",
+      l->lower_bound(), l->state_block_bytes(), l->conv_block_bytes(), l->pool_bytes(),
+      l->record_bytes());
+  return 0;
+}
+
+int Regions(Client& c) {
+  absl::StatusOr<v1::ListRegionsResponse> r = c.ListRegions();
+  if (!r.ok()) return Fail(r.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s", Json(*r).c_str());
+    return 0;
+  }
+  std::printf("%-20s %-24s %-9s %14s %7s\n", "session", "name", "kind", "bytes", "in use");
+  for (const v1::RegionInfo& i : r->regions()) {
+    std::printf("%-20s %-24s %-9s %14llu %7d\n", i.session_id().c_str(), i.name().c_str(),
+                i.kind().c_str(), static_cast<unsigned long long>(i.byte_size()), i.in_use());
+  }
+  std::printf("%d regions\n", r->regions_size());
+  return 0;
+}
+
+void PrintSummary(const char* name, const v1::TensorSummary& s) {
+  std::string shape;
+  for (int64_t d : s.shape()) shape += absl::StrCat(shape.empty() ? "" : " x ", d);
+  std::printf("%-10s [%s] min %.6g max %.6g mean %.6g l2 %.6g checksum %016llx\n", name,
+              shape.c_str(), s.min(), s.max(), s.mean(), s.l2_norm(),
+              static_cast<unsigned long long>(s.checksum()));
+  if (s.values_size() > 0) {
+    for (int i = 0; i < s.values_size(); ++i) {
+      std::printf("%.9g%s", s.values(i), (i + 1) % 8 == 0 ? "\n" : " ");
+    }
+    std::printf("\n");
+  }
+}
+
+int State(Client& c) {
+  absl::StatusOr<v1::ReadStateResponse> r = c.ReadState(
+      absl::GetFlag(FLAGS_layer), absl::GetFlag(FLAGS_block), absl::GetFlag(FLAGS_values));
+  if (!r.ok()) return Fail(r.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s", Json(*r).c_str());
+    return 0;
+  }
+  std::printf("layer %d, block %d\n", absl::GetFlag(FLAGS_layer), absl::GetFlag(FLAGS_block));
+  PrintSummary("recurrent", r->recurrent());
+  PrintSummary("conv", r->conv());
+  return 0;
+}
+
+int Stats(Client& c) {
+  absl::StatusOr<v1::Stats> s = c.GetStats();
+  if (!s.ok()) return Fail(s.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s", Json(*s).c_str());
+    return 0;
+  }
+  std::printf(
+      "uptime %.1f s, %d sessions, %d regions, driver: %s\n"
+      "steps verified %llu, committed %llu, failed %llu\n"
+      "rows verified %llu, committed %llu; tokens verified %llu, committed %llu\n"
+      "state bytes the stock path would add: %llu\n",
+      s->uptime_s(), s->sessions(), s->regions(), s->driver().empty() ? "none" : s->driver().c_str(),
+      static_cast<unsigned long long>(s->steps_verified()),
+      static_cast<unsigned long long>(s->steps_committed()),
+      static_cast<unsigned long long>(s->steps_failed()),
+      static_cast<unsigned long long>(s->rows_verified()),
+      static_cast<unsigned long long>(s->rows_committed()),
+      static_cast<unsigned long long>(s->tokens_verified()),
+      static_cast<unsigned long long>(s->tokens_committed()),
+      static_cast<unsigned long long>(s->state_bytes_saved()));
+  std::printf("%-20s %8s %8s %10s %10s\n", "rpc", "calls", "errors", "p50 us", "p99 us");
+  for (const v1::RpcStats& r : s->rpcs()) {
+    uint64_t errors = 0;
+    for (const auto& [code, n] : r.errors()) errors += n;
+    std::printf("%-20s %8llu %8llu %10.1f %10.1f\n", r.method().c_str(),
+                static_cast<unsigned long long>(r.calls()), static_cast<unsigned long long>(errors),
+                r.latency().p50_us(), r.latency().p99_us());
+  }
+  return 0;
+}
+
+int Simulate(Client& c) {
+  SimulationOptions options;
+  options.steps = absl::GetFlag(FLAGS_steps);
+  options.requests = absl::GetFlag(FLAGS_requests);
+  options.seed = absl::GetFlag(FLAGS_seed);
+  options.async = absl::GetFlag(FLAGS_async);
+  options.finish_probability = absl::GetFlag(FLAGS_finish_probability);
+  options.corrupt_after_step = absl::GetFlag(FLAGS_corrupt_after_step);
+  const bool tty = isatty(fileno(stderr));
+  options.progress = [tty](const SimulationProgress& p) {
+    if (tty) {
+      std::fprintf(stderr, "\rstep %d/%d  comparisons %llu  mismatches %llu", p.step, p.steps,
+                   static_cast<unsigned long long>(p.comparisons),
+                   static_cast<unsigned long long>(p.mismatches));
+      if (p.step == p.steps) std::fprintf(stderr, "\n");
+    } else if (p.step % 10 == 0 || p.step == p.steps) {
+      std::fprintf(stderr, "step %d/%d: %llu comparisons, %llu mismatches\n", p.step, p.steps,
+                   static_cast<unsigned long long>(p.comparisons),
+                   static_cast<unsigned long long>(p.mismatches));
+    }
+  };
+  absl::StatusOr<SimulationReport> report = RunSimulation(c, options);
+  if (!report.ok()) return Fail(report.status());
+  std::printf("%s", FormatReport(*report).c_str());
+  return report->passed() ? 0 : 3;
+}
+
+}  // namespace
+}  // namespace client
+}  // namespace specstate
+
+int main(int argc, char** argv) {
+  using namespace specstate::client;  // NOLINT
+  absl::SetProgramUsageMessage(kUsage);
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() != 2) {
+    std::fprintf(stderr, "%s\n", kUsage);
+    return 2;
+  }
+  const std::string command = args[1];
+  const bool known = command == "health" || command == "layout" || command == "regions" ||
+                     command == "state" || command == "stats" || command == "simulate";
+  if (!known) {
+    std::fprintf(stderr, "specstatectl: unknown subcommand \"%s\"\n%s\n", command.c_str(), kUsage);
+    return 2;
+  }
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(absl::GetFlag(FLAGS_server));
+  if (!client.ok()) return Fail(client.status());
+  Client& c = **client;
+  if (command == "health") return Health(c);
+  if (command == "layout") return Layout(c);
+  if (command == "regions") return Regions(c);
+  if (command == "state") return State(c);
+  if (command == "stats") return Stats(c);
+  return Simulate(c);
+}
