@@ -113,7 +113,9 @@ absl::Status Session::Open(const std::string& client_name, bool drive, uint32_t 
   v1::SessionEvent event;
   if (!stream_->Write(open) || !stream_->Read(&event)) {
     stream_->WritesDone();
-    return FromGrpc(stream_->Finish());
+    const absl::Status refused = FromGrpc(stream_->Finish());
+    stream_.reset();  // finished: Close() must not finish it again
+    return refused.ok() ? absl::UnavailableError("the session stream closed at once") : refused;
   }
   id_ = event.session_id();
   driving_ = event.driving();
@@ -150,24 +152,18 @@ absl::Status Session::Close() {
     closing_ = true;
   }
   if (renewer_.joinable()) renewer_.join();
-  std::vector<std::string> names;
-  {
-    absl::MutexLock lock(&regions_mu_);
-    for (const Registered& r : regions_) names.push_back(r.name);
-  }
+  // Ending the session unregisters its regions on the server (each once no
+  // enqueued work uses it): no call per region, and none can block here.
   absl::Status result = absl::OkStatus();
-  if (alive_) {
-    for (const std::string& name : names) {
-      absl::Status st = Unregister(name);
-      if (!st.ok() && result.ok()) result = st;
-    }
-  }
   if (stream_ != nullptr) {
     stream_->WritesDone();
     grpc::Status st = stream_->Finish();
-    if (!st.ok() && st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED && result.ok()) {
-      result = FromGrpc(st);
-    }
+    // DEADLINE_EXCEEDED: the lease already ran out, which ended the session too.
+    if (!st.ok() && st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) result = FromGrpc(st);
+  }
+  {
+    absl::MutexLock lock(&regions_mu_);
+    regions_.clear();
   }
   alive_ = false;
   return result;

@@ -16,8 +16,8 @@
 //
 // Errors are absl::Status values with the server's code and message, or
 // UNAVAILABLE (server down) / DEADLINE_EXCEEDED from the transport. A Session
-// keeps its stream open and renews its lease from a background thread; its
-// regions are unregistered and the session ends when it is destroyed.
+// keeps its stream open and renews its lease from a background thread; when it
+// is closed or destroyed the session ends and the server unregisters its regions.
 #ifndef SPECSTATE_CLIENT_CLIENT_H_
 #define SPECSTATE_CLIENT_CLIENT_H_
 
@@ -114,8 +114,9 @@ class Session {
   absl::StatusOr<v1::RecordStateBlocksResponse> RecordStateBlocks(
       v1::RecordStateBlocksRequest request);
 
-  // Unregisters the regions, closes the stream (the session ends on the
-  // server) and stops the renewal thread. Idempotent.
+  // Stops the renewal thread and closes the stream: the session ends on the
+  // server, which unregisters its regions (each once no enqueued work uses
+  // it). Idempotent.
   absl::Status Close();
 
   // Whether the lease is still being renewed (false once the server ended

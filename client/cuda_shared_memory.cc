@@ -47,6 +47,21 @@ class CudaPools final : public MappedPools {
   void* base_;
 };
 
+class CudaIpcEvent final : public IpcEvent {
+ public:
+  CudaIpcEvent(cudaEvent_t event, std::string handle) : event_(event), handle_(std::move(handle)) {}
+  ~CudaIpcEvent() override { cudaEventDestroy(event_); }
+  std::string handle() const override { return handle_; }
+  absl::Status Record() override { return Cuda(cudaEventRecord(event_, nullptr), "cudaEventRecord"); }
+  absl::Status Synchronize() override {
+    return Cuda(cudaEventSynchronize(event_), "cudaEventSynchronize");
+  }
+
+ private:
+  cudaEvent_t event_;
+  std::string handle_;
+};
+
 class CudaSharedMemory final : public SharedMemory {
  public:
   explicit CudaSharedMemory(int device) : device_(device) {}
@@ -81,6 +96,23 @@ class CudaSharedMemory final : public SharedMemory {
                            "cudaIpcOpenMemHandle of the pools");
     if (!st.ok()) return st;
     return std::unique_ptr<MappedPools>(new CudaPools(d, base));
+  }
+
+  absl::StatusOr<std::unique_ptr<IpcEvent>> CreateIpcEvent() override {
+    cudaSetDevice(device_);
+    cudaEvent_t event = nullptr;
+    absl::Status st = Cuda(
+        cudaEventCreateWithFlags(&event, cudaEventInterprocess | cudaEventDisableTiming),
+        "cudaEventCreateWithFlags");
+    if (!st.ok()) return st;
+    cudaIpcEventHandle_t handle;
+    st = Cuda(cudaIpcGetEventHandle(&handle, event), "cudaIpcGetEventHandle");
+    if (!st.ok()) {
+      cudaEventDestroy(event);
+      return st;
+    }
+    return std::unique_ptr<IpcEvent>(new CudaIpcEvent(
+        event, std::string(reinterpret_cast<const char*>(&handle), sizeof(handle))));
   }
 
   absl::Status CopyIn(void* dst, const void* host, uint64_t bytes) override {

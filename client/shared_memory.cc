@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 
@@ -67,8 +68,12 @@ class HostSharedMemory final : public SharedMemory {
   v1::Backend backend() const override { return v1::CPU; }
 
   absl::StatusOr<std::unique_ptr<SharedBuffer>> Allocate(uint64_t bytes) override {
+    // pid, then a per-process random tag (pids repeat across containers and
+    // sandboxes sharing /dev/shm), then a counter.
+    static const uint32_t tag = std::random_device()();
     static std::atomic<uint64_t> counter{0};
-    const std::string name = absl::StrCat("/specstate-client-", getpid(), "-", counter++);
+    const std::string name =
+        absl::StrCat("/specstate-client-", getpid(), "-", absl::Hex(tag), "-", counter++);
     const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) return Errno(absl::StrCat("shm_open(", name, ")"));
     if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
@@ -97,6 +102,11 @@ class HostSharedMemory final : public SharedMemory {
     close(fd);
     if (p == MAP_FAILED) return Errno(absl::StrCat("mmap(", d.shm_name(), ")"));
     return std::unique_ptr<MappedPools>(new ShmPools(d, p, d.allocation_bytes()));
+  }
+
+  absl::StatusOr<std::unique_ptr<IpcEvent>> CreateIpcEvent() override {
+    return absl::UnimplementedError(
+        "interprocess events need the CUDA backend; the CPU backend orders work with doorbells");
   }
 
   absl::Status CopyIn(void* dst, const void* host, uint64_t bytes) override {

@@ -50,6 +50,18 @@ class MappedPools {
   v1::ExportPoolsResponse description_;
 };
 
+// A CUDA interprocess event of this process (CUDA backend only).
+class IpcEvent {
+ public:
+  virtual ~IpcEvent() = default;
+  // The 64-byte cudaIpcEventHandle_t to put in a request's IpcEvent.handle.
+  virtual std::string handle() const = 0;
+  // Records the event after everything this process has done on the device.
+  virtual absl::Status Record() = 0;
+  // Waits (on the host) for the service's record of it.
+  virtual absl::Status Synchronize() = 0;
+};
+
 class SharedMemory {
  public:
   // CPU or CUDA (device 0 unless given). UNAVAILABLE for CUDA in a build or on
@@ -61,6 +73,9 @@ class SharedMemory {
   virtual absl::StatusOr<std::unique_ptr<SharedBuffer>> Allocate(uint64_t bytes) = 0;
   virtual absl::StatusOr<std::unique_ptr<MappedPools>> MapPools(
       const v1::ExportPoolsResponse& pools) = 0;
+
+  // UNIMPLEMENTED on the CPU backend (it orders work with doorbells).
+  virtual absl::StatusOr<std::unique_ptr<IpcEvent>> CreateIpcEvent() = 0;
 
   // host <-> shared memory (device memory on CUDA). Synchronous.
   virtual absl::Status CopyIn(void* dst, const void* host, uint64_t bytes) = 0;

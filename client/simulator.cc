@@ -1,7 +1,10 @@
 #include "client/simulator.h"
 
+#include <signal.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -269,6 +272,14 @@ class Simulator {
       }
       if (!copied.ok()) return copied;
       stock_params_.push_back(*std::move(p));
+    }
+    if (options_.async && options_.events) {
+      absl::StatusOr<std::unique_ptr<IpcEvent>> e = memory_->CreateIpcEvent();
+      if (!e.ok()) return e.status();
+      inputs_ready_ = *std::move(e);
+      e = memory_->CreateIpcEvent();
+      if (!e.ok()) return e.status();
+      work_done_ = *std::move(e);
     }
     requests_.resize(R_);
     return absl::OkStatus();
@@ -563,13 +574,17 @@ class Simulator {
           session_->Tensor(proj + 3 * HK_ * as_, act_, {T, H_}, {proj_stride_, 1}).value();
       *v.mutable_g() = session_->Tensor(g_[l]->data(), act_, {T, H_, K_}).value();
       *v.mutable_o() = session_->Tensor(o_[l]->data(), act_, {T, H_, K_}).value();
-      if (options_.async) {
+      if (options_.async && options_.events) {
+        v.set_ordering(v1::ASYNC);
+        v.mutable_wait()->mutable_event()->set_handle(inputs_ready_->handle());
+        if (l == L_ - 1) v.mutable_signal()->mutable_event()->set_handle(work_done_->handle());
+      } else if (options_.async) {
         v.set_ordering(v1::ASYNC);
         *v.mutable_wait()->mutable_doorbell() = Door(0, s + 1);
         if (l == L_ - 1) *v.mutable_signal()->mutable_doorbell() = Door(1, s + 1);
       }
     }
-    if (options_.async) {
+    if (options_.async && !options_.events) {
       for (int l = 0; l < L_; ++l) {
         const auto t0 = Clock::now();
         absl::StatusOr<v1::VerifyResponse> r = session_->Verify(verifies[l]);
@@ -637,7 +652,20 @@ class Simulator {
     if (!st.ok()) return st;
 
     // Verify.
-    if (options_.async) {
+    if (options_.async && options_.events) {
+      // An event wait applies to the record made before the call: record the
+      // inputs' event, then send the Verify calls, then wait for the last one.
+      st = inputs_ready_->Record();
+      if (!st.ok()) return st;
+      for (int l = 0; l < L_; ++l) {
+        const auto t0 = Clock::now();
+        absl::StatusOr<v1::VerifyResponse> r = session_->Verify(verifies[l]);
+        latencies_.Add("Verify (async, events)", Clock::now() - t0);
+        if (!r.ok()) return r.status();
+      }
+      st = work_done_->Synchronize();
+      if (!st.ok()) return st;
+    } else if (options_.async) {
       uint32_t ring = s + 1;
       st = memory_->CopyIn(Meta(door_ + 0), &ring, 4);
       if (st.ok()) st = WaitDoorbell(1, s + 1);
@@ -650,6 +678,7 @@ class Simulator {
         if (!r.ok()) return r.status();
       }
     }
+    if (s == options_.crash_after_verify_step) Crash();
     for (int l = 0; l < L_; ++l) {
       std::vector<char> service(T * HK_ * as_), stock(T * HK_ * as_);
       st = memory_->CopyOut(service.data(), o_[l]->data(), service.size());
@@ -795,6 +824,22 @@ class Simulator {
     return absl::OkStatus();
   }
 
+  [[noreturn]] void Crash() {
+    const uint64_t bytes = pools_->description().allocation_bytes();
+    std::vector<char> all(bytes);
+    uint64_t h = 1469598103934665603ull;
+    if (memory_->CopyOut(all.data(), pools_->base(), bytes).ok()) {
+      for (char c : all) {
+        h ^= static_cast<unsigned char>(c);
+        h *= 1099511628211ull;
+      }
+    }
+    std::printf("CRASH POINT pools=%016llx\n", static_cast<unsigned long long>(h));
+    std::fflush(stdout);
+    raise(SIGKILL);
+    std::abort();
+  }
+
   absl::Status RunStockPath(const std::vector<int32_t>& qsl, int64_t T) {
     // ssm_state_indices [R, Q]: the slot's stock columns (null rows: all 0),
     // num_accepted_tokens [R], query_start_loc [R + 1].
@@ -878,6 +923,7 @@ class Simulator {
   std::unique_ptr<SharedBuffer> meta_, stock_meta_;
   std::vector<int32_t> free_blocks_;
   std::vector<Request> requests_;
+  std::unique_ptr<IpcEvent> inputs_ready_, work_done_;
 };
 
 }  // namespace

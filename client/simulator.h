@@ -46,10 +46,17 @@ struct SimulationOptions {
   // Verify and Commit ASYNC, ordered by doorbells; every Verify of a step is
   // sent before its inputs are written.
   bool async = false;
+  // With `async`, order with CUDA interprocess events instead of doorbells
+  // (CUDA backend): the inputs' event is recorded before the Verify calls.
+  bool events = false;
   double finish_probability = 0.15;
   // After this step's checks, flip one bit of a committed state in the
   // service's pool through the exported handle (tests of the verdict).
   int corrupt_after_step = -1;
+  // Crash tests: after sending the Verify calls of this step (before its
+  // Commit), print "CRASH POINT pools=<FNV-1a of every pool byte>" and die by
+  // SIGKILL, as a scheduler killed mid-step would.
+  int crash_after_verify_step = -1;
   std::function<void(const SimulationProgress&)> progress;
 };
 

@@ -36,7 +36,11 @@ ABSL_FLAG(int, requests, 4, "simulate: concurrent requests (rows per step)");
 ABSL_FLAG(uint64_t, seed, 1, "simulate: random seed");
 ABSL_FLAG(bool, async, false,
           "simulate: ASYNC Verify/Commit ordered by doorbells, Verify sent before its inputs");
+ABSL_FLAG(bool, events, false,
+          "simulate: with --async, order with CUDA interprocess events instead of doorbells");
 ABSL_FLAG(double, finish_probability, 0.15, "simulate: chance a request finishes each step");
+ABSL_FLAG(int, crash_after_verify_step, -1,
+          "simulate (crash tests): die by SIGKILL after sending this step's Verify calls");
 ABSL_FLAG(int, corrupt_after_step, -1,
           "simulate: flip one bit of a committed state after this step (tests the verdict)");
 
@@ -192,8 +196,10 @@ int Simulate(Client& c) {
   options.requests = absl::GetFlag(FLAGS_requests);
   options.seed = absl::GetFlag(FLAGS_seed);
   options.async = absl::GetFlag(FLAGS_async);
+  options.events = absl::GetFlag(FLAGS_events);
   options.finish_probability = absl::GetFlag(FLAGS_finish_probability);
   options.corrupt_after_step = absl::GetFlag(FLAGS_corrupt_after_step);
+  options.crash_after_verify_step = absl::GetFlag(FLAGS_crash_after_verify_step);
   const bool tty = isatty(fileno(stderr));
   options.progress = [tty](const SimulationProgress& p) {
     if (tty) {

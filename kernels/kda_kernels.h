@@ -17,6 +17,9 @@
 #ifndef SPECSTATE_KERNELS_KDA_KERNELS_H_
 #define SPECSTATE_KERNELS_KDA_KERNELS_H_
 
+#include <string>
+#include <utility>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -68,6 +71,13 @@ absl::StatusOr<const KdaKernels*> CudaKdaKernels();
 
 // Whether this build includes the CUDA backend.
 bool BuiltWithCuda();
+
+// For the benchmark's sweep: the CUDA kernels with other thread layouts of
+// the recurrent kernel (variant 0 is the production one; the others support
+// bf16 activations, fp32 state and head dim 128 only). Within a variant the
+// stock kernel, verify and replay share the layout, so bit identity holds.
+int NumCudaLayoutVariants();
+absl::StatusOr<std::pair<std::string, const KdaKernels*>> CudaKdaKernelsWithLayout(int variant);
 
 // Host-side validation, exposed for the service (which checks a request
 // before it enqueues anything) and for tests.

@@ -13,5 +13,11 @@ absl::StatusOr<const KdaKernels*> CudaKdaKernels() {
 
 bool BuiltWithCuda() { return false; }
 
+int NumCudaLayoutVariants() { return 0; }
+
+absl::StatusOr<std::pair<std::string, const KdaKernels*>> CudaKdaKernelsWithLayout(int) {
+  return absl::UnavailableError("this build of SpecState has no CUDA backend");
+}
+
 }  // namespace kernels
 }  // namespace specstate

@@ -15,6 +15,7 @@
 #include <deque>
 #include <fstream>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 
@@ -103,8 +104,9 @@ class CpuDevice final : public Device {
 
   absl::StatusOr<void*> AllocateExported(uint64_t bytes) override {
     if (exported_ != nullptr) return absl::FailedPreconditionError("the pools are allocated once");
-    export_name_ = absl::StrCat("/specstate-", getpid(), "-pools");
-    shm_unlink(export_name_.c_str());  // a stale object of a dead process with our pid
+    // pid and a random tag: pids repeat across containers sharing /dev/shm.
+    export_name_ = absl::StrCat("/specstate-", getpid(), "-", absl::Hex(std::random_device()()),
+                                "-pools");
     const int fd = shm_open(export_name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) return ErrnoError(absl::StrCat("shm_open(", export_name_, ")"), errno);
     // posix_fallocate reserves the pages now, so a /dev/shm too small for

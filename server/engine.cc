@@ -1,5 +1,6 @@
 #include "server/engine.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -135,6 +136,14 @@ uint64_t Fingerprint(Request request) {
 
 std::string LayerList(const std::vector<int>& layers) {
   return absl::StrJoin(layers, ", ");
+}
+
+// One pin per region per call: ListRegions' in_use counts calls.
+std::shared_ptr<std::vector<RegionPin>> UniquePins(std::vector<RegionPin> pins) {
+  std::sort(pins.begin(), pins.end());
+  pins.erase(std::unique(pins.begin(), pins.end()), pins.end());
+  if (!pins.empty() && pins.front() == nullptr) pins.erase(pins.begin());
+  return std::make_shared<std::vector<RegionPin>>(std::move(pins));
 }
 
 absl::Status Prefix(absl::string_view prefix, const absl::Status& s) {
@@ -877,8 +886,11 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   };
   const bool async = ordering->async;
   const uint64_t step_id = req.step();
-  auto pins = std::make_shared<std::vector<RegionPin>>(ordering->pins);
-  for (const TensorView* t : {&*q, &*k, &*v, &*g, &*beta, &*o}) pins->push_back(t->pin);
+  std::vector<RegionPin> all_pins = ordering->pins;
+  for (const TensorView* t : {&*q, &*k, &*v, &*g, &*beta, &*o}) all_pins.push_back(t->pin);
+  all_pins.push_back(inputs->first.pin);
+  all_pins.push_back(inputs->second.pin);
+  auto pins = UniquePins(std::move(all_pins));
   work.done = [this, pins, reply, async, step_id, session, layer_index, first, N,
                slot_index = step->slot](absl::Status launched) {
     absl::Status result = launched;
@@ -943,6 +955,14 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
     return;
   }
   const int64_t batch = accepted->rows;
+  if (align != req.has_block_table() || align != req.has_num_computed_tokens()) {
+    reply(absl::InvalidArgumentError(
+              align ? "cache_mode ALIGN: block_table and num_computed_tokens are required"
+                    : "block_table and num_computed_tokens are for cache_mode ALIGN; this "
+                      "service runs cache_mode NONE"),
+          {});
+    return;
+  }
   absl::StatusOr<IndexInput> request_indices =
       ResolveIndex(regions_, session, req.request_indices(), "request_indices", {});
   if (!request_indices.ok()) {
@@ -1136,11 +1156,12 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
   };
   const bool async = ordering->async;
   const uint64_t step_id = req.step();
-  auto pins = std::make_shared<std::vector<RegionPin>>(ordering->pins);
+  std::vector<RegionPin> all_pins = ordering->pins;
   for (const IndexInput* in : {&inputs->accepted, &inputs->request_indices, &inputs->block_table,
                                &inputs->computed}) {
-    if (in->pin != nullptr) pins->push_back(in->pin);
+    all_pins.push_back(in->pin);
   }
+  auto pins = UniquePins(std::move(all_pins));
   v1::CommitResponse response;
   response.set_enqueued(async);
   response.set_num_rows(N);
@@ -1373,13 +1394,14 @@ void Engine::RecordStateBlocks(const std::string& session,
   };
   const bool async = ordering->async;
   const uint64_t step_id = req.step();
-  auto pins = std::make_shared<std::vector<RegionPin>>(ordering->pins);
-  pins->push_back(state_idx->pin);
-  pins->push_back(out_accepted->pin);
+  std::vector<RegionPin> all_pins = ordering->pins;
+  all_pins.push_back(state_idx->pin);
+  all_pins.push_back(out_accepted->pin);
   for (const IndexInput* in : {&inputs->mapping, &inputs->sampled, &inputs->computed,
                                &inputs->request_indices}) {
-    if (in->pin != nullptr) pins->push_back(in->pin);
+    all_pins.push_back(in->pin);
   }
+  auto pins = UniquePins(std::move(all_pins));
   v1::RecordStateBlocksResponse response;
   response.set_enqueued(async);
   work.done = [this, pins, reply, async, step_id, session, L, response,

@@ -40,6 +40,8 @@ class SpecStateService final : public v1::SpecState::CallbackService {
   grpc::ServerUnaryReactor* ReadState(grpc::CallbackServerContext* ctx,
                                       const v1::ReadStateRequest* request,
                                       v1::ReadStateResponse* response) override;
+  grpc::ServerUnaryReactor* Ping(grpc::CallbackServerContext* ctx, const v1::PingRequest* request,
+                                 v1::PingResponse* response) override;
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx,
                                      const v1::GetStatsRequest* request,
                                      v1::Stats* response) override;

@@ -23,6 +23,8 @@
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -40,9 +42,22 @@ namespace {
 using internal::IsBlock;
 using internal::RowFault;
 
-constexpr int kLanes = 4;
-constexpr int kThreads = 128;
-constexpr int kRows = kThreads / kLanes;  // state rows per block
+// The recurrent kernel's thread layout: kLanes lanes per state row, kThreads
+// threads (kRows = kThreads / kLanes state rows) per block. It fixes the
+// reduction order over K, so the stock kernel, verify and replay of a build
+// always share one layout; other layouts exist only for the benchmark's sweep
+// (CudaKdaKernelsWithLayout()).
+template <int kLanes_, int kThreads_, int kMinBlocks_>
+struct ThreadLayout {
+  static constexpr int kLanes = kLanes_;
+  static constexpr int kThreads = kThreads_;
+  static constexpr int kRows = kThreads_ / kLanes_;
+  static constexpr int kMinBlocks = kMinBlocks_;
+};
+
+// Measured on the H200 (docs/benchmarks.md): the best of the sweep.
+using ProductionLayout = ThreadLayout<4, 128, 1>;
+
 constexpr int kCheckThreads = 1024;
 constexpr int kConvThreads = 256;
 
@@ -145,14 +160,19 @@ __device__ __forceinline__ LayerView ReplayView(const CommitLayer& l, int heads,
 
 // Shared memory of one block, carved from the dynamic allocation:
 // q, k, decay [T][K], v [T][kRows], beta [T], partial squares [2][T][K / 32].
-template <int K>
+template <int K, typename Layout>
 __host__ __device__ constexpr size_t RecurrentSmemBytes(int max_tokens) {
-  return sizeof(float) * size_t(max_tokens) * (3 * K + kRows + 1 + 2 * (K / 32));
+  return sizeof(float) * size_t(max_tokens) * (3 * K + Layout::kRows + 1 + 2 * (K / 32));
 }
 
+// The sum over a row's kLanes consecutive lanes, in a fixed butterfly order;
+// every lane gets the total.
+template <int kLanes>
 __device__ __forceinline__ float LaneSum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  x += __shfl_xor_sync(0xffffffffu, x, 2);
+#pragma unroll
+  for (int offset = 1; offset < kLanes; offset <<= 1) {
+    x += __shfl_xor_sync(0xffffffffu, x, offset);
+  }
   return x;
 }
 
@@ -162,11 +182,16 @@ __device__ __forceinline__ float WarpSum(float x) {
   return x;
 }
 
-template <Mode M, typename Act, typename State, int K>
-__global__ void __launch_bounds__(kThreads) RecurrentKernel(const RecurrentLaunch p) {
+template <Mode M, typename Act, typename State, int K, typename Layout>
+__global__ void __launch_bounds__(Layout::kThreads, Layout::kMinBlocks)
+    RecurrentKernel(const RecurrentLaunch p) {
+  constexpr int kLanes = Layout::kLanes;
+  constexpr int kThreads = Layout::kThreads;
+  constexpr int kRows = Layout::kRows;
   constexpr int V = K;
   constexpr int kSeg = K / kLanes;
   constexpr int kChunks = V / kRows;
+  static_assert(V % kRows == 0 && kSeg % 4 == 0, "layout does not tile the head");
   constexpr bool kWantOutput = M != Mode::kReplay;
   if (p.status->failed) return;
 
@@ -296,7 +321,8 @@ __global__ void __launch_bounds__(kThreads) RecurrentKernel(const RecurrentLaunc
   for (int t = 0; t < tokens; ++t) {
     const kda::TokenInputs tok{sq + t * K, sk + t * K, sdecay + t * K, sbeta[t]};
     const float o = kda::TokenStep<kSeg, kLanes>(
-        s, lane, tok, sv[t * kRows + row], [](float x) { return LaneSum(x); }, kWantOutput);
+        s, lane, tok, sv[t * kRows + row], [](float x) { return LaneSum<kLanes>(x); },
+        kWantOutput);
     if (kWantOutput && lane == 0) out[((bos + t) * H + h) * V + v] = FromFloat<Act>(o);
     if (M != Mode::kVerify) {
       const int32_t dst = idx[t];
@@ -311,19 +337,19 @@ __global__ void __launch_bounds__(kThreads) RecurrentKernel(const RecurrentLaunc
   }
 }
 
-template <Mode M, typename Act, typename State, int K>
+template <Mode M, typename Act, typename State, int K, typename Layout>
 cudaError_t LaunchRecurrent(const RecurrentLaunch& p, int num_layers, cudaStream_t stream) {
-  const int64_t blocks = int64_t{num_layers} * p.num_rows * p.num_heads * (K / kRows);
+  const int64_t blocks = int64_t{num_layers} * p.num_rows * p.num_heads * (K / Layout::kRows);
   if (blocks == 0) return cudaSuccess;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  const size_t smem = RecurrentSmemBytes<K>(p.max_tokens);
-  auto kernel = RecurrentKernel<M, Act, State, K>;
+  const size_t smem = RecurrentSmemBytes<K, Layout>(p.max_tokens);
+  auto kernel = RecurrentKernel<M, Act, State, K, Layout>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (err != cudaSuccess) return err;
   }
-  kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p);
+  kernel<<<static_cast<unsigned>(blocks), Layout::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -583,6 +609,24 @@ LayerView ViewOf(const Activation& q, const Activation& k, const Activation& v,
   return view;
 }
 
+// Every shape (production), or only bf16 activations, fp32 state and head
+// dim 128 (the benchmark's layout sweep).
+template <typename F>
+bool DispatchAll(const KdaShape& shape, F&& f) {
+  return internal::DispatchKda(shape, f);
+}
+
+template <typename F>
+bool DispatchBenchShape(const KdaShape& shape, F&& f) {
+  if (shape.act_dtype != DType::kBFloat16 || shape.state_dtype != DType::kFloat32 ||
+      shape.head_dim != 128) {
+    return false;
+  }
+  f(internal::TypeTag<BFloat16>{}, internal::TypeTag<float>{}, internal::IntTag<128>{});
+  return true;
+}
+
+template <typename Layout, bool kAllShapes>
 class CudaKernels final : public KdaKernels {
  public:
   Backend backend() const override { return Backend::kCuda; }
@@ -606,9 +650,10 @@ class CudaKernels final : public KdaKernels {
     p.status = a.status;
     p.layer = ViewOf(a.q, a.k, a.v, a.g, a.beta, a.out, a.state, a.params);
     cudaError_t err = cudaErrorInvalidValue;
-    const bool ok = internal::DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+    const bool ok = Dispatch(a.shape, [&](auto act, auto state, auto head_dim) {
       err = LaunchRecurrent<Mode::kStock, typename decltype(act)::type,
-                            typename decltype(state)::type, decltype(head_dim)::value>(p, 1, s);
+                            typename decltype(state)::type, decltype(head_dim)::value, Layout>(
+          p, 1, s);
     });
     return ok ? CudaStatus(err, "Stock") : Unsupported("Stock");
   }
@@ -634,9 +679,10 @@ class CudaKernels final : public KdaKernels {
     p.layer.rec_g = a.records.g;
     p.layer.rec_beta = a.records.beta;
     cudaError_t err = cudaErrorInvalidValue;
-    const bool ok = internal::DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+    const bool ok = Dispatch(a.shape, [&](auto act, auto state, auto head_dim) {
       err = LaunchRecurrent<Mode::kVerify, typename decltype(act)::type,
-                            typename decltype(state)::type, decltype(head_dim)::value>(p, 1, s);
+                            typename decltype(state)::type, decltype(head_dim)::value, Layout>(
+          p, 1, s);
     });
     return ok ? CudaStatus(err, "Verify") : Unsupported("Verify");
   }
@@ -673,9 +719,9 @@ class CudaKernels final : public KdaKernels {
     p.status = a.status;
     p.replay_layers = a.device_layers;
     cudaError_t err = cudaErrorInvalidValue;
-    const bool ok = internal::DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+    const bool ok = Dispatch(a.shape, [&](auto act, auto state, auto head_dim) {
       err = LaunchRecurrent<Mode::kReplay, typename decltype(act)::type,
-                            typename decltype(state)::type, decltype(head_dim)::value>(
+                            typename decltype(state)::type, decltype(head_dim)::value, Layout>(
           p, a.num_layers, s);
     });
     return ok ? CudaStatus(err, "Commit") : Unsupported("Commit");
@@ -686,7 +732,35 @@ class CudaKernels final : public KdaKernels {
     RecordStateBlocksKernel<<<1, kCheckThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
     return CudaStatus(cudaGetLastError(), "RecordStateBlocks");
   }
+
+ private:
+  template <typename F>
+  static bool Dispatch(const KdaShape& shape, F&& f) {
+    if constexpr (kAllShapes) {
+      return DispatchAll(shape, f);
+    } else {
+      return DispatchBenchShape(shape, f);
+    }
+  }
 };
+
+// The layouts the benchmark sweeps; index 0 is the production layout.
+struct LayoutVariant {
+  const char* name;
+  const KdaKernels* kernels;
+};
+
+const std::vector<LayoutVariant>& LayoutVariants() {
+  static const std::vector<LayoutVariant>* const variants = new std::vector<LayoutVariant>{
+      {"4 lanes x 32 rows (production)", new CudaKernels<ProductionLayout, true>()},
+      {"4 lanes x 16 rows", new CudaKernels<ThreadLayout<4, 64, 1>, false>()},
+      {"4 lanes x 64 rows", new CudaKernels<ThreadLayout<4, 256, 1>, false>()},
+      {"8 lanes x 16 rows", new CudaKernels<ThreadLayout<8, 128, 1>, false>()},
+      {"2 lanes x 64 rows", new CudaKernels<ThreadLayout<2, 128, 1>, false>()},
+      {"4 lanes x 32 rows, <= 80 regs", new CudaKernels<ThreadLayout<4, 128, 6>, false>()},
+  };
+  return *variants;
+}
 
 }  // namespace
 
@@ -698,8 +772,19 @@ absl::StatusOr<const KdaKernels*> CudaKdaKernels() {
         "no CUDA device is available (",
         err != cudaSuccess ? cudaGetErrorString(err) : "no devices", ")"));
   }
-  static const CudaKernels* const kernels = new CudaKernels();
-  return kernels;
+  return LayoutVariants()[0].kernels;
+}
+
+int NumCudaLayoutVariants() { return static_cast<int>(LayoutVariants().size()); }
+
+absl::StatusOr<std::pair<std::string, const KdaKernels*>> CudaKdaKernelsWithLayout(int variant) {
+  absl::StatusOr<const KdaKernels*> production = CudaKdaKernels();  // checks for a device
+  if (!production.ok()) return production.status();
+  if (variant < 0 || variant >= NumCudaLayoutVariants()) {
+    return absl::OutOfRangeError(absl::StrCat("layout variant ", variant, " does not exist"));
+  }
+  return std::make_pair(std::string(LayoutVariants()[variant].name),
+                        LayoutVariants()[variant].kernels);
 }
 
 bool BuiltWithCuda() { return true; }

@@ -1,0 +1,526 @@
+// kda_bench: times the CUDA RecoverSSM kernels against the device-to-device
+// copy bandwidth measured in the same run, and prints markdown tables.
+//
+//   kda_bench [--shapes=kimi_linear,kimi_k3] [--iters=30] [--sweep]
+//
+// For each shape and N requests: the stock spec-path kernel on one layer,
+// verify on one layer, and the commit of every layer (mode none, and one row
+// in align mode), each as the median of --iters runs timed with CUDA events
+// (launched from the host, and replayed from a CUDA graph), with the bytes
+// each must move: every state, input and output counted once.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "kernels/kda_kernels.h"
+#include "kernels/numeric.h"
+
+ABSL_FLAG(std::string, shapes, "kimi_linear,kimi_k3", "shapes to run");
+ABSL_FLAG(int, iters, 30, "timed runs per measurement");
+ABSL_FLAG(bool, sweep, true, "also sweep the recurrent kernel's thread layouts (kimi_linear, N=256)");
+ABSL_FLAG(std::string, ns, "1,16,64,256", "request counts");
+
+namespace specstate {
+namespace {
+
+using kernels::KdaKernels;
+
+#define CHECK_CUDA(expr)                                                              \
+  do {                                                                                \
+    const cudaError_t bench_err = (expr);                                                     \
+    if (bench_err != cudaSuccess) {                                                         \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,              \
+                   cudaGetErrorString(bench_err));                                            \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+void CheckOk(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+struct Shape {
+  std::string name;
+  int H, K, Q, L, conv_dim, conv_kernel;
+};
+
+const Shape kKimiLinear{"Kimi-Linear-48B-A3B", 32, 128, 4, 20, 12288, 4};
+const Shape kKimiK3{"Kimi-K3 (TP8)", 12, 128, 8, 69, 4608, 4};
+
+void* DeviceAlloc(size_t bytes) {
+  void* p = nullptr;
+  CHECK_CUDA(cudaMalloc(&p, bytes));
+  return p;
+}
+
+template <typename T>
+T* Upload(const std::vector<T>& host) {
+  T* p = static_cast<T*>(DeviceAlloc(host.size() * sizeof(T) + 16));
+  CHECK_CUDA(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return p;
+}
+
+// Random values: up to 8 MiB generated on the host, larger buffers tiled with
+// device copies of that (gigabytes of pools would take minutes to generate).
+template <typename Convert>
+void FillRandom(void* dst, size_t count, size_t elem, float lo, float hi, std::mt19937& rng,
+                Convert convert) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  const size_t chunk = std::min(count, (size_t{8} << 20) / elem);
+  std::vector<char> host(chunk * elem);
+  for (size_t i = 0; i < chunk; ++i) convert(dist(rng), host.data() + i * elem);
+  CHECK_CUDA(cudaMemcpy(dst, host.data(), host.size(), cudaMemcpyHostToDevice));
+  for (size_t done = chunk; done < count; done += chunk) {
+    const size_t n = std::min(chunk, count - done);
+    CHECK_CUDA(cudaMemcpy(static_cast<char*>(dst) + done * elem, dst, n * elem,
+                          cudaMemcpyDeviceToDevice));
+  }
+}
+
+void FillRandomBf16(void* dst, size_t count, float lo, float hi, std::mt19937& rng) {
+  FillRandom(dst, count, 2, lo, hi, rng, [](float x, char* out) {
+    const uint16_t bits = FromFloat<BFloat16>(x).bits;
+    std::memcpy(out, &bits, 2);
+  });
+}
+
+void FillRandomF32(void* dst, size_t count, float lo, float hi, std::mt19937& rng) {
+  FillRandom(dst, count, 4, lo, hi, rng, [](float x, char* out) { std::memcpy(out, &x, 4); });
+}
+
+// Median time (us) of `iters` runs of `fn`, each timed with CUDA events; and
+// the same for replays of a CUDA graph of one run.
+struct Timing {
+  double launched_us;
+  double graph_us;
+};
+
+Timing Time(cudaStream_t stream, int iters, const std::function<void()>& fn) {
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  for (int i = 0; i < 3; ++i) fn();
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  std::vector<float> ms;
+  for (int i = 0; i < iters; ++i) {
+    CHECK_CUDA(cudaEventRecord(a, stream));
+    fn();
+    CHECK_CUDA(cudaEventRecord(b, stream));
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  Timing timing{ms[ms.size() / 2] * 1000.0, 0};
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  fn();
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  ms.clear();
+  for (int i = 0; i < iters; ++i) {
+    CHECK_CUDA(cudaEventRecord(a, stream));
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    CHECK_CUDA(cudaEventRecord(b, stream));
+    CHECK_CUDA(cudaEventSynchronize(b));
+    float t = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  timing.graph_us = ms[ms.size() / 2] * 1000.0;
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  CHECK_CUDA(cudaEventDestroy(a));
+  CHECK_CUDA(cudaEventDestroy(b));
+  return timing;
+}
+
+// Device-to-device copy bandwidth (bytes read + written per second).
+double CopyBandwidth(cudaStream_t stream, int iters) {
+  const size_t bytes = size_t{2} << 30;
+  void* a = DeviceAlloc(bytes);
+  void* b = DeviceAlloc(bytes);
+  CHECK_CUDA(cudaMemset(a, 1, bytes));
+  const Timing t = Time(stream, iters, [&] {
+    CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, stream));
+  });
+  CHECK_CUDA(cudaFree(a));
+  CHECK_CUDA(cudaFree(b));
+  return 2.0 * bytes / (t.launched_us * 1e-6);
+}
+
+// Everything one shape needs at N rows: per-layer pools (two blocks per row:
+// the checkpoint and, in align mode, the next), records and parameters; one
+// layer's activations; a stock pool with Q blocks per row for the stock path.
+struct Bench {
+  Shape shape;
+  int N;
+  int64_t T;
+  int64_t HK;
+  int64_t state_bytes;  // one block
+  int64_t num_blocks;
+  int conv_width;
+  kernels::KdaShape kda;
+  std::vector<kernels::CommitLayer> layers;
+  kernels::CommitLayer* device_layers;
+  void *q, *k, *v, *g, *beta, *out;
+  void* stock_pool;
+  int32_t *qsl, *checkpoints, *stock_indices, *stock_accepted, *accepted, *block_table,
+      *computed;
+  void *workspace, *stock_workspace;
+  size_t workspace_bytes, stock_workspace_bytes;
+  kernels::DeviceStatus* status;
+  std::vector<int> accepted_host;
+};
+
+Bench Make(const Shape& s, int N, std::mt19937& rng) {
+  Bench b;
+  b.shape = s;
+  b.N = N;
+  b.T = int64_t{N} * s.Q;
+  b.HK = int64_t{s.H} * s.K;
+  b.state_bytes = b.HK * s.K * 4;
+  b.num_blocks = 1 + 2 * int64_t{N};
+  b.conv_width = s.conv_kernel - 1 + s.Q - 1;
+  b.kda = kernels::KdaShape{s.H, s.K, DType::kBFloat16, DType::kFloat32, -5.0f};
+  for (int l = 0; l < s.L; ++l) {
+    kernels::CommitLayer layer;
+    layer.state = kernels::StatePool{DeviceAlloc(b.num_blocks * b.state_bytes), b.num_blocks,
+                                     b.HK * s.K};
+    FillRandomF32(layer.state.data, b.num_blocks * b.HK * s.K, -0.5f, 0.5f, rng);
+    const int64_t conv_block = int64_t{s.conv_dim} * b.conv_width;
+    layer.conv = kernels::ConvPool{DeviceAlloc(b.num_blocks * conv_block * 2), b.num_blocks,
+                                   conv_block, b.conv_width, 1, s.conv_dim, b.conv_width};
+    FillRandomBf16(layer.conv.data, b.num_blocks * conv_block, -1, 1, rng);
+    float* params = static_cast<float*>(DeviceAlloc((s.H + b.HK) * 4));
+    FillRandomF32(params, s.H, -2.0f, 0.5f, rng);
+    FillRandomF32(params + s.H, b.HK, -1, 1, rng);
+    layer.params = kernels::LayerParams{params, params + s.H};
+    const int64_t tokens = b.T;
+    layer.records = kernels::Records{DeviceAlloc(tokens * 2 * b.HK * 2), DeviceAlloc(tokens * b.HK * 2),
+                                     DeviceAlloc(tokens * s.H * 2 + 16), N, s.Q};
+    b.layers.push_back(layer);
+  }
+  b.device_layers = Upload(b.layers);
+  for (void** p : {&b.q, &b.k, &b.v, &b.g, &b.out}) {
+    *p = DeviceAlloc(b.T * b.HK * 2);
+    FillRandomBf16(*p, b.T * b.HK, -1, 1, rng);
+  }
+  b.beta = DeviceAlloc(b.T * s.H * 2 + 16);
+  FillRandomBf16(b.beta, b.T * s.H, -3, 3, rng);
+  b.stock_pool = DeviceAlloc((1 + int64_t{N} * s.Q) * b.state_bytes);
+  FillRandomF32(b.stock_pool, (1 + int64_t{N} * s.Q) * b.HK * s.K, -0.5f, 0.5f, rng);
+
+  std::vector<int32_t> qsl(N + 1), checkpoints(N), stock_indices(int64_t{N} * s.Q), stock_acc(N),
+      accepted(N), table(int64_t{N} * 2), computed(N);
+  std::uniform_int_distribution<int> acc(1, s.Q);
+  for (int i = 0; i < N; ++i) {
+    qsl[i + 1] = qsl[i] + s.Q;
+    checkpoints[i] = 1 + 2 * i;
+    for (int c = 0; c < s.Q; ++c) stock_indices[int64_t{i} * s.Q + c] = 1 + i * s.Q + c;
+    stock_acc[i] = acc(rng);
+    accepted[i] = acc(rng);
+    table[2 * i] = 1 + 2 * i;
+    table[2 * i + 1] = 2 + 2 * i;
+    // Align mode: half the rows cross a block boundary during the step.
+    computed[i] = i % 2 == 0 ? 64 - s.Q / 2 : 3;
+  }
+  b.accepted_host = accepted;
+  b.qsl = Upload(qsl);
+  b.checkpoints = Upload(checkpoints);
+  b.stock_indices = Upload(stock_indices);
+  b.stock_accepted = Upload(stock_acc);
+  b.accepted = Upload(accepted);
+  b.block_table = Upload(table);
+  b.computed = Upload(computed);
+  b.workspace_bytes = kernels::CommitWorkspaceBytes(N, s.Q, b.num_blocks);
+  b.workspace = DeviceAlloc(b.workspace_bytes);
+  CHECK_CUDA(cudaMemset(b.workspace, 0, b.workspace_bytes));
+  b.stock_workspace_bytes = kernels::StockWorkspaceBytes(1 + int64_t{N} * s.Q);
+  b.stock_workspace = DeviceAlloc(b.stock_workspace_bytes);
+  CHECK_CUDA(cudaMemset(b.stock_workspace, 0, b.stock_workspace_bytes));
+  b.status = static_cast<kernels::DeviceStatus*>(DeviceAlloc(sizeof(kernels::DeviceStatus)));
+  return b;
+}
+
+void Free(Bench& b) {
+  for (auto& l : b.layers) {
+    cudaFree(l.state.data);
+    cudaFree(l.conv.data);
+    cudaFree(const_cast<float*>(l.params.a_log));
+    cudaFree(l.records.kv);
+    cudaFree(l.records.g);
+    cudaFree(l.records.beta);
+  }
+  for (void* p : {static_cast<void*>(b.device_layers), b.q, b.k, b.v, b.g, b.beta, b.out,
+                  b.stock_pool, static_cast<void*>(b.qsl), static_cast<void*>(b.checkpoints),
+                  static_cast<void*>(b.stock_indices), static_cast<void*>(b.stock_accepted),
+                  static_cast<void*>(b.accepted), static_cast<void*>(b.block_table),
+                  static_cast<void*>(b.computed), b.workspace, b.stock_workspace,
+                  static_cast<void*>(b.status)}) {
+    cudaFree(p);
+  }
+}
+
+kernels::VerifyArgs VerifyOf(const Bench& b) {
+  kernels::VerifyArgs a;
+  a.shape = b.kda;
+  a.q = {b.q, b.HK};
+  a.k = {b.k, b.HK};
+  a.v = {b.v, b.HK};
+  a.g = {b.g, b.HK};
+  a.beta = {b.beta, b.shape.H};
+  a.num_tokens = b.T;
+  a.out = b.out;
+  a.state = b.layers[0].state;
+  a.params = b.layers[0].params;
+  a.records = b.layers[0].records;
+  a.num_rows = b.N;
+  a.query_start_loc = b.qsl;
+  a.state_indices = {b.checkpoints, 1, 1};
+  a.status = b.status;
+  return a;
+}
+
+kernels::StockArgs StockOf(const Bench& b) {
+  kernels::StockArgs a;
+  a.shape = b.kda;
+  a.q = {b.q, b.HK};
+  a.k = {b.k, b.HK};
+  a.v = {b.v, b.HK};
+  a.g = {b.g, b.HK};
+  a.beta = {b.beta, b.shape.H};
+  a.num_tokens = b.T;
+  a.out = b.out;
+  a.state = kernels::StatePool{b.stock_pool, 1 + int64_t{b.N} * b.shape.Q, b.HK * b.shape.K};
+  a.params = b.layers[0].params;
+  a.num_rows = b.N;
+  a.query_start_loc = b.qsl;
+  a.ssm_state_indices = {b.stock_indices, b.shape.Q, b.shape.Q};
+  a.num_accepted_tokens = b.stock_accepted;
+  a.workspace = b.stock_workspace;
+  a.workspace_bytes = b.stock_workspace_bytes;
+  a.status = b.status;
+  return a;
+}
+
+kernels::CommitArgs CommitOf(const Bench& b, bool align) {
+  kernels::CommitArgs a;
+  a.shape = b.kda;
+  a.spec_query_len = b.shape.Q;
+  a.num_layers = b.shape.L;
+  a.layers = b.layers.data();
+  a.device_layers = b.device_layers;
+  a.num_rows = b.N;
+  a.query_start_loc = b.qsl;
+  a.state_indices = {b.checkpoints, 1, 1};
+  a.batch = b.N;
+  a.num_accepted = b.accepted;
+  if (align) {
+    a.block_table = {b.block_table, 2, 2};
+    a.num_computed_tokens = b.computed;
+    a.mamba_block_size = 64;
+  }
+  a.workspace = b.workspace;
+  a.workspace_bytes = b.workspace_bytes;
+  a.status = b.status;
+  return a;
+}
+
+void CheckDevice(const Bench& b, const char* what) {
+  kernels::DeviceStatus st;
+  CHECK_CUDA(cudaMemcpy(&st, b.status, sizeof(st), cudaMemcpyDeviceToHost));
+  CheckOk(kernels::DeviceStatusToStatus(st, what), what);
+}
+
+// Bytes each kernel must move (every state, input and output once).
+double VerifyBytes(const Bench& b) {
+  const double act = 2.0;
+  const double tokens_hk = double(b.T) * b.HK * act;
+  return double(b.N) * b.state_bytes          // checkpoint states read
+         + 4 * tokens_hk + b.T * b.shape.H * act  // q, k, v, g, beta read
+         + tokens_hk                              // o written
+         + 3 * tokens_hk + b.T * b.shape.H * act;  // records k, v, g, beta written
+}
+
+double StockBytes(const Bench& b) {
+  const double act = 2.0;
+  const double tokens_hk = double(b.T) * b.HK * act;
+  return double(b.N) * b.state_bytes + double(b.T) * b.state_bytes  // read 1, write T states
+         + 4 * tokens_hk + b.T * b.shape.H * act + tokens_hk;
+}
+
+double CommitBytes(const Bench& b, bool align) {
+  const double act = 2.0;
+  const int hl = b.shape.conv_kernel - 1;
+  double per_layer = 0;
+  for (int i = 0; i < b.N; ++i) {
+    const int c = b.accepted_host[i];
+    per_layer += 2.0 * b.state_bytes;                                         // read + write
+    per_layer += double(c) * (3 * b.HK + b.shape.H) * act;                    // records k, v, g, beta
+    per_layer += 2.0 * hl * b.shape.conv_dim * act;                           // conv window moved
+    if (align && i % 2 == 0 && c > b.shape.Q / 2) {  // crosses before its last token
+      per_layer += b.state_bytes + hl * b.shape.conv_dim * act;               // boundary state
+    }
+  }
+  return per_layer * b.shape.L;
+}
+
+struct Row {
+  std::string what;
+  int N;
+  Timing t;
+  double bytes;
+};
+
+void PrintRows(const std::vector<Row>& rows, double copy_bps) {
+  std::printf("| kernel | N | time (us) | CUDA graph (us) | bytes moved (MB) | GB/s | %% of copy |\n");
+  std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
+  for (const Row& r : rows) {
+    const double best = std::min(r.t.launched_us, r.t.graph_us);
+    const double bps = r.bytes / (best * 1e-6);
+    std::printf("| %s | %d | %.1f | %.1f | %.1f | %.0f | %.0f%% |\n", r.what.c_str(), r.N,
+                r.t.launched_us, r.t.graph_us, r.bytes / 1e6, bps / 1e9, 100.0 * bps / copy_bps);
+  }
+}
+
+void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_t stream,
+              double copy_bps) {
+  const KdaKernels& k = *kernels::CudaKdaKernels().value();
+  std::printf("\n### %s: H=%d, K=V=%d, Q=%d, fp32 state, bf16 activations, conv dim %d, "
+              "conv kernel %d, commit over %d layers\n\n",
+              s.name.c_str(), s.H, s.K, s.Q, s.conv_dim, s.conv_kernel, s.L);
+  std::vector<Row> rows;
+  std::mt19937 rng(7);
+  for (int N : ns) {
+    Bench b = Make(s, N, rng);
+    const kernels::StockArgs stock = StockOf(b);
+    const kernels::VerifyArgs verify = VerifyOf(b);
+    const kernels::CommitArgs commit = CommitOf(b, false);
+    const kernels::CommitArgs commit_align = CommitOf(b, true);
+    rows.push_back({"stock spec path, 1 layer", N,
+                    Time(stream, iters, [&] { CheckOk(k.Stock(stock, stream), "Stock"); }),
+                    StockBytes(b)});
+    CheckDevice(b, "Stock");
+    rows.push_back({"verify, 1 layer", N,
+                    Time(stream, iters, [&] { CheckOk(k.Verify(verify, stream), "Verify"); }),
+                    VerifyBytes(b)});
+    CheckDevice(b, "Verify");
+    // Every layer's records hold the step (verify writes them).
+    for (int l = 0; l < s.L; ++l) {
+      kernels::VerifyArgs v = verify;
+      v.state = b.layers[l].state;
+      v.params = b.layers[l].params;
+      v.records = b.layers[l].records;
+      CheckOk(k.Verify(v, stream), "Verify");
+    }
+    rows.push_back({absl::StrFormat("commit, %d layers", s.L), N,
+                    Time(stream, iters, [&] { CheckOk(k.Commit(commit, stream), "Commit"); }),
+                    CommitBytes(b, false)});
+    CheckDevice(b, "Commit");
+    if (N == ns.back()) {
+      rows.push_back({absl::StrFormat("commit, %d layers, align mode", s.L), N,
+                      Time(stream, iters,
+                           [&] { CheckOk(k.Commit(commit_align, stream), "Commit (align)"); }),
+                      CommitBytes(b, true)});
+      CheckDevice(b, "Commit (align)");
+    }
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    Free(b);
+  }
+  PrintRows(rows, copy_bps);
+
+  // Per-layer cost of a step: verify + commit / layers, against the stock path.
+  std::printf("\n| N | stock, 1 layer (us) | verify + commit/layer (us) | ratio |\n|---:|---:|---:|---:|\n");
+  for (size_t i = 0; i + 2 < rows.size(); ++i) {
+    if (rows[i].what.rfind("stock", 0) != 0) continue;
+    const double stock_us = std::min(rows[i].t.launched_us, rows[i].t.graph_us);
+    const double verify_us = std::min(rows[i + 1].t.launched_us, rows[i + 1].t.graph_us);
+    const double commit_us = std::min(rows[i + 2].t.launched_us, rows[i + 2].t.graph_us) / s.L;
+    std::printf("| %d | %.1f | %.1f | %.2fx |\n", rows[i].N, stock_us, verify_us + commit_us,
+                (verify_us + commit_us) / stock_us);
+  }
+}
+
+void Sweep(cudaStream_t stream, int iters, double copy_bps) {
+  const Shape& s = kKimiLinear;
+  const int N = 256;
+  std::printf("\n### Thread layouts of the recurrent kernel (%s, N=%d)\n\n", s.name.c_str(), N);
+  std::printf("| layout | verify (us) | %% of copy | stock (us) | commit %d layers (us) |\n",
+              s.L);
+  std::printf("|---|---:|---:|---:|---:|\n");
+  std::mt19937 rng(11);
+  Bench b = Make(s, N, rng);
+  for (int variant = 0; variant < kernels::NumCudaLayoutVariants(); ++variant) {
+    auto [name, kernels] = kernels::CudaKdaKernelsWithLayout(variant).value();
+    const kernels::VerifyArgs verify = VerifyOf(b);
+    const Timing tv = Time(stream, iters, [&] { CheckOk(kernels->Verify(verify, stream), "Verify"); });
+    const kernels::StockArgs stock = StockOf(b);
+    const Timing ts = Time(stream, iters, [&] { CheckOk(kernels->Stock(stock, stream), "Stock"); });
+    for (int l = 0; l < s.L; ++l) {
+      kernels::VerifyArgs v = verify;
+      v.state = b.layers[l].state;
+      v.params = b.layers[l].params;
+      v.records = b.layers[l].records;
+      CheckOk(kernels->Verify(v, stream), "Verify");
+    }
+    const kernels::CommitArgs commit = CommitOf(b, false);
+    const Timing tc =
+        Time(stream, iters, [&] { CheckOk(kernels->Commit(commit, stream), "Commit"); });
+    CheckDevice(b, "sweep");
+    const double v_us = std::min(tv.launched_us, tv.graph_us);
+    std::printf("| %s | %.1f | %.0f%% | %.1f | %.1f |\n", name.c_str(), v_us,
+                100.0 * VerifyBytes(b) / (v_us * 1e-6) / copy_bps,
+                std::min(ts.launched_us, ts.graph_us), std::min(tc.launched_us, tc.graph_us));
+  }
+  Free(b);
+}
+
+int Main() {
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const int iters = absl::GetFlag(FLAGS_iters);
+  const double copy_bps = CopyBandwidth(stream, iters);
+  std::printf("## kda_bench on %s (%d SMs, %.0f GiB), CUDA events, median of %d runs\n\n",
+              prop.name, prop.multiProcessorCount, prop.totalGlobalMem / double(1 << 30), iters);
+  std::printf("Device-to-device copy, measured in this run: %.0f GB/s (bytes read + written)\n",
+              copy_bps / 1e9);
+  std::vector<int> ns;
+  for (absl::string_view n : absl::StrSplit(absl::GetFlag(FLAGS_ns), ',')) {
+    ns.push_back(std::stoi(std::string(n)));
+  }
+  for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_shapes), ',')) {
+    if (name == "kimi_linear") RunShape(kKimiLinear, ns, iters, stream, copy_bps);
+    if (name == "kimi_k3") RunShape(kKimiK3, ns, iters, stream, copy_bps);
+  }
+  if (absl::GetFlag(FLAGS_sweep)) Sweep(stream, iters, copy_bps);
+  return 0;
+}
+
+}  // namespace
+}  // namespace specstate
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return specstate::Main();
+}

@@ -1,0 +1,458 @@
+// service_bench: what going through specstated costs, against a running
+// service (start it first; see docs/benchmarks.md for the layout used).
+//
+//   service_bench --server=unix:///tmp/specstate.sock [--iters=200] [--steps=30]
+//
+// 1. The floor: Ping, an echo served by the same callback threads.
+// 2. Round trips (p50, p99) of Verify at N=1 and N=max_rows, and Commit,
+//    SYNC and ASYNC (ASYNC returns once the work is enqueued).
+// 3. A simulated decode step over every layer: a GPU kernel standing in for
+//    the rest of the model (--model_us_small at N=1, --model_us_large at
+//    N=max_rows) then Verify, per layer, then Commit; through the service (all
+//    of a step's calls sent ahead, ordered by doorbells on both streams)
+//    against the same loop calling the kernels in this process.
+// CUDA backend only (the step needs GPU streams on both sides).
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
+#include "client/client.h"
+#include "kernels/kda_kernels.h"
+#include "kernels/numeric.h"
+#include "tests/bench/spin_kernel.h"
+
+ABSL_FLAG(std::string, server, "unix:///tmp/specstate.sock", "the running service");
+ABSL_FLAG(int, iters, 200, "round trips per latency measurement");
+ABSL_FLAG(int, steps, 30, "decode steps per step measurement");
+ABSL_FLAG(double, model_us_small, 50, "the model's GPU time per layer at N=1 (us)");
+ABSL_FLAG(double, model_us_large, 300, "the model's GPU time per layer at N=max_rows (us)");
+
+namespace specstate {
+namespace {
+
+using client::Client;
+using client::Session;
+using Clock = std::chrono::steady_clock;
+
+#define CHECK_CUDA(expr)                                                                   \
+  do {                                                                                     \
+    const cudaError_t bench_err = (expr);                                                          \
+    if (bench_err != cudaSuccess) {                                                              \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(bench_err)); \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+template <typename T>
+T Check(absl::StatusOr<T> v, const char* what) {
+  if (!v.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, v.status().ToString().c_str());
+    std::exit(1);
+  }
+  return *std::move(v);
+}
+
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+using WaitValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+WaitValue32Fn wait_value32;
+WriteValue32Fn write_value32;
+
+void LoadDriverEntries() {
+  cudaDriverEntryPointQueryResult r;
+  void* p = nullptr;
+  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &p, 12000, cudaEnableDefault, &r));
+  wait_value32 = reinterpret_cast<WaitValue32Fn>(p);
+  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &p, 12000, cudaEnableDefault, &r));
+  write_value32 = reinterpret_cast<WriteValue32Fn>(p);
+}
+
+struct Percentiles {
+  double p50, p99;
+};
+
+Percentiles Of(std::vector<double> us) {
+  std::sort(us.begin(), us.end());
+  return {us[us.size() / 2], us[std::min(us.size() - 1, size_t(us.size() * 0.99))]};
+}
+
+template <typename Fn>
+Percentiles TimeRpc(int iters, Fn fn) {
+  for (int i = 0; i < 10; ++i) fn();
+  std::vector<double> us;
+  for (int i = 0; i < iters; ++i) {
+    const auto t0 = Clock::now();
+    fn();
+    us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  return Of(us);
+}
+
+void FillBf16(void* dst, size_t count, std::mt19937& rng) {
+  std::uniform_real_distribution<float> d(-1, 1);
+  std::vector<uint16_t> h(count);
+  for (auto& x : h) x = FromFloat<BFloat16>(d(rng)).bits;
+  CHECK_CUDA(cudaMemcpy(dst, h.data(), count * 2, cudaMemcpyHostToDevice));
+}
+
+// The scheduler's side of one layout: activations per layer, metadata,
+// doorbells; registered with the service, and usable in-process too.
+struct Scheduler {
+  v1::Layout layout;
+  int L, H, K, Q, N;
+  int64_t HK, T;
+  std::unique_ptr<client::SharedMemory> memory;
+  std::vector<std::unique_ptr<client::SharedBuffer>> acts;  // per layer: q|k|v|g|o, beta
+  std::unique_ptr<client::SharedBuffer> meta;               // qsl, checkpoints, accepted, doorbells
+  std::string meta_name;
+  int32_t* qsl;
+  int32_t* checkpoints;
+  int32_t* accepted;
+  uint32_t* doors;  // [2 * L + 2]
+};
+
+void* Act(const Scheduler& s, int layer, int which) {  // 0 q, 1 k, 2 v, 3 g, 4 o, 5 beta
+  return static_cast<char*>(s.acts[layer]->data()) + which * s.T * s.HK * 2;
+}
+
+Scheduler MakeScheduler(Client& c, Session& session, int N, std::mt19937& rng) {
+  Scheduler s;
+  s.layout = Check(c.GetLayout(), "GetLayout");
+  s.L = s.layout.num_layers();
+  s.H = s.layout.num_heads();
+  s.K = s.layout.head_dim();
+  s.Q = s.layout.num_spec() + 1;
+  s.N = N;
+  s.HK = int64_t{s.H} * s.K;
+  s.T = int64_t{N} * s.Q;
+  s.memory = Check(client::SharedMemory::Create(v1::CUDA, s.layout.device()), "memory");
+  for (int l = 0; l < s.L; ++l) {
+    s.acts.push_back(Check(s.memory->Allocate(5 * s.T * s.HK * 2 + s.T * s.H * 2 + 64), "alloc"));
+    FillBf16(s.acts.back()->data(), 5 * s.T * s.HK + s.T * s.H, rng);
+    Check(session.RegisterBuffer(*s.acts.back()), "RegisterBuffer");
+  }
+  const int ints = 3 * N + 1 + 2 * s.L + 2 + 64;
+  s.meta = Check(s.memory->Allocate(ints * 4), "alloc");
+  s.meta_name = Check(session.RegisterBuffer(*s.meta), "RegisterBuffer");
+  s.qsl = static_cast<int32_t*>(s.meta->data());
+  s.checkpoints = s.qsl + N + 1;
+  s.accepted = s.checkpoints + N;
+  s.doors = reinterpret_cast<uint32_t*>(s.accepted + N);
+  std::vector<int32_t> host(3 * N + 1, 0);
+  std::uniform_int_distribution<int> acc(1, s.Q);
+  for (int i = 0; i < N; ++i) {
+    host[i + 1] = host[i] + s.Q;
+    host[N + 1 + i] = 1 + i;
+    host[2 * N + 1 + i] = acc(rng);
+  }
+  Check(s.memory->CopyIn(s.meta->data(), host.data(), host.size() * 4), "CopyIn");
+  return s;
+}
+
+v1::VerifyRequest VerifyRequest(const Scheduler& s, Session& session, uint64_t step, int layer) {
+  v1::VerifyRequest v;
+  v.set_step(step);
+  v.set_layer(layer);
+  v.set_num_rows(s.N);
+  *v.mutable_query_start_loc() = Check(session.Index(s.qsl, {s.N + 1}), "Index");
+  *v.mutable_state_indices() = Check(session.Index(s.checkpoints, {s.N}), "Index");
+  const std::vector<int64_t> shape = {s.T, s.H, s.K};
+  *v.mutable_q() = Check(session.Tensor(Act(s, layer, 0), DType::kBFloat16, shape), "Tensor");
+  *v.mutable_k() = Check(session.Tensor(Act(s, layer, 1), DType::kBFloat16, shape), "Tensor");
+  *v.mutable_v() = Check(session.Tensor(Act(s, layer, 2), DType::kBFloat16, shape), "Tensor");
+  *v.mutable_g() = Check(session.Tensor(Act(s, layer, 3), DType::kBFloat16, shape), "Tensor");
+  *v.mutable_o() = Check(session.Tensor(Act(s, layer, 4), DType::kBFloat16, shape), "Tensor");
+  *v.mutable_beta() = Check(session.Tensor(Act(s, layer, 5), DType::kBFloat16, {s.T, s.H}), "Tensor");
+  return v;
+}
+
+v1::CommitRequest CommitRequest(const Scheduler& s, Session& session, uint64_t step) {
+  v1::CommitRequest c;
+  c.set_step(step);
+  *c.mutable_num_accepted() = Check(session.Index(s.accepted, {s.N}), "Index");
+  return c;
+}
+
+v1::Doorbell Door(const Scheduler& s, int index, uint32_t value) {
+  v1::Doorbell d;
+  d.set_region(s.meta_name);
+  d.set_offset_bytes(reinterpret_cast<const char*>(s.doors + index) -
+                     static_cast<const char*>(s.meta->data()));
+  d.set_value(value);
+  return d;
+}
+
+// The service's pools and parameters as this process's kernels see them.
+struct InProcess {
+  std::vector<kernels::CommitLayer> layers;
+  kernels::CommitLayer* device_layers;
+  void* workspace;
+  size_t workspace_bytes;
+  kernels::DeviceStatus* status;
+};
+
+InProcess MakeInProcess(const Scheduler& s, std::mt19937& rng) {
+  InProcess p;
+  const int64_t B = s.layout.num_blocks();
+  const int W = s.layout.conv_width();
+  for (int l = 0; l < s.L; ++l) {
+    kernels::CommitLayer layer;
+    void* state = nullptr;
+    CHECK_CUDA(cudaMalloc(&state, B * s.HK * s.K * 4));
+    CHECK_CUDA(cudaMemset(state, 0, B * s.HK * s.K * 4));
+    layer.state = {state, B, s.HK * s.K};
+    void* conv = nullptr;
+    CHECK_CUDA(cudaMalloc(&conv, B * int64_t{s.layout.conv_dim()} * W * 2));
+    layer.conv = {conv, B, int64_t{s.layout.conv_dim()} * W, W, 1, s.layout.conv_dim(), W};
+    float* params = nullptr;
+    CHECK_CUDA(cudaMalloc(&params, (s.H + s.HK) * 4));
+    std::vector<float> h(s.H + s.HK);
+    std::uniform_real_distribution<float> d(-1, 0.5);
+    for (auto& x : h) x = d(rng);
+    CHECK_CUDA(cudaMemcpy(params, h.data(), h.size() * 4, cudaMemcpyHostToDevice));
+    layer.params = {params, params + s.H};
+    void *kv, *g, *beta;
+    const int64_t tokens = int64_t{s.layout.max_rows()} * s.Q;
+    CHECK_CUDA(cudaMalloc(&kv, tokens * 2 * s.HK * 2));
+    CHECK_CUDA(cudaMalloc(&g, tokens * s.HK * 2));
+    CHECK_CUDA(cudaMalloc(&beta, tokens * s.H * 2 + 16));
+    layer.records = {kv, g, beta, s.layout.max_rows(), s.Q};
+    p.layers.push_back(layer);
+  }
+  CHECK_CUDA(cudaMalloc(&p.device_layers, s.L * sizeof(kernels::CommitLayer)));
+  CHECK_CUDA(cudaMemcpy(p.device_layers, p.layers.data(), s.L * sizeof(kernels::CommitLayer),
+                        cudaMemcpyHostToDevice));
+  p.workspace_bytes = kernels::CommitWorkspaceBytes(s.layout.max_rows(), s.Q, B);
+  CHECK_CUDA(cudaMalloc(&p.workspace, p.workspace_bytes));
+  CHECK_CUDA(cudaMemset(p.workspace, 0, p.workspace_bytes));
+  CHECK_CUDA(cudaMalloc(&p.status, sizeof(kernels::DeviceStatus)));
+  return p;
+}
+
+void InProcessStep(const Scheduler& s, const InProcess& p, double model_us, cudaStream_t stream) {
+  const kernels::KdaKernels& k = *kernels::CudaKdaKernels().value();
+  kernels::KdaShape shape{s.H, s.K, DType::kBFloat16, DType::kFloat32, s.layout.lower_bound()};
+  for (int l = 0; l < s.L; ++l) {
+    CHECK_CUDA(bench::LaunchSpin(model_us, stream));
+    kernels::VerifyArgs a;
+    a.shape = shape;
+    a.q = {Act(s, l, 0), s.HK};
+    a.k = {Act(s, l, 1), s.HK};
+    a.v = {Act(s, l, 2), s.HK};
+    a.g = {Act(s, l, 3), s.HK};
+    a.out = Act(s, l, 4);
+    a.beta = {Act(s, l, 5), s.H};
+    a.num_tokens = s.T;
+    a.state = p.layers[l].state;
+    a.params = p.layers[l].params;
+    a.records = p.layers[l].records;
+    a.num_rows = s.N;
+    a.query_start_loc = s.qsl;
+    a.state_indices = {s.checkpoints, 1, 1};
+    a.status = p.status;
+    Check(k.Verify(a, stream), "Verify");
+  }
+  kernels::CommitArgs c;
+  c.shape = shape;
+  c.spec_query_len = s.Q;
+  c.num_layers = s.L;
+  c.layers = p.layers.data();
+  c.device_layers = p.device_layers;
+  c.num_rows = s.N;
+  c.query_start_loc = s.qsl;
+  c.state_indices = {s.checkpoints, 1, 1};
+  c.batch = s.N;
+  c.num_accepted = s.accepted;
+  c.workspace = p.workspace;
+  c.workspace_bytes = p.workspace_bytes;
+  c.status = p.status;
+  Check(k.Commit(c, stream), "Commit");
+}
+
+// The client's stream of one step through the service: per layer the model
+// kernel, ring "inputs of layer l ready", wait "layer l verified"; then ring
+// "accepted counts ready" and wait "committed".
+void ServiceStepStream(const Scheduler& s, uint32_t step, double model_us, cudaStream_t stream) {
+  for (int l = 0; l < s.L; ++l) {
+    CHECK_CUDA(bench::LaunchSpin(model_us, stream));
+    write_value32(stream, reinterpret_cast<CUdeviceptr>(s.doors + 2 * l), step, 0);
+    wait_value32(stream, reinterpret_cast<CUdeviceptr>(s.doors + 2 * l + 1), step,
+                 CU_STREAM_WAIT_VALUE_GEQ);
+  }
+  write_value32(stream, reinterpret_cast<CUdeviceptr>(s.doors + 2 * s.L), step, 0);
+  wait_value32(stream, reinterpret_cast<CUdeviceptr>(s.doors + 2 * s.L + 1), step,
+               CU_STREAM_WAIT_VALUE_GEQ);
+}
+
+// All of a step's calls, sent before its GPU work reaches them.
+void SendStepCalls(const Scheduler& s, Session& session, uint64_t step_id, uint32_t step) {
+  for (int l = 0; l < s.L; ++l) {
+    v1::VerifyRequest v = VerifyRequest(s, session, step_id, l);
+    v.set_ordering(v1::ASYNC);
+    *v.mutable_wait()->mutable_doorbell() = Door(s, 2 * l, step);
+    *v.mutable_signal()->mutable_doorbell() = Door(s, 2 * l + 1, step);
+    Check(session.Verify(v), "Verify");
+  }
+  v1::CommitRequest c = CommitRequest(s, session, step_id);
+  c.set_ordering(v1::ASYNC);
+  *c.mutable_wait()->mutable_doorbell() = Door(s, 2 * s.L, step);
+  *c.mutable_signal()->mutable_doorbell() = Door(s, 2 * s.L + 1, step);
+  Check(session.Commit(c), "Commit");
+}
+
+double MeanStepUs(cudaStream_t stream, int steps, const std::function<void(int)>& enqueue_step,
+                  const std::function<void(int)>& before_step) {
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  std::vector<cudaEvent_t> done(steps);
+  for (auto& e : done) CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  for (int i = 0; i < 3; ++i) {  // warm-up
+    before_step(i);
+    enqueue_step(i);
+  }
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  CHECK_CUDA(cudaEventRecord(a, stream));
+  for (int i = 0; i < steps; ++i) {
+    // Stay at most two steps ahead of the GPU.
+    if (i >= 2) CHECK_CUDA(cudaEventSynchronize(done[i - 2]));
+    before_step(3 + i);
+    enqueue_step(3 + i);
+    CHECK_CUDA(cudaEventRecord(done[i], stream));
+  }
+  CHECK_CUDA(cudaEventRecord(b, stream));
+  CHECK_CUDA(cudaEventSynchronize(b));
+  float ms = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+  for (auto& e : done) cudaEventDestroy(e);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms * 1000.0 / steps;
+}
+
+int Main() {
+  LoadDriverEntries();
+  auto c = Check(Client::Connect(absl::GetFlag(FLAGS_server)), "Connect");
+  const v1::Layout layout = Check(c->GetLayout(), "GetLayout");
+  if (layout.backend() != v1::CUDA) {
+    std::fprintf(stderr, "service_bench needs the CUDA backend\n");
+    return 1;
+  }
+  auto session = Check(c->OpenSession("service_bench", true), "OpenSession");
+  const int iters = absl::GetFlag(FLAGS_iters);
+  std::mt19937 rng(5);
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, layout.device()));
+  std::printf("## service_bench on %s, %s, %d layers of %d x %d, Q=%d\n\n", prop.name,
+              c->address().c_str(), layout.num_layers(), layout.num_heads(), layout.head_dim(),
+              layout.num_spec() + 1);
+
+  // Parameters so Verify may run.
+  for (int l = 0; l < layout.num_layers(); ++l) {
+    v1::LoadLayerParamsRequest p;
+    p.set_layer(l);
+    for (int h = 0; h < layout.num_heads(); ++h) p.mutable_a_log()->mutable_values()->add_values(-1);
+    for (int i = 0; i < layout.num_heads() * layout.head_dim(); ++i) {
+      p.mutable_dt_bias()->mutable_values()->add_values(0.1f);
+    }
+    Check(session->LoadLayerParams(p), "LoadLayerParams");
+  }
+
+  std::printf("| call | N | p50 (us) | p99 (us) |\n|---|---:|---:|---:|\n");
+  v1::PingRequest ping;
+  ping.set_payload(std::string(64, 'x'));
+  const Percentiles echo = TimeRpc(iters, [&] {
+    grpc::ClientContext ctx;
+    v1::PingResponse r;
+    Check(client::FromGrpc(c->stub().Ping(&ctx, ping, &r)), "Ping");
+  });
+  std::printf("| Ping (echo floor) | - | %.1f | %.1f |\n", echo.p50, echo.p99);
+
+  uint64_t step_id = 0;
+  std::vector<int> ns = {1, layout.max_rows()};
+  Percentiles async_verify_small{};
+  for (int N : ns) {
+    Scheduler s = MakeScheduler(*c, *session, N, rng);
+    const uint64_t step = ++step_id;
+    v1::VerifyRequest v = VerifyRequest(s, *session, step, 0);
+    const Percentiles sync = TimeRpc(iters, [&] { Check(session->Verify(v), "Verify"); });
+    std::printf("| Verify, SYNC | %d | %.1f | %.1f |\n", N, sync.p50, sync.p99);
+    v1::VerifyRequest va = v;
+    va.set_ordering(v1::ASYNC);
+    const Percentiles async = TimeRpc(iters, [&] { Check(session->Verify(va), "Verify"); });
+    if (N == 1) async_verify_small = async;
+    std::printf("| Verify, ASYNC (enqueue) | %d | %.1f | %.1f |\n", N, async.p50, async.p99);
+    Check(session->Verify(v), "Verify");  // drains the stream
+    // Commit needs every layer verified in its step, once per step.
+    std::vector<double> sync_commit, async_commit;
+    for (int i = 0; i < std::min(iters, 100); ++i) {
+      for (bool is_async : {false, true}) {
+        const uint64_t id = ++step_id;
+        for (int l = 0; l < s.L; ++l) {
+          Check(session->Verify(VerifyRequest(s, *session, id, l)), "Verify");
+        }
+        v1::CommitRequest cr = CommitRequest(s, *session, id);
+        if (is_async) cr.set_ordering(v1::ASYNC);
+        const auto t0 = Clock::now();
+        Check(session->Commit(cr), "Commit");
+        (is_async ? async_commit : sync_commit)
+            .push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      }
+    }
+    const Percentiles cs = Of(sync_commit), ca = Of(async_commit);
+    std::printf("| Commit (%d layers), SYNC | %d | %.1f | %.1f |\n", s.L, N, cs.p50, cs.p99);
+    std::printf("| Commit (%d layers), ASYNC (enqueue) | %d | %.1f | %.1f |\n", s.L, N, ca.p50,
+                ca.p99);
+  }
+  std::printf("\nASYNC Verify (N=1) p50 is %.1f us above the echo floor (target: within 10 us)\n",
+              async_verify_small.p50 - echo.p50);
+
+  // The decode step.
+  std::printf("\n| step of %d layers | N | model per layer (us) | in-process (us) | through the "
+              "service (us) | ratio |\n|---|---:|---:|---:|---:|---:|\n",
+              layout.num_layers());
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const int steps = absl::GetFlag(FLAGS_steps);
+  for (int N : ns) {
+    const double model_us =
+        N == 1 ? absl::GetFlag(FLAGS_model_us_small) : absl::GetFlag(FLAGS_model_us_large);
+    Scheduler s = MakeScheduler(*c, *session, N, rng);
+    InProcess p = MakeInProcess(s, rng);
+    const double in_process = MeanStepUs(
+        stream, steps, [&](int) { InProcessStep(s, p, model_us, stream); }, [](int) {});
+    const uint32_t base = static_cast<uint32_t>(step_id + 1);
+    const double service = MeanStepUs(
+        stream, steps, [&](int i) { ServiceStepStream(s, base + i, model_us, stream); },
+        [&](int i) { SendStepCalls(s, *session, ++step_id, base + i); });
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    std::printf("| decode step | %d | %.0f | %.1f | %.1f | %.3f |\n", N, model_us, in_process,
+                service, service / in_process);
+  }
+  Check(session->Close(), "Close");
+  return 0;
+}
+
+}  // namespace
+}  // namespace specstate
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return specstate::Main();
+}

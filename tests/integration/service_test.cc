@@ -1,0 +1,705 @@
+// Integration tests: the real specstated (CPU backend) over a real Unix
+// socket, driven by the C++ client and the scheduler simulator, whose stock
+// path is its own stock-kernel run on its own memory.
+#include <dirent.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <future>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/client.h"
+#include "client/shared_memory.h"
+#include "client/simulator.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/server_process.h"
+
+namespace specstate {
+namespace {
+
+using client::Client;
+using client::Session;
+using client::SharedMemory;
+using ::testing::HasSubstr;
+using testing::ServerProcess;
+
+#define ASSERT_OK(expr)                                   \
+  do {                                                    \
+    const absl::Status assert_ok_status = (expr);         \
+    ASSERT_TRUE(assert_ok_status.ok()) << assert_ok_status; \
+  } while (0)
+
+template <typename T>
+T ValueOrDie(absl::StatusOr<T> v) {
+  EXPECT_TRUE(v.ok()) << v.status();
+  return *std::move(v);
+}
+
+void ExpectError(const absl::Status& s, absl::StatusCode code, const std::string& substring) {
+  EXPECT_EQ(s.code(), code) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr(substring));
+}
+
+uint64_t Fnv1a(const std::string& bytes) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : bytes) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// A driving scheduler with small, valid requests: N rows of 2 tokens from
+// checkpoints 1..N, every layer's parameters loaded.
+class Scheduler {
+ public:
+  static constexpr int kRows = 3;
+  static constexpr int kTokensPerRow = 2;
+
+  explicit Scheduler(Client& c, bool drive = true) : c_(c) {
+    layout_ = ValueOrDie(c.GetLayout());
+    session_ = ValueOrDie(c.OpenSession("test scheduler", drive));
+    memory_ = ValueOrDie(SharedMemory::Create(v1::CPU));
+    pools_ = ValueOrDie(memory_->MapPools(ValueOrDie(c.ExportPools())));
+    H_ = layout_.num_heads();
+    K_ = layout_.head_dim();
+    T_ = kRows * kTokensPerRow;
+    const int64_t per = T_ * H_ * K_ * 2;
+    acts_ = ValueOrDie(memory_->Allocate(5 * per + T_ * H_ * 2 + 4096));
+    std::vector<uint16_t> random(acts_->byte_size() / 2);
+    uint32_t x = 12345;
+    for (auto& v : random) {  // small bf16 values, never zero
+      x = x * 1664525u + 1013904223u;
+      v = static_cast<uint16_t>(0x3c00 + (x >> 24));
+    }
+    std::memcpy(acts_->data(), random.data(), random.size() * 2);
+    ValueOrDie(session_->RegisterBuffer(*acts_, "acts"));
+    if (drive) {
+      for (int l = 0; l < layout_.num_layers(); ++l) EXPECT_TRUE(LoadParams(l).ok());
+    }
+  }
+
+  absl::Status LoadParams(int layer) {
+    v1::LoadLayerParamsRequest p;
+    p.set_layer(layer);
+    for (int h = 0; h < H_; ++h) p.mutable_a_log()->mutable_values()->add_values(-0.5f);
+    for (int i = 0; i < H_ * K_; ++i) p.mutable_dt_bias()->mutable_values()->add_values(0.25f);
+    return session_->LoadLayerParams(p);
+  }
+
+  char* Act(int which) { return static_cast<char*>(acts_->data()) + which * T_ * H_ * K_ * 2; }
+
+  v1::VerifyRequest Verify(uint64_t step, int layer) {
+    v1::VerifyRequest v;
+    v.set_step(step);
+    v.set_layer(layer);
+    v.set_num_rows(kRows);
+    auto* qsl = v.mutable_query_start_loc()->mutable_values();
+    for (int i = 0; i <= kRows; ++i) qsl->add_values(i * kTokensPerRow);
+    auto* idx = v.mutable_state_indices()->mutable_values();
+    for (int i = 0; i < kRows; ++i) idx->add_values(1 + i);
+    const std::vector<int64_t> shape = {T_, H_, K_};
+    *v.mutable_q() = ValueOrDie(session_->Tensor(Act(0), DType::kBFloat16, shape));
+    *v.mutable_k() = ValueOrDie(session_->Tensor(Act(1), DType::kBFloat16, shape));
+    *v.mutable_v() = ValueOrDie(session_->Tensor(Act(2), DType::kBFloat16, shape));
+    *v.mutable_g() = ValueOrDie(session_->Tensor(Act(3), DType::kBFloat16, shape));
+    *v.mutable_o() = ValueOrDie(session_->Tensor(Act(4), DType::kBFloat16, shape));
+    *v.mutable_beta() = ValueOrDie(session_->Tensor(Act(5), DType::kBFloat16, {T_, H_}));
+    return v;
+  }
+
+  absl::Status VerifyAll(uint64_t step) {
+    for (int l = 0; l < layout_.num_layers(); ++l) {
+      absl::StatusOr<v1::VerifyResponse> r = session_->Verify(Verify(step, l));
+      if (!r.ok()) return r.status();
+    }
+    return absl::OkStatus();
+  }
+
+  v1::CommitRequest Commit(uint64_t step, std::vector<int> accepted = {1, 2, 2}) {
+    v1::CommitRequest c;
+    c.set_step(step);
+    for (int a : accepted) c.mutable_num_accepted()->mutable_values()->add_values(a);
+    return c;
+  }
+
+  // Every byte of every pool.
+  std::string Pools() {
+    const uint64_t bytes = pools_->description().allocation_bytes();
+    return std::string(pools_->base(), bytes);
+  }
+
+  Session& session() { return *session_; }
+  SharedMemory& memory() { return *memory_; }
+  const v1::Layout& layout() const { return layout_; }
+  std::unique_ptr<Session>& session_ptr() { return session_; }
+
+ private:
+  Client& c_;
+  v1::Layout layout_;
+  std::unique_ptr<Session> session_;
+  std::unique_ptr<SharedMemory> memory_;
+  std::unique_ptr<client::MappedPools> pools_;
+  std::unique_ptr<client::SharedBuffer> acts_;
+  int H_ = 0, K_ = 0;
+  int64_t T_ = 0;
+};
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void Start(std::vector<std::string> flags = {}) {
+    server_ = ValueOrDie(ServerProcess::Start(std::move(flags)));
+    client_ = ValueOrDie(Client::Connect(server_->address()));
+  }
+  void TearDown() override {
+    if (HasFailure() && server_ != nullptr) std::fprintf(stderr, "server log:\n%s", server_->Log().c_str());
+  }
+  std::unique_ptr<ServerProcess> server_;
+  std::unique_ptr<Client> client_;
+};
+
+// ---------------------------------------------------------------------------
+// Decode loops checked bit for bit against the simulator's own stock path.
+
+TEST_F(ServiceTest, SimulationNoneModeSync) {
+  Start();
+  client::SimulationOptions o;
+  o.steps = 12;
+  o.requests = 5;
+  o.seed = std::random_device()();
+  SCOPED_TRACE(absl::StrCat("seed ", o.seed));
+  const client::SimulationReport r = ValueOrDie(client::RunSimulation(*client_, o));
+  EXPECT_TRUE(r.passed()) << client::FormatReport(r);
+  EXPECT_GT(r.comparisons, 100u);
+  EXPECT_GT(r.requests_finished, 0u);
+}
+
+TEST_F(ServiceTest, SimulationNoneModeAsyncDoorbells) {
+  Start({"--activation_dtype=fp32", "--head_dim=128", "--heads=2"});
+  client::SimulationOptions o;
+  o.steps = 10;
+  o.requests = 4;
+  o.async = true;
+  o.seed = std::random_device()();
+  SCOPED_TRACE(absl::StrCat("seed ", o.seed));
+  const client::SimulationReport r = ValueOrDie(client::RunSimulation(*client_, o));
+  EXPECT_TRUE(r.passed()) << client::FormatReport(r);
+  EXPECT_EQ(r.latency.count("Verify (async)"), 1u);
+}
+
+TEST_F(ServiceTest, SimulationAlignModeAcrossBlockBoundaries) {
+  Start({"--cache_mode=align", "--mamba_block_size=4", "--blocks=400", "--state_dtype=bf16",
+         "--activation_dtype=fp16"});
+  client::SimulationOptions o;
+  o.steps = 16;
+  o.requests = 5;
+  o.seed = std::random_device()();
+  SCOPED_TRACE(absl::StrCat("seed ", o.seed));
+  const client::SimulationReport r = ValueOrDie(client::RunSimulation(*client_, o));
+  EXPECT_TRUE(r.passed()) << client::FormatReport(r);
+  EXPECT_GT(r.boundary_states, 0u) << "no step crossed a block boundary";
+}
+
+TEST_F(ServiceTest, SimulationAlignModeAsync) {
+  Start({"--cache_mode=align", "--mamba_block_size=8", "--blocks=300"});
+  client::SimulationOptions o;
+  o.steps = 10;
+  o.requests = 4;
+  o.async = true;
+  o.seed = std::random_device()();
+  SCOPED_TRACE(absl::StrCat("seed ", o.seed));
+  const client::SimulationReport r = ValueOrDie(client::RunSimulation(*client_, o));
+  EXPECT_TRUE(r.passed()) << client::FormatReport(r);
+}
+
+TEST_F(ServiceTest, PlantedCorruptionFailsTheVerdict) {
+  Start();
+  client::SimulationOptions o;
+  o.steps = 6;
+  o.requests = 3;
+  o.corrupt_after_step = 2;
+  const client::SimulationReport r = ValueOrDie(client::RunSimulation(*client_, o));
+  EXPECT_FALSE(r.passed());
+  EXPECT_GT(r.mismatches, 0u);
+  EXPECT_THAT(r.first_mismatch, HasSubstr("step 3"));
+}
+
+// ---------------------------------------------------------------------------
+// Bad input: the right code, a message naming the field, and no byte of any
+// pool changed.
+
+struct BadCase {
+  std::string name;
+  std::function<absl::Status(Scheduler&)> call;
+  absl::StatusCode code;
+  std::string message;
+};
+
+TEST_F(ServiceTest, BadInputIsRejectedAndChangesNothing) {
+  Start();
+  Scheduler s(*client_);
+  // A committed step first, so the pools hold non-zero states.
+  ASSERT_OK(s.VerifyAll(1));
+  ASSERT_OK(s.session().Commit(s.Commit(1)).status());
+  uint64_t step = 100;
+  const std::vector<BadCase> cases = {
+      {"layer out of range",
+       [&](Scheduler& s) { return s.session().Verify(s.Verify(++step, 9)).status(); },
+       absl::StatusCode::kOutOfRange, "layer 9 is out of range"},
+      {"rows over capacity",
+       [&](Scheduler& s) {
+         v1::VerifyRequest v = s.Verify(++step, 0);
+         v.set_num_rows(17);
+         return s.session().Verify(v).status();
+       },
+       absl::StatusCode::kOutOfRange, "max_rows"},
+      {"wrong dtype",
+       [&](Scheduler& s) {
+         v1::VerifyRequest v = s.Verify(++step, 0);
+         v.mutable_q()->set_dtype(v1::FP32);
+         return s.session().Verify(v).status();
+       },
+       absl::StatusCode::kInvalidArgument, "q: dtype FP32, expected bf16"},
+      {"wrong shape",
+       [&](Scheduler& s) {
+         v1::VerifyRequest v = s.Verify(++step, 0);
+         v.mutable_k()->set_shape(1, 3);
+         return s.session().Verify(v).status();
+       },
+       absl::StatusCode::kInvalidArgument, "k: shape"},
+      {"g not dense",
+       [&](Scheduler& s) {
+         v1::VerifyRequest v = s.Verify(++step, 0);
+         for (int64_t st : {4096, 128, 2}) v.mutable_g()->add_strides(st);
+         return s.session().Verify(v).status();
+       },
+       absl::StatusCode::kInvalidArgument, "g: stride of dimension"},
+      {"unknown region",
+       [&](Scheduler& s) {
+         v1::VerifyRequest v = s.Verify(++step, 0);
+         v.mutable_v()->set_region("nope");
+         return s.session().Verify(v).status();
+       },
+       absl::StatusCode::kNotFound, "v: no region \"nope\""},
+      {"offset past the region",
+       [&](Scheduler& s) {
+         v1::VerifyRequest v = s.Verify(++step, 0);
+         v.mutable_o()->set_offset_bytes(1 << 30);
+         return s.session().Verify(v).status();
+       },
+       absl::StatusCode::kOutOfRange, "o: "},
+      {"state index past the pool (device check)",
+       [&](Scheduler& s) {
+         v1::VerifyRequest v = s.Verify(++step, 0);
+         v.mutable_state_indices()->mutable_values()->set_values(1, 9999);
+         return s.session().Verify(v).status();
+       },
+       absl::StatusCode::kOutOfRange, "state_indices[1] = 9999"},
+      {"row longer than Q (device check)",
+       [&](Scheduler& s) {
+         v1::VerifyRequest v = s.Verify(++step, 0);
+         auto* q = v.mutable_query_start_loc()->mutable_values();
+         q->set_values(1, 5);
+         q->set_values(2, 5);
+         q->set_values(3, 6);
+         return s.session().Verify(v).status();
+       },
+       absl::StatusCode::kOutOfRange, "row 0 5 tokens, more than the 4"},
+      {"decreasing query_start_loc (device check)",
+       [&](Scheduler& s) {
+         v1::VerifyRequest v = s.Verify(++step, 0);
+         v.mutable_query_start_loc()->mutable_values()->set_values(2, 1);
+         return s.session().Verify(v).status();
+       },
+       absl::StatusCode::kInvalidArgument, "query_start_loc[2] = 1 is less than"},
+      {"commit without verify",
+       [&](Scheduler& s) { return s.session().Commit(s.Commit(++step)).status(); },
+       absl::StatusCode::kFailedPrecondition, "was not verified"},
+      {"commit with layers not verified",
+       [&](Scheduler& s) {
+         const uint64_t id = ++step;
+         absl::Status st = s.session().Verify(s.Verify(id, 0)).status();
+         if (!st.ok()) return st;
+         return s.session().Commit(s.Commit(id)).status();
+       },
+       absl::StatusCode::kFailedPrecondition, "layers 1, 2, 3 were not verified"},
+      {"request index past the batch (device check)",
+       [&](Scheduler& s) {
+         const uint64_t id = ++step;
+         absl::Status st = s.VerifyAll(id);
+         if (!st.ok()) return st;
+         v1::CommitRequest c = s.Commit(id);
+         for (int r : {0, 7, 2}) c.mutable_request_indices()->mutable_values()->add_values(r);
+         return s.session().Commit(c).status();
+       },
+       absl::StatusCode::kOutOfRange, "request_indices[1] = 7"},
+      {"block table in mode none",
+       [&](Scheduler& s) {
+         const uint64_t id = ++step;
+         absl::Status st = s.VerifyAll(id);
+         if (!st.ok()) return st;
+         v1::CommitRequest c = s.Commit(id);
+         c.mutable_block_table()->mutable_values()->add_values(1);
+         c.mutable_num_computed_tokens()->mutable_values()->add_values(1);
+         return s.session().Commit(c).status();
+       },
+       absl::StatusCode::kInvalidArgument, "cache_mode NONE"},
+      {"two rows writing one block (device check)",
+       [&](Scheduler& s) {
+         const uint64_t id = ++step;
+         for (int l = 0; l < s.layout().num_layers(); ++l) {
+           v1::VerifyRequest v = s.Verify(id, l);
+           v.mutable_state_indices()->mutable_values()->set_values(2, 1);
+           absl::Status st = s.session().Verify(v).status();
+           if (!st.ok()) return st;
+         }
+         return s.session().Commit(s.Commit(id)).status();
+       },
+       absl::StatusCode::kInvalidArgument, "rows 0 and 2 both write block 1"},
+      {"RecordStateBlocks in mode none",
+       [&](Scheduler& s) {
+         v1::RecordStateBlocksRequest r;
+         r.set_step(1);
+         return s.session().RecordStateBlocks(r).status();
+       },
+       absl::StatusCode::kFailedPrecondition, "cache_mode ALIGN"},
+      {"parameters of the wrong size",
+       [&](Scheduler& s) {
+         v1::LoadLayerParamsRequest p;
+         p.set_layer(0);
+         p.mutable_a_log()->mutable_values()->add_values(1);
+         p.mutable_dt_bias()->mutable_values()->add_values(1);
+         return s.session().LoadLayerParams(p);
+       },
+       absl::StatusCode::kInvalidArgument, "a_log: 1 values, expected 4"},
+      {"a second lower_bound",
+       [&](Scheduler& s) {
+         v1::LoadLayerParamsRequest p;
+         p.set_layer(0);
+         p.set_lower_bound(-3);
+         return s.session().LoadLayerParams(p);
+       },
+       absl::StatusCode::kInvalidArgument, "all layers share one lower_bound"},
+  };
+  for (const BadCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string before = s.Pools();
+    ExpectError(c.call(s), c.code, c.message);
+    EXPECT_TRUE(s.Pools() == before) << "a rejected call changed the pools";
+  }
+  // The service still works after all of that.
+  ASSERT_OK(s.VerifyAll(1000));
+  ASSERT_OK(s.session().Commit(s.Commit(1000)).status());
+}
+
+TEST_F(ServiceTest, AlignModeDeviceChecksNameTheField) {
+  Start({"--cache_mode=align", "--mamba_block_size=4", "--blocks=64"});
+  Scheduler s(*client_);
+  const auto commit = [&](uint64_t id, std::vector<int32_t> table, int width,
+                          std::vector<int32_t> computed) {
+    absl::Status st = s.VerifyAll(id);
+    if (!st.ok()) return st;
+    v1::CommitRequest c = s.Commit(id, {2, 2, 2});
+    for (int32_t b : table) c.mutable_block_table()->mutable_values()->add_values(b);
+    c.mutable_block_table()->mutable_values()->add_shape(3);
+    c.mutable_block_table()->mutable_values()->add_shape(width);
+    for (int32_t n : computed) c.mutable_num_computed_tokens()->mutable_values()->add_values(n);
+    return s.session().Commit(c).status();
+  };
+  std::string before = s.Pools();
+  ExpectError(commit(1, {1, 10, 2, 11, 3, 999}, 2, {1, 1, 3}), absl::StatusCode::kOutOfRange,
+              "block_table[2, 1] = 999");
+  EXPECT_TRUE(s.Pools() == before);
+  ExpectError(commit(2, {1, 10, 2, 11, 3, 12}, 2, {1, -4, 1}), absl::StatusCode::kOutOfRange,
+              "num_computed_tokens[1] = -4 must not be negative");
+  EXPECT_TRUE(s.Pools() == before);
+  // Row 2 crosses the boundary at token 8, whose block column 1 is past the width 1.
+  ExpectError(commit(3, {1, 2, 3}, 1, {1, 1, 7}), absl::StatusCode::kOutOfRange,
+              "past the table's width 1");
+  EXPECT_TRUE(s.Pools() == before);
+  ASSERT_OK(commit(4, {1, 10, 2, 11, 3, 12}, 2, {1, 1, 3}));
+  EXPECT_FALSE(s.Pools() == before);
+}
+
+TEST_F(ServiceTest, AsyncErrorIsReportedByTheNextCall) {
+  Start();
+  Scheduler s(*client_);
+  v1::VerifyRequest bad = s.Verify(1, 0);
+  bad.set_ordering(v1::ASYNC);
+  bad.mutable_state_indices()->mutable_values()->set_values(0, 5000);
+  const std::string before = s.Pools();
+  // Enqueued: the error lives on the device until the next call.
+  ASSERT_OK(s.session().Verify(bad).status());
+  absl::Status next;
+  for (int i = 0; i < 100; ++i) {
+    next = s.session().Verify(s.Verify(1, 1)).status();
+    if (!next.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ExpectError(next, absl::StatusCode::kOutOfRange, "an earlier asynchronous call failed");
+  EXPECT_THAT(std::string(next.message()), HasSubstr("state_indices[0] = 5000"));
+  // The step is failed: nothing of it is committed.
+  ExpectError(s.session().Commit(s.Commit(1)).status(), absl::StatusCode::kFailedPrecondition,
+              "step 1 failed");
+  EXPECT_TRUE(s.Pools() == before);
+  // A new step works.
+  ASSERT_OK(s.VerifyAll(2));
+  ASSERT_OK(s.session().Commit(s.Commit(2)).status());
+}
+
+// ---------------------------------------------------------------------------
+// Steps.
+
+TEST_F(ServiceTest, CommitAppliesOncePerStep) {
+  Start();
+  Scheduler s(*client_);
+  ASSERT_OK(s.VerifyAll(1));
+  const v1::CommitResponse first = ValueOrDie(s.session().Commit(s.Commit(1)));
+  EXPECT_FALSE(first.replayed_from_cache());
+  const std::string after_first = s.Pools();
+  const v1::CommitResponse retry = ValueOrDie(s.session().Commit(s.Commit(1)));
+  EXPECT_TRUE(retry.replayed_from_cache());
+  EXPECT_TRUE(s.Pools() == after_first) << "a retried Commit replayed again";
+  ExpectError(s.session().Commit(s.Commit(1, {2, 2, 2})).status(),
+              absl::StatusCode::kFailedPrecondition, "already committed with different arguments");
+  ExpectError(s.session().Verify(s.Verify(1, 0)).status(), absl::StatusCode::kFailedPrecondition,
+              "step 1 is already committed");
+}
+
+TEST_F(ServiceTest, CommitOfAStepWhoseRecordsWereOverwritten) {
+  Start();
+  Scheduler s(*client_);
+  ASSERT_OK(s.VerifyAll(1));
+  ASSERT_OK(s.session().Verify(s.Verify(2, 0)).status());  // overwrites layer 0's records
+  ExpectError(s.session().Commit(s.Commit(1)).status(), absl::StatusCode::kFailedPrecondition,
+              "a later Verify overwrote the records of layers 0");
+}
+
+TEST_F(ServiceTest, ASecondDriverIsRefusedAndReadOnlyCallsStayOpen) {
+  Start();
+  Scheduler driver(*client_);
+  absl::StatusOr<std::unique_ptr<Session>> second = client_->OpenSession("other", true);
+  ExpectError(second.status(), absl::StatusCode::kFailedPrecondition, "test scheduler");
+  Scheduler reader(*client_, /*drive=*/false);
+  ExpectError(reader.session().Verify(reader.Verify(1, 0)).status(),
+              absl::StatusCode::kFailedPrecondition, "does not drive");
+  EXPECT_TRUE(client_->GetLayout().ok());
+  EXPECT_TRUE(client_->GetStats().ok());
+  EXPECT_TRUE(client_->ReadState(0, 1, false).ok());
+  EXPECT_EQ(ValueOrDie(client_->Health("specstate.v1.SpecState")), "SERVING");
+}
+
+TEST_F(ServiceTest, KilledSchedulerLeavesThePoolsForTheNextOne) {
+  Start();
+  // A scheduler process runs three steps, sends step 3's Verify calls and is
+  // killed (SIGKILL) before its Commit.
+  const testing::ProcessResult crashed = ValueOrDie(testing::RunProcess(
+      {testing::RunfilePath("client/specstatectl"), absl::StrCat("--server=", server_->address()),
+       "simulate", "--steps=6", "--requests=3", "--crash_after_verify_step=3"}));
+  EXPECT_EQ(crashed.signal, SIGKILL);
+  // A killed process cannot unlink its shared memory; the test does.
+  const std::string prefix = absl::StrCat("specstate-client-", crashed.pid, "-");
+  if (DIR* dir = opendir("/dev/shm")) {
+    while (dirent* e = readdir(dir)) {
+      if (absl::StartsWith(e->d_name, prefix)) shm_unlink(absl::StrCat("/", e->d_name).c_str());
+    }
+    closedir(dir);
+  }
+  const size_t at = crashed.output.find("CRASH POINT pools=");
+  ASSERT_NE(at, std::string::npos) << crashed.output;
+  const std::string checksum_at_crash = crashed.output.substr(at + 18, 16);
+
+  // Its session ends with its connection; a new scheduler may drive at once.
+  std::unique_ptr<Session> next;
+  for (int i = 0; i < 100 && next == nullptr; ++i) {
+    absl::StatusOr<std::unique_ptr<Session>> s = client_->OpenSession("restarted", true);
+    if (s.ok()) next = *std::move(s);
+    else std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_NE(next, nullptr);
+  EXPECT_EQ(ValueOrDie(client_->ListRegions()).regions_size(), 0) << "the dead session's regions";
+  // Exactly as the killed scheduler left them.
+  auto memory = ValueOrDie(SharedMemory::Create(v1::CPU));
+  auto pools = ValueOrDie(memory->MapPools(ValueOrDie(client_->ExportPools())));
+  const std::string now(pools->base(), pools->description().allocation_bytes());
+  EXPECT_EQ(absl::StrFormat("%016x", Fnv1a(now)), checksum_at_crash);
+  // Its half-done step is not the new driver's to commit.
+  v1::CommitRequest c;
+  c.set_step(4);
+  c.mutable_num_accepted()->mutable_values()->add_values(1);
+  ExpectError(next->Commit(c).status(), absl::StatusCode::kFailedPrecondition, "was not verified");
+  ASSERT_OK(next->Close());
+  // And the next scheduler runs correctly on the same pools.
+  client::SimulationOptions o;
+  o.steps = 5;
+  o.requests = 3;
+  const client::SimulationReport r = ValueOrDie(client::RunSimulation(*client_, o));
+  EXPECT_TRUE(r.passed()) << client::FormatReport(r);
+}
+
+// ---------------------------------------------------------------------------
+// Regions and sessions.
+
+TEST_F(ServiceTest, RegionRegistration) {
+  Start();
+  Scheduler s(*client_);
+  auto buffer = ValueOrDie(s.memory().Allocate(4096));
+  ExpectError(s.session().RegisterBuffer(*buffer, "acts").status(),
+              absl::StatusCode::kAlreadyExists, "already registered");
+  ExpectError(s.session().Unregister("missing"), absl::StatusCode::kNotFound, "no region");
+
+  auto raw = [&](std::function<void(v1::RegisterRegionRequest*)> edit) {
+    v1::RegisterRegionRequest r;
+    r.set_session_id(s.session().id());
+    r.set_name("raw");
+    buffer->Describe(&r);
+    edit(&r);
+    grpc::ClientContext ctx;
+    v1::RegisterRegionResponse response;
+    return client::FromGrpc(client_->stub().RegisterRegion(&ctx, r, &response));
+  };
+  ExpectError(raw([](v1::RegisterRegionRequest* r) { r->set_shm_name("/specstate-no-such"); }),
+              absl::StatusCode::kNotFound, "shm_open(/specstate-no-such)");
+  ExpectError(raw([](v1::RegisterRegionRequest* r) { r->set_byte_size(1 << 20); }),
+              absl::StatusCode::kOutOfRange, "does not fit");
+  ExpectError(raw([](v1::RegisterRegionRequest* r) { r->set_offset_bytes(~uint64_t{0} - 8); }),
+              absl::StatusCode::kOutOfRange, "does not fit");
+  ExpectError(raw([](v1::RegisterRegionRequest* r) { r->set_cuda_ipc_handle(std::string(64, 'x')); }),
+              absl::StatusCode::kInvalidArgument, "CPU backend");
+  ExpectError(raw([](v1::RegisterRegionRequest* r) { r->set_shm_name("no-slash"); }),
+              absl::StatusCode::kInvalidArgument, "POSIX shared-memory name");
+  ExpectError(raw([](v1::RegisterRegionRequest* r) { r->set_session_id("s99-nobody"); }),
+              absl::StatusCode::kFailedPrecondition, "does not exist");
+  ASSERT_OK(raw([](v1::RegisterRegionRequest*) {}));
+  EXPECT_EQ(ValueOrDie(client_->ListRegions(s.session().id())).regions_size(), 2);
+}
+
+TEST_F(ServiceTest, UnregisterWaitsForWorkThatUsesTheRegion) {
+  Start();
+  Scheduler s(*client_);
+  auto door = ValueOrDie(s.memory().Allocate(64));
+  ValueOrDie(s.session().RegisterBuffer(*door, "door"));
+  // An ASYNC Verify that waits for a doorbell pins "acts" and "door".
+  v1::VerifyRequest v = s.Verify(1, 0);
+  v.set_ordering(v1::ASYNC);
+  v.mutable_wait()->mutable_doorbell()->set_region("door");
+  v.mutable_wait()->mutable_doorbell()->set_value(1);
+  ASSERT_OK(s.session().Verify(v).status());
+  const v1::ListRegionsResponse listed = ValueOrDie(client_->ListRegions(s.session().id()));
+  for (const v1::RegionInfo& r : listed.regions()) EXPECT_EQ(r.in_use(), 1) << r.name();
+
+  std::future<absl::Status> unregister =
+      std::async(std::launch::async, [&] { return s.session().Unregister("acts"); });
+  EXPECT_EQ(unregister.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
+      << "Unregister returned while enqueued work still uses the region";
+  __atomic_store_n(static_cast<uint32_t*>(door->data()), 1u, __ATOMIC_RELEASE);  // ring
+  ASSERT_EQ(unregister.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  ASSERT_OK(unregister.get());
+}
+
+TEST_F(ServiceTest, SessionEndReleasesItsRegionsAndItsWaits) {
+  Start();
+  {
+    Scheduler s(*client_);
+    auto door = ValueOrDie(s.memory().Allocate(64));
+    ValueOrDie(s.session().RegisterBuffer(*door, "door"));
+    // A wait that will never be rung: the session's end must release it.
+    v1::VerifyRequest v = s.Verify(1, 0);
+    v.set_ordering(v1::ASYNC);
+    v.mutable_wait()->mutable_doorbell()->set_region("door");
+    v.mutable_wait()->mutable_doorbell()->set_value(7);
+    ASSERT_OK(s.session().Verify(v).status());
+    EXPECT_EQ(ValueOrDie(client_->ListRegions()).regions_size(), 2);
+  }  // the session closes here
+  for (int i = 0; i < 100 && ValueOrDie(client_->ListRegions()).regions_size() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(ValueOrDie(client_->ListRegions()).regions_size(), 0);
+  // The service's queue moved on: a new driver's work runs.
+  Scheduler next(*client_);
+  ASSERT_OK(next.VerifyAll(1));
+  ASSERT_OK(next.session().Commit(next.Commit(1)).status());
+}
+
+TEST_F(ServiceTest, LeaseExpiryEndsASilentSession) {
+  Start();
+  // A raw session stream that never renews its 300 ms lease.
+  grpc::ClientContext ctx;
+  auto stream = client_->stub().Session(&ctx);
+  v1::SessionRequest open;
+  open.mutable_open()->set_client_name("silent");
+  open.mutable_open()->set_drive(true);
+  open.mutable_open()->set_lease_ms(300);
+  ASSERT_TRUE(stream->Write(open));
+  v1::SessionEvent event;
+  ASSERT_TRUE(stream->Read(&event));
+  auto memory = ValueOrDie(SharedMemory::Create(v1::CPU));
+  auto buffer = ValueOrDie(memory->Allocate(4096));
+  v1::RegisterRegionRequest r;
+  r.set_session_id(event.session_id());
+  r.set_name("b");
+  buffer->Describe(&r);
+  grpc::ClientContext rctx;
+  v1::RegisterRegionResponse rr;
+  ASSERT_TRUE(client_->stub().RegisterRegion(&rctx, r, &rr).ok());
+  EXPECT_EQ(ValueOrDie(client_->ListRegions()).regions_size(), 1);
+  // The server ends the stream when the lease runs out.
+  EXPECT_FALSE(stream->Read(&event));
+  const grpc::Status end = stream->Finish();
+  EXPECT_EQ(end.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << end.error_message();
+  EXPECT_EQ(ValueOrDie(client_->ListRegions()).regions_size(), 0);
+  EXPECT_TRUE(client_->OpenSession("next", true).ok()) << "the expired driver still drives";
+}
+
+TEST_F(ServiceTest, ServerDownIsUnavailable) {
+  absl::StatusOr<std::unique_ptr<Client>> c =
+      Client::Connect("unix:///tmp/specstate-nobody-listens.sock", absl::Milliseconds(300));
+  ExpectError(c.status(), absl::StatusCode::kUnavailable, "cannot connect");
+}
+
+TEST_F(ServiceTest, StatsCountTheSteps) {
+  Start();
+  Scheduler s(*client_);
+  ASSERT_OK(s.VerifyAll(1));
+  ASSERT_OK(s.session().Commit(s.Commit(1, {1, 2, 0})).status());
+  const v1::Stats stats = ValueOrDie(client_->GetStats());
+  EXPECT_EQ(stats.steps_verified(), 1u);
+  EXPECT_EQ(stats.steps_committed(), 1u);
+  EXPECT_EQ(stats.rows_verified(), 3u);
+  EXPECT_EQ(stats.rows_committed(), 2u);  // row 2 accepted nothing
+  EXPECT_EQ(stats.tokens_verified(), 6u);
+  EXPECT_EQ(stats.tokens_committed(), 3u);
+  EXPECT_THAT(stats.driver(), HasSubstr("test scheduler"));
+  bool saw_verify = false;
+  for (const v1::RpcStats& r : stats.rpcs()) {
+    if (r.method() == "Verify") {
+      saw_verify = true;
+      EXPECT_EQ(r.calls(), 4u);
+      EXPECT_GT(r.latency().p50_us(), 0);
+    }
+  }
+  EXPECT_TRUE(saw_verify);
+}
+
+TEST_F(ServiceTest, RefusesALayoutThatDoesNotFit) {
+  const testing::ProcessResult r = ValueOrDie(testing::RunProcess(
+      {testing::RunfilePath("server/specstated"), "--listen=unix:///tmp/specstate-never.sock",
+       "--layers=4096", "--heads=64", "--head_dim=256", "--blocks=100000", "--backend=cpu"}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("RESOURCE_EXHAUSTED: the layout needs"));
+  EXPECT_THAT(r.output, HasSubstr("lower num_blocks, max_rows or num_layers"));
+}
+
+}  // namespace
+}  // namespace specstate
