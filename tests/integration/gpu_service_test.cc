@@ -1,0 +1,123 @@
+// GPU integration tests (tag "gpu"): specstated on the CUDA backend, driven by
+// specstatectl simulate in a separate process that shares its buffers and
+// maps the pools by CUDA IPC handle, checking every state bit for bit against
+// its own CUDA stock path. Needs an NVIDIA GPU.
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/server_process.h"
+
+namespace specstate {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RunfilePath;
+using testing::ServerProcess;
+
+bool HaveGpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+class GpuServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  }
+  void Start(std::vector<std::string> flags) {
+    flags.push_back("--backend=cuda");
+    auto s = ServerProcess::Start(flags);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = *std::move(s);
+  }
+  testing::ProcessResult Simulate(std::vector<std::string> flags) {
+    std::vector<std::string> argv = {RunfilePath("client/specstatectl"),
+                                     absl::StrCat("--server=", server_->address()), "simulate"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    auto r = testing::RunProcess(argv);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return *r;
+  }
+  void TearDown() override {
+    if (HasFailure() && server_ != nullptr) std::fprintf(stderr, "server log:\n%s", server_->Log().c_str());
+  }
+  std::unique_ptr<ServerProcess> server_;
+};
+
+TEST_F(GpuServiceTest, SimulationSyncAsyncDoorbellsAndEvents) {
+  Start({"--heads=8", "--head_dim=128", "--conv_dim=3072", "--blocks=128", "--max_rows=32"});
+  for (const std::vector<std::string>& mode :
+       {std::vector<std::string>{}, std::vector<std::string>{"--async"},
+        std::vector<std::string>{"--async", "--events"}}) {
+    std::vector<std::string> flags = {"--steps=25", "--requests=12", "--seed=3"};
+    flags.insert(flags.end(), mode.begin(), mode.end());
+    const testing::ProcessResult r = Simulate(flags);
+    SCOPED_TRACE(absl::StrCat("simulate ", mode.empty() ? "" : mode.back(), "\n", r.output));
+    EXPECT_EQ(r.exit_code, 0);
+    EXPECT_THAT(r.output, HasSubstr("on the cuda backend"));
+    EXPECT_THAT(r.output, HasSubstr("verdict: PASS"));
+  }
+}
+
+TEST_F(GpuServiceTest, SimulationAlignModeBf16State) {
+  Start({"--heads=4", "--head_dim=64", "--cache_mode=align", "--mamba_block_size=8",
+         "--blocks=600", "--state_dtype=bf16", "--activation_dtype=fp16"});
+  const testing::ProcessResult r = Simulate({"--steps=30", "--requests=8", "--async"});
+  SCOPED_TRACE(r.output);
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_THAT(r.output, HasSubstr("verdict: PASS"));
+}
+
+TEST_F(GpuServiceTest, PlantedCorruptionFailsTheVerdict) {
+  Start({});
+  const testing::ProcessResult r = Simulate({"--steps=6", "--corrupt_after_step=2"});
+  SCOPED_TRACE(r.output);
+  EXPECT_EQ(r.exit_code, 3);
+  EXPECT_THAT(r.output, HasSubstr("verdict: FAIL"));
+}
+
+TEST_F(GpuServiceTest, CudaRegionHandlesAreChecked) {
+  Start({});
+  auto c = client::Client::Connect(server_->address()).value();
+  auto session = c->OpenSession("gpu test", true).value();
+  auto memory = client::SharedMemory::Create(v1::CUDA).value();
+  auto buffer = memory->Allocate(1 << 20).value();
+  auto raw = [&](std::function<void(v1::RegisterRegionRequest*)> edit) {
+    v1::RegisterRegionRequest r;
+    r.set_session_id(session->id());
+    r.set_name("raw");
+    buffer->Describe(&r);
+    edit(&r);
+    grpc::ClientContext ctx;
+    v1::RegisterRegionResponse response;
+    return client::FromGrpc(c->stub().RegisterRegion(&ctx, r, &response));
+  };
+  absl::Status st = raw([](v1::RegisterRegionRequest* r) { r->set_cuda_ipc_handle("short"); });
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("cuda_ipc_handle has 5 bytes"));
+  // torch's expandable-segments handles are 30 bytes.
+  st = raw([](v1::RegisterRegionRequest* r) { r->set_cuda_ipc_handle(std::string(30, 'e')); });
+  EXPECT_THAT(std::string(st.message()), HasSubstr("expandable segments"));
+  // Bigger than the allocation the handle names (cuMemGetAddressRange).
+  st = raw([](v1::RegisterRegionRequest* r) { r->set_byte_size(2 << 20); });
+  EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
+  st = raw([](v1::RegisterRegionRequest* r) { r->set_shm_name("/x"); });
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_TRUE(raw([](v1::RegisterRegionRequest*) {}).ok());
+  // Events of the wrong size.
+  v1::VerifyRequest v;
+  v.set_step(1);
+  v.set_ordering(v1::ASYNC);
+  v.mutable_wait()->mutable_event()->set_handle("x");
+  st = session->Verify(v).status();
+  EXPECT_NE(st.code(), absl::StatusCode::kOk);
+}
+
+}  // namespace
+}  // namespace specstate

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Builds the GPU test and benchmark binaries and bundles them, with the shared
+# libraries they need (all but the C runtime and the driver), into
+# DEST/bundle.tgz, which runs on a GPU machine without Bazel:
+#   tools/gpu/bundle.sh [DEST=.gpu]
+# Then, there:
+#   mkdir -p /tmp/b && tar -C /tmp/b -xzf DEST/bundle.tgz && /tmp/b/run_suite.sh /tmp/b OUTDIR
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+dest=${1:-.gpu}
+default_targets="//server:specstated //client:specstatectl //kernels:kda_kernels_gpu_test
+  //tests/integration:gpu_service_test //tests/bench:kda_bench //tests/bench:service_bench"
+read -r -a targets <<< "$(echo ${BUNDLE_TARGETS:-$default_targets})"
+bazel build "${targets[@]}"
+final=$dest
+dest=$(mktemp -d)
+mkdir -p "$dest/bin" "$dest/lib" "$dest/runfiles/specstate/server" "$dest/runfiles/specstate/client"
+skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|libstdc\+\+\.so|libgcc_s\.so|libcuda\.so)'
+for target in "${targets[@]}"; do
+  bin="bazel-bin/$(echo "${target#//}" | tr ':' '/')"
+  cp -L "$bin" "$dest/bin/"
+  ldd "$bin" | awk '/=>/ {print $1, $3}' | while read -r name path; do
+    [[ "$name" =~ $skip ]] && continue
+    [ -n "$path" ] && [ -e "$path" ] && cp -Ln "$path" "$dest/lib/" 2>/dev/null || true
+  done
+done
+# Tests find the server and the CLI through their runfiles, as under Bazel.
+cp "$dest/bin/specstated" "$dest/runfiles/specstate/server/"
+cp "$dest/bin/specstatectl" "$dest/runfiles/specstate/client/"
+cp tools/gpu/run_suite.sh "$dest/"
+rm -rf "$final"
+mkdir -p "$final"
+tar -C "$dest" -czf "$final/bundle.tgz" .
+rm -rf "$dest"
+du -sh "$final/bundle.tgz" | awk '{print "bundled " $1 " into " $2}'

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages SpecState builds and tests with (offline
+# Bazel, gRPC, protobuf, Abseil, GoogleTest, Python's grpcio and numpy).
+# Safe to run again: apt-get skips what is there.
+set -euo pipefail
+packages=(
+  bazel-bootstrap bazel-rules-java
+  libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+  libabsl-dev libgtest-dev pkg-config g++
+  python3 python3-grpcio python3-protobuf python3-numpy python3-yaml
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+echo "installing: ${missing[*]}" >&2
+$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
