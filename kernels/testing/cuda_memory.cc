@@ -1,0 +1,71 @@
+// The CUDA half of the test memory: the CUDA runtime, synchronous copies.
+#include "kernels/testing/cuda_memory.h"
+
+#include <cuda_runtime.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+
+namespace specstate {
+namespace kernels {
+namespace testing {
+namespace cuda_memory {
+namespace {
+
+absl::Status FromCuda(cudaError_t err, absl::string_view what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  const std::string message = absl::StrCat(what, ": ", cudaGetErrorString(err));
+  switch (err) {
+    case cudaErrorMemoryAllocation:
+      return absl::ResourceExhaustedError(message);
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+      return absl::UnavailableError(message);
+    default:
+      return absl::InternalError(message);
+  }
+}
+
+}  // namespace
+
+absl::Status Allocate(size_t bytes, void** ptr) {
+  *ptr = nullptr;
+  absl::Status s = FromCuda(cudaMalloc(ptr, bytes), absl::StrCat("cudaMalloc(", bytes, ")"));
+  if (!s.ok()) return s;
+  s = FromCuda(cudaMemset(*ptr, 0, bytes), "cudaMemset");
+  if (!s.ok()) {
+    cudaFree(*ptr);
+    *ptr = nullptr;
+  }
+  return s;
+}
+
+void Free(void* ptr) { cudaFree(ptr); }
+
+absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) {
+  return FromCuda(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy to device");
+}
+
+absl::Status CopyToHost(void* dst, const void* src, size_t bytes) {
+  return FromCuda(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy to host");
+}
+
+absl::Status CreateStream(Stream* stream) {
+  cudaStream_t s = nullptr;
+  const absl::Status status = FromCuda(cudaStreamCreate(&s), "cudaStreamCreate");
+  *stream = s;
+  return status;
+}
+
+void DestroyStream(Stream stream) { cudaStreamDestroy(static_cast<cudaStream_t>(stream)); }
+
+absl::Status Synchronize(Stream stream) {
+  return FromCuda(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)),
+                  "cudaStreamSynchronize");
+}
+
+}  // namespace cuda_memory
+}  // namespace testing
+}  // namespace kernels
+}  // namespace specstate
