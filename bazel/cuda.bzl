@@ -17,7 +17,7 @@ NVCC_FLAGS = [
     "-Xcompiler=-ffp-contract=off",
     "-gencode arch=compute_90,code=sm_90",
     # The stock kernel, verify and replay share code and flags: no fast math.
-    "--fmad=true",
+    "--fmad=false",
     "-lineinfo",
     "-Wno-deprecated-gpu-targets",
 ]

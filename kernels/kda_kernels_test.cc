@@ -530,8 +530,20 @@ class KdaKernelsTest : public ::testing::TestWithParam<Backend> {
                                 " (replay with SPECSTATE_TEST_SEED=", seed, ")"));
   }
 
-  Backend backend() const { return GetParam(); }
-  Stream stream() const { return stream_.get(); }
+  Backend backend() const { return on_cpu_ ? Backend::kCpu : GetParam(); }
+  Stream stream() const { return on_cpu_ ? nullptr : stream_.get(); }
+
+  // Runs `fn` with the CPU backend (its memory and kernels) in place of this
+  // test's backend: the CPU-vs-CUDA agreement test builds the same step twice.
+  template <typename Fn>
+  void OnCpu(Fn fn) {
+    const KdaKernels* saved = kernels_;
+    kernels_ = &CpuKdaKernels();
+    on_cpu_ = true;
+    fn();
+    on_cpu_ = false;
+    kernels_ = saved;
+  }
   Random& rng() { return *rng_; }
 
   Tensor Upload(std::vector<uint8_t> bytes) {
@@ -572,6 +584,62 @@ class KdaKernelsTest : public ::testing::TestWithParam<Backend> {
 
   Step MakeStep(const StepSpec& spec);
   void MakeLayer(Step* s);
+
+  // A copy of `s` whose buffers live in this backend's memory (same bytes).
+  Step CopyStep(const Step& s) {
+    const auto copy = [&](const Tensor& t) {
+      Tensor c = Upload(t.Read());
+      c.host = t.host;
+      return c;
+    };
+    Step c;
+    c.spec = s.spec;
+    c.shape = s.shape;
+    c.rows = s.rows;
+    c.batch = s.batch;
+    c.record_rows = s.record_rows;
+    c.num_tokens = s.num_tokens;
+    c.num_tokens_arg = s.num_tokens_arg;
+    c.num_blocks = s.num_blocks;
+    c.block_stride = s.block_stride;
+    c.conv_width = s.conv_width;
+    c.conv_block_stride = s.conv_block_stride;
+    c.conv_dim_stride = s.conv_dim_stride;
+    c.conv_token_stride = s.conv_token_stride;
+    Metadata::Of(s).RestoreTo(&c);
+    c.block_size = s.block_size;
+    for (const Layer& L : s.layers) {
+      Layer n;
+      n.proj = copy(L.proj);
+      n.g = copy(L.g);
+      n.beta = copy(L.beta);
+      n.a_log = copy(L.a_log);
+      n.dt_bias = copy(L.dt_bias);
+      n.q_off = L.q_off;
+      n.k_off = L.k_off;
+      n.v_off = L.v_off;
+      n.proj_stride = L.proj_stride;
+      n.beta_off = L.beta_off;
+      n.beta_stride = L.beta_stride;
+      n.tokens = L.tokens;
+      n.params = L.params;
+      n.stock_pool = copy(L.stock_pool);
+      n.pool = copy(L.pool);
+      n.initial_states = L.initial_states;
+      n.conv = copy(L.conv);
+      n.conv_sequence = L.conv_sequence;
+      n.rec_kv = copy(L.rec_kv);
+      n.rec_g = copy(L.rec_g);
+      n.rec_beta = copy(L.rec_beta);
+      n.stock_out = copy(L.stock_out);
+      n.verify_out = copy(L.verify_out);
+      c.layers.push_back(std::move(n));
+    }
+    c.stock_workspace = copy(s.stock_workspace);
+    c.commit_workspace = copy(s.commit_workspace);
+    c.status = copy(s.status);
+    return c;
+  }
 
   StockArgs StockArgsFor(Step& s, int l, CallData* cd);
   VerifyArgs VerifyArgsFor(Step& s, int l, CallData* cd);
@@ -621,6 +689,7 @@ class KdaKernelsTest : public ::testing::TestWithParam<Backend> {
                                   const std::vector<uint8_t>& before);
 
   const KdaKernels* kernels_ = nullptr;
+  bool on_cpu_ = false;
   BackendStream stream_;
   std::optional<Random> rng_;
   std::optional<::testing::ScopedTrace> trace_;
@@ -1465,6 +1534,51 @@ TEST_P(KdaKernelsTest, CommitAlignModeRandomRows) {
 
 // K = 256, the largest head: stock vs reference, verify vs stock, commit vs
 // stock, both modes.
+// The CUDA backend agrees with the CPU backend on the same inputs (not bit
+// for bit: their reductions over K run in other orders, and exp differs by
+// an ulp), to about 1e-6 relative, bounded here by the fp32 compute budget
+// plus one rounding of what is stored.
+TEST_P(KdaKernelsTest, CudaAgreesWithCpu) {
+  if (GetParam() != Backend::kCuda) GTEST_SKIP() << "compares the CUDA backend with the CPU one";
+  for (const Config& c : {kConfigs[0], kConfigs[4], kConfigs[6], kConfigs[7]}) {
+    StepSpec spec = SpecOf(c);
+    spec.num_layers = 2;
+    spec.tokens = {4, 1, 3, 2, 4};
+    Step cuda = MakeStep(spec);
+    SCOPED_TRACE(Describe(spec));
+    Step cpu;
+    OnCpu([&] { cpu = CopyStep(cuda); });
+    for (int l = 0; l < spec.num_layers; ++l) {
+      ASSERT_TRUE(CallOk(RunVerify(cuda, l)));
+      OnCpu([&] { ASSERT_TRUE(CallOk(RunVerify(cpu, l))); });
+      const std::vector<uint8_t> a = cuda.layers[l].verify_out.Read();
+      const std::vector<uint8_t> b = cpu.layers[l].verify_out.Read();
+      std::vector<double> va, vb;
+      const size_t es = cuda.act_size();
+      for (int64_t t = 0; t < cuda.qsl.back() * cuda.hk(); ++t) {
+        va.push_back(ref::LoadElement(RefDtype(spec.act), &a[t * es]));
+        vb.push_back(ref::LoadElement(RefDtype(spec.act), &b[t * es]));
+      }
+      EXPECT_LT(RelativeError(va, vb), Tolerance(spec.act)) << "verify outputs, layer " << l;
+    }
+    ASSERT_TRUE(CallOk(RunCommit(cuda)));
+    OnCpu([&] { ASSERT_TRUE(CallOk(RunCommit(cpu))); });
+    for (int l = 0; l < spec.num_layers; ++l) {
+      const std::vector<uint8_t> a = cuda.layers[l].pool.Read();
+      const std::vector<uint8_t> b = cpu.layers[l].pool.Read();
+      for (int32_t block : cuda.sources) {
+        if (block <= 0) continue;
+        EXPECT_LT(RelativeError(BlockValues(cuda, a, block), BlockValues(cpu, b, block)),
+                  Tolerance(spec.state))
+            << "committed state, layer " << l << ", block " << block;
+      }
+      // Conv compaction is a copy: bit for bit.
+      EXPECT_EQ(FirstDifference(cuda.layers[l].conv.Read(), cpu.layers[l].conv.Read()), -1)
+          << "conv pool, layer " << l;
+    }
+  }
+}
+
 TEST_P(KdaKernelsTest, LargestHeadDim) {
   for (bool align : {false, true}) {
     StepSpec spec = SpecOf({DType::kBFloat16, DType::kBFloat16, 2, 256, true});

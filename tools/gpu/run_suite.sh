@@ -27,7 +27,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   if [ -x "$sanitizer" ]; then
     timeout 240 "$sanitizer" --tool memcheck --error-exitcode 9 "$bin/kda_kernels_gpu_test" \
-      --gtest_brief=1 --gtest_filter="${MEMCHECK_FILTER:-*Cuda*}" > "$out/memcheck.log" 2>&1
+      --gtest_brief=1 --gtest_filter="${MEMCHECK_FILTER:-*/cuda}" > "$out/memcheck.log" 2>&1
     rc=$?; note "compute-sanitizer memcheck: exit $rc, $(grep -E 'ERROR SUMMARY' "$out/memcheck.log" | tail -1)"
     [ $rc -eq 0 ] || status=1
   else
