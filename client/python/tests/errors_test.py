@@ -190,6 +190,28 @@ class ErrorsTest(unittest.TestCase):
         self.assertEqual(self.session.commit(step, [1, 2]).num_rows, 2)
         self.assertNotEqual(self.pools.snapshot(), before)
 
+    def test_lapsed_lease_ends_the_session(self) -> None:
+        self.session.close()
+        hung = self.client.session("hung-scheduler", drive=True, lease_ms=300)
+        hung.register(self.buf, "acts")
+        hung._stop.set()  # the renewals stop, as in a process that hangs
+        hung._renewer.join()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with self.client.session("successor", drive=True) as successor:
+                    self.assertTrue(successor.driving)
+                break
+            except SpecStateError as e:
+                self.assertEqual(e.code, grpc.StatusCode.FAILED_PRECONDITION)
+                time.sleep(0.1)
+        else:
+            self.fail("the lapsed session still drives after 10 s")
+        with self.assertRaises(SpecStateError) as cm:
+            hung.verify(1, 0, **self.acts, query_start_loc=[0, 4], state_indices=[1])
+        self.assertCode(cm, grpc.StatusCode.FAILED_PRECONDITION, hung.id)
+        hung.close()
+
     def test_verify_before_layer_params_is_failed_precondition(self) -> None:
         with server_fixture.Server(**FLAGS) as fresh, fresh.client() as client, \
                 client.session("no-params", drive=True) as session:

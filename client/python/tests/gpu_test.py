@@ -120,7 +120,8 @@ class GpuTest(unittest.TestCase):
         self.assertEqual(self.session.register(arena[100:]), name)  # same storage, same region
         views = arena.view(self.L, 6, T, H, K)
         acts = [{"q": views[l, 0], "k": views[l, 1], "v": views[l, 2], "g": views[l, 3],
-                 "o": views[l, 5], "beta": views[l, 4, :, :, 0]} for l in range(self.L)]
+                 "o": views[l, 5], "beta": views[l, 4].reshape(T, H * K)[:, :H]}
+                for l in range(self.L)]
         self.assertFalse(acts[0]["beta"].is_contiguous())  # [T, H] with a token stride of H*K
         blocks = [3, 7]
         states = self.prefill(blocks)
