@@ -1,0 +1,34 @@
+"""Python client of SpecState, the speculative-decoding state service (specstated).
+
+    import specstate
+    client = specstate.Client("unix:///tmp/specstate.sock")
+    with client.session("my-scheduler", drive=True) as session:
+        ...
+
+Modules: :mod:`specstate.client` (Client, Session), :mod:`specstate.shm`
+(POSIX shared memory and the pools on the CPU backend), :mod:`specstate.cuda`
+(torch / CUDA backend; imports torch lazily), :mod:`specstate.dtypes` (the
+wire dtypes; numpy bf16 is uint16 bits), :mod:`specstate.v1` (generated
+protobuf / gRPC modules: ``specstate.v1.specstate_pb2``).
+"""
+try:
+    from specstate.v1 import specstate_pb2 as pb  # noqa: F401
+    from specstate.v1 import specstate_pb2_grpc  # noqa: F401
+except ImportError as _e:  # pragma: no cover - depends on the install
+    if "specstate_pb2" not in str(_e):
+        raise
+    raise ImportError(
+        "specstate.v1.specstate_pb2 is missing: generate the stubs with "
+        "client/python/generate_stubs.sh (or build //client/python:specstate with Bazel)") from _e
+
+from specstate.client import Client, Session
+from specstate.dtypes import BF16, FP16, FP32, INT32, from_bfloat16, to_bfloat16
+from specstate.errors import ExpandableSegmentsError, SpecStateError
+from specstate.shm import MappedPools, SharedBuffer, ring, wait_counter
+
+__all__ = [
+    "BF16", "FP16", "FP32", "INT32", "Client", "ExpandableSegmentsError", "MappedPools", "Session",
+    "SharedBuffer", "SpecStateError", "from_bfloat16", "pb", "ring", "to_bfloat16",
+    "wait_counter",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,427 @@
+"""End to end: a numpy scheduler loop against a real specstated (CPU backend),
+checked against the independent float64 reference in kda_reference.py.
+
+Tolerances (per tensor, ||got - want|| / ||want||):
+- The service computes in fp32 from the very activation values the reference
+  reads (bit copies), so the only differences are fp32 rounding in the
+  recurrence (relative ~1e-7 per operation, a few hundred operations per
+  element over these steps) and the rounding of the stored outputs.
+- fp32 state: 1e-5 (about 100x the expected fp32 error).
+- Outputs stored as fp32: 1e-5. Stored as bf16: every element is rounded to
+  8 significant bits (relative error <= 2^-9 ~ 2e-3 per element), so 1e-2.
+- Conv windows are bit copies: compared exactly.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import unittest
+from typing import Dict, List, Optional
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import junit_runner  # noqa: E402
+import kda_reference as ref  # noqa: E402
+import server_fixture  # noqa: E402
+import specstate  # noqa: E402
+from specstate.v1 import specstate_pb2 as pb  # noqa: E402
+
+STATE_TOL = 1e-5
+OUT_TOL = {pb.FP32: 1e-5, pb.BF16: 1e-2, pb.FP16: 2e-3}
+
+SMALL = dict(layers=2, heads=2, head_dim=64, conv_dim=32, conv_kernel=4, num_spec=3,
+             blocks=24, max_rows=6)
+
+
+def act_values(x: np.ndarray, dtype: int) -> np.ndarray:
+    """float values -> the activation dtype's numpy form (bf16 bits as uint16)."""
+    if dtype == pb.BF16:
+        return specstate.to_bfloat16(x)
+    return x.astype(np.float16 if dtype == pb.FP16 else np.float32)
+
+
+def act_float(a: np.ndarray, dtype: int) -> np.ndarray:
+    """The activation dtype's numpy form -> float64 (decoded independently of the package)."""
+    if dtype == pb.BF16:
+        return ref.bf16_bits_to_float(a)
+    return np.asarray(a, dtype=np.float64)
+
+
+def poison(a: np.ndarray) -> None:
+    a.view(np.uint8)[...] = 0xFF
+
+
+class Harness:
+    """A scheduler over R request slots: its buffers, the pools and the reference.
+
+    Each request slot i has a block table (none mode: one block, i + 1) and,
+    per layer, its reference state (float64) and conv window (raw values).
+    """
+
+    def __init__(self, test: unittest.TestCase, client: specstate.Client,
+                 session: specstate.Session, requests: int, seed: int) -> None:
+        self.t = test
+        self.client = client
+        self.session = session
+        self.rng = np.random.default_rng(seed)
+        self.lo = client.layout()
+        lo = self.lo
+        self.L, self.H, self.K = lo.num_layers, lo.num_heads, lo.head_dim
+        self.Q, self.D, self.W = lo.num_spec + 1, lo.conv_dim, lo.conv_width
+        self.hl = lo.conv_kernel - 1
+        self.act = lo.activation_dtype
+        self.align = lo.cache_mode == pb.ALIGN
+        self.bs = lo.mamba_block_size
+        self.R = requests
+        self.HK = self.H * self.K
+        self.pools = client.map_pools()
+        self.np_act = specstate.dtypes.numpy_dtype(self.act)
+        tmax = self.R * self.Q
+        self.proj_stride = 3 * self.HK + self.H
+        item = self.np_act.itemsize
+        nbytes = self.L * tmax * (self.proj_stride + 2 * self.HK) * item + (1 << 16)
+        self.buf = specstate.SharedBuffer(nbytes)
+        session.register(self.buf, "acts")
+        self.proj = [self.buf.zeros((tmax, self.proj_stride), self.np_act) for _ in range(self.L)]
+        self.g = [self.buf.zeros((tmax, self.H, self.K), self.np_act) for _ in range(self.L)]
+        self.o = [self.buf.zeros((tmax, self.H, self.K), self.np_act) for _ in range(self.L)]
+        self.meta = specstate.SharedBuffer(1 << 16)
+        session.register(self.meta, "meta")
+        self.a_log = [self.rng.uniform(-2.0, 0.5, self.H).astype(np.float32)
+                      for _ in range(self.L)]
+        self.dt_bias = [self.rng.uniform(-1.0, 1.0, self.HK).astype(np.float32)
+                        for _ in range(self.L)]
+        for layer in range(self.L):
+            session.load_layer_params(layer, self.a_log[layer], self.dt_bias[layer])
+        self.width = 3 + (2 * self.bs + 8 * self.Q) // self.bs if self.align else 1
+        self.free = list(range(lo.num_blocks - 1, 0, -1))
+        self.tables: List[List[int]] = []
+        self.nc: List[int] = []
+        self.states: List[List[np.ndarray]] = []  # [request][layer] float64 [H, V, K]
+        self.windows: List[List[np.ndarray]] = []  # [request][layer] [D, hl] raw
+        for i in range(self.R):
+            self.start_request(i)
+
+    # ---- requests ----
+
+    def checkpoint(self, i: int) -> int:
+        return self.tables[i][(self.nc[i] - 1) // self.bs if self.align else 0]
+
+    def start_request(self, i: int) -> None:
+        nc = int(self.rng.integers(1, 2 * self.bs + 1)) if self.align else 1
+        table = [0] * self.width
+        table[(nc - 1) // self.bs if self.align else 0] = self.free.pop()
+        if i < len(self.tables):
+            self.tables[i], self.nc[i] = table, nc
+        else:
+            self.tables.append(table)
+            self.nc.append(nc)
+            self.states.append([None] * self.L)
+            self.windows.append([None] * self.L)
+        block = self.checkpoint(i)
+        for layer in range(self.L):
+            s = self.rng.uniform(-0.5, 0.5, (self.H, self.K, self.K)).astype(np.float32)
+            self.pools.recurrent(layer)[block] = s
+            self.states[i][layer] = s.astype(np.float64)
+            hist = act_values(self.rng.uniform(-1, 1, (self.D, self.hl)), self.act)
+            conv = self.pools.conv(layer)[block]
+            conv[...] = 0
+            conv[:, :self.hl] = hist
+            self.windows[i][layer] = hist.copy()
+
+    # ---- one step ----
+
+    def step(self, s: int, null_rows: tuple = (), remap: bool = False,
+             region_indices: bool = False, full: bool = False) -> Dict[str, object]:
+        """One decode step; `full`: every row verifies Q tokens and accepts them all."""
+        R, Q, H, K, HK = self.R, self.Q, self.H, self.K, self.HK
+        tokens = [Q if full else int(self.rng.integers(1, Q + 1)) for _ in range(R)]
+        accepted = [t if full else int(self.rng.integers(1, t + 1)) for t in tokens]
+        qsl = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int32)
+        T = int(qsl[-1])
+        live = [i not in null_rows for i in range(R)]
+        if self.align:  # blocks for the columns this step's tokens reach
+            for i in range(R):
+                last = (self.nc[i] + tokens[i] - 1) // self.bs
+                for c in range((self.nc[i] - 1) // self.bs, min(last, self.width - 1) + 1):
+                    if self.tables[i][c] == 0:
+                        self.tables[i][c] = self.free.pop()
+        checkpoint = [self.checkpoint(i) if live[i] else 0 for i in range(R)]
+
+        # Activations (q | k | v | beta per token: column slices of one projection), g, o.
+        for layer in range(self.L):
+            proj = self.rng.uniform(-1, 1, (T, self.proj_stride))
+            proj[:, 3 * HK:] = self.rng.uniform(-3, 3, (T, H))
+            self.proj[layer][:T] = act_values(proj, self.act)
+            self.g[layer][:T] = act_values(self.rng.uniform(-3, 1, (T, H, K)), self.act)
+            poison(self.o[layer])
+
+        # The conv update on the exported pool (SEMANTICS.md, the contract):
+        # [h_1..h_hl] -> [h_2..h_hl, x_0..x_{T-1}] from column 0.
+        updated: List[List[Optional[np.ndarray]]] = [[None] * self.L for _ in range(R)]
+        for i in range(R):
+            if not live[i]:
+                continue
+            for layer in range(self.L):
+                conv = self.pools.conv(layer)[checkpoint[i]]
+                x = act_values(self.rng.uniform(-1, 1, (tokens[i], self.D)), self.act)
+                new = ref.conv_update(np.array(conv), x, self.hl)
+                conv[...] = new
+                updated[i][layer] = new
+
+        # Verify every layer.
+        if region_indices:
+            qsl_arg = self.meta.ndarray((R + 1,), np.int32, 0)
+            qsl_arg[...] = qsl
+            idx_arg = self.meta.ndarray((R,), np.int32, 4096)
+            idx_arg[...] = checkpoint
+        else:
+            qsl_arg, idx_arg = qsl.tolist(), checkpoint
+        step = self.session.next_step()
+        for layer in range(self.L):
+            proj = self.proj[layer][:T]
+            give = layer == 0 or s % 2 == 0  # later layers may rely on the step's copy
+            self.session.verify(
+                step, layer,
+                q=proj[:, :HK].reshape(T, H, K), k=proj[:, HK:2 * HK].reshape(T, H, K),
+                v=proj[:, 2 * HK:3 * HK].reshape(T, H, K), beta=proj[:, 3 * HK:],
+                g=self.g[layer][:T], o=self.o[layer][:T],
+                query_start_loc=qsl_arg if give else None,
+                state_indices=idx_arg if give else None, num_rows=None if give else R)
+
+        # Outputs against the reference; null rows keep the poison.
+        out_errors = []
+        for layer in range(self.L):
+            proj = act_float(self.proj[layer][:T], self.act)
+            g = act_float(self.g[layer][:T], self.act)
+            o = act_float(self.o[layer][:T], self.act)
+            for i in range(R):
+                a, b = int(qsl[i]), int(qsl[i + 1])
+                if not live[i]:
+                    self.t.assertTrue(np.all(self.o[layer][a:b].view(np.uint8) == 0xFF),
+                                      f"step {s}: null row {i} got outputs")
+                    continue
+                want, _ = ref.kda_tokens(
+                    self.states[i][layer], proj[a:b, :HK].reshape(-1, H, K),
+                    proj[a:b, HK:2 * HK].reshape(-1, H, K),
+                    proj[a:b, 2 * HK:3 * HK].reshape(-1, H, K), g[a:b], proj[a:b, 3 * HK:],
+                    self.a_log[layer], self.dt_bias[layer], self.lo.lower_bound)
+                err = ref.rel_err(o[a:b], want)
+                out_errors.append(err)
+                self.t.assertLess(err, OUT_TOL[self.act],
+                                  f"step {s}, layer {layer}, row {i}: outputs off by {err:.2e}")
+
+        # Commit (odd steps: a prefill row in front, spec rows mapped by request_indices).
+        shift = 1 if remap else 0
+        batch = R + shift
+        num_accepted = [0] * shift + accepted
+        kwargs = {}
+        if remap:
+            kwargs["request_indices"] = list(range(1, R + 1))
+        if self.align:
+            table = self.meta.ndarray((batch, self.width), np.int32, 8192)
+            table[...] = 0
+            for i in range(R):
+                table[i + shift] = self.tables[i] if live[i] else 0
+            nc = self.meta.ndarray((batch,), np.int32, 16384)
+            nc[...] = [0] * shift + [self.nc[i] if live[i] else 0 for i in range(R)]
+            kwargs.update(block_table=table, num_computed_tokens=nc)
+        before = self.pools.snapshot()
+        response = self.session.commit(step, num_accepted, **kwargs)
+        self.t.assertEqual(response.num_rows, R)
+        self.t.assertEqual(response.num_layers, self.L)
+        self.t.assertFalse(response.replayed_from_cache)
+        # A retry of the same Commit is answered from the first and writes nothing.
+        after = self.pools.snapshot()
+        again = self.session.commit(step, num_accepted, **kwargs)
+        self.t.assertTrue(again.replayed_from_cache)
+        self.t.assertEqual(after, self.pools.snapshot())
+        self.t.assertNotEqual(before, after)
+
+        if self.align:
+            state_idx = self.meta.ndarray((R,), np.int32, 20480)
+            acc_out = self.meta.ndarray((R,), np.int32, 24576)
+            state_idx[...] = -7
+            acc_out[...] = -7
+            mapping = [-1] * shift + [i if live[i] else -1 for i in range(R)]
+            self.session.record_state_blocks(
+                step, idx_mapping=mapping, num_sampled=num_accepted,
+                num_computed_tokens=kwargs["num_computed_tokens"],
+                block_table_width=self.width, state_idx=state_idx, num_accepted=acc_out,
+                request_indices=kwargs.get("request_indices"))
+            for i in range(R):
+                want_idx = (min((self.nc[i] + accepted[i] - 1) // self.bs, self.width - 1)
+                            if live[i] else -7)
+                self.t.assertEqual(int(state_idx[i]), want_idx, f"step {s}: state_idx[{i}]")
+                self.t.assertEqual(int(acc_out[i]), 1 if live[i] else -7)
+
+        # Committed states and conv windows against the reference.
+        state_errors, boundaries = [], 0
+        for i in range(R):
+            if not live[i]:
+                continue
+            acc = accepted[i]
+            a = int(qsl[i])
+            if self.align:
+                commit_len, final, boundary, boundary_len = ref.align_plan(
+                    self.nc[i], acc, tokens[i], Q, self.bs, self.tables[i], checkpoint[i])
+            else:
+                commit_len, final, boundary, boundary_len = acc, checkpoint[i], None, 0
+            for layer in range(self.L):
+                proj = act_float(self.proj[layer][a:a + tokens[i]], self.act)
+                g = act_float(self.g[layer][a:a + tokens[i]], self.act)
+
+                def run(n: int) -> np.ndarray:
+                    _, st = ref.kda_tokens(
+                        self.states[i][layer], proj[:n, :HK].reshape(-1, H, K),
+                        proj[:n, HK:2 * HK].reshape(-1, H, K),
+                        proj[:n, 2 * HK:3 * HK].reshape(-1, H, K), g[:n], proj[:n, 3 * HK:],
+                        self.a_log[layer], self.dt_bias[layer], self.lo.lower_bound)
+                    return st
+
+                want = run(commit_len)
+                got = self.pools.recurrent(layer)[final]
+                err = ref.rel_err(got, want)
+                state_errors.append(err)
+                self.t.assertLess(err, STATE_TOL, f"step {s}, layer {layer}, row {i}: "
+                                  f"committed state in block {final} off by {err:.2e}")
+                window = ref.window_after(updated[i][layer], commit_len, self.hl)
+                np.testing.assert_array_equal(
+                    self.pools.conv(layer)[final][:, :self.hl], window,
+                    f"step {s}, layer {layer}, row {i}: conv window in block {final}")
+                if boundary is not None and boundary > 0 and boundary_len < commit_len:
+                    boundaries += layer == 0
+                    err = ref.rel_err(self.pools.recurrent(layer)[boundary], run(boundary_len))
+                    state_errors.append(err)
+                    self.t.assertLess(err, STATE_TOL, f"step {s}: boundary state off by {err:.2e}")
+                    np.testing.assert_array_equal(
+                        self.pools.conv(layer)[boundary][:, :self.hl],
+                        ref.window_after(updated[i][layer], boundary_len, self.hl))
+                self.states[i][layer] = want
+                self.windows[i][layer] = window
+            self.nc[i] += commit_len
+        return {"tokens": T, "accepted": sum(accepted[i] for i in range(R) if live[i]),
+                "max_out_err": max(out_errors, default=0.0),
+                "max_state_err": max(state_errors, default=0.0), "boundaries": boundaries}
+
+    def close(self) -> None:
+        self.pools.close()
+
+
+class _ServerTest(unittest.TestCase):
+    FLAGS: dict = {}
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.server = server_fixture.Server(**cls.FLAGS).start()
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.server.stop()
+
+
+class NoneModeBf16Test(_ServerTest):
+    FLAGS = dict(SMALL, activation_dtype="bf16", state_dtype="fp32", cache_mode="none")
+
+    def test_scheduler_loop(self) -> None:
+        with self.server.client() as client, client.session("e2e-bf16", drive=True) as session:
+            self.assertTrue(session.driving)
+            h = Harness(self, client, session, requests=3, seed=1)
+            report = []
+            for s in range(5):
+                report.append(h.step(s, null_rows=(1,) if s == 2 else (), remap=s % 2 == 1,
+                                     region_indices=s % 2 == 0))
+            h.close()
+            stats = client.stats()
+            self.assertEqual(stats.steps_committed, 5)
+            self.assertEqual(stats.steps_failed, 0)
+            print(f"bf16 none: {report}", file=sys.stderr)
+
+
+class NoneModeFp32Test(_ServerTest):
+    """fp32 activations: outputs and states checked to 1e-5."""
+
+    FLAGS = dict(SMALL, activation_dtype="fp32", state_dtype="fp32", cache_mode="none")
+
+    def test_scheduler_loop_tight(self) -> None:
+        with self.server.client() as client, client.session("e2e-fp32", drive=True) as session:
+            h = Harness(self, client, session, requests=4, seed=2)
+            for s in range(4):
+                r = h.step(s, remap=s == 1)
+                self.assertLess(r["max_out_err"], 1e-5)
+                self.assertLess(r["max_state_err"], 1e-5)
+            h.close()
+
+    def test_async_doorbells(self) -> None:
+        """ASYNC: Verify is sent before its inputs exist, waiting on a doorbell the
+        scheduler rings once they are written; the service signals the others."""
+        with self.server.client() as client, client.session("e2e-async", drive=True) as session:
+            h = Harness(self, client, session, requests=2, seed=3)
+            bells = h.meta.ndarray((4,), np.uint32, 32768)
+            bells[...] = 0
+            R, Q, H, K, HK = h.R, h.Q, h.H, h.K, h.HK
+            tokens = [Q, 2]
+            qsl = [0, tokens[0], tokens[0] + tokens[1]]
+            T = qsl[-1]
+            step = session.next_step()
+            for layer in range(h.L):
+                proj = h.proj[layer][:T]
+                r = session.verify(
+                    step, layer, q=proj[:, :HK].reshape(T, H, K),
+                    k=proj[:, HK:2 * HK].reshape(T, H, K), v=proj[:, 2 * HK:3 * HK].reshape(T, H, K),
+                    beta=proj[:, 3 * HK:], g=h.g[layer][:T], o=h.o[layer][:T],
+                    query_start_loc=qsl, state_indices=[h.checkpoint(0), h.checkpoint(1)],
+                    wait=session.doorbell(bells[0:1], 1),
+                    signal=session.doorbell(bells[1:2], 7) if layer == h.L - 1 else None)
+                self.assertTrue(r.enqueued)
+            # The inputs appear only now; then the doorbell rings.
+            for layer in range(h.L):
+                h.proj[layer][:T] = act_values(h.rng.uniform(-1, 1, (T, h.proj_stride)), h.act)
+                h.g[layer][:T] = act_values(h.rng.uniform(-3, 1, (T, H, K)), h.act)
+            specstate.ring(bells[0:1], 1)
+            specstate.wait_counter(bells[1:2], 7, timeout=30)
+            for layer in range(h.L):
+                proj = h.proj[layer][:T].astype(np.float64)
+                for i in range(R):
+                    a, b = qsl[i], qsl[i + 1]
+                    want, _ = ref.kda_tokens(
+                        h.states[i][layer], proj[a:b, :HK].reshape(-1, H, K),
+                        proj[a:b, HK:2 * HK].reshape(-1, H, K),
+                        proj[a:b, 2 * HK:3 * HK].reshape(-1, H, K), h.g[layer][a:b],
+                        proj[a:b, 3 * HK:], h.a_log[layer], h.dt_bias[layer], h.lo.lower_bound)
+                    self.assertLess(ref.rel_err(h.o[layer][a:b], want), 1e-5)
+            r = session.commit(step, [2, 1], signal=session.doorbell(bells[2:3], 9))
+            self.assertTrue(r.enqueued)
+            specstate.wait_counter(bells[2:3], 9, timeout=30)
+            for layer in range(h.L):
+                proj = h.proj[layer][:T].astype(np.float64)
+                _, want = ref.kda_tokens(
+                    h.states[0][layer], proj[:2, :HK].reshape(-1, H, K),
+                    proj[:2, HK:2 * HK].reshape(-1, H, K), proj[:2, 2 * HK:3 * HK].reshape(-1, H, K),
+                    h.g[layer][:2], proj[:2, 3 * HK:], h.a_log[layer], h.dt_bias[layer],
+                    h.lo.lower_bound)
+                self.assertLess(ref.rel_err(h.pools.recurrent(layer)[h.checkpoint(0)], want), 1e-5)
+            h.close()
+
+
+class AlignModeTest(_ServerTest):
+    FLAGS = dict(SMALL, blocks=40, activation_dtype="bf16", state_dtype="fp32",
+                 cache_mode="align", mamba_block_size=4)
+
+    def test_scheduler_loop_with_record_state_blocks(self) -> None:
+        with self.server.client() as client, client.session("e2e-align", drive=True) as session:
+            h = Harness(self, client, session, requests=3, seed=4)
+            boundaries = 0
+            for s in range(5):
+                r = h.step(s, remap=s % 2 == 1, null_rows=(2,) if s == 3 else (),
+                           full=s in (1, 4))
+                boundaries += r["boundaries"]
+            h.close()
+            # mamba_block_size = Q: most steps cross a block boundary before their last token.
+            self.assertGreater(boundaries, 0)
+
+
+if __name__ == "__main__":
+    junit_runner.main()
