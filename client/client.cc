@@ -211,7 +211,10 @@ absl::StatusOr<v1::RegionTensor> Session::Tensor(const void* data, DType dtype,
                                                  std::vector<int64_t> strides) const {
   const char* p = static_cast<const char*>(data);
   absl::MutexLock lock(&regions_mu_);
-  for (const Registered& r : regions_) {
+  // Newest first: a buffer freed and reallocated at the same address is
+  // registered again, and the new registration is the one that holds it.
+  for (auto it = regions_.rbegin(); it != regions_.rend(); ++it) {
+    const Registered& r = *it;
     if (p >= r.begin && p < r.begin + r.bytes) {
       v1::RegionTensor t;
       t.set_region(r.name);
@@ -272,6 +275,12 @@ absl::StatusOr<v1::RecordStateBlocksResponse> Session::RecordStateBlocks(
   request.set_session_id(id_);
   return Call<v1::RecordStateBlocksRequest, v1::RecordStateBlocksResponse>(
       client_, &v1::SpecState::Stub::RecordStateBlocks, request);
+}
+
+absl::StatusOr<v1::SubmitStepResponse> Session::SubmitStep(v1::SubmitStepRequest request) {
+  request.set_session_id(id_);
+  return Call<v1::SubmitStepRequest, v1::SubmitStepResponse>(
+      client_, &v1::SpecState::Stub::SubmitStep, request);
 }
 
 }  // namespace client

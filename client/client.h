@@ -91,7 +91,8 @@ class Session {
   bool driving() const { return driving_; }
 
   // Registers `buffer` as region `name` (generated when empty), once; the
-  // region cache then turns pointers into it into RegionTensors.
+  // region cache then turns pointers into it into RegionTensors. Unregister a
+  // buffer before freeing it: the service maps it until then.
   absl::StatusOr<std::string> RegisterBuffer(const SharedBuffer& buffer, std::string name = "");
   absl::Status Unregister(const std::string& name);
 
@@ -113,6 +114,8 @@ class Session {
   absl::StatusOr<v1::CommitResponse> Commit(v1::CommitRequest request);
   absl::StatusOr<v1::RecordStateBlocksResponse> RecordStateBlocks(
       v1::RecordStateBlocksRequest request);
+  // A step's Verify calls (and its Commit) in one round trip.
+  absl::StatusOr<v1::SubmitStepResponse> SubmitStep(v1::SubmitStepRequest request);
 
   // Stops the renewal thread and closes the stream: the session ends on the
   // server, which unregisters its regions (each once no enqueued work uses

@@ -73,6 +73,8 @@ class CudaSharedMemory final : public SharedMemory {
     absl::Status st = Cuda(cudaMalloc(&p, bytes), "cudaMalloc");
     if (!st.ok()) return st;
     st = Cuda(cudaMemset(p, 0, bytes), "cudaMemset");
+    // Zeroed before the service can map it and read it.
+    if (st.ok()) st = Cuda(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
     cudaIpcMemHandle_t handle;
     if (st.ok()) st = Cuda(cudaIpcGetMemHandle(&handle, p), "cudaIpcGetMemHandle");
     if (!st.ok()) {

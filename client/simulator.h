@@ -49,6 +49,8 @@ struct SimulationOptions {
   // With `async`, order with CUDA interprocess events instead of doorbells
   // (CUDA backend): the inputs' event is recorded before the Verify calls.
   bool events = false;
+  // Send each step's Verify calls in one SubmitStep call.
+  bool batch = false;
   double finish_probability = 0.15;
   // After this step's checks, flip one bit of a committed state in the
   // service's pool through the exported handle (tests of the verdict).

@@ -38,6 +38,7 @@ ABSL_FLAG(bool, async, false,
           "simulate: ASYNC Verify/Commit ordered by doorbells, Verify sent before its inputs");
 ABSL_FLAG(bool, events, false,
           "simulate: with --async, order with CUDA interprocess events instead of doorbells");
+ABSL_FLAG(bool, batch, false, "simulate: send each step's Verify calls in one SubmitStep call");
 ABSL_FLAG(double, finish_probability, 0.15, "simulate: chance a request finishes each step");
 ABSL_FLAG(int, crash_after_verify_step, -1,
           "simulate (crash tests): die by SIGKILL after sending this step's Verify calls");
@@ -197,6 +198,7 @@ int Simulate(Client& c) {
   options.seed = absl::GetFlag(FLAGS_seed);
   options.async = absl::GetFlag(FLAGS_async);
   options.events = absl::GetFlag(FLAGS_events);
+  options.batch = absl::GetFlag(FLAGS_batch);
   options.finish_probability = absl::GetFlag(FLAGS_finish_probability);
   options.corrupt_after_step = absl::GetFlag(FLAGS_corrupt_after_step);
   options.crash_after_verify_step = absl::GetFlag(FLAGS_crash_after_verify_step);
@@ -207,7 +209,7 @@ int Simulate(Client& c) {
                    static_cast<unsigned long long>(p.comparisons),
                    static_cast<unsigned long long>(p.mismatches));
       if (p.step == p.steps) std::fprintf(stderr, "\n");
-    } else if (p.step % 10 == 0 || p.step == p.steps) {
+    } else if (p.steps <= 20 || p.step % 10 == 0 || p.step == p.steps) {
       std::fprintf(stderr, "step %d/%d: %llu comparisons, %llu mismatches\n", p.step, p.steps,
                    static_cast<unsigned long long>(p.comparisons),
                    static_cast<unsigned long long>(p.mismatches));

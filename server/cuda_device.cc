@@ -11,6 +11,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -23,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "server/device.h"
+#include "server/log.h"
 
 namespace specstate {
 namespace server {
@@ -164,7 +166,7 @@ class CudaDevice final : public Device {
     SPECSTATE_CUDA_RETURN(cudaMalloc(&p, bytes), absl::StrCat("cudaMalloc of ", bytes,
                                                               " bytes for the pools"));
     device_allocations_.push_back(p);
-    SPECSTATE_CUDA_RETURN(cudaMemset(p, 0, bytes), "zeroing the pools");
+    SPECSTATE_CUDA_RETURN(Zero(p, bytes), "zeroing the pools");
     cudaIpcMemHandle_t handle;
     SPECSTATE_CUDA_RETURN(cudaIpcGetMemHandle(&handle, p), "cudaIpcGetMemHandle of the pools");
     export_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
@@ -180,9 +182,11 @@ class CudaDevice final : public Device {
     void* p = nullptr;
     SPECSTATE_CUDA_RETURN(cudaMalloc(&p, bytes == 0 ? 4 : bytes),
                           absl::StrCat("cudaMalloc of ", bytes, " bytes"));
-    std::lock_guard<std::mutex> lock(mu_);
-    device_allocations_.push_back(p);
-    SPECSTATE_CUDA_RETURN(cudaMemset(p, 0, bytes), "cudaMemset");
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      device_allocations_.push_back(p);
+    }
+    SPECSTATE_CUDA_RETURN(Zero(p, bytes), "zeroing device memory");
     return p;
   }
 
@@ -292,8 +296,10 @@ class CudaDevice final : public Device {
   }
 
   absl::Status Submit(Work work) override {
+    const auto t0 = std::chrono::steady_clock::now();
     ScopedDevice scoped(ordinal_);
     std::lock_guard<std::mutex> submit_lock(submit_mu_);
+    const auto t1 = std::chrono::steady_clock::now();
     for (const WaitOp& wait : work.waits) {
       if (wait.kind == WaitOp::Kind::kDoorbell) {
         if (wait_value32_(stream_, reinterpret_cast<CUdeviceptr>(wait.counter), wait.value,
@@ -318,6 +324,7 @@ class CudaDevice final : public Device {
       StreamScratch scratch(stream_);
       launched = work.launch(stream_, scratch);
     }
+    const auto t2 = std::chrono::steady_clock::now();
     for (const StatusSlot& slot : work.statuses) {
       cudaMemcpyAsync(slot.host, slot.device, sizeof(kernels::DeviceStatus),
                       cudaMemcpyDeviceToHost, stream_);
@@ -340,9 +347,18 @@ class CudaDevice final : public Device {
     if (record != cudaSuccess) return CudaError(record, "cudaEventRecord");
     {
       std::lock_guard<std::mutex> lock(mu_);
-      in_flight_.push_back(InFlight{next_work_id_, completion, std::move(work.done), launched});
+      in_flight_.push_back(InFlight{next_work_id_, completion, std::move(work.done), launched,
+                                    std::chrono::steady_clock::now()});
     }
     ++next_work_id_;
+    if (TraceEnabled()) {
+      const auto us = [](auto a, auto b) {
+        return std::chrono::duration<double, std::micro>(b - a).count();
+      };
+      const auto t3 = std::chrono::steady_clock::now();
+      LogInfo(absl::StrCat("trace: submit ", next_work_id_ - 1, ": lock ", us(t0, t1), " us, launch ",
+                           us(t1, t2), " us, copies+signals+record ", us(t2, t3), " us"));
+    }
     cv_.notify_all();
     return absl::OkStatus();
   }
@@ -355,6 +371,7 @@ class CudaDevice final : public Device {
     cudaEvent_t completion;
     std::function<void(absl::Status)> done;
     absl::Status launched;
+    std::chrono::steady_clock::time_point enqueued;
   };
 
   struct PendingWait {
@@ -366,6 +383,15 @@ class CudaDevice final : public Device {
 
   CudaDevice(int ordinal, const kernels::KdaKernels& kernels)
       : ordinal_(ordinal), kernels_(kernels) {}
+
+  // Zeroes on the service's stream and waits (set-up only). cudaMemset would
+  // run on the legacy default stream, which the non-blocking stream_ does not
+  // wait for: a table uploaded on stream_ right after could be zeroed again.
+  cudaError_t Zero(void* p, uint64_t bytes) {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    const cudaError_t err = cudaMemsetAsync(p, 0, bytes, stream_);
+    return err != cudaSuccess ? err : cudaStreamSynchronize(stream_);
+  }
 
   absl::Status Init() {
     ScopedDevice scoped(ordinal_);
@@ -447,7 +473,20 @@ class CudaDevice final : public Device {
       }
       // A stream blocked on a doorbell of an ended session is released by
       // ReleaseCancelledWaits(), which the service calls when the session ends.
-      cudaEventSynchronize(item.completion);
+      const cudaError_t finished = cudaEventSynchronize(item.completion);
+      if (finished != cudaSuccess && item.launched.ok()) {
+        // The device failed while running this work (or earlier work): its
+        // statuses were not copied back, so they must not be read as OK.
+        item.launched = CudaError(finished, "the device failed while running this call");
+        LogError(item.launched.ToString());
+      }
+      if (TraceEnabled()) {
+        LogInfo(absl::StrCat("trace: work ", item.work_id, " done ",
+                             std::chrono::duration<double, std::micro>(
+                                 std::chrono::steady_clock::now() - item.enqueued)
+                                 .count(),
+                             " us after it was enqueued"));
+      }
       {
         std::lock_guard<std::mutex> lock(mu_);
         free_events_.push_back(item.completion);

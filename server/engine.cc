@@ -1441,6 +1441,51 @@ void Engine::RecordStateBlocks(const std::string& session,
   if (async) reply(absl::OkStatus(), response);
 }
 
+void Engine::SubmitStep(const std::string& session, const v1::SubmitStepRequest& request,
+                        Reply<v1::SubmitStepResponse> reply) {
+  // Each call starts when the one before it has answered (at once in ASYNC
+  // mode), so they are enqueued in the order given.
+  struct Chain {
+    Engine* engine;
+    std::string session;
+    v1::SubmitStepRequest request;
+    Reply<v1::SubmitStepResponse> reply;
+    v1::SubmitStepResponse response;
+
+    static void Next(std::shared_ptr<Chain> c, int i) {
+      if (i < c->request.verifies_size()) {
+        v1::VerifyRequest v = c->request.verifies(i);
+        v.set_session_id(c->session);
+        c->engine->Verify(c->session, v, [c, i](absl::Status s, v1::VerifyResponse r) {
+          if (!s.ok()) {
+            c->reply(absl::Status(s.code(), absl::StrCat("verifies[", i, "]: ", s.message())), {});
+            return;
+          }
+          *c->response.add_verifies() = std::move(r);
+          Next(c, i + 1);
+        });
+        return;
+      }
+      if (!c->request.has_commit()) {
+        c->reply(absl::OkStatus(), std::move(c->response));
+        return;
+      }
+      v1::CommitRequest commit = c->request.commit();
+      commit.set_session_id(c->session);
+      c->engine->Commit(c->session, commit, [c](absl::Status s, v1::CommitResponse r) {
+        if (!s.ok()) {
+          c->reply(absl::Status(s.code(), absl::StrCat("commit: ", s.message())), {});
+          return;
+        }
+        *c->response.mutable_commit() = std::move(r);
+        c->reply(absl::OkStatus(), std::move(c->response));
+      });
+    }
+  };
+  auto chain = std::make_shared<Chain>(Chain{this, session, request, std::move(reply), {}});
+  Chain::Next(chain, 0);
+}
+
 void Engine::EndSession(const std::string& session) {
   std::shared_ptr<WaitCancellation> cancellation;
   {

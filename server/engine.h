@@ -74,6 +74,10 @@ class Engine {
               Reply<v1::CommitResponse> reply);
   void RecordStateBlocks(const std::string& session, const v1::RecordStateBlocksRequest& request,
                          Reply<v1::RecordStateBlocksResponse> reply);
+  // Verify of each of `request.verifies`, in order, then Commit; stops at the
+  // first error.
+  void SubmitStep(const std::string& session, const v1::SubmitStepRequest& request,
+                  Reply<v1::SubmitStepResponse> reply);
 
   // The session ended: its regions go (once their work is done), waits on
   // its doorbells are released, its pending errors are dropped.

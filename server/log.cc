@@ -1,6 +1,7 @@
 #include "server/log.h"
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -19,6 +20,14 @@ void Write(char level, absl::string_view message) {
 }  // namespace
 
 void LogInfo(absl::string_view message) { Write('I', message); }
+
+bool TraceEnabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("SPECSTATE_TRACE");
+    return v != nullptr && *v != '\0' && *v != '0';
+  }();
+  return enabled;
+}
 void LogError(absl::string_view message) { Write('E', message); }
 
 }  // namespace server

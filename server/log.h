@@ -14,6 +14,10 @@ namespace server {
 void LogInfo(absl::string_view message);
 void LogError(absl::string_view message);
 
+// SPECSTATE_TRACE=1 in the environment: log where slow calls spend their
+// time (diagnostics; off by default).
+bool TraceEnabled();
+
 }  // namespace server
 }  // namespace specstate
 

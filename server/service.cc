@@ -33,6 +33,11 @@ SpecStateService::~SpecStateService() = default;
 void SpecStateService::Finish(grpc::ServerUnaryReactor* reactor, const std::string& method,
                               absl::Time start, const absl::Status& status) {
   stats_.Record(method, status.code(), absl::Now() - start);
+  if (TraceEnabled()) {
+    LogInfo(absl::StrCat("trace: ", method, " answered after ",
+                         absl::ToDoubleMicroseconds(absl::Now() - start), " us: ",
+                         status.ok() ? "OK" : status.ToString()));
+  }
   reactor->Finish(ToGrpc(status));
 }
 
@@ -352,6 +357,24 @@ grpc::ServerUnaryReactor* SpecStateService::RecordStateBlocks(
         *response = std::move(r);
         Finish(reactor, "RecordStateBlocks", start, s);
       });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SpecStateService::SubmitStep(grpc::CallbackServerContext* ctx,
+                                                       const v1::SubmitStepRequest* request,
+                                                       v1::SubmitStepResponse* response) {
+  const absl::Time start = absl::Now();
+  auto* reactor = ctx->DefaultReactor();
+  absl::Status st = sessions_->CheckDriver(request->session_id());
+  if (!st.ok()) {
+    Finish(reactor, "SubmitStep", start, st);
+    return reactor;
+  }
+  engine_->SubmitStep(request->session_id(), *request,
+                      [this, reactor, response, start](absl::Status s, v1::SubmitStepResponse r) {
+                        *response = std::move(r);
+                        Finish(reactor, "SubmitStep", start, s);
+                      });
   return reactor;
 }
 

@@ -121,6 +121,7 @@ struct Scheduler {
   std::vector<std::unique_ptr<client::SharedBuffer>> acts;  // per layer: q|k|v|g|o, beta
   std::unique_ptr<client::SharedBuffer> meta;               // qsl, checkpoints, accepted, doorbells
   std::string meta_name;
+  std::vector<std::string> names;  // every region, to unregister before the memory goes
   int32_t* qsl;
   int32_t* checkpoints;
   int32_t* accepted;
@@ -145,11 +146,12 @@ Scheduler MakeScheduler(Client& c, Session& session, int N, std::mt19937& rng) {
   for (int l = 0; l < s.L; ++l) {
     s.acts.push_back(Check(s.memory->Allocate(5 * s.T * s.HK * 2 + s.T * s.H * 2 + 64), "alloc"));
     FillBf16(s.acts.back()->data(), 5 * s.T * s.HK + s.T * s.H, rng);
-    Check(session.RegisterBuffer(*s.acts.back()), "RegisterBuffer");
+    s.names.push_back(Check(session.RegisterBuffer(*s.acts.back()), "RegisterBuffer"));
   }
   const int ints = 3 * N + 1 + 2 * s.L + 2 + 64;
   s.meta = Check(s.memory->Allocate(ints * 4), "alloc");
   s.meta_name = Check(session.RegisterBuffer(*s.meta), "RegisterBuffer");
+  s.names.push_back(s.meta_name);
   s.qsl = static_cast<int32_t*>(s.meta->data());
   s.checkpoints = s.qsl + N + 1;
   s.accepted = s.checkpoints + N;
@@ -300,20 +302,23 @@ void ServiceStepStream(const Scheduler& s, uint32_t step, double model_us, cudaS
                CU_STREAM_WAIT_VALUE_GEQ);
 }
 
-// All of a step's calls, sent before its GPU work reaches them.
+// All of a step's calls, sent before its GPU work reaches them, in one
+// SubmitStep round trip.
 void SendStepCalls(const Scheduler& s, Session& session, uint64_t step_id, uint32_t step) {
+  v1::SubmitStepRequest batch;
   for (int l = 0; l < s.L; ++l) {
     v1::VerifyRequest v = VerifyRequest(s, session, step_id, l);
     v.set_ordering(v1::ASYNC);
     *v.mutable_wait()->mutable_doorbell() = Door(s, 2 * l, step);
     *v.mutable_signal()->mutable_doorbell() = Door(s, 2 * l + 1, step);
-    Check(session.Verify(v), "Verify");
+    *batch.add_verifies() = std::move(v);
   }
   v1::CommitRequest c = CommitRequest(s, session, step_id);
   c.set_ordering(v1::ASYNC);
   *c.mutable_wait()->mutable_doorbell() = Door(s, 2 * s.L, step);
   *c.mutable_signal()->mutable_doorbell() = Door(s, 2 * s.L + 1, step);
-  Check(session.Commit(c), "Commit");
+  *batch.mutable_commit() = std::move(c);
+  Check(session.SubmitStep(batch), "SubmitStep");
 }
 
 double MeanStepUs(cudaStream_t stream, int steps, const std::function<void(int)>& enqueue_step,
@@ -419,6 +424,7 @@ int Main() {
     std::printf("| Commit (%d layers), SYNC | %d | %.1f | %.1f |\n", s.L, N, cs.p50, cs.p99);
     std::printf("| Commit (%d layers), ASYNC (enqueue) | %d | %.1f | %.1f |\n", s.L, N, ca.p50,
                 ca.p99);
+    for (const std::string& name : s.names) Check(session->Unregister(name), "Unregister");
   }
   std::printf("\nASYNC Verify (N=1) p50 is %.1f us above the echo floor (target: within 10 us)\n",
               async_verify_small.p50 - echo.p50);
@@ -444,6 +450,7 @@ int Main() {
     CHECK_CUDA(cudaStreamSynchronize(stream));
     std::printf("| decode step | %d | %.0f | %.1f | %.1f | %.3f |\n", N, model_us, in_process,
                 service, service / in_process);
+    for (const std::string& name : s.names) Check(session->Unregister(name), "Unregister");
   }
   Check(session->Close(), "Close");
   return 0;

@@ -198,6 +198,43 @@ TEST_F(ServiceTest, SimulationNoneModeAsyncDoorbells) {
   EXPECT_EQ(r.latency.count("Verify (async)"), 1u);
 }
 
+TEST_F(ServiceTest, SimulationWithSubmitStep) {
+  Start({"--cache_mode=align", "--mamba_block_size=4", "--blocks=300"});
+  for (bool async : {false, true}) {
+    client::SimulationOptions o;
+    o.steps = 8;
+    o.requests = 4;
+    o.batch = true;
+    o.async = async;
+    o.seed = std::random_device()();
+    SCOPED_TRACE(absl::StrCat("async ", async, ", seed ", o.seed));
+    const client::SimulationReport r = ValueOrDie(client::RunSimulation(*client_, o));
+    EXPECT_TRUE(r.passed()) << client::FormatReport(r);
+    EXPECT_EQ(r.latency.count(async ? "SubmitStep (Verify (async))" : "SubmitStep (Verify)"), 1u);
+  }
+}
+
+TEST_F(ServiceTest, SubmitStepStopsAtTheFirstError) {
+  Start();
+  Scheduler s(*client_);
+  v1::SubmitStepRequest step;
+  for (int l = 0; l < 4; ++l) *step.add_verifies() = s.Verify(1, l);
+  step.mutable_verifies(2)->set_layer(7);
+  *step.mutable_commit() = s.Commit(1);
+  const std::string before = s.Pools();
+  ExpectError(s.session().SubmitStep(step).status(), absl::StatusCode::kOutOfRange,
+              "verifies[2]: layer 7 is out of range");
+  EXPECT_TRUE(s.Pools() == before);
+  // The whole step in one call.
+  step.mutable_verifies(2)->set_layer(2);
+  for (int l = 0; l < 4; ++l) step.mutable_verifies(l)->set_step(2);
+  step.mutable_commit()->set_step(2);
+  const v1::SubmitStepResponse r = ValueOrDie(s.session().SubmitStep(step));
+  EXPECT_EQ(r.verifies_size(), 4);
+  EXPECT_EQ(r.commit().num_layers(), 4);
+  EXPECT_FALSE(s.Pools() == before);
+}
+
 TEST_F(ServiceTest, SimulationAlignModeAcrossBlockBoundaries) {
   Start({"--cache_mode=align", "--mamba_block_size=4", "--blocks=400", "--state_dtype=bf16",
          "--activation_dtype=fp16"});

@@ -27,7 +27,7 @@ done
 # Tests find the server and the CLI through their runfiles, as under Bazel.
 cp "$dest/bin/specstated" "$dest/runfiles/specstate/server/"
 cp "$dest/bin/specstatectl" "$dest/runfiles/specstate/client/"
-cp tools/gpu/run_suite.sh "$dest/"
+cp tools/gpu/run_suite.sh tools/gpu/diagnose.sh "$dest/"
 rm -rf "$final"
 mkdir -p "$final"
 tar -C "$dest" -czf "$final/bundle.tgz" .
