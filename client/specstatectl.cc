@@ -170,7 +170,7 @@ int Stats(Client& c) {
       "uptime %.1f s, %d sessions, %d regions, driver: %s\n"
       "steps verified %llu, committed %llu, failed %llu\n"
       "rows verified %llu, committed %llu; tokens verified %llu, committed %llu\n"
-      "state bytes the stock path would add: %llu\n",
+      "state bytes the stock path would add for the latest step: %llu\n",
       s->uptime_s(), s->sessions(), s->regions(), s->driver().empty() ? "none" : s->driver().c_str(),
       static_cast<unsigned long long>(s->steps_verified()),
       static_cast<unsigned long long>(s->steps_committed()),

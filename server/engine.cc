@@ -547,8 +547,9 @@ absl::StatusOr<Engine::Step*> Engine::StartOrFindStep(const std::string& session
   while (steps_.size() > kStepHistory) steps_.pop_front();
   ++counters_.steps_verified;
   counters_.rows_verified += num_rows;
-  counters_.state_bytes_saved += uint64_t(num_rows) * (sizes_.spec_query_len - 1) *
-                                 sizes_.state_block_bytes * layout_.num_layers();
+  // The latest step's rows: what the stock path would hold beyond them now.
+  counters_.state_bytes_saved = uint64_t(num_rows) * (sizes_.spec_query_len - 1) *
+                                sizes_.state_block_bytes * layout_.num_layers();
   return steps_.back().get();
 }
 
@@ -609,6 +610,26 @@ absl::StatusOr<Engine::Ordering> Engine::ResolveOrdering(const std::string& sess
     out.signals.push_back(op);
   }
   return out;
+}
+
+template <typename Response>
+void Engine::AnswerRetry(Step::Once& once, uint64_t fingerprint, bool async,
+                         const std::string& first_call, Response cached,
+                         absl::ReleasableMutexLock& lock, const Reply<Response>& reply) {
+  if (once.fingerprint != fingerprint) {
+    lock.Release();
+    reply(absl::FailedPreconditionError(absl::StrCat(first_call, " with different arguments")), {});
+    return;
+  }
+  cached.set_replayed_from_cache(true);
+  cached.set_enqueued(async);
+  if (once.finished || async) {
+    const absl::Status s = once.finished ? once.status : absl::OkStatus();
+    lock.Release();
+    reply(s, cached);
+    return;
+  }
+  once.waiters.push_back([reply, cached](absl::Status s) { reply(s, cached); });
 }
 
 // ---------------------------------------------------------------------------
@@ -1005,25 +1026,12 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
   absl::ReleasableMutexLock lock(&mu_);
   Step* step = FindStep(session, req.step());
   if (step != nullptr && step->commit.started) {
-    if (step->commit.fingerprint != fingerprint) {
-      lock.Release();
-      reply(absl::FailedPreconditionError(absl::StrCat(
-                "step ", req.step(), " was already committed with different arguments")),
-            {});
-      return;
-    }
     v1::CommitResponse cached;
-    cached.set_replayed_from_cache(true);
-    cached.set_enqueued(ordering->async);
     cached.set_num_rows(step->num_rows);
     cached.set_num_layers(L);
-    if (step->commit.finished || ordering->async) {
-      const absl::Status s = step->commit.finished ? step->commit.status : absl::OkStatus();
-      lock.Release();
-      reply(s, cached);
-    } else {
-      step->commit.waiters.push_back([reply, cached](absl::Status s) { reply(s, cached); });
-    }
+    AnswerRetry(step->commit, fingerprint, ordering->async,
+                absl::StrCat("step ", req.step(), " was already committed"), std::move(cached),
+                lock, reply);
     return;
   }
   absl::Status pending = TakeSessionError(session);
@@ -1288,23 +1296,9 @@ void Engine::RecordStateBlocks(const std::string& session,
   absl::ReleasableMutexLock lock(&mu_);
   Step* step = FindStep(session, req.step());
   if (step != nullptr && step->record.started) {
-    if (step->record.fingerprint != fingerprint) {
-      lock.Release();
-      reply(absl::FailedPreconditionError(absl::StrCat(
-                "step ", req.step(), " already recorded its state blocks with different arguments")),
-            {});
-      return;
-    }
-    v1::RecordStateBlocksResponse cached;
-    cached.set_replayed_from_cache(true);
-    cached.set_enqueued(ordering->async);
-    if (step->record.finished || ordering->async) {
-      const absl::Status s = step->record.finished ? step->record.status : absl::OkStatus();
-      lock.Release();
-      reply(s, cached);
-    } else {
-      step->record.waiters.push_back([reply, cached](absl::Status s) { reply(s, cached); });
-    }
+    AnswerRetry(step->record, fingerprint, ordering->async,
+                absl::StrCat("step ", req.step(), " already recorded its state blocks"),
+                v1::RecordStateBlocksResponse(), lock, reply);
     return;
   }
   absl::Status pending = TakeSessionError(session);

@@ -144,6 +144,16 @@ class Engine {
   void MarkFailed(uint64_t step, const std::string& session, absl::Status status, bool async)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // A retry of a call that applies at most once per step (same step, same
+  // arguments): answered from the first call's result, at once or when it
+  // finishes. Other arguments are FAILED_PRECONDITION ("<first_call> with
+  // different arguments").
+  template <typename Response>
+  void AnswerRetry(Step::Once& once, uint64_t fingerprint, bool async,
+                   const std::string& first_call, Response cached,
+                   absl::ReleasableMutexLock& lock, const Reply<Response>& reply)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   struct Ordering {
     std::vector<WaitOp> waits;
     std::vector<SignalOp> signals;
