@@ -205,6 +205,7 @@ int Run() {
   int received = 0;
   sigwait(&signals, &received);
   LogInfo(absl::StrCat("signal ", received, ": shutting down"));
+  service.EndAllSessions();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   server->Wait();
   if (!socket_path.empty()) unlink(socket_path.c_str());

@@ -195,17 +195,26 @@ class SpecStateService::SessionReactor final
   // The lease ran out (the session is already closed): finish the stream,
   // unless a write is in flight (OnWriteDone then sees the session gone).
   void Expire() {
-    absl::MutexLock lock(&mu_);
-    if (!writing_ && !finished_.exchange(true)) {
-      Finish(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                          absl::StrCat("the lease of session ", id_, " ran out")));
-    }
+    FinishUnlessWriting(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                     absl::StrCat("the lease of session ", id_, " ran out")));
+  }
+
+  // The service is shutting down: end the stream now rather than make the
+  // server's shutdown wait for the client to close it.
+  void ShutDown() {
+    FinishUnlessWriting(
+        grpc::Status(grpc::StatusCode::UNAVAILABLE, "specstated is shutting down"));
   }
 
  private:
   void End(grpc::Status status) {
     CloseSession();
     if (!finished_.exchange(true)) Finish(status);
+  }
+
+  void FinishUnlessWriting(grpc::Status status) {
+    absl::MutexLock lock(&mu_);
+    if (!writing_ && !finished_.exchange(true)) Finish(status);
   }
 
   void Write() {
@@ -228,6 +237,11 @@ class SpecStateService::SessionReactor final
   absl::Mutex mu_;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
 };
+
+void SpecStateService::EndAllSessions() {
+  absl::MutexLock lock(&reactors_mu_);
+  for (auto& [id, reactor] : reactors_) reactor->ShutDown();
+}
 
 void SpecStateService::OnLeaseExpired(const std::string& id) {
   absl::MutexLock lock(&reactors_mu_);

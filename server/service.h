@@ -31,6 +31,9 @@ class SpecStateService final : public v1::SpecState::CallbackService {
 
   SessionManager& sessions() { return *sessions_; }
 
+  // Finishes every session stream (UNAVAILABLE), before the server shuts down.
+  void EndAllSessions();
+
   grpc::ServerUnaryReactor* GetLayout(grpc::CallbackServerContext* ctx,
                                       const v1::GetLayoutRequest* request,
                                       v1::Layout* response) override;

@@ -45,12 +45,12 @@ pid_t Spawn(const std::vector<std::string>& argv, int out_fd, int err_fd) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ServerProcess>> ServerProcess::Start(
-    std::vector<std::string> flags) {
+    std::vector<std::string> flags, const std::string& address) {
   std::unique_ptr<ServerProcess> p(new ServerProcess());
   char tmpl[] = "/tmp/ssXXXXXX";
   if (mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp failed");
   p->dir_ = tmpl;
-  p->address_ = absl::StrCat("unix://", p->dir_, "/s.sock");
+  p->address_ = address.empty() ? absl::StrCat("unix://", p->dir_, "/s.sock") : address;
   p->log_path_ = absl::StrCat(p->dir_, "/server.log");
   const int log = open(p->log_path_.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0600);
   std::vector<std::string> argv = {RunfilePath("server/specstated"),

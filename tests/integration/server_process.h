@@ -25,7 +25,9 @@ std::string RunfilePath(const std::string& relative);
 class ServerProcess {
  public:
   // Starts specstated with `flags` (plus --listen) and waits until it serves.
-  static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(std::vector<std::string> flags);
+  // With `address`, listens there (a restarted server on the same socket).
+  static absl::StatusOr<std::unique_ptr<ServerProcess>> Start(std::vector<std::string> flags,
+                                                              const std::string& address = "");
   ~ServerProcess();
 
   const std::string& address() const { return address_; }

@@ -705,6 +705,79 @@ TEST_F(ServiceTest, ServerDownIsUnavailable) {
   ExpectError(c.status(), absl::StatusCode::kUnavailable, "cannot connect");
 }
 
+TEST_F(ServiceTest, ServerRestartedMidSession) {
+  char dir[] = "/tmp/ssrXXXXXX";  // outlives both servers
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string address = absl::StrCat("unix://", dir, "/s.sock");
+  server_ = ValueOrDie(ServerProcess::Start({}, address));
+  client_ = ValueOrDie(Client::Connect(address));
+  auto session = ValueOrDie(client_->OpenSession("before", true));
+  server_.reset();  // SIGTERM: the server goes away under the session
+  v1::VerifyRequest v;
+  v.set_step(1);
+  ExpectError(session->Verify(v).status(), absl::StatusCode::kUnavailable, "");
+  // A new server on the same socket knows nothing of the old session...
+  server_ = ValueOrDie(ServerProcess::Start({}, address));
+  absl::Status st;
+  for (int i = 0; i < 50; ++i) {  // the channel reconnects on its own
+    st = session->Verify(v).status();
+    if (st.code() != absl::StatusCode::kUnavailable) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ExpectError(st, absl::StatusCode::kFailedPrecondition, "does not exist or has ended");
+  // ...and the same client opens a new one.
+  {
+    Scheduler s(*client_);
+    ASSERT_OK(s.VerifyAll(1));
+    ASSERT_OK(s.session().Commit(s.Commit(1)).status());
+  }
+  server_.reset();
+  rmdir(dir);
+}
+
+TEST_F(ServiceTest, SpecstatectlSubcommands) {
+  Start();
+  Scheduler s(*client_);
+  ASSERT_OK(s.VerifyAll(1));
+  ASSERT_OK(s.session().Commit(s.Commit(1)).status());
+  const auto ctl = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv = {testing::RunfilePath("client/specstatectl"),
+                                     absl::StrCat("--server=", server_->address())};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return ValueOrDie(testing::RunProcess(argv));
+  };
+  testing::ProcessResult r = ctl({"health"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("SERVING (specstate.v1.SpecState: SERVING)"));
+  r = ctl({"layout"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("heads x dim      4 x 64"));
+  r = ctl({"--json", "layout"});
+  EXPECT_THAT(r.output, HasSubstr("\"num_layers\": 4"));
+  r = ctl({"regions"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("acts"));
+  EXPECT_THAT(r.output, HasSubstr("1 regions"));
+  r = ctl({"state", "--layer=1", "--block=2"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("layer 1, block 2"));
+  EXPECT_THAT(r.output, HasSubstr("recurrent  [4 x 64 x 64]"));
+  r = ctl({"state", "--layer=9"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("OUT_OF_RANGE: layer 9 is out of range"));
+  r = ctl({"stats"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("steps verified 1, committed 1"));
+  EXPECT_THAT(r.output, HasSubstr("driver: session"));
+  r = ctl({"frobnicate"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_THAT(r.output, HasSubstr("unknown subcommand"));
+  // simulate needs the driving seat, which the test's scheduler holds.
+  r = ctl({"simulate", "--steps=1"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_THAT(r.output, HasSubstr("another session drives this service"));
+}
+
 TEST_F(ServiceTest, StatsCountTheSteps) {
   Start();
   Scheduler s(*client_);
