@@ -113,16 +113,18 @@ class RegionCache:
             return next((r for r in self._regions if r.name == name), None)
 
     def find(self, begin: int, end: int, space: str) -> Optional[Region]:
+        # Newest first: memory freed and allocated again at the same address is
+        # registered again, and the new registration is the one that holds it.
         with self._lock:
-            for r in self._regions:
+            for r in reversed(self._regions):
                 if r.holds(begin, end, space):
                     return r
         return None
 
     def find_exact(self, address: int, nbytes: int, space: str) -> Optional[Region]:
-        """The region registered for exactly this buffer, if any."""
+        """The region registered for exactly this buffer, if any (newest first)."""
         with self._lock:
-            for r in self._regions:
+            for r in reversed(self._regions):
                 if (r.address, r.nbytes, r.space) == (address, nbytes, space):
                     return r
         return None
