@@ -45,24 +45,19 @@ struct WaitCancellation {
   std::atomic<bool> cancelled{false};
 };
 
-// Make the queue wait before the work.
-struct WaitOp {
+// A doorbell or an interprocess event that the queue waits for before a
+// piece of work (wait: until *counter >= value) or signals after it (signal:
+// *counter = value; an event is recorded).
+struct SyncPoint {
   enum class Kind { kDoorbell, kEvent };
   Kind kind = Kind::kDoorbell;
-  uint32_t* counter = nullptr;  // doorbell: wait until *counter >= value
+  uint32_t* counter = nullptr;
   uint32_t value = 0;
-  void* event = nullptr;  // event: an opened interprocess event
-  std::shared_ptr<WaitCancellation> cancellation;
+  void* event = nullptr;  // an opened interprocess event
+  std::shared_ptr<WaitCancellation> cancellation;  // waits only
 };
-
-// Signal after the work.
-struct SignalOp {
-  enum class Kind { kDoorbell, kEvent };
-  Kind kind = Kind::kDoorbell;
-  uint32_t* counter = nullptr;  // doorbell: *counter = value
-  uint32_t value = 0;
-  void* event = nullptr;  // event: recorded after the work
-};
+using WaitOp = SyncPoint;
+using SignalOp = SyncPoint;
 
 // A DeviceStatus the kernels write, and the host copy the service reads
 // once the work has finished (the same memory on the CPU backend).

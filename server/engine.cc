@@ -570,44 +570,38 @@ absl::StatusOr<Engine::Ordering> Engine::ResolveOrdering(const std::string& sess
     if (c == nullptr) c = std::make_shared<WaitCancellation>();
     cancellation = c;
   }
-  if (has_wait) {
-    WaitOp op;
-    op.cancellation = cancellation;
-    if (wait.has_doorbell()) {
-      auto counter = regions_.ResolveCounter(session, wait.doorbell(), "wait.doorbell");
+  // One doorbell (a counter in a region of the session) or one event.
+  const auto resolve = [&](const v1::Signal& sync,
+                           absl::string_view field) -> absl::StatusOr<SyncPoint> {
+    SyncPoint op;
+    if (sync.has_doorbell()) {
+      auto counter =
+          regions_.ResolveCounter(session, sync.doorbell(), absl::StrCat(field, ".doorbell"));
       if (!counter.ok()) return counter.status();
-      op.kind = WaitOp::Kind::kDoorbell;
+      op.kind = SyncPoint::Kind::kDoorbell;
       op.counter = counter->first;
-      op.value = wait.doorbell().value();
+      op.value = sync.doorbell().value();
       out.pins.push_back(counter->second);
-    } else if (wait.has_event()) {
-      auto event = device_->OpenIpcEvent(wait.event().handle());
-      if (!event.ok()) return Prefix("wait.event: ", event.status());
-      op.kind = WaitOp::Kind::kEvent;
+    } else if (sync.has_event()) {
+      auto event = device_->OpenIpcEvent(sync.event().handle());
+      if (!event.ok()) return Prefix(absl::StrCat(field, ".event: "), event.status());
+      op.kind = SyncPoint::Kind::kEvent;
       op.event = *event;
     } else {
-      return absl::InvalidArgumentError("wait: set doorbell or event");
+      return absl::InvalidArgumentError(absl::StrCat(field, ": set doorbell or event"));
     }
-    out.waits.push_back(op);
+    return op;
+  };
+  if (has_wait) {
+    absl::StatusOr<SyncPoint> op = resolve(wait, "wait");
+    if (!op.ok()) return op.status();
+    op->cancellation = cancellation;
+    out.waits.push_back(*op);
   }
   if (has_signal) {
-    SignalOp op;
-    if (signal.has_doorbell()) {
-      auto counter = regions_.ResolveCounter(session, signal.doorbell(), "signal.doorbell");
-      if (!counter.ok()) return counter.status();
-      op.kind = SignalOp::Kind::kDoorbell;
-      op.counter = counter->first;
-      op.value = signal.doorbell().value();
-      out.pins.push_back(counter->second);
-    } else if (signal.has_event()) {
-      auto event = device_->OpenIpcEvent(signal.event().handle());
-      if (!event.ok()) return Prefix("signal.event: ", event.status());
-      op.kind = SignalOp::Kind::kEvent;
-      op.event = *event;
-    } else {
-      return absl::InvalidArgumentError("signal: set doorbell or event");
-    }
-    out.signals.push_back(op);
+    absl::StatusOr<SyncPoint> op = resolve(signal, "signal");
+    if (!op.ok()) return op.status();
+    out.signals.push_back(*op);
   }
   return out;
 }
