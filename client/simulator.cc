@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -21,6 +22,20 @@ namespace client {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// SPECSTATE_TRACE=1: each phase of each step on stderr, so a stall shows
+// where it is (used while bringing up a backend).
+void TracePhase(int step, const char* phase) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("SPECSTATE_TRACE");
+    return v != nullptr && v[0] != '\0' && v[0] != '0';
+  }();
+  if (!enabled) return;
+  static const Clock::time_point start = Clock::now();
+  std::fprintf(stderr, "[simulate %.3f ms] step %d: %s\n",
+               std::chrono::duration<double, std::milli>(Clock::now() - start).count(), step,
+               phase);
+}
 
 // Per-RPC latencies, for the report.
 class Latencies {
@@ -117,6 +132,7 @@ class Simulator {
     absl::Status st = Setup();
     if (!st.ok()) return st;
     for (int s = 0; s < options_.steps; ++s) {
+      TracePhase(s, "begins");
       st = Step(s);
       if (!st.ok()) return absl::Status(st.code(), absl::StrCat("step ", s, ": ", st.message()));
       report_.steps = s + 1;
@@ -470,6 +486,7 @@ class Simulator {
         if (!st.ok()) return st;
       }
     }
+    TracePhase(s, "requests finished and started");
     int live = 0;
     for (const Request& r : requests_) live += r.live;
     report_.state_bytes_saved = std::max<uint64_t>(
@@ -605,6 +622,7 @@ class Simulator {
     if (options_.async && !options_.events) {
       absl::Status sent = send_verifies("Verify (async)");
       if (!sent.ok()) return sent;
+      TracePhase(s, "Verify calls sent ahead of their inputs");
     }
 
     // The inputs: metadata, activations, poisoned outputs, the conv update.
@@ -662,8 +680,10 @@ class Simulator {
 
     // The stock path, on the simulator's own memory: row i's state blocks are
     // its Q stock columns, and it reads the state at column acc_prev - 1.
+    TracePhase(s, "inputs and conv update written");
     st = RunStockPath(qsl, T);
     if (!st.ok()) return st;
+    TracePhase(s, "stock path done");
 
     // Verify.
     if (options_.async && options_.events) {
@@ -683,6 +703,7 @@ class Simulator {
       st = send_verifies("Verify");
       if (!st.ok()) return st;
     }
+    TracePhase(s, "Verify done");
     if (s == options_.crash_after_verify_step) Crash();
     for (int l = 0; l < L_; ++l) {
       std::vector<char> service(T * HK_ * as_), stock(T * HK_ * as_);
@@ -715,6 +736,7 @@ class Simulator {
       commit.set_ordering(v1::ASYNC);
       *commit.mutable_signal()->mutable_doorbell() = Door(2, s + 1);
     }
+    TracePhase(s, "outputs compared; Commit");
     {
       const auto t0 = Clock::now();
       absl::StatusOr<v1::CommitResponse> r = session_->Commit(commit);
@@ -725,6 +747,7 @@ class Simulator {
         if (!st.ok()) return st;
       }
     }
+    TracePhase(s, "Commit done");
     if (align_) {
       v1::RecordStateBlocksRequest record;
       record.set_step(step_id);
@@ -740,6 +763,7 @@ class Simulator {
       absl::StatusOr<v1::RecordStateBlocksResponse> r = session_->RecordStateBlocks(record);
       latencies_.Add("RecordStateBlocks", Clock::now() - t0);
       if (!r.ok()) return r.status();
+      TracePhase(s, "RecordStateBlocks done");
       std::vector<int32_t> out(2 * batch_max_);
       st = memory_->CopyOut(out.data(), Meta(o_out_idx), out.size() * 4);
       if (!st.ok()) return st;

@@ -24,6 +24,7 @@
 #include "client/client.h"
 #include "client/simulator.h"
 #include "google/protobuf/util/json_util.h"
+#include "kernels/kda_kernels.h"
 
 ABSL_FLAG(std::string, server, "unix:///tmp/specstate.sock",
           "the service's address: unix:///PATH or HOST:PORT");
@@ -227,6 +228,8 @@ int Simulate(Client& c) {
 
 int main(int argc, char** argv) {
   using namespace specstate::client;  // NOLINT
+  // Before any CUDA call (simulate's stock path runs kernels in this process).
+  specstate::kernels::UseEagerCudaModuleLoading();
   absl::SetProgramUsageMessage(kUsage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {

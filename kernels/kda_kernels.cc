@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -13,6 +14,8 @@ namespace kernels {
 absl::string_view BackendName(Backend backend) {
   return backend == Backend::kCuda ? "cuda" : "cpu";
 }
+
+void UseEagerCudaModuleLoading() { setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/1); }
 
 size_t StockWorkspaceBytes(int64_t num_blocks) {
   return internal::AlignUp(static_cast<size_t>(num_blocks) * sizeof(int32_t));

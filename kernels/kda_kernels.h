@@ -72,6 +72,15 @@ absl::StatusOr<const KdaKernels*> CudaKdaKernels();
 // Whether this build includes the CUDA backend.
 bool BuiltWithCuda();
 
+// Sets CUDA_MODULE_LOADING=EAGER for this process. Call it first in main(),
+// before any CUDA call, in every process whose streams wait on doorbells or
+// events of another process. Under lazy loading (CUDA's default since 12.2)
+// the first launch of a kernel loads its module, which may synchronize the
+// whole context: with a stream parked on a doorbell that the other process
+// rings only after this launch returns, that is a deadlock. (Seen on the
+// H200: the first ASYNC Verify of a shape never returned.)
+void UseEagerCudaModuleLoading();
+
 // For the benchmark's sweep: the CUDA kernels with other thread layouts of
 // the recurrent kernel (variant 0 is the production one; the others support
 // bf16 activations, fp32 state and head dim 128 only). Within a variant the

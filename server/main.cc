@@ -217,6 +217,8 @@ int Run() {
 }  // namespace specstate
 
 int main(int argc, char** argv) {
+  // Before any CUDA call: the stream waits on clients' doorbells (see there).
+  specstate::kernels::UseEagerCudaModuleLoading();
   // Block the shutdown signals before any thread starts, so that only
   // sigwait() in Run() receives them.
   sigset_t signals;

@@ -28,6 +28,20 @@ done
 cp "$dest/bin/specstated" "$dest/runfiles/specstate/server/"
 cp "$dest/bin/specstatectl" "$dest/runfiles/specstate/client/"
 cp tools/gpu/run_suite.sh tools/gpu/diagnose.sh "$dest/"
+# The Python client with freshly generated stubs and its tests, and a
+# specstated launcher that finds the bundled libraries (the Python process
+# itself must not load them: torch and grpcio bring their own).
+mkdir -p "$dest/python"
+cp -r client/python/specstate client/python/tests client/python/examples "$dest/python/"
+find "$dest/python" -name __pycache__ -prune -exec rm -rf {} +
+SPECSTATE_PROTO_ROOT=$PWD/proto sh client/python/generate_stubs.sh
+mv client/python/specstate/v1/specstate_pb2*.py "$dest/python/specstate/v1/"
+cat > "$dest/specstated" <<'LAUNCHER'
+#!/bin/sh
+here=$(cd "$(dirname "$0")" && pwd)
+LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$here/bin/specstated" "$@"
+LAUNCHER
+chmod +x "$dest/specstated"
 rm -rf "$final"
 mkdir -p "$final"
 tar -C "$dest" -czf "$final/bundle.tgz" .

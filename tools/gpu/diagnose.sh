@@ -1,43 +1,86 @@
 #!/usr/bin/env bash
-# Diagnostics of the service on the CUDA backend (used while bringing it up):
-# short simulations timed one by one, the service under compute-sanitizer, and
-# the service benchmark with SPECSTATE_TRACE=1.   diagnose.sh BUNDLE OUTDIR
+# Diagnostics of the service on the CUDA backend, from a bundle made by
+# tools/gpu/bundle.sh:   diagnose.sh BUNDLE OUTDIR [align|bench|all]
+#   align: short simulations that isolate one factor each (cache mode, state
+#          and activation dtypes, shape, ordering), each under a time limit,
+#          with SPECSTATE_TRACE=1 on both sides so a stall shows its phase.
+#   bench: service_bench without and then with MPS (a private MPS daemon,
+#          CUDA_MPS_PIPE_DIRECTORY under /tmp, stopped at the end), to tell
+#          whether the step's cost is switching between two GPU contexts;
+#          and gpu_service_test under MPS.
+# Everything lands in OUTDIR/diagnose.log and OUTDIR/logs.tgz.
 set -uo pipefail
-bundle=$(cd "$1" && pwd); out=$2; mkdir -p "$out"
+bundle=$(cd "$1" && pwd); out=$2; what=${3:-all}; mkdir -p "$out"
 export LD_LIBRARY_PATH="$bundle/lib" TEST_SRCDIR="$bundle/runfiles"
 bin="$bundle/bin"; log="$out/diagnose.log"; : > "$log"
-say() { echo "[$(date +%T.%N | cut -c1-12)] $*" >> "$log"; }
-serve() {  # serve SOCKET LOGFILE [prefix...] -- flags
-  local sock=$1 slog=$2; shift 2
-  "$@" > "$slog" 2>&1 &
+logs=$(mktemp -d /tmp/diagXXXX)
+say() { echo "[$(date +%T.%N | cut -c1-12)] $*" | tee -a "$log"; }
+serve() {  # serve NAME -- specstated flags; sets $sock and $server
+  local name=$1; shift
+  sock=/tmp/$name.sock; rm -f "$sock"
+  SPECSTATE_TRACE=${SERVER_TRACE:-1} "$bin/specstated" --backend=cuda --listen="unix://$sock" "$@" \
+    > "$logs/$name.server.log" 2>&1 &
+  server=$!
   for _ in $(seq 300); do [ -S "$sock" ] && return 0; sleep 0.1; done
-  say "server did not come up"; return 1
+  say "$name: server did not come up"; return 1
 }
-sock=/tmp/d1.sock
-SPECSTATE_TRACE=1 serve $sock "$out/server1.log" "$bin/specstated" --backend=cuda --listen=unix://$sock \
-  --heads=8 --head_dim=128 --conv_dim=3072 --blocks=128 --max_rows=32
-s1=$!
-for mode in "" "--async" "--async --events"; do
-  say "simulate $mode: start"
-  timeout -k 3 45 "$bin/specstatectl" --server=unix://$sock simulate --steps=4 --requests=3 $mode >> "$log" 2>&1
-  say "simulate $mode: exit $?"
-done
-kill $s1; wait $s1
-sock=/tmp/d2.sock
-serve $sock "$out/server2.log" "${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}" --tool memcheck \
-  "$bin/specstated" --backend=cuda --listen=unix://$sock --layers=20 --heads=32 --head_dim=128 \
-  --conv_dim=12288 --num_spec=3 --blocks=40 --max_rows=32
-s2=$!
-say "service_bench under memcheck: start"
-timeout -k 3 100 "$bin/service_bench" --server=unix://$sock --iters=10 --steps=2 >> "$log" 2>&1
-say "service_bench under memcheck: exit $?"
-kill $s2; wait $s2
-sock=/tmp/d3.sock
-SPECSTATE_TRACE=1 serve $sock "$out/server3.log" "$bin/specstated" --backend=cuda --listen=unix://$sock \
-  --layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256
-s3=$!
-say "service_bench: start"
-timeout -k 3 120 "$bin/service_bench" --server=unix://$sock --iters=60 --steps=6 >> "$log" 2>&1
-say "service_bench: exit $?"
-kill $s3; wait $s3
+stop() { kill "$server" 2>/dev/null; wait "$server" 2>/dev/null; }
+simulate() {  # simulate NAME LIMIT_S -- simulate flags
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s.%N)
+  SPECSTATE_TRACE=1 timeout -k 2 "$limit" "$bin/specstatectl" --server="unix://$sock" simulate "$@" \
+    > "$logs/$name.sim.log" 2>&1
+  local rc=$?
+  say "$name: exit $rc after $(awk "BEGIN {printf \"%.1f\", $(date +%s.%N) - $t0}") s; $(grep -E 'verdict|rror' "$logs/$name.sim.log" | head -2 | tr '\n' ' ')"
+  if [ $rc -ne 0 ]; then
+    say "$name: last phases: $(grep '\[simulate' "$logs/$name.sim.log" | tail -3 | tr '\n' '|')"
+    say "$name: server's last lines: $(tail -4 "$logs/$name.server.log" | tr '\n' '|')"
+  fi
+}
+nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader | sed 's/^/gpu: /' | tee -a "$log"
+
+if [ "$what" = all ] || [ "$what" = align ]; then
+  small="--heads=4 --head_dim=64"
+  # name | server flags | simulate flags
+  while IFS='|' read -r name sflags mflags; do
+    [ -z "$name" ] && continue
+    serve "$name" $sflags || continue
+    simulate "$name" 40 $mflags
+    stop
+  done <<EOF
+none_small_bf16state_async|$small --blocks=600 --state_dtype=bf16 --activation_dtype=fp16|--steps=6 --requests=8 --async
+align_fp32_sync|$small --cache_mode=align --mamba_block_size=8 --blocks=600|--steps=6 --requests=8
+align_fp32_async|$small --cache_mode=align --mamba_block_size=8 --blocks=600|--steps=6 --requests=8 --async
+align_bf16state_sync|$small --cache_mode=align --mamba_block_size=8 --blocks=600 --state_dtype=bf16 --activation_dtype=fp16|--steps=6 --requests=8
+align_test_config|$small --cache_mode=align --mamba_block_size=8 --blocks=600 --state_dtype=bf16 --activation_dtype=fp16|--steps=30 --requests=8 --async
+EOF
+fi
+
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
+  for mps in off on; do
+    if [ $mps = on ]; then
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/ss-mps CUDA_MPS_LOG_DIRECTORY=/tmp/ss-mps-log
+      mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+      if ! nvidia-cuda-mps-control -d; then say "MPS: cannot start the daemon"; break; fi
+      say "MPS: daemon started"
+    fi
+    SERVER_TRACE=0 serve "bench_mps_$mps" $big || continue
+    say "service_bench, MPS $mps: start"
+    timeout -k 2 150 "$bin/service_bench" --server="unix://$sock" --iters=200 --steps=20 \
+      > "$out/service_bench_mps_$mps.md" 2> "$logs/bench_mps_$mps.err"
+    say "service_bench, MPS $mps: exit $?"
+    stop
+    if [ $mps = on ] && [ -x "$bin/gpu_service_test" ]; then
+      timeout -k 2 120 "$bin/gpu_service_test" --gtest_brief=1 > "$logs/gpu_service_mps.log" 2>&1
+      say "gpu_service_test under MPS: exit $?, $(grep -E '^\[  (PASSED|FAILED) ' "$logs/gpu_service_mps.log" | tr '\n' ' ')"
+    fi
+    if [ $mps = on ]; then
+      echo quit | nvidia-cuda-mps-control; sleep 1
+      cp -r $CUDA_MPS_LOG_DIRECTORY "$logs/mps-log" 2>/dev/null
+      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    fi
+  done
+fi
+tar -C "$logs" -czf "$out/logs.tgz" .
 say "done"

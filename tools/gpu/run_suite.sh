@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs the GPU suites and benchmarks from a bundle made by tools/gpu/bundle.sh,
 # on a machine with an NVIDIA GPU (no Bazel needed):
-#   tools/gpu/run_suite.sh BUNDLE OUTDIR [tests|bench|all]
+#   tools/gpu/run_suite.sh BUNDLE OUTDIR [tests|service|bench|all]
+# (service: the service's GPU tests and the Python client's, not the kernels';
+# GPU_SERVICE_FILTER is a gtest filter for gpu_service_test)
 # Writes logs and tables into OUTDIR and prints a summary; exits non-zero when
 # a test failed.
 set -uo pipefail
@@ -34,9 +36,20 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     note "compute-sanitizer: not found on this machine"
   fi
   fi
-  timeout 300 "$bin/gpu_service_test" --gtest_brief=1 > "$out/gpu_service.log" 2>&1
+fi
+if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = service ]; then
+  timeout 300 "$bin/gpu_service_test" --gtest_brief=1 --gtest_filter="${GPU_SERVICE_FILTER:-*}" \
+    > "$out/gpu_service.log" 2>&1
   rc=$?; note "gpu_service_test: exit $rc, $(grep -E '^\[  (PASSED|FAILED) ' "$out/gpu_service.log" | tr '\n' ' ')"
   [ $rc -eq 0 ] || status=1
+  # The Python client with torch tensors; the Python process keeps its own
+  # libraries (LD_LIBRARY_PATH only for the launched specstated).
+  if [ -d "$bundle/python" ]; then
+    (unset LD_LIBRARY_PATH; SPECSTATED="$bundle/specstated" PYTHONPATH="$bundle/python" \
+      PYTHONUNBUFFERED=1 timeout 240 python3 "$bundle/python/tests/gpu_test.py") > "$out/python_gpu.log" 2>&1
+    rc=$?; note "python gpu_test: exit $rc, $(grep -E '^(Ran|OK|FAILED)' "$out/python_gpu.log" | tr '\n' ' ')"
+    [ $rc -eq 0 ] || status=1
+  fi
 fi
 
 if [ "$what" = all ] || [ "$what" = bench ]; then

@@ -15,6 +15,10 @@ import subprocess
 import sys
 import unittest
 
+# Before torch touches CUDA: this process's streams wait on doorbells (see
+# the README's caveat on lazy module loading).
+os.environ["CUDA_MODULE_LOADING"] = "EAGER"
+
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
