@@ -134,6 +134,10 @@ struct VerifyArgs {
   const int32_t* expected_state_indices = nullptr;
   Prerequisites prerequisites;
   DeviceStatus* status = nullptr;
+  // Optional: host memory the device writes (pinned, mapped), where the
+  // call's final status is copied once its checks are done, so the service
+  // reads it without a copy on the stream. Nothing on the device reads it.
+  DeviceStatus* status_mirror = nullptr;
 };
 
 // One layer of a commit.
@@ -167,6 +171,10 @@ struct CommitArgs {
   size_t workspace_bytes = 0;
   Prerequisites prerequisites;
   DeviceStatus* status = nullptr;
+  // Optional: host memory the device writes (pinned, mapped), where the
+  // call's final status is copied once its checks are done, so the service
+  // reads it without a copy on the stream. Nothing on the device reads it.
+  DeviceStatus* status_mirror = nullptr;
 };
 
 // One spec row's commit plan (SEMANTICS.md, Commit step 1), as the commit
@@ -197,6 +205,10 @@ struct RecordStateBlocksArgs {
   size_t workspace_bytes = 0;
   Prerequisites prerequisites;
   DeviceStatus* status = nullptr;
+  // Optional: host memory the device writes (pinned, mapped), where the
+  // call's final status is copied once its checks are done, so the service
+  // reads it without a copy on the stream. Nothing on the device reads it.
+  DeviceStatus* status_mirror = nullptr;
 };
 
 // Scratch each call needs. The checks use part of it as a table they reset

@@ -56,6 +56,7 @@ namespace {
 namespace ref = ::specstate::reference;
 using ::specstate::kernels::testing::BackendBuffer;
 using ::specstate::kernels::testing::BackendStream;
+using ::specstate::kernels::testing::StatusMirror;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
@@ -523,6 +524,7 @@ class KdaKernelsTest : public ::testing::TestWithParam<Backend> {
 #endif
     }
     stream_ = Must(BackendStream::Create(backend()), "stream");
+    mirror_ = Must(StatusMirror::Allocate(backend()), "status mirror");
     const uint64_t seed = TestSeed();
     rng_.emplace(seed);
     trace_.emplace(__FILE__, __LINE__,
@@ -645,28 +647,45 @@ class KdaKernelsTest : public ::testing::TestWithParam<Backend> {
   VerifyArgs VerifyArgsFor(Step& s, int l, CallData* cd);
   CommitArgs CommitArgsFor(Step& s, CallData* cd);
 
-  CallResult Finish(const absl::Status& launch, const char* op, const Step& s) {
+  // A poisoned host mirror for the call's status (status_mirror).
+  DeviceStatus* PoisonedMirror() {
+    std::memset(mirror_.get(), 0xab, sizeof(DeviceStatus));
+    return mirror_.get();
+  }
+
+  // The call's status; its host mirror must hold the same bytes (when given).
+  CallResult Finish(const absl::Status& launch, const char* op, const DeviceStatus* device_status,
+                    bool mirrored = true) {
     CallResult r{launch, absl::OkStatus()};
     if (!launch.ok()) return r;
-    const DeviceStatus status =
-        Must(testing::Finish(backend(), stream(), s.status.As<DeviceStatus>()), "finish");
+    const DeviceStatus status = Must(testing::Finish(backend(), stream(), device_status), "finish");
     r.device = DeviceStatusToStatus(status, op);
+    if (mirrored) {
+      EXPECT_EQ(std::memcmp(mirror_.get(), &status, sizeof(status)), 0)
+          << op << ": the status mirror differs from the status";
+    }
     return r;
+  }
+  CallResult Finish(const absl::Status& launch, const char* op, const Step& s,
+                    bool mirrored = true) {
+    return Finish(launch, op, s.status.As<DeviceStatus>(), mirrored);
   }
 
   CallResult RunStock(Step& s, int l) {
     CallData cd;
     const StockArgs args = StockArgsFor(s, l, &cd);
-    return Finish(kernels_->Stock(args, stream()), "Stock", s);
+    return Finish(kernels_->Stock(args, stream()), "Stock", s, /*mirrored=*/false);
   }
   CallResult RunVerify(Step& s, int l) {
     CallData cd;
-    const VerifyArgs args = VerifyArgsFor(s, l, &cd);
+    VerifyArgs args = VerifyArgsFor(s, l, &cd);
+    args.status_mirror = PoisonedMirror();
     return Finish(kernels_->Verify(args, stream()), "Verify", s);
   }
   CallResult RunCommit(Step& s) {
     CallData cd;
-    const CommitArgs args = CommitArgsFor(s, &cd);
+    CommitArgs args = CommitArgsFor(s, &cd);
+    args.status_mirror = PoisonedMirror();
     return Finish(kernels_->Commit(args, stream()), "Commit", s);
   }
 
@@ -691,6 +710,7 @@ class KdaKernelsTest : public ::testing::TestWithParam<Backend> {
   const KdaKernels* kernels_ = nullptr;
   bool on_cpu_ = false;
   BackendStream stream_;
+  StatusMirror mirror_;
   std::optional<Random> rng_;
   std::optional<::testing::ScopedTrace> trace_;
 };
@@ -1960,13 +1980,10 @@ class RecordStateBlocksTest : public KdaKernelsTest {
 
   CallResult Run(RsbStep& r) {
     CallData cd;
-    const RecordStateBlocksArgs a = ArgsFor(r, &cd);
-    CallResult result{kernels_->RecordStateBlocks(a, stream()), absl::OkStatus()};
-    if (!result.launch.ok()) return result;
-    const DeviceStatus status =
-        Must(testing::Finish(backend(), stream(), r.status.As<DeviceStatus>()), "finish");
-    result.device = DeviceStatusToStatus(status, "RecordStateBlocks");
-    return result;
+    RecordStateBlocksArgs a = ArgsFor(r, &cd);
+    a.status_mirror = PoisonedMirror();
+    return Finish(kernels_->RecordStateBlocks(a, stream()), "RecordStateBlocks",
+                  r.status.As<DeviceStatus>());
   }
 
   void ExpectMatchesReference(const RsbStep& r) {

@@ -2,8 +2,11 @@
 // order; waits and signals are stream operations (cuStreamWaitValue32 and
 // cuStreamWriteValue32 on doorbells, cudaStreamWaitEvent and cudaEventRecord
 // on interprocess events), so no host thread waits on the GPU on the hot
-// path. A reaper thread waits for each piece of work's completion event and
-// then runs its `done` (releases regions, reads back device statuses).
+// path. Three threads: the RPC thread only queues a checked Work (Submit), so
+// an ASYNC call is answered without paying for the CUDA API calls (about
+// 50 us a Verify on the H200); the submitter issues them in queue order; the
+// reaper waits for each Work's completion event and then runs its `done`
+// (releases regions, reads back device statuses).
 //
 // The driver API functions come from cudaGetDriverEntryPointByVersion: the
 // binary does not link libcuda, so it starts (and serves on the CPU
@@ -11,6 +14,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -50,6 +54,7 @@ absl::Status CudaError(cudaError_t err, absl::string_view what) {
 using WaitValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 using GetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+using GetLoadingModeFn = CUresult (*)(CUmoduleLoadingMode*);
 
 // Makes `device` current for the scope and restores the caller's device.
 class ScopedDevice {
@@ -133,6 +138,12 @@ class CudaDevice final : public Device {
   }
 
   ~CudaDevice() override {
+    {  // the submitter drains its queue first, then the reaper its events
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      submit_stopping_ = true;
+    }
+    queue_cv_.notify_all();
+    if (submitter_.joinable()) submitter_.join();
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;
@@ -166,7 +177,8 @@ class CudaDevice final : public Device {
     SPECSTATE_CUDA_RETURN(cudaMalloc(&p, bytes), absl::StrCat("cudaMalloc of ", bytes,
                                                               " bytes for the pools"));
     device_allocations_.push_back(p);
-    SPECSTATE_CUDA_RETURN(Zero(p, bytes), "zeroing the pools");
+    absl::Status zeroed = Zero(p, bytes);
+    if (!zeroed.ok()) return zeroed;
     cudaIpcMemHandle_t handle;
     SPECSTATE_CUDA_RETURN(cudaIpcGetMemHandle(&handle, p), "cudaIpcGetMemHandle of the pools");
     export_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
@@ -186,7 +198,8 @@ class CudaDevice final : public Device {
       std::lock_guard<std::mutex> lock(mu_);
       device_allocations_.push_back(p);
     }
-    SPECSTATE_CUDA_RETURN(Zero(p, bytes), "zeroing device memory");
+    absl::Status zeroed = Zero(p, bytes);
+    if (!zeroed.ok()) return zeroed;
     return p;
   }
 
@@ -202,21 +215,17 @@ class CudaDevice final : public Device {
   }
 
   absl::Status CopyToDevice(void* device, const void* host, uint64_t bytes) override {
-    ScopedDevice scoped(ordinal_);
-    std::lock_guard<std::mutex> lock(submit_mu_);
-    SPECSTATE_CUDA_RETURN(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream_),
-                          "cudaMemcpyAsync");
-    SPECSTATE_CUDA_RETURN(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-    return absl::OkStatus();
+    return RunOrdered([=](cudaStream_t stream) {
+      return CudaError(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream),
+                       "cudaMemcpyAsync");
+    });
   }
 
   absl::Status CopyFromDevice(void* host, const void* device, uint64_t bytes) override {
-    ScopedDevice scoped(ordinal_);
-    std::lock_guard<std::mutex> lock(submit_mu_);
-    SPECSTATE_CUDA_RETURN(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream_),
-                          "cudaMemcpyAsync");
-    SPECSTATE_CUDA_RETURN(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
-    return absl::OkStatus();
+    return RunOrdered([=](cudaStream_t stream) {
+      return CudaError(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream),
+                       "cudaMemcpyAsync");
+    });
   }
 
   absl::Status CopyOnStream(void* dst, const void* src, uint64_t bytes,
@@ -295,43 +304,125 @@ class CudaDevice final : public Device {
     return static_cast<void*>(event);
   }
 
+  // Queues `work` for the submitter: what can fail here was checked before.
+  // Work that waits on or records an interprocess event is on the stream
+  // before this returns: cudaStreamWaitEvent and cudaEventRecord bind to the
+  // event's record at the time of the call, and the caller records (or
+  // synchronizes on) the event again as soon as its RPC returns. Doorbells
+  // carry their value, so their work needs no such wait.
   absl::Status Submit(Work work) override {
-    const auto t0 = std::chrono::steady_clock::now();
-    ScopedDevice scoped(ordinal_);
-    std::lock_guard<std::mutex> submit_lock(submit_mu_);
+    bool uses_events = false;
+    for (const WaitOp& w : work.waits) uses_events |= w.kind == WaitOp::Kind::kEvent;
+    for (const SignalOp& s : work.signals) uses_events |= s.kind == SignalOp::Kind::kEvent;
+    std::shared_ptr<Enqueued> enqueued = uses_events ? std::make_shared<Enqueued>() : nullptr;
+    bool wake = false;
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      if (submit_stopping_) return absl::UnavailableError("the service is shutting down");
+      submit_queue_.push_back(Queued{std::move(work), std::chrono::steady_clock::now(), enqueued});
+      queued_.fetch_add(1, std::memory_order_release);
+      wake = submitter_sleeping_;
+    }
+    // A spinning submitter sees the queue itself: no futex call on the RPC path.
+    if (wake) queue_cv_.notify_one();
+    if (enqueued != nullptr) {
+      std::unique_lock<std::mutex> lock(enqueued->mu);
+      enqueued->cv.wait(lock, [&] { return enqueued->done; });
+    }
+    return absl::OkStatus();
+  }
+
+  bool DoorbellsInDeviceMemory() const override { return true; }
+
+ private:
+  struct Enqueued {  // set once the submitter has issued a Work
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  struct Queued {
+    Work work;
+    std::chrono::steady_clock::time_point queued;
+    std::shared_ptr<Enqueued> enqueued;  // when Submit waits for it
+  };
+
+  // How long the submitter polls an empty queue before it sleeps: a step's
+  // calls arrive tens of microseconds apart, and waking a sleeping thread
+  // costs the RPC thread a futex call and the call a scheduler wake-up.
+  static constexpr auto kSubmitterSpin = std::chrono::microseconds(200);
+
+  void SubmitLoop() {
+    cudaSetDevice(ordinal_);  // the submitter's own thread
+    for (;;) {
+      Queued item;
+      const auto spin_until = std::chrono::steady_clock::now() + kSubmitterSpin;
+      while (queued_.load(std::memory_order_acquire) == 0 &&
+             std::chrono::steady_clock::now() < spin_until) {
+        std::this_thread::yield();
+      }
+      {
+        std::unique_lock<std::mutex> lock(queue_mu_);
+        submitter_sleeping_ = true;
+        queue_cv_.wait(lock, [&] { return submit_stopping_ || !submit_queue_.empty(); });
+        submitter_sleeping_ = false;
+        if (submit_queue_.empty()) return;  // stopping, nothing left
+        item = std::move(submit_queue_.front());
+        submit_queue_.pop_front();
+        queued_.fetch_sub(1, std::memory_order_relaxed);
+      }
+      Enqueue(std::move(item.work), item.queued);
+      if (item.enqueued != nullptr) {
+        std::lock_guard<std::mutex> lock(item.enqueued->mu);
+        item.enqueued->done = true;
+        item.enqueued->cv.notify_all();
+      }
+    }
+  }
+
+  // Issues one Work on the stream: waits, launch, signals, readbacks and the
+  // completion event the reaper waits for. A failure to enqueue reaches
+  // the caller through `done`, as a device failure does.
+  void Enqueue(Work work, std::chrono::steady_clock::time_point queued) {
     const auto t1 = std::chrono::steady_clock::now();
+    absl::Status launched = absl::OkStatus();
     for (const WaitOp& wait : work.waits) {
+      if (wait.cancellation != nullptr && wait.cancellation->cancelled.load()) {
+        // Its session ended before the wait reached the stream: never block
+        // on it, and run nothing of this call.
+        launched = absl::CancelledError("a wait of this call was cancelled before its doorbell rang");
+        break;
+      }
       if (wait.kind == WaitOp::Kind::kDoorbell) {
         if (wait_value32_(stream_, reinterpret_cast<CUdeviceptr>(wait.counter), wait.value,
                           CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
-          return absl::InternalError("cuStreamWaitValue32 failed");
+          launched = absl::InternalError("cuStreamWaitValue32 failed");
+          break;
         }
         PendingWait pending;
         pending.work_id = next_work_id_;
         pending.counter = wait.counter;
         pending.value = wait.value;
         pending.cancellation = wait.cancellation;
-        std::lock_guard<std::mutex> lock(mu_);
-        pending_waits_.push_back(pending);
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          pending_waits_.push_back(pending);
+        }
+        // The session may have ended between the check above and now, after
+        // its release scanned pending_waits_: release this wait then.
+        if (wait.cancellation != nullptr && wait.cancellation->cancelled.load()) {
+          ReleaseCancelledWaits();
+        }
       } else {
-        SPECSTATE_CUDA_RETURN(
-            cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(wait.event), 0),
-            "cudaStreamWaitEvent");
+        launched = CudaError(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(wait.event), 0),
+                             "cudaStreamWaitEvent");
+        if (!launched.ok()) break;
       }
     }
-    absl::Status launched;
-    {
+    if (launched.ok()) {
       StreamScratch scratch(stream_);
       launched = work.launch(stream_, scratch);
     }
     const auto t2 = std::chrono::steady_clock::now();
-    for (const StatusSlot& slot : work.statuses) {
-      cudaMemcpyAsync(slot.host, slot.device, sizeof(kernels::DeviceStatus),
-                      cudaMemcpyDeviceToHost, stream_);
-    }
-    for (const Readback& r : work.readbacks) {
-      cudaMemcpyAsync(r.host, r.device, r.bytes, cudaMemcpyDeviceToHost, stream_);
-    }
     // Signal even after a failure: the caller's stream must not wait forever;
     // the failure reaches it through the session's next call.
     for (const SignalOp& signal : work.signals) {
@@ -341,10 +432,22 @@ class CudaDevice final : public Device {
         cudaEventRecord(static_cast<cudaEvent_t>(signal.event), stream_);
       }
     }
+    // After the signals: the readbacks copy service memory (snapshots, plans)
+    // for `done` only, so the caller's stream need not wait for them.
+    for (const Readback& r : work.readbacks) {
+      cudaMemcpyAsync(r.host, r.device, r.bytes, cudaMemcpyDeviceToHost, stream_);
+    }
     cudaEvent_t completion = TakeEvent();
-    if (completion == nullptr) return absl::InternalError("cannot create a CUDA event");
-    const cudaError_t record = cudaEventRecord(completion, stream_);
-    if (record != cudaSuccess) return CudaError(record, "cudaEventRecord");
+    const cudaError_t record =
+        completion == nullptr ? cudaErrorMemoryAllocation : cudaEventRecord(completion, stream_);
+    if (record != cudaSuccess) {
+      // Nothing will mark this work's end on the stream: report it now.
+      if (completion != nullptr) ReturnEvent(completion);
+      const absl::Status failed = CudaError(record, "recording a completion event");
+      LogError(failed.ToString());
+      if (work.done) work.done(failed);
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       in_flight_.push_back(InFlight{next_work_id_, completion, std::move(work.done), launched,
@@ -356,16 +459,37 @@ class CudaDevice final : public Device {
         return std::chrono::duration<double, std::micro>(b - a).count();
       };
       const auto t3 = std::chrono::steady_clock::now();
-      LogInfo(absl::StrCat("trace: submit ", next_work_id_ - 1, ": lock ", us(t0, t1), " us, launch ",
-                           us(t1, t2), " us, copies+signals+record ", us(t2, t3), " us"));
+      LogInfo(absl::StrCat("trace: submit ", next_work_id_ - 1, ": queued ", us(queued, t1),
+                           " us, waits+launch ", us(t1, t2), " us, signals+readbacks+record ",
+                           us(t2, t3), " us"));
     }
     cv_.notify_all();
-    return absl::OkStatus();
   }
 
-  bool DoorbellsInDeviceMemory() const override { return true; }
-
- private:
+  // Runs `enqueue` on the stream after all submitted work and waits for it
+  // (set-up and debugging copies; never on the hot path).
+  template <typename Fn>
+  absl::Status RunOrdered(Fn enqueue) {
+    std::mutex done_mu;
+    std::condition_variable done_cv;
+    bool finished = false;
+    absl::Status result;
+    Work work;
+    work.launch = [&](kernels::Stream stream, Scratch&) {
+      return enqueue(static_cast<cudaStream_t>(stream));
+    };
+    work.done = [&](absl::Status status) {
+      std::lock_guard<std::mutex> lock(done_mu);
+      result = status;
+      finished = true;
+      done_cv.notify_all();
+    };
+    absl::Status st = Submit(std::move(work));
+    if (!st.ok()) return st;
+    std::unique_lock<std::mutex> lock(done_mu);
+    done_cv.wait(lock, [&] { return finished; });
+    return result;
+  }
   struct InFlight {
     uint64_t work_id;
     cudaEvent_t completion;
@@ -387,10 +511,10 @@ class CudaDevice final : public Device {
   // Zeroes on the service's stream and waits (set-up only). cudaMemset would
   // run on the legacy default stream, which the non-blocking stream_ does not
   // wait for: a table uploaded on stream_ right after could be zeroed again.
-  cudaError_t Zero(void* p, uint64_t bytes) {
-    std::lock_guard<std::mutex> lock(submit_mu_);
-    const cudaError_t err = cudaMemsetAsync(p, 0, bytes, stream_);
-    return err != cudaSuccess ? err : cudaStreamSynchronize(stream_);
+  absl::Status Zero(void* p, uint64_t bytes) {
+    return RunOrdered([=](cudaStream_t stream) {
+      return CudaError(cudaMemsetAsync(p, 0, bytes, stream), "cudaMemsetAsync");
+    });
   }
 
   absl::Status Init() {
@@ -402,8 +526,21 @@ class CudaDevice final : public Device {
     absl::Status st = Entry("cuStreamWaitValue32", &wait_value32_);
     if (st.ok()) st = Entry("cuStreamWriteValue32", &write_value32_);
     if (st.ok()) st = Entry("cuMemGetAddressRange", &get_address_range_);
+    GetLoadingModeFn get_loading_mode = nullptr;
+    if (st.ok()) st = Entry("cuModuleGetLoadingMode", &get_loading_mode);
     if (!st.ok()) return st;
+    // See kernels::UseEagerCudaModuleLoading(): a kernel loaded on first
+    // launch while the stream waits on a client's doorbell can deadlock.
+    CUmoduleLoadingMode mode = CU_MODULE_EAGER_LOADING;
+    if (get_loading_mode(&mode) == CUDA_SUCCESS && mode == CU_MODULE_LAZY_LOADING) {
+      return absl::FailedPreconditionError(
+          "CUDA lazy module loading is on (CUDA_MODULE_LOADING=LAZY): the first launch of a "
+          "kernel could deadlock behind a doorbell wait; start with CUDA_MODULE_LOADING=EAGER "
+          "(specstated sets it itself; an embedding process must call "
+          "kernels::UseEagerCudaModuleLoading() before its first CUDA call)");
+    }
     reaper_ = std::thread([this] { Reap(); });
+    submitter_ = std::thread([this] { SubmitLoop(); });
     return absl::OkStatus();
   }
 
@@ -418,6 +555,11 @@ class CudaDevice final : public Device {
     }
     *fn = reinterpret_cast<Fn>(p);
     return absl::OkStatus();
+  }
+
+  void ReturnEvent(cudaEvent_t e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_events_.push_back(e);
   }
 
   cudaEvent_t TakeEvent() {
@@ -508,18 +650,24 @@ class CudaDevice final : public Device {
   void* exported_ = nullptr;
   std::string export_handle_;
 
-  std::mutex submit_mu_;  // keeps enqueues in submission order
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::deque<Queued> submit_queue_;
+  bool submit_stopping_ = false;
+  bool submitter_sleeping_ = false;  // guarded by queue_mu_: Submit must wake it
+  std::atomic<size_t> queued_{0};    // submit_queue_.size(), for the spin without the lock
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
   std::deque<InFlight> in_flight_;
-  uint64_t next_work_id_ = 0;  // guarded by submit_mu_
+  uint64_t next_work_id_ = 0;  // the submitter's
   std::vector<PendingWait> pending_waits_;
   std::vector<cudaEvent_t> free_events_;
   std::unordered_map<std::string, cudaEvent_t> ipc_events_;
   std::vector<void*> device_allocations_;
   std::vector<void*> host_allocations_;
   std::thread reaper_;
+  std::thread submitter_;
 };
 
 }  // namespace

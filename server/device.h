@@ -59,13 +59,6 @@ struct SyncPoint {
 using WaitOp = SyncPoint;
 using SignalOp = SyncPoint;
 
-// A DeviceStatus the kernels write, and the host copy the service reads
-// once the work has finished (the same memory on the CPU backend).
-struct StatusSlot {
-  kernels::DeviceStatus* device = nullptr;
-  kernels::DeviceStatus* host = nullptr;
-};
-
 // Device bytes to copy to host memory after the work (statistics).
 struct Readback {
   const void* device = nullptr;
@@ -85,11 +78,10 @@ struct Work {
   std::vector<WaitOp> waits;
   // Enqueues the kernels (CUDA) or runs them (CPU) on `stream`.
   std::function<absl::Status(kernels::Stream stream, Scratch& scratch)> launch;
-  std::vector<StatusSlot> statuses;
   std::vector<Readback> readbacks;
   std::vector<SignalOp> signals;
   // Runs once the device has finished the work (on a service thread, never
-  // on the RPC's), with the launch's own status; the StatusSlot host copies
+  // on the RPC's), with the launch's own status; the kernels' status mirrors
   // and the readbacks are filled by then. Also runs when a wait was
   // cancelled (status CANCELLED) or timed out.
   std::function<void(absl::Status launched)> done;

@@ -845,6 +845,7 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   args.num_rows = N;
   args.prerequisites = kernels::Prerequisites{slot.status_device, L};
   args.status = slot.status_device + layer_index;
+  args.status_mirror = slot.StatusMirror(layer_index);
   if (first) {
     args.snapshot_query_start_loc = slot.query_start_loc;
     args.snapshot_state_indices = slot.state_indices;
@@ -871,7 +872,6 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   Work work;
   work.waits = ordering->waits;
   work.signals = ordering->signals;
-  work.statuses.push_back(StatusSlot{slot.status_device + layer_index, slot.status_host + layer_index});
   if (first && N > 0) {
     work.readbacks.push_back(Readback{slot.query_start_loc, slot.qsl_host, uint64_t(N + 1) * 4});
   }
@@ -913,7 +913,7 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
       absl::MutexLock lock(&mu_);
       StepSlot& s = slots_[slot_index];
       --s.in_flight;
-      if (result.ok()) {
+      if (result.ok() && s.status_host[layer_index].failed != 0) {  // the message only then
         result = kernels::DeviceStatusToStatus(s.status_host[layer_index],
                                                absl::StrCat("Verify of layer ", layer_index));
       }
@@ -1106,6 +1106,7 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
   args.workspace_bytes = commit_workspace_bytes_;
   args.prerequisites = kernels::Prerequisites{slot.status_device, L};
   args.status = slot.status_device + L;
+  args.status_mirror = slot.StatusMirror(L);
   {
     kernels::CommitArgs check = args;
     check.num_accepted = kPlaceholder;
@@ -1126,7 +1127,6 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
   Work work;
   work.waits = ordering->waits;
   work.signals = ordering->signals;
-  work.statuses.push_back(StatusSlot{slot.status_device + L, slot.status_host + L});
   if (N > 0) {
     work.readbacks.push_back(Readback{kernels::CommitPlanOf(commit_workspace_, layout_.num_blocks()),
                                       slot.plan_host, N * sizeof(kernels::CommitPlanRow)});
@@ -1342,6 +1342,7 @@ void Engine::RecordStateBlocks(const std::string& session,
   args.workspace_bytes = record_workspace_bytes_;
   args.prerequisites = kernels::Prerequisites{slot.status_device, L + 1};
   args.status = slot.status_device + L + 1;
+  args.status_mirror = slot.StatusMirror(L + 1);
   {
     kernels::RecordStateBlocksArgs check = args;
     check.idx_mapping = check.num_sampled = check.num_computed_tokens = kPlaceholder;
@@ -1357,7 +1358,6 @@ void Engine::RecordStateBlocks(const std::string& session,
   Work work;
   work.waits = ordering->waits;
   work.signals = ordering->signals;
-  work.statuses.push_back(StatusSlot{slot.status_device + L + 1, slot.status_host + L + 1});
   struct Inputs {
     IndexInput mapping, sampled, computed, request_indices;
   };

@@ -101,7 +101,12 @@ class Engine {
   // Device memory of one step in flight (a ring of these).
   struct StepSlot {
     kernels::DeviceStatus* status_device = nullptr;  // [layers + 2]
+    // Where the service reads them: pinned host memory the check kernels
+    // write (the status mirror); status_device itself on the CPU backend.
     kernels::DeviceStatus* status_host = nullptr;
+    kernels::DeviceStatus* StatusMirror(int index) const {
+      return status_host == status_device ? nullptr : status_host + index;
+    }
     int32_t* query_start_loc = nullptr;  // [max_rows + 1], the step's snapshot
     int32_t* state_indices = nullptr;    // [max_rows]
     int32_t* qsl_host = nullptr;         // readback of the snapshot

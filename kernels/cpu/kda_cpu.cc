@@ -296,13 +296,19 @@ class CpuKernels final : public KdaKernels {
   }
 
   absl::Status LaunchVerify(const VerifyArgs& a, Stream) const override {
+    RunVerify(a);
+    if (a.status_mirror != nullptr) *a.status_mirror = *a.status;
+    return absl::OkStatus();
+  }
+
+  void RunVerify(const VerifyArgs& a) const {
     *a.status = internal::OkStatus();
-    if (!PrerequisitesPassed(a.prerequisites, a.status)) return absl::OkStatus();
+    if (!PrerequisitesPassed(a.prerequisites, a.status)) return;
     std::vector<internal::VerifyRow> rows(a.num_rows);
     for (int n = 0; n < a.num_rows; ++n) internal::SnapshotVerifyRow(a, n);
     if (!CheckRows(a.num_rows, a.status,
                    [&](int n) { return internal::CheckVerifyRow(a, n, &rows[n]); })) {
-      return absl::OkStatus();
+      return;
     }
     DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
       using Act = typename decltype(act)::type;
@@ -328,25 +334,31 @@ class CpuKernels final : public KdaKernels {
         RecordRow<Act, K>(a, n, bos, tokens);
       }
     });
-    return absl::OkStatus();
+    return;
   }
 
   absl::Status LaunchCommit(const CommitArgs& a, Stream) const override {
+    RunCommit(a);
+    if (a.status_mirror != nullptr) *a.status_mirror = *a.status;
+    return absl::OkStatus();
+  }
+
+  void RunCommit(const CommitArgs& a) const {
     *a.status = internal::OkStatus();
-    if (!PrerequisitesPassed(a.prerequisites, a.status)) return absl::OkStatus();
+    if (!PrerequisitesPassed(a.prerequisites, a.status)) return;
     const int64_t num_blocks = a.layers[0].state.num_blocks;
     const internal::CommitWorkspace ws =
         internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks);
     if (!CheckRows(a.num_rows, a.status, [&](int i) {
           return internal::PlanCommitRow(a, num_blocks, i, &ws.plan[i]);
         })) {
-      return absl::OkStatus();
+      return;
     }
     if (!CheckCrossRow(
             a.num_rows, ws.owner, a.status,
             [&](int i, auto fn) { internal::ForEachCommitWrite(a, ws.plan[i], i, fn); },
             [&](int i, auto fn) { internal::ForEachCommitRead(ws.plan[i], i, fn); })) {
-      return absl::OkStatus();
+      return;
     }
     const int Q = a.spec_query_len;
     for (int i = 0; i < a.num_rows; ++i) {
@@ -384,29 +396,35 @@ class CpuKernels final : public KdaKernels {
             });
       }
     });
-    return absl::OkStatus();
+    return;
   }
 
   absl::Status LaunchRecordStateBlocks(const RecordStateBlocksArgs& a, Stream) const override {
+    RunRecordStateBlocks(a);
+    if (a.status_mirror != nullptr) *a.status_mirror = *a.status;
+    return absl::OkStatus();
+  }
+
+  void RunRecordStateBlocks(const RecordStateBlocksArgs& a) const {
     *a.status = internal::OkStatus();
-    if (!PrerequisitesPassed(a.prerequisites, a.status)) return absl::OkStatus();
+    if (!PrerequisitesPassed(a.prerequisites, a.status)) return;
     std::vector<internal::RecordRow> rows(a.num_rows);
     if (!CheckRows(a.num_rows, a.status,
                    [&](int i) { return internal::CheckRecordRow(a, i, &rows[i]); })) {
-      return absl::OkStatus();
+      return;
     }
     const auto no_reads = [](int, auto) {};
     if (!CheckCrossRow(
             a.num_rows, static_cast<int32_t*>(a.workspace), a.status,
             [&](int i, auto fn) { internal::ForEachRecordWrite(rows[i], fn); }, no_reads)) {
-      return absl::OkStatus();
+      return;
     }
     for (int i = 0; i < a.num_rows; ++i) {
       if (rows[i].request_row < 0) continue;
       a.state_idx[rows[i].request_row] = internal::RecordedStateColumn(a, rows[i].batch_row);
       a.num_accepted[rows[i].request_row] = 1;
     }
-    return absl::OkStatus();
+    return;
   }
 
  private:

@@ -473,7 +473,14 @@ __global__ void __launch_bounds__(kCheckThreads) StockCheckKernel(const StockArg
       });
 }
 
-__global__ void __launch_bounds__(kCheckThreads) VerifyCheckKernel(const VerifyArgs a) {
+// Copies the call's final status to its host mirror. Every thread of the
+// block calls it, after the checks (which return block-uniformly).
+__device__ void PublishStatus(const DeviceStatus* status, DeviceStatus* mirror) {
+  __syncthreads();
+  if (mirror != nullptr && threadIdx.x == 0) *mirror = *status;
+}
+
+__device__ void VerifyChecks(const VerifyArgs& a) {
   if (threadIdx.x == 0) *a.status = internal::OkStatus();
   __syncthreads();
   if (!BlockCheckPrerequisites(a.prerequisites, a.status)) return;
@@ -483,9 +490,13 @@ __global__ void __launch_bounds__(kCheckThreads) VerifyCheckKernel(const VerifyA
                  [&](int n) { return internal::CheckVerifyRow(a, n, &unused); });
 }
 
+__global__ void __launch_bounds__(kCheckThreads) VerifyCheckKernel(const VerifyArgs a) {
+  VerifyChecks(a);
+  PublishStatus(a.status, a.status_mirror);
+}
+
 // Checks, plans and writes the replay indices of a commit.
-__global__ void __launch_bounds__(kCheckThreads) CommitPlanKernel(const CommitArgs a,
-                                                                  int64_t num_blocks) {
+__device__ void CommitPlan(const CommitArgs& a, int64_t num_blocks) {
   if (threadIdx.x == 0) *a.status = internal::OkStatus();
   __syncthreads();
   if (!BlockCheckPrerequisites(a.prerequisites, a.status)) return;
@@ -507,6 +518,12 @@ __global__ void __launch_bounds__(kCheckThreads) CommitPlanKernel(const CommitAr
     const int i = item / (q + 1);
     ws.replay_indices[item] = internal::ReplayIndex(ws.plan[i], q, item % (q + 1));
   }
+}
+
+__global__ void __launch_bounds__(kCheckThreads) CommitPlanKernel(const CommitArgs a,
+                                                                  int64_t num_blocks) {
+  CommitPlan(a, num_blocks);
+  PublishStatus(a.status, a.status_mirror);
 }
 
 // SEMANTICS.md, Commit step 2: one thread per (layer, row, conv channel) reads
@@ -549,8 +566,7 @@ __global__ void __launch_bounds__(kConvThreads)
   }
 }
 
-__global__ void __launch_bounds__(kCheckThreads)
-    RecordStateBlocksKernel(const RecordStateBlocksArgs a) {
+__device__ void RecordStateBlocks(const RecordStateBlocksArgs& a) {
   if (threadIdx.x == 0) *a.status = internal::OkStatus();
   __syncthreads();
   if (!BlockCheckPrerequisites(a.prerequisites, a.status)) return;
@@ -576,6 +592,12 @@ __global__ void __launch_bounds__(kCheckThreads)
     a.state_idx[row.request_row] = internal::RecordedStateColumn(a, row.batch_row);
     a.num_accepted[row.request_row] = 1;
   }
+}
+
+__global__ void __launch_bounds__(kCheckThreads)
+    RecordStateBlocksKernel(const RecordStateBlocksArgs a) {
+  RecordStateBlocks(a);
+  PublishStatus(a.status, a.status_mirror);
 }
 
 // ---------------------------------------------------------------------------

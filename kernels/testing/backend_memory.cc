@@ -128,6 +128,41 @@ void BackendStream::Release() {
   stream_ = nullptr;
 }
 
+absl::StatusOr<StatusMirror> StatusMirror::Allocate(Backend backend) {
+  if (backend == Backend::kCpu) return StatusMirror(backend, new DeviceStatus());
+  void* p = nullptr;
+  absl::Status s = cuda_memory::AllocateHost(sizeof(DeviceStatus), &p);
+  if (!s.ok()) return s;
+  return StatusMirror(backend, static_cast<DeviceStatus*>(p));
+}
+
+StatusMirror::StatusMirror(StatusMirror&& other) noexcept
+    : backend_(other.backend_), status_(other.status_) {
+  other.status_ = nullptr;
+}
+
+StatusMirror& StatusMirror::operator=(StatusMirror&& other) noexcept {
+  if (this != &other) {
+    Release();
+    backend_ = other.backend_;
+    status_ = other.status_;
+    other.status_ = nullptr;
+  }
+  return *this;
+}
+
+StatusMirror::~StatusMirror() { Release(); }
+
+void StatusMirror::Release() {
+  if (status_ == nullptr) return;
+  if (backend_ == Backend::kCpu) {
+    delete status_;
+  } else {
+    cuda_memory::FreeHost(status_);
+  }
+  status_ = nullptr;
+}
+
 absl::StatusOr<DeviceStatus> Finish(Backend backend, Stream stream, const DeviceStatus* status) {
   DeviceStatus result;
   std::memset(&result, 0, sizeof(result));

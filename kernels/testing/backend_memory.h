@@ -99,6 +99,29 @@ class BackendStream {
   Stream stream_ = nullptr;
 };
 
+// Host memory the backend's kernels can write: a DeviceStatus mirror
+// (VerifyArgs::status_mirror and the like). Pinned for CUDA.
+class StatusMirror {
+ public:
+  static absl::StatusOr<StatusMirror> Allocate(Backend backend);
+
+  StatusMirror() = default;
+  StatusMirror(StatusMirror&& other) noexcept;
+  StatusMirror& operator=(StatusMirror&& other) noexcept;
+  StatusMirror(const StatusMirror&) = delete;
+  StatusMirror& operator=(const StatusMirror&) = delete;
+  ~StatusMirror();
+
+  DeviceStatus* get() const { return status_; }
+
+ private:
+  StatusMirror(Backend backend, DeviceStatus* status) : backend_(backend), status_(status) {}
+  void Release();
+
+  Backend backend_ = Backend::kCpu;
+  DeviceStatus* status_ = nullptr;
+};
+
 // Waits until `stream` has run everything enqueued on it, then returns the
 // DeviceStatus at `status` (in the backend's memory). INTERNAL when the
 // stream reports an error (a kernel that faulted, say).

@@ -29,6 +29,15 @@ absl::Status FromCuda(cudaError_t err, absl::string_view what) {
 
 }  // namespace
 
+absl::Status AllocateHost(size_t bytes, void** ptr) {
+  *ptr = nullptr;
+  return FromCuda(cudaMallocHost(ptr, bytes), absl::StrCat("cudaMallocHost(", bytes, ")"));
+}
+
+void FreeHost(void* ptr) {
+  if (ptr != nullptr) cudaFreeHost(ptr);
+}
+
 absl::Status Allocate(size_t bytes, void** ptr) {
   *ptr = nullptr;
   absl::Status s = FromCuda(cudaMalloc(ptr, bytes), absl::StrCat("cudaMalloc(", bytes, ")"));

@@ -16,6 +16,9 @@ namespace cuda_memory {
 // cudaMalloc + cudaMemset(0).
 absl::Status Allocate(size_t bytes, void** ptr);
 void Free(void* ptr);
+// cudaMallocHost: pinned host memory the device can write (unified addressing).
+absl::Status AllocateHost(size_t bytes, void** ptr);
+void FreeHost(void* ptr);
 absl::Status CopyToDevice(void* dst, const void* src, size_t bytes);
 absl::Status CopyToHost(void* dst, const void* src, size_t bytes);
 absl::Status CreateStream(Stream* stream);

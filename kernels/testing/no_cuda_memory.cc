@@ -16,6 +16,8 @@ absl::Status NoCuda() {
 
 absl::Status Allocate(size_t, void**) { return NoCuda(); }
 void Free(void*) {}
+absl::Status AllocateHost(size_t, void**) { return NoCuda(); }
+void FreeHost(void*) {}
 absl::Status CopyToDevice(void*, const void*, size_t) { return NoCuda(); }
 absl::Status CopyToHost(void*, const void*, size_t) { return NoCuda(); }
 absl::Status CreateStream(Stream*) { return NoCuda(); }
