@@ -441,12 +441,13 @@ class CudaDevice final : public Device {
     const cudaError_t record =
         completion == nullptr ? cudaErrorMemoryAllocation : cudaEventRecord(completion, stream_);
     if (record != cudaSuccess) {
-      // Nothing will mark this work's end on the stream: report it now.
+      // Nothing marks this work's end on the stream: the reaper reports the
+      // failure in order, without an event (never here: Submit may be
+      // waiting for this thread with the engine's lock held).
       if (completion != nullptr) ReturnEvent(completion);
-      const absl::Status failed = CudaError(record, "recording a completion event");
-      LogError(failed.ToString());
-      if (work.done) work.done(failed);
-      return;
+      completion = nullptr;
+      launched = CudaError(record, "recording a completion event");
+      LogError(launched.ToString());
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -615,7 +616,8 @@ class CudaDevice final : public Device {
       }
       // A stream blocked on a doorbell of an ended session is released by
       // ReleaseCancelledWaits(), which the service calls when the session ends.
-      const cudaError_t finished = cudaEventSynchronize(item.completion);
+      const cudaError_t finished =
+          item.completion != nullptr ? cudaEventSynchronize(item.completion) : cudaSuccess;
       if (finished != cudaSuccess && item.launched.ok()) {
         // The device failed while running this work (or earlier work): its
         // statuses were not copied back, so they must not be read as OK.
@@ -631,7 +633,7 @@ class CudaDevice final : public Device {
       }
       {
         std::lock_guard<std::mutex> lock(mu_);
-        free_events_.push_back(item.completion);
+        if (item.completion != nullptr) free_events_.push_back(item.completion);
         for (auto it = pending_waits_.begin(); it != pending_waits_.end();) {
           it = it->work_id == item.work_id ? pending_waits_.erase(it) : it + 1;
         }
