@@ -481,6 +481,13 @@ TEST_F(ServiceTest, AsyncErrorIsReportedByTheNextCall) {
   absl::Status next;
   for (int i = 0; i < 100; ++i) {
     next = s.session().Verify(s.Verify(1, 1)).status();
+    // A call that reaches the device before the failed one has finished
+    // fails on its own check (its prerequisite, layer 0, failed) and says
+    // so; the asynchronous error is then reported by the call after it.
+    if (absl::IsFailedPrecondition(next) &&
+        absl::StrContains(next.message(), "earlier call 0 of the same step failed")) {
+      continue;
+    }
     if (!next.ok()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
