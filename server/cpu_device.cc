@@ -148,11 +148,17 @@ class CpuDevice final : public Device {
   }
 
   absl::Status CopyToDevice(void* device, const void* host, uint64_t bytes) override {
-    return RunOrdered([&] { std::memcpy(device, host, bytes); });
+    return SubmitAndWait([&](kernels::Stream) {
+      std::memcpy(device, host, bytes);
+      return absl::OkStatus();
+    });
   }
 
   absl::Status CopyFromDevice(void* host, const void* device, uint64_t bytes) override {
-    return RunOrdered([&] { std::memcpy(host, device, bytes); });
+    return SubmitAndWait([&](kernels::Stream) {
+      std::memcpy(host, device, bytes);
+      return absl::OkStatus();
+    });
   }
 
   absl::Status CopyOnStream(void* dst, const void* src, uint64_t bytes, kernels::Stream) override {
@@ -220,29 +226,6 @@ class CpuDevice final : public Device {
   bool DoorbellsInDeviceMemory() const override { return false; }
 
  private:
-  // Runs `fn` on the worker after everything queued, and waits for it.
-  template <typename Fn>
-  absl::Status RunOrdered(Fn fn) {
-    std::mutex done_mu;
-    std::condition_variable done_cv;
-    bool finished = false;
-    Work work;
-    work.launch = [&](kernels::Stream, Scratch&) {
-      fn();
-      return absl::OkStatus();
-    };
-    work.done = [&](absl::Status) {
-      std::lock_guard<std::mutex> lock(done_mu);
-      finished = true;
-      done_cv.notify_all();
-    };
-    absl::Status st = Submit(std::move(work));
-    if (!st.ok()) return st;
-    std::unique_lock<std::mutex> lock(done_mu);
-    done_cv.wait(lock, [&] { return finished; });
-    return absl::OkStatus();
-  }
-
   // Polls a doorbell: spins briefly, then sleeps with a growing pause (up to
   // 100 us), until it rings, its wait is cancelled or the device stops.
   bool WaitFor(const WaitOp& wait) {

@@ -215,14 +215,16 @@ class CudaDevice final : public Device {
   }
 
   absl::Status CopyToDevice(void* device, const void* host, uint64_t bytes) override {
-    return RunOrdered([=](cudaStream_t stream) {
+    return SubmitAndWait([=](kernels::Stream s) {
+      const auto stream = static_cast<cudaStream_t>(s);
       return CudaError(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream),
                        "cudaMemcpyAsync");
     });
   }
 
   absl::Status CopyFromDevice(void* host, const void* device, uint64_t bytes) override {
-    return RunOrdered([=](cudaStream_t stream) {
+    return SubmitAndWait([=](kernels::Stream s) {
+      const auto stream = static_cast<cudaStream_t>(s);
       return CudaError(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream),
                        "cudaMemcpyAsync");
     });
@@ -314,7 +316,7 @@ class CudaDevice final : public Device {
     bool uses_events = false;
     for (const WaitOp& w : work.waits) uses_events |= w.kind == WaitOp::Kind::kEvent;
     for (const SignalOp& s : work.signals) uses_events |= s.kind == SignalOp::Kind::kEvent;
-    std::shared_ptr<Enqueued> enqueued = uses_events ? std::make_shared<Enqueued>() : nullptr;
+    auto enqueued = uses_events ? std::make_shared<absl::Notification>() : nullptr;
     bool wake = false;
     {
       std::lock_guard<std::mutex> lock(queue_mu_);
@@ -325,25 +327,17 @@ class CudaDevice final : public Device {
     }
     // A spinning submitter sees the queue itself: no futex call on the RPC path.
     if (wake) queue_cv_.notify_one();
-    if (enqueued != nullptr) {
-      std::unique_lock<std::mutex> lock(enqueued->mu);
-      enqueued->cv.wait(lock, [&] { return enqueued->done; });
-    }
+    if (enqueued != nullptr) enqueued->WaitForNotification();
     return absl::OkStatus();
   }
 
   bool DoorbellsInDeviceMemory() const override { return true; }
 
  private:
-  struct Enqueued {  // set once the submitter has issued a Work
-    std::mutex mu;
-    std::condition_variable cv;
-    bool done = false;
-  };
   struct Queued {
     Work work;
     std::chrono::steady_clock::time_point queued;
-    std::shared_ptr<Enqueued> enqueued;  // when Submit waits for it
+    std::shared_ptr<absl::Notification> enqueued;  // when Submit waits for the issue
   };
 
   // How long the submitter polls an empty queue before it sleeps: a step's
@@ -371,11 +365,7 @@ class CudaDevice final : public Device {
         queued_.fetch_sub(1, std::memory_order_relaxed);
       }
       Enqueue(std::move(item.work), item.queued);
-      if (item.enqueued != nullptr) {
-        std::lock_guard<std::mutex> lock(item.enqueued->mu);
-        item.enqueued->done = true;
-        item.enqueued->cv.notify_all();
-      }
+      if (item.enqueued != nullptr) item.enqueued->Notify();
     }
   }
 
@@ -467,30 +457,6 @@ class CudaDevice final : public Device {
     cv_.notify_all();
   }
 
-  // Runs `enqueue` on the stream after all submitted work and waits for it
-  // (set-up and debugging copies; never on the hot path).
-  template <typename Fn>
-  absl::Status RunOrdered(Fn enqueue) {
-    std::mutex done_mu;
-    std::condition_variable done_cv;
-    bool finished = false;
-    absl::Status result;
-    Work work;
-    work.launch = [&](kernels::Stream stream, Scratch&) {
-      return enqueue(static_cast<cudaStream_t>(stream));
-    };
-    work.done = [&](absl::Status status) {
-      std::lock_guard<std::mutex> lock(done_mu);
-      result = status;
-      finished = true;
-      done_cv.notify_all();
-    };
-    absl::Status st = Submit(std::move(work));
-    if (!st.ok()) return st;
-    std::unique_lock<std::mutex> lock(done_mu);
-    done_cv.wait(lock, [&] { return finished; });
-    return result;
-  }
   struct InFlight {
     uint64_t work_id;
     cudaEvent_t completion;
@@ -513,7 +479,8 @@ class CudaDevice final : public Device {
   // run on the legacy default stream, which the non-blocking stream_ does not
   // wait for: a table uploaded on stream_ right after could be zeroed again.
   absl::Status Zero(void* p, uint64_t bytes) {
-    return RunOrdered([=](cudaStream_t stream) {
+    return SubmitAndWait([=](kernels::Stream s) {
+      const auto stream = static_cast<cudaStream_t>(s);
       return CudaError(cudaMemsetAsync(p, 0, bytes, stream), "cudaMemsetAsync");
     });
   }

@@ -23,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/notification.h"
 #include "kernels/device_status.h"
 #include "kernels/kda_kernels.h"
 
@@ -144,6 +145,25 @@ class Device {
   // when the session that was to ring them has ended). The CPU device's
   // worker watches the flags itself.
   virtual void ReleaseCancelledWaits() {}
+
+ protected:
+  // Submits a Work running `launch` after everything submitted before, and
+  // waits until the device has finished it. Set-up and debugging copies
+  // only: never on the hot path, nor on a device thread.
+  absl::Status SubmitAndWait(std::function<absl::Status(kernels::Stream)> launch) {
+    absl::Notification finished;
+    absl::Status result;
+    Work work;
+    work.launch = [&](kernels::Stream stream, Scratch&) { return launch(stream); };
+    work.done = [&](absl::Status status) {
+      result = status;
+      finished.Notify();
+    };
+    absl::Status st = Submit(std::move(work));
+    if (!st.ok()) return st;
+    finished.WaitForNotification();
+    return result;
+  }
 };
 
 absl::StatusOr<std::unique_ptr<Device>> CreateCpuDevice();
