@@ -736,12 +736,18 @@ class Simulator {
       commit.set_ordering(v1::ASYNC);
       *commit.mutable_signal()->mutable_doorbell() = Door(2, s + 1);
     }
+    const bool abandon = s == options_.abandon_commit_at_step;
+    if (abandon) {  // doorbell 3 is never rung
+      commit.set_ordering(v1::ASYNC);
+      *commit.mutable_wait()->mutable_doorbell() = Door(3, s + 1);
+    }
     TracePhase(s, "outputs compared; Commit");
     {
       const auto t0 = Clock::now();
       absl::StatusOr<v1::CommitResponse> r = session_->Commit(commit);
       latencies_.Add(options_.async ? "Commit (async)" : "Commit", Clock::now() - t0);
       if (!r.ok()) return r.status();
+      if (abandon) Crash();
       if (options_.async) {
         st = WaitDoorbell(2, s + 1);
         if (!st.ok()) return st;

@@ -59,6 +59,10 @@ struct SimulationOptions {
   // Commit), print "CRASH POINT pools=<FNV-1a of every pool byte>" and die by
   // SIGKILL, as a scheduler killed mid-step would.
   int crash_after_verify_step = -1;
+  // Crash tests: send this step's Commit ASYNC, waiting on a doorbell that is
+  // never rung, then print the CRASH POINT and die as above. The service must
+  // not run that Commit when it releases the wait at the session's end.
+  int abandon_commit_at_step = -1;
   std::function<void(const SimulationProgress&)> progress;
 };
 

@@ -43,6 +43,9 @@ ABSL_FLAG(bool, batch, false, "simulate: send each step's Verify calls in one Su
 ABSL_FLAG(double, finish_probability, 0.15, "simulate: chance a request finishes each step");
 ABSL_FLAG(int, crash_after_verify_step, -1,
           "simulate (crash tests): die by SIGKILL after sending this step's Verify calls");
+ABSL_FLAG(int, abandon_commit_at_step, -1,
+          "simulate (crash tests): send this step's Commit waiting on a doorbell never rung, then "
+          "die by SIGKILL");
 ABSL_FLAG(int, corrupt_after_step, -1,
           "simulate: flip one bit of a committed state after this step (tests the verdict)");
 
@@ -203,6 +206,7 @@ int Simulate(Client& c) {
   options.finish_probability = absl::GetFlag(FLAGS_finish_probability);
   options.corrupt_after_step = absl::GetFlag(FLAGS_corrupt_after_step);
   options.crash_after_verify_step = absl::GetFlag(FLAGS_crash_after_verify_step);
+  options.abandon_commit_at_step = absl::GetFlag(FLAGS_abandon_commit_at_step);
   const bool tty = isatty(fileno(stderr));
   options.progress = [tty](const SimulationProgress& p) {
     if (tty) {

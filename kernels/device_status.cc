@@ -97,6 +97,10 @@ absl::Status DeviceStatusToStatus(const DeviceStatus& s, absl::string_view opera
       return absl::InvalidArgumentError(absl::StrCat(
           where, element, " = ", s.value, " differs from ", s.bound,
           ", the value the step's first call used (row ", s.row, ")"));
+    case CheckProblem::kCancelled:
+      return absl::CancelledError(absl::StrCat(
+          where, "not run: its step was cancelled (the session that was to ring the doorbell it "
+                 "waited for ended)"));
     case CheckProblem::kPrerequisiteFailed:
       return absl::FailedPreconditionError(absl::StrCat(
           where, "not run: earlier call ", s.index, " of the same step failed on the device"));

@@ -52,6 +52,7 @@ enum class CheckProblem : int32_t {
   kNumAcceptedRange = 11,   // num_accepted_tokens outside [1, columns]
   kMismatch = 12,           // differs from the value the step's first call used
   kPrerequisiteFailed = 13, // an earlier call this one depends on failed
+  kCancelled = 14,          // the service cancelled the call's step
 };
 
 // Written by the first kernel of every call (plain data: lives in device

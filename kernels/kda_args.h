@@ -81,9 +81,15 @@ struct Records {
 // When one of them failed, this call's checks fail with problem
 // kPrerequisiteFailed and nothing of it runs: the service chains a step's
 // Verify, Commit and RecordStateBlocks this way without a host round trip.
+// Also the step's cancellation word: when `*cancelled == generation`
+// (nonzero) the checks fail with kCancelled. The service writes it before it
+// releases a doorbell wait whose ringer is gone, so a call let through that
+// way runs nothing on inputs that may never have been written.
 struct Prerequisites {
   const DeviceStatus* statuses = nullptr;
   int count = 0;
+  const uint32_t* cancelled = nullptr;
+  uint32_t generation = 0;
 };
 
 // An int32 matrix [rows, cols] with column stride 1.

@@ -156,6 +156,9 @@ absl::Status CheckPrerequisites(absl::string_view op, const Prerequisites& p) {
   if (p.count < 0 || (p.count > 0 && p.statuses == nullptr)) {
     return Invalid(op, "prerequisites: a count without statuses");
   }
+  if (p.generation != 0 && p.cancelled == nullptr) {
+    return Invalid(op, "prerequisites: a generation without a cancellation word");
+  }
   return absl::OkStatus();
 }
 

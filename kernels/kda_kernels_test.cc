@@ -1426,6 +1426,54 @@ TEST_P(KdaKernelsTest, CommitEqualsStockState) {
   }
 }
 
+// The step's cancellation word (Prerequisites::cancelled): holding the call's
+// generation, Verify and Commit fail CANCELLED and write nothing; holding
+// another step's, the commit runs.
+TEST_P(KdaKernelsTest, CancelledStepRunsNothing) {
+  StepSpec spec;
+  spec.tokens = {2, 3, 1};
+  spec.sources = {1, 2, 3};
+  spec.num_accepted = {2, 3, 1};
+  Step s = MakeStep(spec);
+  StockAndVerifyAll(s);
+  if (HasFatalFailure()) return;
+  BackendBuffer word = Must(BackendBuffer::Allocate(backend(), sizeof(uint32_t)), "word");
+  const uint32_t generation = 0x9e3779b9u;
+  ASSERT_TRUE(word.Upload(&generation, sizeof(generation)).ok());
+  const Snapshot before = TakeSnapshot(s);
+  {
+    CallData cd;
+    VerifyArgs a = VerifyArgsFor(s, 0, &cd);
+    a.prerequisites.cancelled = word.As<uint32_t>();
+    a.prerequisites.generation = generation;
+    a.status_mirror = PoisonedMirror();
+    const CallResult r = Finish(kernels_->Verify(a, stream()), "Verify", s);
+    ASSERT_TRUE(r.launch.ok()) << r.launch;
+    EXPECT_EQ(r.device.code(), absl::StatusCode::kCancelled) << r.device;
+    EXPECT_THAT(std::string(r.device.message()), HasSubstr("its step was cancelled"));
+  }
+  {
+    CallData cd;
+    CommitArgs a = CommitArgsFor(s, &cd);
+    a.prerequisites.cancelled = word.As<uint32_t>();
+    a.prerequisites.generation = generation;
+    a.status_mirror = PoisonedMirror();
+    const CallResult r = Finish(kernels_->Commit(a, stream()), "Commit", s);
+    ASSERT_TRUE(r.launch.ok()) << r.launch;
+    EXPECT_EQ(r.device.code(), absl::StatusCode::kCancelled) << r.device;
+  }
+  ExpectSameBytes(before, TakeSnapshot(s));
+  {
+    CallData cd;
+    CommitArgs a = CommitArgsFor(s, &cd);
+    a.prerequisites.cancelled = word.As<uint32_t>();
+    a.prerequisites.generation = generation + 1;
+    a.status_mirror = PoisonedMirror();
+    ASSERT_TRUE(CallOk(Finish(kernels_->Commit(a, stream()), "Commit", s)));
+  }
+  ExpectCommitMatchesStock(s, before);
+}
+
 // Align mode: each row's case is asserted on the reference plan first, so
 // the test keeps covering what it says.
 TEST_P(KdaKernelsTest, CommitAlignModeEqualsStockState) {
@@ -1761,6 +1809,9 @@ TEST_P(KdaKernelsTest, VerifyRejectsBadArguments) {
   const std::vector<HostErrorCase<A>> cases = {
       {"head dim 96", [](A& a, C&) { a.shape.head_dim = 96; }, kInvalid,
        "head_dim = 96 is not supported"},
+      {"generation without a cancellation word",
+       [](A& a, C&) { a.prerequisites.generation = 3; }, kInvalid,
+       "prerequisites: a generation without a cancellation word"},
       {"bf16 activations with fp16 state", [](A& a, C&) { a.shape.state_dtype = DType::kFloat16; },
        kInvalid, "state dtype fp16 is not supported"},
       {"batch over the record rows", [](A& a, C&) { a.records.rows = 2; }, kOutOfRange,

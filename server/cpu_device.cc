@@ -258,6 +258,7 @@ class CpuDevice final : public Device {
       for (const WaitOp& wait : work.waits) {
         if (!WaitFor(wait)) {
           status = absl::CancelledError("a wait of this call was cancelled before its doorbell rang");
+          if (wait.cancel_word != nullptr) StoreRelease(wait.cancel_word, wait.cancel_value);
           break;
         }
       }

@@ -380,6 +380,11 @@ class CudaDevice final : public Device {
         // Its session ended before the wait reached the stream: never block
         // on it, and run nothing of this call.
         launched = absl::CancelledError("a wait of this call was cancelled before its doorbell rang");
+        // In stream order: the step's later calls, already queued, run nothing.
+        if (wait.cancel_word != nullptr) {
+          write_value32_(stream_, reinterpret_cast<CUdeviceptr>(wait.cancel_word),
+                         wait.cancel_value, 0);
+        }
         break;
       }
       if (wait.kind == WaitOp::Kind::kDoorbell) {
@@ -393,6 +398,8 @@ class CudaDevice final : public Device {
         pending.counter = wait.counter;
         pending.value = wait.value;
         pending.cancellation = wait.cancellation;
+        pending.cancel_word = wait.cancel_word;
+        pending.cancel_value = wait.cancel_value;
         {
           std::lock_guard<std::mutex> lock(mu_);
           pending_waits_.push_back(pending);
@@ -470,6 +477,8 @@ class CudaDevice final : public Device {
     uint32_t* counter;
     uint32_t value;
     std::shared_ptr<WaitCancellation> cancellation;
+    uint32_t* cancel_word;
+    uint32_t cancel_value;
   };
 
   CudaDevice(int ordinal, const kernels::KdaKernels& kernels)
@@ -550,7 +559,10 @@ class CudaDevice final : public Device {
 
   // Ends waits whose doorbell will never ring (their session ended) by
   // writing the awaited value from a side stream, which the blocked stream
-  // does not hold up.
+  // does not hold up. The step's cancellation word goes first (the writes
+  // are ordered, each after a memory barrier): the released call's check
+  // kernel then fails, and nothing of it or of its step runs on inputs that
+  // were never written.
   void ReleaseCancelledWaits() override {
     ScopedDevice scoped(ordinal_);
     std::vector<PendingWait> cancelled;
@@ -566,6 +578,10 @@ class CudaDevice final : public Device {
       }
     }
     for (const PendingWait& w : cancelled) {
+      if (w.cancel_word != nullptr) {
+        write_value32_(side_stream_, reinterpret_cast<CUdeviceptr>(w.cancel_word), w.cancel_value,
+                       0);
+      }
       write_value32_(side_stream_, reinterpret_cast<CUdeviceptr>(w.counter), w.value, 0);
     }
   }

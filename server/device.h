@@ -56,6 +56,11 @@ struct SyncPoint {
   uint32_t value = 0;
   void* event = nullptr;  // an opened interprocess event
   std::shared_ptr<WaitCancellation> cancellation;  // waits only
+  // Waits only: the step's cancellation word (kernels::Prerequisites), set to
+  // `cancel_value` before a cancelled wait is let through or skipped, so no
+  // call of that step runs after it.
+  uint32_t* cancel_word = nullptr;
+  uint32_t cancel_value = 0;
 };
 using WaitOp = SyncPoint;
 using SignalOp = SyncPoint;

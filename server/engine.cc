@@ -273,6 +273,9 @@ absl::Status Engine::Allocate() {
             : device_->AllocateHost((L + 2) * sizeof(kernels::DeviceStatus));
     if (!p.ok()) return p.status();
     slot.status_host = static_cast<kernels::DeviceStatus*>(*p);
+    p = device_->AllocateDevice(sizeof(uint32_t));
+    if (!p.ok()) return p.status();
+    slot.cancelled = static_cast<uint32_t*>(*p);
     p = device_->AllocateDevice((rows + 1) * sizeof(int32_t));
     if (!p.ok()) return p.status();
     slot.query_start_loc = static_cast<int32_t*>(*p);
@@ -506,6 +509,20 @@ Engine::Step* Engine::FindStep(const std::string& session, uint64_t id) {
   return nullptr;
 }
 
+kernels::Prerequisites Engine::StepPrerequisites(const StepSlot& slot, const Step& step,
+                                                int count) {
+  return kernels::Prerequisites{slot.status_device, count, slot.cancelled, step.generation};
+}
+
+std::vector<WaitOp> Engine::StepWaits(const StepSlot& slot, const Step& step,
+                                      std::vector<WaitOp> waits) {
+  for (WaitOp& w : waits) {
+    w.cancel_word = slot.cancelled;
+    w.cancel_value = step.generation;
+  }
+  return waits;
+}
+
 absl::StatusOr<Engine::Step*> Engine::StartOrFindStep(const std::string& session, uint64_t id,
                                                       int num_rows) {
   Step* step = FindStep(session, id);
@@ -541,6 +558,8 @@ absl::StatusOr<Engine::Step*> Engine::StartOrFindStep(const std::string& session
   fresh->slot = slot;
   fresh->num_rows = num_rows;
   fresh->verified.assign(layout_.num_layers(), false);
+  if (++next_generation_ == 0) ++next_generation_;  // 0 means "no cancellation word"
+  fresh->generation = next_generation_;
   std::memset(slots_[slot].status_host, 0,
               (layout_.num_layers() + 2) * sizeof(kernels::DeviceStatus));
   steps_.push_back(std::move(fresh));
@@ -843,7 +862,7 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   args.params = kernels::LayerParams{layer.a_log, layer.dt_bias};
   args.records = layer.records;
   args.num_rows = N;
-  args.prerequisites = kernels::Prerequisites{slot.status_device, L};
+  args.prerequisites = StepPrerequisites(slot, *step, L);
   args.status = slot.status_device + layer_index;
   args.status_mirror = slot.StatusMirror(layer_index);
   if (first) {
@@ -870,7 +889,7 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   }
 
   Work work;
-  work.waits = ordering->waits;
+  work.waits = StepWaits(slot, *step, ordering->waits);
   work.signals = ordering->signals;
   if (first && N > 0) {
     work.readbacks.push_back(Readback{slot.query_start_loc, slot.qsl_host, uint64_t(N + 1) * 4});
@@ -1104,7 +1123,7 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
   args.mamba_block_size = align ? layout_.mamba_block_size() : 0;
   args.workspace = commit_workspace_;
   args.workspace_bytes = commit_workspace_bytes_;
-  args.prerequisites = kernels::Prerequisites{slot.status_device, L};
+  args.prerequisites = StepPrerequisites(slot, *step, L);
   args.status = slot.status_device + L;
   args.status_mirror = slot.StatusMirror(L);
   {
@@ -1125,7 +1144,7 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
   }
 
   Work work;
-  work.waits = ordering->waits;
+  work.waits = StepWaits(slot, *step, ordering->waits);
   work.signals = ordering->signals;
   if (N > 0) {
     work.readbacks.push_back(Readback{kernels::CommitPlanOf(commit_workspace_, layout_.num_blocks()),
@@ -1340,7 +1359,7 @@ void Engine::RecordStateBlocks(const std::string& session,
   args.num_accepted = static_cast<int32_t*>(out_accepted->data);
   args.workspace = record_workspace_;
   args.workspace_bytes = record_workspace_bytes_;
-  args.prerequisites = kernels::Prerequisites{slot.status_device, L + 1};
+  args.prerequisites = StepPrerequisites(slot, *step, L + 1);
   args.status = slot.status_device + L + 1;
   args.status_mirror = slot.StatusMirror(L + 1);
   {
@@ -1356,7 +1375,7 @@ void Engine::RecordStateBlocks(const std::string& session,
   }
 
   Work work;
-  work.waits = ordering->waits;
+  work.waits = StepWaits(slot, *step, ordering->waits);
   work.signals = ordering->signals;
   struct Inputs {
     IndexInput mapping, sampled, computed, request_indices;

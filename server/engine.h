@@ -107,6 +107,8 @@ class Engine {
     kernels::DeviceStatus* StatusMirror(int index) const {
       return status_host == status_device ? nullptr : status_host + index;
     }
+    // The cancellation word of the steps in this slot (kernels::Prerequisites).
+    uint32_t* cancelled = nullptr;
     int32_t* query_start_loc = nullptr;  // [max_rows + 1], the step's snapshot
     int32_t* state_indices = nullptr;    // [max_rows]
     int32_t* qsl_host = nullptr;         // readback of the snapshot
@@ -119,6 +121,7 @@ class Engine {
     std::string session;  // the driving session whose step it is
     uint64_t id = 0;
     int slot = 0;
+    uint32_t generation = 0;  // unique, nonzero: its value of the slot's cancellation word
     int num_rows = 0;
     std::vector<bool> verified;
     int verified_count = 0;
@@ -138,6 +141,14 @@ class Engine {
 
   Engine(const v1::ServiceConfig& config, std::unique_ptr<Device> device);
   absl::Status Allocate();
+
+  // A call's prerequisites: the first `count` statuses of its step's slot and
+  // the step's cancellation. Its waits, with the cancellation word they set
+  // when they are cancelled.
+  static kernels::Prerequisites StepPrerequisites(const StepSlot& slot, const Step& step,
+                                                  int count);
+  static std::vector<WaitOp> StepWaits(const StepSlot& slot, const Step& step,
+                                       std::vector<WaitOp> waits);
 
   // The step `id`, started (with a free slot) when new.
   // Steps are the driving session's: a new driver starts its own numbering.
@@ -191,6 +202,7 @@ class Engine {
   mutable absl::Mutex mu_;
   std::vector<StepSlot> slots_ ABSL_GUARDED_BY(mu_);
   int next_slot_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t next_generation_ ABSL_GUARDED_BY(mu_) = 0;
   // Recent steps, oldest first; the last is the current one.
   std::deque<std::unique_ptr<Step>> steps_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, absl::Status> session_errors_ ABSL_GUARDED_BY(mu_);

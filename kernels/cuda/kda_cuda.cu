@@ -388,8 +388,15 @@ __device__ bool BlockCheckRows(int num_rows, DeviceStatus* status, Check check) 
 // False (to every thread, with the status written) when a prerequisite failed.
 __device__ bool BlockCheckPrerequisites(const Prerequisites& p, DeviceStatus* status) {
   __shared__ int lowest_failed;
-  if (threadIdx.x == 0) lowest_failed = INT_MAX;
+  __shared__ bool cancelled;
+  if (threadIdx.x == 0) {
+    lowest_failed = INT_MAX;
+    const RowFault c = internal::CheckCancelled(p);
+    cancelled = c.problem != 0;
+    if (cancelled) *status = internal::StatusFromFault(c, -1, -1);
+  }
   __syncthreads();
+  if (cancelled) return false;
   for (int i = threadIdx.x; i < p.count; i += blockDim.x) {
     if (p.statuses[i].failed != 0) atomicMin(&lowest_failed, i);
   }

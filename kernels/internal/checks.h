@@ -210,8 +210,21 @@ SPECSTATE_HD void SnapshotVerifyRow(const VerifyArgs& a, int n) {
   }
 }
 
-// The first failed prerequisite, if any.
+// Whether the step was cancelled. A volatile read: on CUDA another stream
+// wrote the word, just before the write that released this call.
+SPECSTATE_HD RowFault CheckCancelled(const Prerequisites& p) {
+  if (p.cancelled != nullptr && p.generation != 0 &&
+      *static_cast<const volatile uint32_t*>(p.cancelled) == p.generation) {
+    return MakeFault(CheckedField::kPrerequisites, CheckProblem::kCancelled, -1, -1,
+                     p.generation, 0);
+  }
+  return NoFault();
+}
+
+// The step's cancellation, else the first failed prerequisite, if any.
 SPECSTATE_HD RowFault CheckPrerequisites(const Prerequisites& p) {
+  const RowFault cancelled = CheckCancelled(p);
+  if (cancelled.problem != 0) return cancelled;
   for (int i = 0; i < p.count; ++i) {
     if (p.statuses[i].failed != 0) {
       return MakeFault(CheckedField::kPrerequisites, CheckProblem::kPrerequisiteFailed, i, -1, 0,

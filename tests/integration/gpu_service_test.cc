@@ -4,10 +4,13 @@
 // its own CUDA stock path. Needs an NVIDIA GPU.
 #include <cuda_runtime.h>
 
+#include <csignal>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/client.h"
 #include "gmock/gmock.h"
@@ -82,6 +85,46 @@ TEST_F(GpuServiceTest, PlantedCorruptionFailsTheVerdict) {
   SCOPED_TRACE(r.output);
   EXPECT_EQ(r.exit_code, 3);
   EXPECT_THAT(r.output, HasSubstr("verdict: FAIL"));
+}
+
+// A scheduler killed after sending a Commit that waits on a doorbell it never
+// rings: its session's end releases the wait (the stream would block forever
+// otherwise), and the Commit must then run nothing. The pools stay as the
+// scheduler left them, and the service keeps serving.
+TEST_F(GpuServiceTest, KilledSchedulersWaitingCommitNeverRuns) {
+  Start({});
+  const testing::ProcessResult crashed =
+      Simulate({"--steps=6", "--requests=3", "--async", "--abandon_commit_at_step=3"});
+  EXPECT_EQ(crashed.signal, SIGKILL) << crashed.output;
+  const size_t at = crashed.output.find("CRASH POINT pools=");
+  ASSERT_NE(at, std::string::npos) << crashed.output;
+  const std::string checksum_at_crash = crashed.output.substr(at + 18, 16);
+
+  auto c = client::Client::Connect(server_->address()).value();
+  std::unique_ptr<client::Session> next;
+  for (int i = 0; i < 100 && next == nullptr; ++i) {
+    absl::StatusOr<std::unique_ptr<client::Session>> s = c->OpenSession("restarted", true);
+    if (s.ok()) next = *std::move(s);
+    else std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_NE(next, nullptr);
+  // A read is queued after whatever the dead session left on the stream.
+  ASSERT_TRUE(c->ReadState(0, 1, false).ok());
+  auto memory = client::SharedMemory::Create(v1::CUDA).value();
+  auto pools = memory->MapPools(c->ExportPools().value()).value();
+  std::vector<char> bytes(pools->description().allocation_bytes());
+  ASSERT_TRUE(memory->CopyOut(bytes.data(), pools->base(), bytes.size()).ok());
+  uint64_t h = 1469598103934665603ull;  // FNV-1a, as the simulator's CRASH POINT
+  for (char b : bytes) {
+    h ^= static_cast<unsigned char>(b);
+    h *= 1099511628211ull;
+  }
+  EXPECT_EQ(absl::StrFormat("%016x", h), checksum_at_crash);
+  pools.reset();
+  ASSERT_TRUE(next->Close().ok());
+  const testing::ProcessResult after = Simulate({"--steps=4", "--requests=3", "--seed=9"});
+  EXPECT_EQ(after.exit_code, 0) << after.output;
+  EXPECT_THAT(after.output, HasSubstr("verdict: PASS"));
 }
 
 TEST_F(GpuServiceTest, CudaRegionHandlesAreChecked) {

@@ -544,13 +544,17 @@ TEST_F(ServiceTest, ASecondDriverIsRefusedAndReadOnlyCallsStayOpen) {
   EXPECT_EQ(ValueOrDie(client_->Health("specstate.v1.SpecState")), "SERVING");
 }
 
-TEST_F(ServiceTest, KilledSchedulerLeavesThePoolsForTheNextOne) {
-  Start();
-  // A scheduler process runs three steps, sends step 3's Verify calls and is
-  // killed (SIGKILL) before its Commit.
-  const testing::ProcessResult crashed = ValueOrDie(testing::RunProcess(
-      {testing::RunfilePath("client/specstatectl"), absl::StrCat("--server=", server_->address()),
-       "simulate", "--steps=6", "--requests=3", "--crash_after_verify_step=3"}));
+// A scheduler process runs `simulate` with `crash_flags` and is killed
+// (SIGKILL) mid-step, after printing the pools' checksum; its session ends
+// with its connection, a new scheduler takes over and finds the pools as the
+// killed one left them, and runs correctly on them.
+void ExpectTakeoverAfterKill(const std::string& address, client::Client& client,
+                             const std::vector<std::string>& crash_flags) {
+  std::vector<std::string> argv = {testing::RunfilePath("client/specstatectl"),
+                                   absl::StrCat("--server=", address), "simulate", "--steps=6",
+                                   "--requests=3"};
+  argv.insert(argv.end(), crash_flags.begin(), crash_flags.end());
+  const testing::ProcessResult crashed = ValueOrDie(testing::RunProcess(argv));
   EXPECT_EQ(crashed.signal, SIGKILL);
   // A killed process cannot unlink its shared memory; the test does.
   const std::string prefix = absl::StrCat("specstate-client-", crashed.pid, "-");
@@ -567,15 +571,17 @@ TEST_F(ServiceTest, KilledSchedulerLeavesThePoolsForTheNextOne) {
   // Its session ends with its connection; a new scheduler may drive at once.
   std::unique_ptr<Session> next;
   for (int i = 0; i < 100 && next == nullptr; ++i) {
-    absl::StatusOr<std::unique_ptr<Session>> s = client_->OpenSession("restarted", true);
+    absl::StatusOr<std::unique_ptr<Session>> s = client.OpenSession("restarted", true);
     if (s.ok()) next = *std::move(s);
     else std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   ASSERT_NE(next, nullptr);
-  EXPECT_EQ(ValueOrDie(client_->ListRegions()).regions_size(), 0) << "the dead session's regions";
+  EXPECT_EQ(ValueOrDie(client.ListRegions()).regions_size(), 0) << "the dead session's regions";
+  // A read is queued after whatever the dead session left on the device.
+  ASSERT_OK(client.ReadState(0, 1, false).status());
   // Exactly as the killed scheduler left them.
   auto memory = ValueOrDie(SharedMemory::Create(v1::CPU));
-  auto pools = ValueOrDie(memory->MapPools(ValueOrDie(client_->ExportPools())));
+  auto pools = ValueOrDie(memory->MapPools(ValueOrDie(client.ExportPools())));
   const std::string now(pools->base(), pools->description().allocation_bytes());
   EXPECT_EQ(absl::StrFormat("%016x", Fnv1a(now)), checksum_at_crash);
   // Its half-done step is not the new driver's to commit.
@@ -588,8 +594,22 @@ TEST_F(ServiceTest, KilledSchedulerLeavesThePoolsForTheNextOne) {
   client::SimulationOptions o;
   o.steps = 5;
   o.requests = 3;
-  const client::SimulationReport r = ValueOrDie(client::RunSimulation(*client_, o));
+  const client::SimulationReport r = ValueOrDie(client::RunSimulation(client, o));
   EXPECT_TRUE(r.passed()) << client::FormatReport(r);
+}
+
+// Killed after sending step 3's Verify calls, before its Commit.
+TEST_F(ServiceTest, KilledSchedulerLeavesThePoolsForTheNextOne) {
+  Start();
+  ExpectTakeoverAfterKill(server_->address(), *client_, {"--crash_after_verify_step=3"});
+}
+
+// Killed after sending step 3's Commit, which waits on a doorbell the dead
+// scheduler never rings: releasing the wait must not run the Commit.
+TEST_F(ServiceTest, KilledSchedulersWaitingCommitNeverRuns) {
+  Start();
+  ExpectTakeoverAfterKill(server_->address(), *client_,
+                          {"--async", "--abandon_commit_at_step=3"});
 }
 
 // ---------------------------------------------------------------------------
