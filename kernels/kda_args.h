@@ -141,8 +141,10 @@ struct VerifyArgs {
   Prerequisites prerequisites;
   DeviceStatus* status = nullptr;
   // Optional: host memory the device writes (pinned, mapped), where the
-  // call's final status is copied once its checks are done, so the service
-  // reads it without a copy on the stream. Nothing on the device reads it.
+  // call's final status is copied once its checks are done if they failed,
+  // so the service reads it without a copy on the stream. The caller zeroes
+  // it first (zero: passed); a passing call leaves it untouched, sparing
+  // the kernel a write across PCIe. Nothing on the device reads it.
   DeviceStatus* status_mirror = nullptr;
 };
 
@@ -178,8 +180,10 @@ struct CommitArgs {
   Prerequisites prerequisites;
   DeviceStatus* status = nullptr;
   // Optional: host memory the device writes (pinned, mapped), where the
-  // call's final status is copied once its checks are done, so the service
-  // reads it without a copy on the stream. Nothing on the device reads it.
+  // call's final status is copied once its checks are done if they failed,
+  // so the service reads it without a copy on the stream. The caller zeroes
+  // it first (zero: passed); a passing call leaves it untouched, sparing
+  // the kernel a write across PCIe. Nothing on the device reads it.
   DeviceStatus* status_mirror = nullptr;
 };
 
@@ -212,8 +216,10 @@ struct RecordStateBlocksArgs {
   Prerequisites prerequisites;
   DeviceStatus* status = nullptr;
   // Optional: host memory the device writes (pinned, mapped), where the
-  // call's final status is copied once its checks are done, so the service
-  // reads it without a copy on the stream. Nothing on the device reads it.
+  // call's final status is copied once its checks are done if they failed,
+  // so the service reads it without a copy on the stream. The caller zeroes
+  // it first (zero: passed); a passing call leaves it untouched, sparing
+  // the kernel a write across PCIe. Nothing on the device reads it.
   DeviceStatus* status_mirror = nullptr;
 };
 

@@ -647,22 +647,28 @@ class KdaKernelsTest : public ::testing::TestWithParam<Backend> {
   VerifyArgs VerifyArgsFor(Step& s, int l, CallData* cd);
   CommitArgs CommitArgsFor(Step& s, CallData* cd);
 
-  // A poisoned host mirror for the call's status (status_mirror).
-  DeviceStatus* PoisonedMirror() {
-    std::memset(mirror_.get(), 0xab, sizeof(DeviceStatus));
+  // A zeroed host mirror for the call's status (status_mirror), as the
+  // service hands it over.
+  DeviceStatus* ZeroedMirror() {
+    std::memset(mirror_.get(), 0, sizeof(DeviceStatus));
     return mirror_.get();
   }
 
-  // The call's status; its host mirror must hold the same bytes (when given).
+  // The call's status; its host mirror (when given) must hold the same bytes
+  // if the call failed, and still be zero if it passed.
   CallResult Finish(const absl::Status& launch, const char* op, const DeviceStatus* device_status,
                     bool mirrored = true) {
     CallResult r{launch, absl::OkStatus()};
     if (!launch.ok()) return r;
     const DeviceStatus status = Must(testing::Finish(backend(), stream(), device_status), "finish");
     r.device = DeviceStatusToStatus(status, op);
-    if (mirrored) {
+    if (mirrored && status.failed != 0) {
       EXPECT_EQ(std::memcmp(mirror_.get(), &status, sizeof(status)), 0)
-          << op << ": the status mirror differs from the status";
+          << op << ": the status mirror differs from the failed status";
+    } else if (mirrored) {
+      const DeviceStatus zero{};
+      EXPECT_EQ(std::memcmp(mirror_.get(), &zero, sizeof(zero)), 0)
+          << op << ": a passing call wrote the status mirror";
     }
     return r;
   }
@@ -679,13 +685,13 @@ class KdaKernelsTest : public ::testing::TestWithParam<Backend> {
   CallResult RunVerify(Step& s, int l) {
     CallData cd;
     VerifyArgs args = VerifyArgsFor(s, l, &cd);
-    args.status_mirror = PoisonedMirror();
+    args.status_mirror = ZeroedMirror();
     return Finish(kernels_->Verify(args, stream()), "Verify", s);
   }
   CallResult RunCommit(Step& s) {
     CallData cd;
     CommitArgs args = CommitArgsFor(s, &cd);
-    args.status_mirror = PoisonedMirror();
+    args.status_mirror = ZeroedMirror();
     return Finish(kernels_->Commit(args, stream()), "Commit", s);
   }
 
@@ -1446,7 +1452,7 @@ TEST_P(KdaKernelsTest, CancelledStepRunsNothing) {
     VerifyArgs a = VerifyArgsFor(s, 0, &cd);
     a.prerequisites.cancelled = word.As<uint32_t>();
     a.prerequisites.generation = generation;
-    a.status_mirror = PoisonedMirror();
+    a.status_mirror = ZeroedMirror();
     const CallResult r = Finish(kernels_->Verify(a, stream()), "Verify", s);
     ASSERT_TRUE(r.launch.ok()) << r.launch;
     EXPECT_EQ(r.device.code(), absl::StatusCode::kCancelled) << r.device;
@@ -1457,7 +1463,7 @@ TEST_P(KdaKernelsTest, CancelledStepRunsNothing) {
     CommitArgs a = CommitArgsFor(s, &cd);
     a.prerequisites.cancelled = word.As<uint32_t>();
     a.prerequisites.generation = generation;
-    a.status_mirror = PoisonedMirror();
+    a.status_mirror = ZeroedMirror();
     const CallResult r = Finish(kernels_->Commit(a, stream()), "Commit", s);
     ASSERT_TRUE(r.launch.ok()) << r.launch;
     EXPECT_EQ(r.device.code(), absl::StatusCode::kCancelled) << r.device;
@@ -1468,7 +1474,7 @@ TEST_P(KdaKernelsTest, CancelledStepRunsNothing) {
     CommitArgs a = CommitArgsFor(s, &cd);
     a.prerequisites.cancelled = word.As<uint32_t>();
     a.prerequisites.generation = generation + 1;
-    a.status_mirror = PoisonedMirror();
+    a.status_mirror = ZeroedMirror();
     ASSERT_TRUE(CallOk(Finish(kernels_->Commit(a, stream()), "Commit", s)));
   }
   ExpectCommitMatchesStock(s, before);
@@ -2032,7 +2038,7 @@ class RecordStateBlocksTest : public KdaKernelsTest {
   CallResult Run(RsbStep& r) {
     CallData cd;
     RecordStateBlocksArgs a = ArgsFor(r, &cd);
-    a.status_mirror = PoisonedMirror();
+    a.status_mirror = ZeroedMirror();
     return Finish(kernels_->RecordStateBlocks(a, stream()), "RecordStateBlocks",
                   r.status.As<DeviceStatus>());
   }

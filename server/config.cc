@@ -32,6 +32,7 @@ v1::ServiceConfig DefaultServiceConfig() {
   config.set_listen(kDefaultListen);
   config.set_default_lease_ms(10000);
   config.set_max_lease_ms(600000);
+  config.set_submit_spin_us(200);
   return config;
 }
 

@@ -117,7 +117,7 @@ class StreamScratch final : public Scratch {
 
 class CudaDevice final : public Device {
  public:
-  static absl::StatusOr<std::unique_ptr<Device>> Create(int ordinal) {
+  static absl::StatusOr<std::unique_ptr<Device>> Create(int ordinal, absl::Duration submit_spin) {
     int count = 0;
     const cudaError_t err = cudaGetDeviceCount(&count);
     if (err != cudaSuccess || count == 0) {
@@ -131,7 +131,7 @@ class CudaDevice final : public Device {
     }
     auto kernels = kernels::CudaKdaKernels();
     if (!kernels.ok()) return kernels.status();
-    std::unique_ptr<CudaDevice> device(new CudaDevice(ordinal, **kernels));
+    std::unique_ptr<CudaDevice> device(new CudaDevice(ordinal, **kernels, submit_spin));
     absl::Status st = device->Init();
     if (!st.ok()) return st;
     return std::unique_ptr<Device>(std::move(device));
@@ -340,16 +340,17 @@ class CudaDevice final : public Device {
     std::shared_ptr<absl::Notification> enqueued;  // when Submit waits for the issue
   };
 
-  // How long the submitter polls an empty queue before it sleeps: a step's
-  // calls arrive tens of microseconds apart, and waking a sleeping thread
-  // costs the RPC thread a futex call and the call a scheduler wake-up.
-  static constexpr auto kSubmitterSpin = std::chrono::microseconds(200);
+  // How long the submitter polls an empty queue before it sleeps
+  // (ServiceConfig.submit_spin_us): a step's calls arrive tens of
+  // microseconds apart, and waking a sleeping thread costs the RPC thread a
+  // futex call and the call a scheduler wake-up.
+  const std::chrono::microseconds submit_spin_;
 
   void SubmitLoop() {
     cudaSetDevice(ordinal_);  // the submitter's own thread
     for (;;) {
       Queued item;
-      const auto spin_until = std::chrono::steady_clock::now() + kSubmitterSpin;
+      const auto spin_until = std::chrono::steady_clock::now() + submit_spin_;
       while (queued_.load(std::memory_order_acquire) == 0 &&
              std::chrono::steady_clock::now() < spin_until) {
         std::this_thread::yield();
@@ -481,8 +482,10 @@ class CudaDevice final : public Device {
     uint32_t cancel_value;
   };
 
-  CudaDevice(int ordinal, const kernels::KdaKernels& kernels)
-      : ordinal_(ordinal), kernels_(kernels) {}
+  CudaDevice(int ordinal, const kernels::KdaKernels& kernels, absl::Duration submit_spin)
+      : ordinal_(ordinal),
+        kernels_(kernels),
+        submit_spin_(std::chrono::microseconds(absl::ToInt64Microseconds(submit_spin))) {}
 
   // Zeroes on the service's stream and waits (set-up only). cudaMemset would
   // run on the legacy default stream, which the non-blocking stream_ does not
@@ -657,8 +660,9 @@ class CudaDevice final : public Device {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int ordinal) {
-  return CudaDevice::Create(ordinal);
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int ordinal,
+                                                         absl::Duration submit_spin) {
+  return CudaDevice::Create(ordinal, submit_spin);
 }
 
 }  // namespace server

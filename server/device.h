@@ -172,8 +172,10 @@ class Device {
 };
 
 absl::StatusOr<std::unique_ptr<Device>> CreateCpuDevice();
-// UNAVAILABLE without a CUDA build or device.
-absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int ordinal);
+// UNAVAILABLE without a CUDA build or device. `submit_spin`: how long the
+// submitting thread polls an empty queue before it sleeps.
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int ordinal,
+                                                         absl::Duration submit_spin);
 
 }  // namespace server
 }  // namespace specstate

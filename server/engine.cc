@@ -896,14 +896,8 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   }
   auto inputs = std::make_shared<std::pair<IndexInput, IndexInput>>(*std::move(qsl),
                                                                       *std::move(indices));
-  work.launch = [this, args, inputs, &slot, first, L](kernels::Stream stream,
-                                                     Scratch& scratch) mutable -> absl::Status {
-    if (first) {
-      // Later calls of the step read these as prerequisites: start clean.
-      absl::Status st =
-          device_->ZeroOnStream(slot.status_device, (L + 2) * sizeof(kernels::DeviceStatus), stream);
-      if (!st.ok()) return st;
-    }
+  work.launch = [this, args, inputs, &slot](kernels::Stream stream,
+                                           Scratch& scratch) mutable -> absl::Status {
     if (inputs->first.present) {
       absl::StatusOr<const int32_t*> p = inputs->first.Pointer(scratch);
       if (!p.ok()) return p.status();
@@ -946,6 +940,30 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
     if (!async) reply(result, {});
   };
 
+  if (first) {
+    // Later calls of the step read these as prerequisites: start clean. A
+    // Work of its own, ahead of the wait for the caller's inputs, so that it
+    // runs while the caller's GPU work does.
+    Work reset;
+    reset.launch = [this, &slot, L](kernels::Stream stream, Scratch&) {
+      return device_->ZeroOnStream(slot.status_device, (L + 2) * sizeof(kernels::DeviceStatus),
+                                   stream);
+    };
+    reset.done = [this, step_id, session, async, slot_index = step->slot](absl::Status launched) {
+      absl::MutexLock lock(&mu_);
+      --slots_[slot_index].in_flight;
+      if (!launched.ok()) MarkFailed(step_id, session, launched, async);
+    };
+    ++slot.in_flight;
+    absl::Status st = device_->Submit(std::move(reset));
+    if (!st.ok()) {
+      --slot.in_flight;
+      MarkFailed(step_id, session, st, false);
+      lock.Release();
+      reply(st, {});
+      return;
+    }
+  }
   step->verified[layer_index] = true;
   ++step->verified_count;
   layer.records_session = session;
@@ -1455,15 +1473,15 @@ void Engine::SubmitStep(const std::string& session, const v1::SubmitStepRequest&
   struct Chain {
     Engine* engine;
     std::string session;
-    v1::SubmitStepRequest request;
+    const v1::SubmitStepRequest& request;  // owned by the RPC until it is answered
     Reply<v1::SubmitStepResponse> reply;
     v1::SubmitStepResponse response;
 
     static void Next(std::shared_ptr<Chain> c, int i) {
       if (i < c->request.verifies_size()) {
-        v1::VerifyRequest v = c->request.verifies(i);
-        v.set_session_id(c->session);
-        c->engine->Verify(c->session, v, [c, i](absl::Status s, v1::VerifyResponse r) {
+        // The engine takes the session from the batch, not from each call.
+        c->engine->Verify(c->session, c->request.verifies(i),
+                          [c, i](absl::Status s, v1::VerifyResponse r) {
           if (!s.ok()) {
             c->reply(absl::Status(s.code(), absl::StrCat("verifies[", i, "]: ", s.message())), {});
             return;
@@ -1477,9 +1495,7 @@ void Engine::SubmitStep(const std::string& session, const v1::SubmitStepRequest&
         c->reply(absl::OkStatus(), std::move(c->response));
         return;
       }
-      v1::CommitRequest commit = c->request.commit();
-      commit.set_session_id(c->session);
-      c->engine->Commit(c->session, commit, [c](absl::Status s, v1::CommitResponse r) {
+      c->engine->Commit(c->session, c->request.commit(), [c](absl::Status s, v1::CommitResponse r) {
         if (!s.ok()) {
           c->reply(absl::Status(s.code(), absl::StrCat("commit: ", s.message())), {});
           return;

@@ -75,7 +75,7 @@ class Engine {
   void RecordStateBlocks(const std::string& session, const v1::RecordStateBlocksRequest& request,
                          Reply<v1::RecordStateBlocksResponse> reply);
   // Verify of each of `request.verifies`, in order, then Commit; stops at the
-  // first error.
+  // first error. `request` must live until `reply` is called (the RPC's does).
   void SubmitStep(const std::string& session, const v1::SubmitStepRequest& request,
                   Reply<v1::SubmitStepResponse> reply);
 

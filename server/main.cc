@@ -47,6 +47,8 @@ ABSL_FLAG(std::string, cache_mode, "", "none or align");
 ABSL_FLAG(int, mamba_block_size, 0, "align mode: tokens per state block (>= Q)");
 ABSL_FLAG(float, lower_bound, 0.0f, "the KDA gate's lower bound (negative)");
 ABSL_FLAG(int, default_lease_ms, 0, "session lease when a client asks for none");
+ABSL_FLAG(int, submit_spin_us, -1,
+          "CUDA: how long the submitting thread polls before it sleeps (us, <= 100000; default 200)");
 
 namespace specstate {
 namespace server {
@@ -109,23 +111,34 @@ absl::StatusOr<v1::ServiceConfig> BuildConfig() {
     l->set_mamba_block_size(absl::GetFlag(FLAGS_mamba_block_size));
   }
   if (absl::GetFlag(FLAGS_lower_bound) != 0.0f) l->set_lower_bound(absl::GetFlag(FLAGS_lower_bound));
+  if (absl::GetFlag(FLAGS_submit_spin_us) >= 0) {
+    config.set_submit_spin_us(absl::GetFlag(FLAGS_submit_spin_us));
+  }
   if (absl::GetFlag(FLAGS_default_lease_ms) > 0) {
     config.set_default_lease_ms(absl::GetFlag(FLAGS_default_lease_ms));
+  }
+  constexpr uint32_t kMaxSubmitSpinUs = 100000;
+  if (config.submit_spin_us() > kMaxSubmitSpinUs) {
+    return absl::InvalidArgumentError(absl::StrCat("submit_spin_us = ", config.submit_spin_us(),
+                                                   " is over the limit of ", kMaxSubmitSpinUs));
   }
   absl::Status st = ValidateLayout(config.layout());
   if (!st.ok()) return st;
   return config;
 }
 
-absl::StatusOr<std::unique_ptr<Device>> OpenDevice(const v1::Layout& layout) {
+absl::StatusOr<std::unique_ptr<Device>> OpenDevice(const v1::ServiceConfig& config) {
+  const v1::Layout& layout = config.layout();
+  const absl::Duration submit_spin =
+      absl::Microseconds(config.submit_spin_us() == 0 ? 200 : config.submit_spin_us());
   switch (layout.backend()) {
     case v1::CPU:
       return CreateCpuDevice();
     case v1::CUDA:
-      return CreateCudaDevice(layout.device());
+      return CreateCudaDevice(layout.device(), submit_spin);
     default: {
       if (kernels::BuiltWithCuda()) {
-        absl::StatusOr<std::unique_ptr<Device>> cuda = CreateCudaDevice(layout.device());
+        absl::StatusOr<std::unique_ptr<Device>> cuda = CreateCudaDevice(layout.device(), submit_spin);
         if (cuda.ok()) return cuda;
         LogInfo(absl::StrCat("no usable GPU (", cuda.status().message(),
                              "): serving on the CPU backend"));
@@ -141,7 +154,7 @@ int Run() {
     LogError(config.status().ToString());
     return 2;
   }
-  absl::StatusOr<std::unique_ptr<Device>> device = OpenDevice(config->layout());
+  absl::StatusOr<std::unique_ptr<Device>> device = OpenDevice(*config);
   if (!device.ok()) {
     LogError(absl::StrCat("cannot open the device: ", device.status().ToString()));
     return 1;

@@ -4,7 +4,7 @@
 namespace specstate {
 namespace server {
 
-absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int) {
+absl::StatusOr<std::unique_ptr<Device>> CreateCudaDevice(int, absl::Duration) {
   return absl::UnavailableError("this build of specstated has no CUDA backend");
 }
 

@@ -44,6 +44,14 @@ cc_library(
         "-lpthread",
     ],
 )
+
+# CUPTI, for the GPU timeline tracer only (tools/gpu/trace): never linked into
+# the service.
+cc_library(
+    name = "cupti",
+    linkopts = ["-L{root}/lib64", "-lcupti"],
+    deps = [":cudart"],
+)
 """.format(root = root))
 
 cuda_configure = repository_rule(

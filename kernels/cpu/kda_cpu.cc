@@ -24,6 +24,11 @@ using internal::DispatchKda;
 using internal::IsBlock;
 using internal::RowFault;
 
+// The status mirror's contract (kda_args.h): written only when a check failed.
+void PublishStatus(const DeviceStatus& status, DeviceStatus* mirror) {
+  if (mirror != nullptr && status.failed != 0) *mirror = status;
+}
+
 // ---------------------------------------------------------------------------
 // Checks.
 
@@ -297,7 +302,7 @@ class CpuKernels final : public KdaKernels {
 
   absl::Status LaunchVerify(const VerifyArgs& a, Stream) const override {
     RunVerify(a);
-    if (a.status_mirror != nullptr) *a.status_mirror = *a.status;
+    PublishStatus(*a.status, a.status_mirror);
     return absl::OkStatus();
   }
 
@@ -339,7 +344,7 @@ class CpuKernels final : public KdaKernels {
 
   absl::Status LaunchCommit(const CommitArgs& a, Stream) const override {
     RunCommit(a);
-    if (a.status_mirror != nullptr) *a.status_mirror = *a.status;
+    PublishStatus(*a.status, a.status_mirror);
     return absl::OkStatus();
   }
 
@@ -401,7 +406,7 @@ class CpuKernels final : public KdaKernels {
 
   absl::Status LaunchRecordStateBlocks(const RecordStateBlocksArgs& a, Stream) const override {
     RunRecordStateBlocks(a);
-    if (a.status_mirror != nullptr) *a.status_mirror = *a.status;
+    PublishStatus(*a.status, a.status_mirror);
     return absl::OkStatus();
   }
 

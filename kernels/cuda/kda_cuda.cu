@@ -482,9 +482,10 @@ __global__ void __launch_bounds__(kCheckThreads) StockCheckKernel(const StockArg
 
 // Copies the call's final status to its host mirror. Every thread of the
 // block calls it, after the checks (which return block-uniformly).
+// The status mirror's contract (kda_args.h): written only when a check failed.
 __device__ void PublishStatus(const DeviceStatus* status, DeviceStatus* mirror) {
   __syncthreads();
-  if (mirror != nullptr && threadIdx.x == 0) *mirror = *status;
+  if (mirror != nullptr && threadIdx.x == 0 && status->failed != 0) *mirror = *status;
 }
 
 __device__ void VerifyChecks(const VerifyArgs& a) {

@@ -11,7 +11,8 @@
 //    N=max_rows) then Verify, per layer, then Commit; through the service (all
 //    of a step's calls sent ahead, ordered by doorbells on both streams)
 //    against the same loop calling the kernels in this process.
-// CUDA backend only (the step needs GPU streams on both sides).
+// 1 and 2 run on either backend; 3 needs the CUDA backend (GPU streams on
+// both sides).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -35,6 +36,8 @@ ABSL_FLAG(std::string, server, "unix:///tmp/specstate.sock", "the running servic
 ABSL_FLAG(int, iters, 200, "round trips per latency measurement");
 ABSL_FLAG(int, steps, 30, "decode steps per step measurement");
 ABSL_FLAG(double, model_us_small, 50, "the model's GPU time per layer at N=1 (us)");
+ABSL_FLAG(bool, breakdown, false,
+          "also measure the N=1 step without its Commit and with a 3x longer model kernel");
 ABSL_FLAG(double, model_us_large, 300, "the model's GPU time per layer at N=max_rows (us)");
 
 namespace specstate {
@@ -132,11 +135,11 @@ Paired TimeInterleaved(int iters, A a, B b) {
   return {Of(ta), Of(tb), diff[diff.size() / 2]};
 }
 
-void FillBf16(void* dst, size_t count, std::mt19937& rng) {
+void FillBf16(client::SharedMemory& memory, void* dst, size_t count, std::mt19937& rng) {
   std::uniform_real_distribution<float> d(-1, 1);
   std::vector<uint16_t> h(count);
   for (auto& x : h) x = FromFloat<BFloat16>(d(rng)).bits;
-  CHECK_CUDA(cudaMemcpy(dst, h.data(), count * 2, cudaMemcpyHostToDevice));
+  Check(memory.CopyIn(dst, h.data(), count * 2), "CopyIn");
 }
 
 // The scheduler's side of one layout: activations per layer, metadata,
@@ -170,10 +173,10 @@ Scheduler MakeScheduler(Client& c, Session& session, int N, std::mt19937& rng) {
   s.N = N;
   s.HK = int64_t{s.H} * s.K;
   s.T = int64_t{N} * s.Q;
-  s.memory = Check(client::SharedMemory::Create(v1::CUDA, s.layout.device()), "memory");
+  s.memory = Check(client::SharedMemory::Create(s.layout.backend(), s.layout.device()), "memory");
   for (int l = 0; l < s.L; ++l) {
     s.acts.push_back(Check(s.memory->Allocate(5 * s.T * s.HK * 2 + s.T * s.H * 2 + 64), "alloc"));
-    FillBf16(s.acts.back()->data(), 5 * s.T * s.HK + s.T * s.H, rng);
+    FillBf16(*s.memory, s.acts.back()->data(), 5 * s.T * s.HK + s.T * s.H, rng);
     s.names.push_back(Check(session.RegisterBuffer(*s.acts.back()), "RegisterBuffer"));
   }
   const int ints = 3 * N + 1 + 2 * s.L + 2 + 64;
@@ -228,6 +231,14 @@ v1::Doorbell Door(const Scheduler& s, int index, uint32_t value) {
   return d;
 }
 
+// What the service adds to each call beyond the kernels, added one at a
+// time to the in-process loop to see what each costs.
+struct ServiceExtras {
+  bool status_mirror = false;  // the check kernel's status copied to pinned host memory
+  bool prerequisites = false;  // the check kernel reads the step's earlier statuses
+  bool completion_event = false;  // an event recorded after each call
+};
+
 // The service's pools and parameters as this process's kernels see them.
 struct InProcess {
   std::vector<kernels::CommitLayer> layers;
@@ -235,6 +246,9 @@ struct InProcess {
   void* workspace;
   size_t workspace_bytes;
   kernels::DeviceStatus* status;
+  kernels::DeviceStatus* statuses;       // [L + 2], zero: the step's earlier calls passed
+  kernels::DeviceStatus* mirror;         // pinned host memory
+  cudaEvent_t completion;
 };
 
 InProcess MakeInProcess(const Scheduler& s, std::mt19937& rng) {
@@ -272,32 +286,51 @@ InProcess MakeInProcess(const Scheduler& s, std::mt19937& rng) {
   CHECK_CUDA(cudaMalloc(&p.workspace, p.workspace_bytes));
   CHECK_CUDA(cudaMemset(p.workspace, 0, p.workspace_bytes));
   CHECK_CUDA(cudaMalloc(&p.status, sizeof(kernels::DeviceStatus)));
+  CHECK_CUDA(cudaMalloc(&p.statuses, (s.L + 2) * sizeof(kernels::DeviceStatus)));
+  CHECK_CUDA(cudaMemset(p.statuses, 0, (s.L + 2) * sizeof(kernels::DeviceStatus)));
+  CHECK_CUDA(cudaHostAlloc(&p.mirror, sizeof(kernels::DeviceStatus), cudaHostAllocDefault));
+  CHECK_CUDA(cudaEventCreateWithFlags(&p.completion, cudaEventDisableTiming));
   return p;
 }
 
-void InProcessStep(const Scheduler& s, const InProcess& p, double model_us, cudaStream_t stream) {
+kernels::KdaShape BenchShape(const Scheduler& s) {
+  return {s.H, s.K, DType::kBFloat16, DType::kFloat32, s.layout.lower_bound()};
+}
+
+// Layer l's Verify of the step on this process's own pools.
+kernels::VerifyArgs InProcessVerifyArgs(const Scheduler& s, const InProcess& p, int l) {
+  kernels::VerifyArgs a;
+  a.shape = BenchShape(s);
+  a.q = {Act(s, l, 0), s.HK};
+  a.k = {Act(s, l, 1), s.HK};
+  a.v = {Act(s, l, 2), s.HK};
+  a.g = {Act(s, l, 3), s.HK};
+  a.out = Act(s, l, 4);
+  a.beta = {Act(s, l, 5), s.H};
+  a.num_tokens = s.T;
+  a.state = p.layers[l].state;
+  a.params = p.layers[l].params;
+  a.records = p.layers[l].records;
+  a.num_rows = s.N;
+  a.query_start_loc = s.qsl;
+  a.state_indices = {s.checkpoints, 1, 1};
+  a.status = p.status;
+  return a;
+}
+
+void InProcessStep(const Scheduler& s, const InProcess& p, double model_us, bool commit,
+                   cudaStream_t stream, ServiceExtras extras = {}) {
   const kernels::KdaKernels& k = *kernels::CudaKdaKernels().value();
-  kernels::KdaShape shape{s.H, s.K, DType::kBFloat16, DType::kFloat32, s.layout.lower_bound()};
+  const kernels::KdaShape shape = BenchShape(s);
   for (int l = 0; l < s.L; ++l) {
     CHECK_CUDA(bench::LaunchSpin(model_us, stream));
-    kernels::VerifyArgs a;
-    a.shape = shape;
-    a.q = {Act(s, l, 0), s.HK};
-    a.k = {Act(s, l, 1), s.HK};
-    a.v = {Act(s, l, 2), s.HK};
-    a.g = {Act(s, l, 3), s.HK};
-    a.out = Act(s, l, 4);
-    a.beta = {Act(s, l, 5), s.H};
-    a.num_tokens = s.T;
-    a.state = p.layers[l].state;
-    a.params = p.layers[l].params;
-    a.records = p.layers[l].records;
-    a.num_rows = s.N;
-    a.query_start_loc = s.qsl;
-    a.state_indices = {s.checkpoints, 1, 1};
-    a.status = p.status;
+    kernels::VerifyArgs a = InProcessVerifyArgs(s, p, l);
+    if (extras.status_mirror) a.status_mirror = p.mirror;
+    if (extras.prerequisites) a.prerequisites = kernels::Prerequisites{p.statuses, s.L, nullptr, 0};
     Check(k.Verify(a, stream), "Verify");
+    if (extras.completion_event) CHECK_CUDA(cudaEventRecord(p.completion, stream));
   }
+  if (!commit) return;
   kernels::CommitArgs c;
   c.shape = shape;
   c.spec_query_len = s.Q;
@@ -315,16 +348,36 @@ void InProcessStep(const Scheduler& s, const InProcess& p, double model_us, cuda
   Check(k.Commit(c, stream), "Commit");
 }
 
+// The in-process Verify calls of one step on a second stream, each handed
+// over and back by doorbells as through the service.
+void InProcessHandoffStep(const Scheduler& s, const InProcess& p, double model_us,
+                          cudaStream_t stream, cudaStream_t verifier, uint32_t* counters,
+                          uint32_t& ring) {
+  const kernels::KdaKernels& k = *kernels::CudaKdaKernels().value();
+  for (int l = 0; l < s.L; ++l) {
+    CHECK_CUDA(bench::LaunchSpin(model_us, stream));
+    ++ring;
+    write_value32(stream, reinterpret_cast<CUdeviceptr>(counters), ring, 0);
+    wait_value32(verifier, reinterpret_cast<CUdeviceptr>(counters), ring, CU_STREAM_WAIT_VALUE_GEQ);
+    kernels::VerifyArgs a = InProcessVerifyArgs(s, p, l);
+    Check(k.Verify(a, verifier), "Verify");
+    write_value32(verifier, reinterpret_cast<CUdeviceptr>(counters + 1), ring, 0);
+    wait_value32(stream, reinterpret_cast<CUdeviceptr>(counters + 1), ring, CU_STREAM_WAIT_VALUE_GEQ);
+  }
+}
+
 // The client's stream of one step through the service: per layer the model
 // kernel, ring "inputs of layer l ready", wait "layer l verified"; then ring
 // "accepted counts ready" and wait "committed".
-void ServiceStepStream(const Scheduler& s, uint32_t step, double model_us, cudaStream_t stream) {
+void ServiceStepStream(const Scheduler& s, uint32_t step, double model_us, bool commit,
+                       cudaStream_t stream) {
   for (int l = 0; l < s.L; ++l) {
     CHECK_CUDA(bench::LaunchSpin(model_us, stream));
     write_value32(stream, reinterpret_cast<CUdeviceptr>(s.doors + 2 * l), step, 0);
     wait_value32(stream, reinterpret_cast<CUdeviceptr>(s.doors + 2 * l + 1), step,
                  CU_STREAM_WAIT_VALUE_GEQ);
   }
+  if (!commit) return;
   write_value32(stream, reinterpret_cast<CUdeviceptr>(s.doors + 2 * s.L), step, 0);
   wait_value32(stream, reinterpret_cast<CUdeviceptr>(s.doors + 2 * s.L + 1), step,
                CU_STREAM_WAIT_VALUE_GEQ);
@@ -332,7 +385,8 @@ void ServiceStepStream(const Scheduler& s, uint32_t step, double model_us, cudaS
 
 // All of a step's calls, sent before its GPU work reaches them, in one
 // SubmitStep round trip.
-void SendStepCalls(const Scheduler& s, Session& session, uint64_t step_id, uint32_t step) {
+void SendStepCalls(const Scheduler& s, Session& session, uint64_t step_id, uint32_t step,
+                   bool commit) {
   v1::SubmitStepRequest batch;
   for (int l = 0; l < s.L; ++l) {
     v1::VerifyRequest v = VerifyRequest(s, session, step_id, l);
@@ -341,16 +395,23 @@ void SendStepCalls(const Scheduler& s, Session& session, uint64_t step_id, uint3
     *v.mutable_signal()->mutable_doorbell() = Door(s, 2 * l + 1, step);
     *batch.add_verifies() = std::move(v);
   }
-  v1::CommitRequest c = CommitRequest(s, session, step_id);
-  c.set_ordering(v1::ASYNC);
-  *c.mutable_wait()->mutable_doorbell() = Door(s, 2 * s.L, step);
-  *c.mutable_signal()->mutable_doorbell() = Door(s, 2 * s.L + 1, step);
-  *batch.mutable_commit() = std::move(c);
+  if (commit) {
+    v1::CommitRequest c = CommitRequest(s, session, step_id);
+    c.set_ordering(v1::ASYNC);
+    *c.mutable_wait()->mutable_doorbell() = Door(s, 2 * s.L, step);
+    *c.mutable_signal()->mutable_doorbell() = Door(s, 2 * s.L + 1, step);
+    *batch.mutable_commit() = std::move(c);
+  }
   Check(session.SubmitStep(batch), "SubmitStep");
 }
 
-double MeanStepUs(cudaStream_t stream, int steps, const std::function<void(int)>& enqueue_step,
-                  const std::function<void(int)>& before_step) {
+struct StepTiming {
+  double gpu_us;        // mean GPU time per step
+  Percentiles send_us;  // the host's before_step (through the service: SubmitStep)
+};
+
+StepTiming TimeSteps(cudaStream_t stream, int steps, const std::function<void(int)>& enqueue_step,
+                     const std::function<void(int)>& before_step) {
   cudaEvent_t a, b;
   CHECK_CUDA(cudaEventCreate(&a));
   CHECK_CUDA(cudaEventCreate(&b));
@@ -362,10 +423,13 @@ double MeanStepUs(cudaStream_t stream, int steps, const std::function<void(int)>
   }
   CHECK_CUDA(cudaStreamSynchronize(stream));
   CHECK_CUDA(cudaEventRecord(a, stream));
+  std::vector<double> send;
   for (int i = 0; i < steps; ++i) {
     // Stay at most two steps ahead of the GPU.
     if (i >= 2) CHECK_CUDA(cudaEventSynchronize(done[i - 2]));
+    const auto t0 = Clock::now();
     before_step(3 + i);
+    send.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
     enqueue_step(3 + i);
     CHECK_CUDA(cudaEventRecord(done[i], stream));
   }
@@ -376,23 +440,30 @@ double MeanStepUs(cudaStream_t stream, int steps, const std::function<void(int)>
   for (auto& e : done) cudaEventDestroy(e);
   cudaEventDestroy(a);
   cudaEventDestroy(b);
-  return ms * 1000.0 / steps;
+  return {ms * 1000.0 / steps, Of(send)};
+}
+
+double MeanStepUs(cudaStream_t stream, int steps, const std::function<void(int)>& enqueue_step,
+                  const std::function<void(int)>& before_step) {
+  return TimeSteps(stream, steps, enqueue_step, before_step).gpu_us;
 }
 
 int Main() {
-  LoadDriverEntries();
   auto c = Check(Client::Connect(absl::GetFlag(FLAGS_server)), "Connect");
   const v1::Layout layout = Check(c->GetLayout(), "GetLayout");
-  if (layout.backend() != v1::CUDA) {
-    std::fprintf(stderr, "service_bench needs the CUDA backend\n");
-    return 1;
-  }
+  // On the CPU backend only the round trips (the step needs GPU streams).
+  const bool cuda = layout.backend() == v1::CUDA;
+  if (cuda) LoadDriverEntries();
   auto session = Check(c->OpenSession("service_bench", true), "OpenSession");
   const int iters = absl::GetFlag(FLAGS_iters);
   std::mt19937 rng(5);
-  cudaDeviceProp prop;
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, layout.device()));
-  std::printf("## service_bench on %s, %s, %d layers of %d x %d, Q=%d\n\n", prop.name,
+  std::string device = "the CPU backend";
+  if (cuda) {
+    cudaDeviceProp prop;
+    CHECK_CUDA(cudaGetDeviceProperties(&prop, layout.device()));
+    device = prop.name;
+  }
+  std::printf("## service_bench on %s, %s, %d layers of %d x %d, Q=%d\n\n", device.c_str(),
               c->address().c_str(), layout.num_layers(), layout.num_heads(), layout.head_dim(),
               layout.num_spec() + 1);
 
@@ -420,6 +491,7 @@ int Main() {
   uint64_t step_id = 0;
   std::vector<int> ns = {1, layout.max_rows()};
   Paired paired{};
+  std::string breakdown;  // --breakdown: what the ASYNC Verify's difference is made of
   for (int N : ns) {
     Scheduler s = MakeScheduler(*c, *session, N, rng);
     const uint64_t step = ++step_id;
@@ -430,6 +502,70 @@ int Main() {
     va.set_ordering(v1::ASYNC);
     const Percentiles async = TimeRpc(iters, [&] { Check(session->Verify(va), "Verify"); });
     std::printf("| Verify, ASYNC (enqueue) | %d | %.1f | %.1f |\n", N, async.p50, async.p99);
+    if (N == 1) {
+      // A step's ASYNC Verify calls of every layer in one SubmitStep (no
+      // doorbells: each runs once enqueued): the service's cost per call
+      // without a round trip each.
+      std::vector<double> us;
+      for (int i = 0; i < std::min(iters, 100) + 5; ++i) {
+        v1::SubmitStepRequest b;
+        const uint64_t id = ++step_id;
+        for (int l = 0; l < s.L; ++l) {
+          v1::VerifyRequest one = VerifyRequest(s, *session, id, l);
+          one.set_ordering(v1::ASYNC);
+          *b.add_verifies() = std::move(one);
+        }
+        const auto t0 = Clock::now();
+        Check(session->SubmitStep(std::move(b)), "SubmitStep");
+        if (i >= 5) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+        // Drained (a SYNC call of a new step returns after all before it),
+        // so that no step waits for a free slot.
+        Check(session->Verify(VerifyRequest(s, *session, ++step_id, 0)), "Verify");
+      }
+      const Percentiles batch = Of(us);
+      std::printf("| SubmitStep of %d ASYNC Verify | %d | %.1f | %.1f |\n", s.L, N, batch.p50,
+                  batch.p99);
+    }
+    if (N == 1 && absl::GetFlag(FLAGS_breakdown)) {
+      // What the difference to the echo is made of: each variant against the
+      // bare Ping, alternately.
+      v1::VerifyRequest prepared = va;
+      prepared.set_session_id(session->id());
+      const auto bare_ping = [&] {
+        grpc::ClientContext ctx;
+        v1::PingResponse r;
+        Check(client::FromGrpc(c->stub().Ping(&ctx, ping, &r)), "Ping");
+      };
+      const auto with_deadline = [&](grpc::ClientContext& ctx) {
+        ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      };
+      const auto row = [&](const char* what, auto call) {
+        const Paired p = TimeInterleaved(iters, bare_ping, call);
+        breakdown += absl::StrFormat("| %s | %.1f | %.1f | %.1f |\n", what, p.a.p50, p.b.p50,
+                                     p.diff_p50);
+      };
+      breakdown =
+          "\n| ASYNC Verify (N=1), against the bare Ping | Ping p50 (us) | call p50 (us) | "
+          "per-pair difference p50 (us) |\n|---|---:|---:|---:|\n";
+      row("Ping with a deadline", [&] {
+        grpc::ClientContext ctx;
+        with_deadline(ctx);
+        v1::PingResponse r;
+        Check(client::FromGrpc(c->stub().Ping(&ctx, ping, &r)), "Ping");
+      });
+      row("Verify, stub, no deadline", [&] {
+        grpc::ClientContext ctx;
+        v1::VerifyResponse r;
+        Check(client::FromGrpc(c->stub().Verify(&ctx, prepared, &r)), "Verify");
+      });
+      row("Verify, stub, deadline", [&] {
+        grpc::ClientContext ctx;
+        with_deadline(ctx);
+        v1::VerifyResponse r;
+        Check(client::FromGrpc(c->stub().Verify(&ctx, prepared, &r)), "Verify");
+      });
+      row("Verify, Session::Verify", [&] { Check(session->Verify(va), "Verify"); });
+    }
     if (N == 1) {
       // The target's comparison, measured alternately with the echo.
       paired = TimeInterleaved(
@@ -468,28 +604,81 @@ int Main() {
       "\nASYNC Verify (N=1) against the echo, alternating calls: Ping p50 %.1f us (p99 %.1f), "
       "Verify p50 %.1f us (p99 %.1f); per-pair difference p50 %.1f us (target: within 10 us)\n",
       paired.a.p50, paired.a.p99, paired.b.p50, paired.b.p99, paired.diff_p50);
+  std::printf("%s", breakdown.c_str());
 
+  if (!cuda) {
+    Check(session->Close(), "Close");
+    return 0;
+  }
   // The decode step.
   std::printf("\n| step of %d layers | N | model per layer (us) | in-process (us) | through the "
-              "service (us) | ratio |\n|---|---:|---:|---:|---:|---:|\n",
+              "service (us) | ratio | SubmitStep p50 / p99 (us) |\n|---|---:|---:|---:|---:|---:|---:|\n",
               layout.num_layers());
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const int steps = absl::GetFlag(FLAGS_steps);
+  // One row: the step at N rows with `model_us` per layer, with or without
+  // its Commit, in-process against through the service.
+  const auto measure_step = [&](const Scheduler& s, const InProcess& p, double model_us,
+                                bool commit, const char* what) {
+    const double in_process = MeanStepUs(
+        stream, steps, [&](int) { InProcessStep(s, p, model_us, commit, stream); }, [](int) {});
+    const uint32_t base = static_cast<uint32_t>(step_id + 1);
+    const StepTiming service = TimeSteps(
+        stream, steps, [&](int i) { ServiceStepStream(s, base + i, model_us, commit, stream); },
+        [&](int i) { SendStepCalls(s, *session, ++step_id, base + i, commit); });
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    std::printf("| %s | %d | %.0f | %.1f | %.1f | %.3f | %.0f / %.0f |\n", what, s.N, model_us,
+                in_process, service.gpu_us, service.gpu_us / in_process, service.send_us.p50,
+                service.send_us.p99);
+    std::fflush(stdout);
+  };
   for (int N : ns) {
-    const double model_us =
-        N == 1 ? absl::GetFlag(FLAGS_model_us_small) : absl::GetFlag(FLAGS_model_us_large);
     Scheduler s = MakeScheduler(*c, *session, N, rng);
     InProcess p = MakeInProcess(s, rng);
-    const double in_process = MeanStepUs(
-        stream, steps, [&](int) { InProcessStep(s, p, model_us, stream); }, [](int) {});
-    const uint32_t base = static_cast<uint32_t>(step_id + 1);
-    const double service = MeanStepUs(
-        stream, steps, [&](int i) { ServiceStepStream(s, base + i, model_us, stream); },
-        [&](int i) { SendStepCalls(s, *session, ++step_id, base + i); });
-    CHECK_CUDA(cudaStreamSynchronize(stream));
-    std::printf("| decode step | %d | %.0f | %.1f | %.1f | %.3f |\n", N, model_us, in_process,
-                service, service / in_process);
+    const double model_us =
+        N == 1 ? absl::GetFlag(FLAGS_model_us_small) : absl::GetFlag(FLAGS_model_us_large);
+    measure_step(s, p, model_us, true, "decode step");
+    if (N == 1 && absl::GetFlag(FLAGS_breakdown)) {
+      // Where the difference goes: without the Commit (the Verify chain
+      // alone), and with a longer model kernel (a host that cannot keep up
+      // would show as a difference that shrinks).
+      measure_step(s, p, model_us, false, "Verify calls only");
+      // What each of the service's additions costs in-process.
+      const auto in_process_with = [&](ServiceExtras extras, const char* what) {
+        const double plain = MeanStepUs(
+            stream, steps, [&](int) { InProcessStep(s, p, model_us, false, stream); }, [](int) {});
+        const double with = MeanStepUs(
+            stream, steps, [&](int) { InProcessStep(s, p, model_us, false, stream, extras); },
+            [](int) {});
+        std::printf("| in-process Verify calls %s | %d | %.0f | %.1f | %.1f | %.3f | - |\n", what,
+                    N, model_us, plain, with, with / plain);
+        std::fflush(stdout);
+      };
+      {
+        // The same kernels on a second stream of this process, handed to and
+        // back by doorbells in device memory as through the service.
+        cudaStream_t verifier;
+        CHECK_CUDA(cudaStreamCreateWithFlags(&verifier, cudaStreamNonBlocking));
+        uint32_t* counters = nullptr;
+        CHECK_CUDA(cudaMalloc(&counters, 64));
+        CHECK_CUDA(cudaMemset(counters, 0, 64));
+        uint32_t ring = 0;
+        const double plain = MeanStepUs(
+            stream, steps, [&](int) { InProcessStep(s, p, model_us, false, stream); }, [](int) {});
+        const double handed = MeanStepUs(
+            stream, steps,
+            [&](int) { InProcessHandoffStep(s, p, model_us, stream, verifier, counters, ring); },
+            [](int) {});
+        std::printf("| in-process Verify calls on a second stream, doorbells | %d | %.0f | %.1f | "
+                    "%.1f | %.3f | - |\n", N, model_us, plain, handed, handed / plain);
+        std::fflush(stdout);
+      }
+      in_process_with({true, false, false}, "+ status mirror");
+      in_process_with({false, true, false}, "+ prerequisites");
+      in_process_with({false, false, true}, "+ completion event");
+      measure_step(s, p, 3 * model_us, true, "decode step, longer model");
+    }
     for (const std::string& name : s.names) Check(session->Unregister(name), "Unregister");
   }
   Check(session->Close(), "Close");

@@ -9,7 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 dest=${1:-.gpu}
 default_targets="//server:specstated //client:specstatectl //kernels:kda_kernels_gpu_test
-  //tests/integration:gpu_service_test //tests/bench:kda_bench //tests/bench:service_bench"
+  //tests/integration:gpu_service_test //tests/bench:kda_bench //tests/bench:service_bench //tests/bench:handoff_bench
+  //tools/gpu/trace:libcupti_trace.so"
 read -r -a targets <<< "$(echo ${BUNDLE_TARGETS:-$default_targets})"
 bazel build "${targets[@]}"
 final=$dest
@@ -27,7 +28,7 @@ done
 # Tests find the server and the CLI through their runfiles, as under Bazel.
 cp "$dest/bin/specstated" "$dest/runfiles/specstate/server/"
 cp "$dest/bin/specstatectl" "$dest/runfiles/specstate/client/"
-cp tools/gpu/run_suite.sh tools/gpu/diagnose.sh "$dest/"
+cp tools/gpu/run_suite.sh tools/gpu/diagnose.sh tools/gpu/trace/timeline.py "$dest/"
 # The Python client with freshly generated stubs and its tests, and a
 # specstated launcher that finds the bundled libraries (the Python process
 # itself must not load them: torch and grpcio bring their own).

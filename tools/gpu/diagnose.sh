@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Diagnostics of the service on the CUDA backend, from a bundle made by
-# tools/gpu/bundle.sh:   diagnose.sh BUNDLE OUTDIR [align|bench|all]
+# tools/gpu/bundle.sh:   diagnose.sh BUNDLE OUTDIR [align|handoff|bench|breakdown|timeline|all]
 #   align: short simulations that isolate one factor each (cache mode, state
 #          and activation dtypes, shape, ordering), each under a time limit,
 #          with SPECSTATE_TRACE=1 on both sides so a stall shows its phase.
@@ -8,6 +8,15 @@
 #          CUDA_MPS_PIPE_DIRECTORY under /tmp, stopped at the end), to tell
 #          whether the step's cost is switching between two GPU contexts;
 #          and gpu_service_test under MPS.
+#   breakdown: under MPS only, service_bench --breakdown (the N=1 step without
+#          its Commit and with a longer model kernel), then again with the
+#          server's SPECSTATE_TRACE=1 (the submitter's timings per call).
+#   timeline: under MPS, service_bench --breakdown with both processes traced
+#          by libcupti_trace.so; timeline.md has the median gaps and
+#          durations between the model kernel and the next, per pattern.
+#   handoff: handoff_bench (what a doorbell handoff between two streams costs)
+#          in one process and in two, without and with MPS.
+# SERVER_FLAGS adds flags to every specstated started here.
 # Everything lands in OUTDIR/diagnose.log and OUTDIR/logs.tgz.
 set -uo pipefail
 bundle=$(cd "$1" && pwd); out=$2; what=${3:-all}; mkdir -p "$out"
@@ -18,7 +27,7 @@ say() { echo "[$(date +%T.%N | cut -c1-12)] $*" | tee -a "$log"; }
 serve() {  # serve NAME -- specstated flags; sets $sock and $server
   local name=$1; shift
   sock=/tmp/$name.sock; rm -f "$sock"
-  SPECSTATE_TRACE=${SERVER_TRACE:-1} "$bin/specstated" --backend=cuda --listen="unix://$sock" "$@" \
+  SPECSTATE_TRACE=${SERVER_TRACE:-1} "$bin/specstated" --backend=cuda --listen="unix://$sock" "$@" ${SERVER_FLAGS:-} \
     > "$logs/$name.server.log" 2>&1 &
   server=$!
   for _ in $(seq 300); do [ -S "$sock" ] && return 0; sleep 0.1; done
@@ -36,6 +45,17 @@ simulate() {  # simulate NAME LIMIT_S -- simulate flags
     say "$name: last phases: $(grep '\[simulate' "$logs/$name.sim.log" | tail -3 | tr '\n' '|')"
     say "$name: server's last lines: $(tail -4 "$logs/$name.server.log" | tr '\n' '|')"
   fi
+}
+mps_start() {
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/ss-mps CUDA_MPS_LOG_DIRECTORY=/tmp/ss-mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  if ! nvidia-cuda-mps-control -d; then say "MPS: cannot start the daemon"; return 1; fi
+  say "MPS: daemon started"
+}
+mps_stop() {
+  echo quit | nvidia-cuda-mps-control; sleep 1
+  cp -r $CUDA_MPS_LOG_DIRECTORY "$logs/mps-log" 2>/dev/null
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 nvidia-smi --query-gpu=name,driver_version,compute_mode --format=csv,noheader | sed 's/^/gpu: /' | tee -a "$log"
 
@@ -56,15 +76,22 @@ align_test_config|$small --cache_mode=align --mamba_block_size=8 --blocks=600 --
 EOF
 fi
 
+if [ "$what" = all ] || [ "$what" = handoff ]; then
+  for mps in off on; do
+    if [ $mps = on ]; then mps_start || break; fi
+    for p in 1 2; do
+      timeout -k 2 60 "$bin/handoff_bench" --processes=$p --iters=300 \
+        > "$out/handoff_${p}proc_mps_$mps.md" 2> "$logs/handoff_${p}proc_mps_$mps.err"
+      say "handoff_bench, $p process(es), MPS $mps: exit $?"
+    done
+    if [ $mps = on ]; then mps_stop; fi
+  done
+fi
+
 if [ "$what" = all ] || [ "$what" = bench ]; then
   big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
   for mps in off on; do
-    if [ $mps = on ]; then
-      export CUDA_MPS_PIPE_DIRECTORY=/tmp/ss-mps CUDA_MPS_LOG_DIRECTORY=/tmp/ss-mps-log
-      mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-      if ! nvidia-cuda-mps-control -d; then say "MPS: cannot start the daemon"; break; fi
-      say "MPS: daemon started"
-    fi
+    if [ $mps = on ]; then mps_start || break; fi
     SERVER_TRACE=0 serve "bench_mps_$mps" $big || continue
     say "service_bench, MPS $mps: start"
     timeout -k 2 150 "$bin/service_bench" --server="unix://$sock" --iters=200 --steps=20 \
@@ -75,12 +102,36 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
       timeout -k 2 120 "$bin/gpu_service_test" --gtest_brief=1 > "$logs/gpu_service_mps.log" 2>&1
       say "gpu_service_test under MPS: exit $?, $(grep -E '^\[  (PASSED|FAILED) ' "$logs/gpu_service_mps.log" | tr '\n' ' ')"
     fi
-    if [ $mps = on ]; then
-      echo quit | nvidia-cuda-mps-control; sleep 1
-      cp -r $CUDA_MPS_LOG_DIRECTORY "$logs/mps-log" 2>/dev/null
-      unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-    fi
+    if [ $mps = on ]; then mps_stop; fi
   done
 fi
+if [ "$what" = timeline ]; then
+  big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
+  mps_start
+  CUDA_INJECTION64_PATH="$bin/libcupti_trace.so" SPECSTATE_CUPTI_OUT="$logs/server.csv" \
+    SERVER_TRACE=0 serve timeline $big
+  CUDA_INJECTION64_PATH="$bin/libcupti_trace.so" SPECSTATE_CUPTI_OUT="$logs/client.csv" \
+    timeout -k 2 150 "$bin/service_bench" --server="unix://$sock" --iters=50 --steps=20 --breakdown \
+    > "$out/service_bench_timeline.md" 2> "$logs/timeline.err"
+  say "service_bench traced: exit $?"
+  stop
+  mps_stop
+  python3 "$bundle/timeline.py" "$logs/server.csv" "$logs/client.csv" > "$out/timeline.md"
+  say "timeline: exit $?, $(wc -l < "$logs/server.csv") server and $(wc -l < "$logs/client.csv") client records"
+fi
+
+if [ "$what" = breakdown ]; then
+  big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
+  mps_start
+  for trace in ${BREAKDOWN_TRACE:-0 1}; do
+    SERVER_TRACE=$trace serve "breakdown_trace_$trace" $big || continue
+    timeout -k 2 150 "$bin/service_bench" --server="unix://$sock" --iters=200 --steps=20 --breakdown \
+      > "$out/service_bench_breakdown_trace_$trace.md" 2> "$logs/breakdown_trace_$trace.err"
+    say "service_bench --breakdown, server trace $trace: exit $?"
+    stop
+  done
+  mps_stop
+fi
+
 tar -C "$logs" -czf "$out/logs.tgz" .
 say "done"
