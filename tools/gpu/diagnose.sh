@@ -4,7 +4,7 @@
 #   align: short simulations that isolate one factor each (cache mode, state
 #          and activation dtypes, shape, ordering), each under a time limit,
 #          with SPECSTATE_TRACE=1 on both sides so a stall shows its phase.
-#   bench: service_bench without and then with MPS (a private MPS daemon,
+#   bench: service_bench --breakdown without and then with MPS (a private MPS daemon,
 #          CUDA_MPS_PIPE_DIRECTORY under /tmp, stopped at the end), to tell
 #          whether the step's cost is switching between two GPU contexts;
 #          and gpu_service_test under MPS.
@@ -94,7 +94,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
     if [ $mps = on ]; then mps_start || break; fi
     SERVER_TRACE=0 serve "bench_mps_$mps" $big || continue
     say "service_bench, MPS $mps: start"
-    timeout -k 2 150 "$bin/service_bench" --server="unix://$sock" --iters=200 --steps=20 \
+    timeout -k 2 150 "$bin/service_bench" --server="unix://$sock" --iters=200 --steps=20 --breakdown \
       > "$out/service_bench_mps_$mps.md" 2> "$logs/bench_mps_$mps.err"
     say "service_bench, MPS $mps: exit $?"
     stop
