@@ -18,6 +18,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -25,6 +26,7 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -92,15 +94,38 @@ struct Order {
   int32_t wait_by;  // WaitBy, or -1: quit
   uint32_t first;   // the counter value of B's first iteration
   int32_t iters;
+  // After each ring, record a blocking-sync event that a host thread waits
+  // for, as specstated marks each call's end for its reaper.
+  int32_t completion_events;
 };
 
 // B's side of one scenario: every iteration enqueued ahead.
 void RunB(cudaStream_t s, uint32_t* counters, const Order& o, double work_us) {
+  std::vector<cudaEvent_t> events(o.completion_events ? o.iters : 0);
+  for (auto& e : events) {
+    CHECK_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming | cudaEventBlockingSync));
+  }
+  std::atomic<int> recorded{0};
+  std::thread reaper;
+  if (o.completion_events) {
+    reaper = std::thread([&] {
+      for (int i = 0; i < o.iters; ++i) {
+        while (recorded.load() <= i) std::this_thread::yield();
+        CHECK_CUDA(cudaEventSynchronize(events[i]));
+      }
+    });
+  }
   for (int i = 0; i < o.iters; ++i) {
     Wait(static_cast<WaitBy>(o.wait_by), s, counters, o.first + i);
     CHECK_CUDA(LaunchSpin(work_us, s));
     Ring(s, counters + 1, o.first + i);
+    if (o.completion_events) {
+      CHECK_CUDA(cudaEventRecord(events[i], s));
+      recorded.store(i + 1);
+    }
   }
+  if (reaper.joinable()) reaper.join();
+  for (auto& e : events) cudaEventDestroy(e);
 }
 
 // A's side: mean GPU time per iteration. A stall (a ring never seen) ends
@@ -197,16 +222,27 @@ int Main(int argc, char** argv) {
   };
   baseline();  // warm-up
   const double base = baseline();
-  std::printf("| B waits by | A waits by | per iteration (us) | above one stream (us) |\n"
-              "|---|---|---:|---:|\n| (one stream) | - | %.2f | 0 |\n", base);
+  std::printf("| B waits by | A waits by | B's completion events | per iteration (us) | "
+              "above one stream (us) |\n|---|---|---|---:|---:|\n| (one stream) | - | - | %.2f | 0 |\n",
+              base);
   uint32_t next = 1;
-  for (WaitBy b_by : {WaitBy::kMemop, WaitBy::kKernel}) {
-    for (WaitBy a_by : {WaitBy::kMemop, WaitBy::kKernel}) {
+  struct Scenario {
+    WaitBy b_by, a_by;
+    bool completion_events;
+  };
+  const Scenario scenarios[] = {{WaitBy::kMemop, WaitBy::kMemop, false},
+                                {WaitBy::kMemop, WaitBy::kKernel, false},
+                                {WaitBy::kKernel, WaitBy::kMemop, false},
+                                {WaitBy::kKernel, WaitBy::kKernel, false},
+                                {WaitBy::kMemop, WaitBy::kMemop, true}};
+  for (const Scenario& sc : scenarios) {
+    const WaitBy b_by = sc.b_by, a_by = sc.a_by;
+    {
       double us = 0;
       for (int rep = 0; rep < 2; ++rep) {  // the first is a warm-up
         // B enqueues from its own thread (or process): its queue fills up
         // long before A has rung for the last iteration.
-        const Order o{static_cast<int32_t>(b_by), next, iters};
+        const Order o{static_cast<int32_t>(b_by), next, iters, sc.completion_events};
         std::thread b_side;
         if (processes == 2) {
           if (write(orders[1], &o, sizeof(o)) != sizeof(o)) return 1;
@@ -227,12 +263,13 @@ int Main(int argc, char** argv) {
           CHECK_CUDA(cudaStreamSynchronize(b));
         }
       }
-      std::printf("| %s | %s | %.2f | %.2f |\n", Name(b_by), Name(a_by), us, us - base);
+      std::printf("| %s | %s | %s | %.2f | %.2f |\n", Name(b_by), Name(a_by),
+                  sc.completion_events ? "yes" : "no", us, us - base);
       std::fflush(stdout);
     }
   }
   if (processes == 2) {
-    const Order quit{-1, 0, 0};
+    const Order quit{-1, 0, 0, 0};
     if (write(orders[1], &quit, sizeof(quit)) != sizeof(quit)) return 1;
     int status = 0;
     waitpid(child, &status, 0);

@@ -34,6 +34,8 @@
 
 ABSL_FLAG(std::string, server, "unix:///tmp/specstate.sock", "the running service");
 ABSL_FLAG(int, iters, 200, "round trips per latency measurement");
+ABSL_FLAG(int, paired_iters, 2000,
+          "pairs per alternating measurement against the echo (its noise is large)");
 ABSL_FLAG(int, steps, 30, "decode steps per step measurement");
 ABSL_FLAG(double, model_us_small, 50, "the model's GPU time per layer at N=1 (us)");
 ABSL_FLAG(bool, breakdown, false,
@@ -540,7 +542,7 @@ int Main() {
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
       };
       const auto row = [&](const char* what, auto call) {
-        const Paired p = TimeInterleaved(iters, bare_ping, call);
+        const Paired p = TimeInterleaved(absl::GetFlag(FLAGS_paired_iters), bare_ping, call);
         breakdown += absl::StrFormat("| %s | %.1f | %.1f | %.1f |\n", what, p.a.p50, p.b.p50,
                                      p.diff_p50);
       };
@@ -569,7 +571,7 @@ int Main() {
     if (N == 1) {
       // The target's comparison, measured alternately with the echo.
       paired = TimeInterleaved(
-          iters,
+          absl::GetFlag(FLAGS_paired_iters),
           [&] {
             grpc::ClientContext ctx;
             v1::PingResponse r;
