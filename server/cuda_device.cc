@@ -623,17 +623,21 @@ class CudaDevice final : public Device {
       // A stream blocked on a doorbell of an ended session is released by
       // ReleaseCancelledWaits(), which the service calls when the session ends.
       const InFlight& last = batch.back();
-      cudaError_t finished = cudaSuccess;
+      absl::Status batch_failure;
       if (last.completion != nullptr) {
-        finished = cudaEventSynchronize(last.completion);
-      } else if (!last.launched.ok()) {
-        finished = cudaErrorUnknown;  // no event marks the batch's end
+        // The device failed while running this work (or earlier work): its
+        // statuses were not copied back, so they must not be read as OK.
+        batch_failure = CudaError(cudaEventSynchronize(last.completion),
+                                  "the device failed while running this call");
+      } else if (last.ends_batch) {
+        // Its event could not be recorded: nothing tells when the batch ended.
+        batch_failure = absl::InternalError(
+            absl::StrCat("no completion event marks the end of this call on the stream: ",
+                         last.launched.message()));
       }
       for (InFlight& item : batch) {
-        if (finished != cudaSuccess && item.launched.ok()) {
-          // The device failed while running this work (or earlier work): its
-          // statuses were not copied back, so they must not be read as OK.
-          item.launched = CudaError(finished, "the device failed while running this call");
+        if (!batch_failure.ok() && item.launched.ok()) {
+          item.launched = batch_failure;
           LogError(item.launched.ToString());
         }
         if (TraceEnabled()) {

@@ -838,5 +838,13 @@ TEST_F(ServiceTest, RefusesALayoutThatDoesNotFit) {
   EXPECT_THAT(r.output, HasSubstr("lower num_blocks, max_rows or num_layers"));
 }
 
+TEST_F(ServiceTest, RefusesASubmitSpinOverItsLimit) {
+  const testing::ProcessResult r = ValueOrDie(testing::RunProcess(
+      {testing::RunfilePath("server/specstated"), "--listen=unix:///tmp/specstate-never.sock",
+       "--submit_spin_us=100001", "--backend=cpu"}));
+  EXPECT_EQ(r.exit_code, 2);  // a bad configuration, as a bad flag
+  EXPECT_THAT(r.output, HasSubstr("submit_spin_us = 100001 is over the limit of 100000"));
+}
+
 }  // namespace
 }  // namespace specstate
