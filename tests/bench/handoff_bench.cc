@@ -13,8 +13,6 @@
 // (cuStreamWaitValue32, polled by the GPU's front end) or a one-warp kernel
 // that polls the counter; rings are cuStreamWriteValue32. The table gives the
 // mean GPU time per iteration on A's stream and the cost above the baseline.
-#include <cuda.h>
-#include <cuda_runtime.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -31,6 +29,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "kernels/kda_kernels.h"
+#include "tests/bench/cuda_check.h"
 #include "tests/bench/spin_kernel.h"
 
 ABSL_FLAG(int, processes, 2, "1: two streams of one process; 2: two processes (CUDA IPC)");
@@ -42,50 +41,14 @@ namespace specstate {
 namespace bench {
 namespace {
 
-#define CHECK_CUDA(expr)                                                              \
-  do {                                                                                \
-    const cudaError_t e_ = (expr);                                                    \
-    if (e_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,             \
-                   cudaGetErrorString(e_));                                           \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
-
-using StreamValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-StreamValueFn wait_value32;
-StreamValueFn write_value32;
-
-void LoadDriverEntries() {
-  cudaDriverEntryPointQueryResult r;
-  void* p = nullptr;
-  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &p, 12000,
-                                              cudaEnableDefault, &r));
-  wait_value32 = reinterpret_cast<StreamValueFn>(p);
-  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &p, 12000,
-                                              cudaEnableDefault, &r));
-  write_value32 = reinterpret_cast<StreamValueFn>(p);
-}
-
 enum class WaitBy { kMemop, kKernel };
 const char* Name(WaitBy w) { return w == WaitBy::kMemop ? "cuStreamWaitValue32" : "polling kernel"; }
 
 void Wait(WaitBy by, cudaStream_t s, uint32_t* counter, uint32_t value) {
   if (by == WaitBy::kMemop) {
-    if (wait_value32(s, reinterpret_cast<CUdeviceptr>(counter), value, CU_STREAM_WAIT_VALUE_GEQ) !=
-        CUDA_SUCCESS) {
-      std::fprintf(stderr, "cuStreamWaitValue32 failed\n");
-      std::exit(1);
-    }
+    WaitGeq(s, counter, value);
   } else {
     CHECK_CUDA(LaunchPollGeq(counter, value, s));
-  }
-}
-
-void Ring(cudaStream_t s, uint32_t* counter, uint32_t value) {
-  if (write_value32(s, reinterpret_cast<CUdeviceptr>(counter), value, 0) != CUDA_SUCCESS) {
-    std::fprintf(stderr, "cuStreamWriteValue32 failed\n");
-    std::exit(1);
   }
 }
 
@@ -158,7 +121,7 @@ double MeanUs(cudaStream_t s, int iters, Enqueue enqueue) {
 int ChildMain(int orders_fd, int handle_fd, int done_fd) {
   cudaIpcMemHandle_t handle;
   if (read(handle_fd, &handle, sizeof(handle)) != sizeof(handle)) return 1;
-  LoadDriverEntries();
+  LoadStreamValueOps();
   void* p = nullptr;
   CHECK_CUDA(cudaIpcOpenMemHandle(&p, handle, cudaIpcMemLazyEnablePeerAccess));
   cudaStream_t s;
@@ -195,7 +158,7 @@ int Main(int argc, char** argv) {
     child = fork();
     if (child == 0) std::exit(ChildMain(orders[0], handle[0], done[1]));
   }
-  LoadDriverEntries();
+  LoadStreamValueOps();
   uint32_t* counters = nullptr;
   CHECK_CUDA(cudaMalloc(&counters, 64));
   CHECK_CUDA(cudaMemset(counters, 0, 64));

@@ -24,6 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "kernels/kda_kernels.h"
 #include "kernels/numeric.h"
+#include "tests/bench/cuda_check.h"
 
 ABSL_FLAG(std::string, shapes, "kimi_linear,kimi_k3", "shapes to run");
 ABSL_FLAG(int, iters, 30, "timed runs per measurement");
@@ -34,16 +35,6 @@ namespace specstate {
 namespace {
 
 using kernels::KdaKernels;
-
-#define CHECK_CUDA(expr)                                                              \
-  do {                                                                                \
-    const cudaError_t bench_err = (expr);                                                     \
-    if (bench_err != cudaSuccess) {                                                         \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,              \
-                   cudaGetErrorString(bench_err));                                            \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
 
 void CheckOk(const absl::Status& s, const char* what) {
   if (!s.ok()) {

@@ -30,6 +30,7 @@
 #include "client/client.h"
 #include "kernels/kda_kernels.h"
 #include "kernels/numeric.h"
+#include "tests/bench/cuda_check.h"
 #include "tests/bench/spin_kernel.h"
 
 ABSL_FLAG(std::string, server, "unix:///tmp/specstate.sock", "the running service");
@@ -49,15 +50,6 @@ using client::Client;
 using client::Session;
 using Clock = std::chrono::steady_clock;
 
-#define CHECK_CUDA(expr)                                                                   \
-  do {                                                                                     \
-    const cudaError_t bench_err = (expr);                                                          \
-    if (bench_err != cudaSuccess) {                                                              \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(bench_err)); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
-
 template <typename T>
 T Check(absl::StatusOr<T> v, const char* what) {
   if (!v.ok()) {
@@ -72,20 +64,6 @@ void Check(const absl::Status& s, const char* what) {
     std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
     std::exit(1);
   }
-}
-
-using WaitValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-WaitValue32Fn wait_value32;
-WriteValue32Fn write_value32;
-
-void LoadDriverEntries() {
-  cudaDriverEntryPointQueryResult r;
-  void* p = nullptr;
-  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &p, 12000, cudaEnableDefault, &r));
-  wait_value32 = reinterpret_cast<WaitValue32Fn>(p);
-  CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &p, 12000, cudaEnableDefault, &r));
-  write_value32 = reinterpret_cast<WriteValue32Fn>(p);
 }
 
 struct Percentiles {
@@ -359,12 +337,12 @@ void InProcessHandoffStep(const Scheduler& s, const InProcess& p, double model_u
   for (int l = 0; l < s.L; ++l) {
     CHECK_CUDA(bench::LaunchSpin(model_us, stream));
     ++ring;
-    write_value32(stream, reinterpret_cast<CUdeviceptr>(counters), ring, 0);
-    wait_value32(verifier, reinterpret_cast<CUdeviceptr>(counters), ring, CU_STREAM_WAIT_VALUE_GEQ);
+    bench::Ring(stream, counters, ring);
+    bench::WaitGeq(verifier, counters, ring);
     kernels::VerifyArgs a = InProcessVerifyArgs(s, p, l);
     Check(k.Verify(a, verifier), "Verify");
-    write_value32(verifier, reinterpret_cast<CUdeviceptr>(counters + 1), ring, 0);
-    wait_value32(stream, reinterpret_cast<CUdeviceptr>(counters + 1), ring, CU_STREAM_WAIT_VALUE_GEQ);
+    bench::Ring(verifier, counters + 1, ring);
+    bench::WaitGeq(stream, counters + 1, ring);
   }
 }
 
@@ -375,14 +353,12 @@ void ServiceStepStream(const Scheduler& s, uint32_t step, double model_us, bool 
                        cudaStream_t stream) {
   for (int l = 0; l < s.L; ++l) {
     CHECK_CUDA(bench::LaunchSpin(model_us, stream));
-    write_value32(stream, reinterpret_cast<CUdeviceptr>(s.doors + 2 * l), step, 0);
-    wait_value32(stream, reinterpret_cast<CUdeviceptr>(s.doors + 2 * l + 1), step,
-                 CU_STREAM_WAIT_VALUE_GEQ);
+    bench::Ring(stream, s.doors + 2 * l, step);
+    bench::WaitGeq(stream, s.doors + 2 * l + 1, step);
   }
   if (!commit) return;
-  write_value32(stream, reinterpret_cast<CUdeviceptr>(s.doors + 2 * s.L), step, 0);
-  wait_value32(stream, reinterpret_cast<CUdeviceptr>(s.doors + 2 * s.L + 1), step,
-               CU_STREAM_WAIT_VALUE_GEQ);
+  bench::Ring(stream, s.doors + 2 * s.L, step);
+  bench::WaitGeq(stream, s.doors + 2 * s.L + 1, step);
 }
 
 // All of a step's calls, sent before its GPU work reaches them, in one
@@ -455,7 +431,7 @@ int Main() {
   const v1::Layout layout = Check(c->GetLayout(), "GetLayout");
   // On the CPU backend only the round trips (the step needs GPU streams).
   const bool cuda = layout.backend() == v1::CUDA;
-  if (cuda) LoadDriverEntries();
+  if (cuda) bench::LoadStreamValueOps();
   auto session = Check(c->OpenSession("service_bench", true), "OpenSession");
   const int iters = absl::GetFlag(FLAGS_iters);
   std::mt19937 rng(5);
