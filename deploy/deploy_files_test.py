@@ -160,7 +160,8 @@ class ProtoParserTest(unittest.TestCase):
     def test_reads_service_config_and_layout(self):
         messages, enums = parse_proto(read(PROTO))
         self.assertEqual(set(messages["ServiceConfig"]),
-                         {"layout", "listen", "default_lease_ms", "max_lease_ms"})
+                         {"layout", "listen", "default_lease_ms", "max_lease_ms",
+                          "submit_spin_us"})
         self.assertEqual(messages["ServiceConfig"]["layout"], ("Layout", False))
         self.assertIn("mamba_block_size", messages["Layout"])
         self.assertEqual(messages["Layout"]["backend"], ("Backend", False))
