@@ -11,8 +11,9 @@
 //    N=max_rows) then Verify, per layer, then Commit; through the service (all
 //    of a step's calls sent ahead, ordered by doorbells on both streams)
 //    against the same loop calling the kernels in this process.
-// 1 and 2 run on either backend; 3 needs the CUDA backend (GPU streams on
-// both sides).
+// With --breakdown, each of them broken down further (see the flag). 1 and 2
+// run on either backend; 3 needs the CUDA backend (GPU streams on both
+// sides).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -40,7 +41,9 @@ ABSL_FLAG(int, paired_iters, 2000,
 ABSL_FLAG(int, steps, 30, "decode steps per step measurement");
 ABSL_FLAG(double, model_us_small, 50, "the model's GPU time per layer at N=1 (us)");
 ABSL_FLAG(bool, breakdown, false,
-          "also measure the N=1 step without its Commit and with a 3x longer model kernel");
+          "also break the N=1 costs down: the ASYNC Verify against the echo by variant; "
+          "the step without its Commit, with a 3x longer model kernel, and in-process on a "
+          "second stream or with one of the service's additions at a time");
 ABSL_FLAG(double, model_us_large, 300, "the model's GPU time per layer at N=max_rows (us)");
 
 namespace specstate {
@@ -214,7 +217,7 @@ v1::Doorbell Door(const Scheduler& s, int index, uint32_t value) {
 // What the service adds to each call beyond the kernels, added one at a
 // time to the in-process loop to see what each costs.
 struct ServiceExtras {
-  bool status_mirror = false;  // the check kernel's status copied to pinned host memory
+  bool status_mirror = false;  // the check kernel's status mirror (pinned host memory)
   bool prerequisites = false;  // the check kernel reads the step's earlier statuses
   bool completion_event = false;  // an event recorded after each call
 };
