@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "kernels/kda_kernels.h"
 #include "kernels/numeric.h"
+#include "server/phase_profile.h"
 
 namespace specstate {
 namespace server {
@@ -740,6 +741,10 @@ void Engine::LoadLayerParams(const std::string& session, const v1::LoadLayerPara
 
 void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
                     Reply<v1::VerifyResponse> reply) {
+  // SPECSTATE_PROFILE=1: where an ASYNC Verify's handling goes.
+  static PhaseProfile profile("Verify (ASYNC)",
+                              {"tensors", "ordering", "step+checks", "submit", "reply"});
+  PhaseProfile::Timer timer(profile);
   const int L = layout_.num_layers();
   const int H = layout_.num_heads();
   const int K = layout_.head_dim();
@@ -808,12 +813,14 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
           {});
     return;
   }
+  timer.Mark();
   absl::StatusOr<Ordering> ordering = ResolveOrdering(
       session, req.ordering(), req.wait(), req.signal(), req.has_wait(), req.has_signal());
   if (!ordering.ok()) {
     reply(ordering.status(), {});
     return;
   }
+  timer.Mark();
 
   absl::ReleasableMutexLock lock(&mu_);
   absl::Status pending = TakeSessionError(session);
@@ -970,6 +977,7 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   layer.records_step = step_id;
   layer.records_valid = true;
   ++slot.in_flight;
+  timer.Mark();
   absl::Status st = device_->Submit(std::move(work));
   if (!st.ok()) {
     --slot.in_flight;
@@ -979,10 +987,12 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
     return;
   }
   lock.Release();
+  timer.Mark();
   if (async) {
     v1::VerifyResponse response;
     response.set_enqueued(true);
     reply(absl::OkStatus(), response);
+    timer.Mark();
   }
 }
 
