@@ -29,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "server/device.h"
 #include "server/log.h"
+#include "server/phase_profile.h"
 
 namespace specstate {
 namespace server {
@@ -374,6 +375,10 @@ class CudaDevice final : public Device {
   // completion event the reaper waits for. A failure to enqueue reaches
   // the caller through `done`, as a device failure does.
   void Enqueue(Work work, std::chrono::steady_clock::time_point queued) {
+    // SPECSTATE_PROFILE=1: where the submitter's time per work goes.
+    static PhaseProfile profile("CUDA submit", {"waits", "launch", "signals+readbacks",
+                                                "completion+bookkeeping"});
+    PhaseProfile::Timer timer(profile);
     const auto t1 = std::chrono::steady_clock::now();
     absl::Status launched = absl::OkStatus();
     for (const WaitOp& wait : work.waits) {
@@ -416,10 +421,12 @@ class CudaDevice final : public Device {
         if (!launched.ok()) break;
       }
     }
+    timer.Mark();
     if (launched.ok()) {
       StreamScratch scratch(stream_);
       launched = work.launch(stream_, scratch);
     }
+    timer.Mark();
     const auto t2 = std::chrono::steady_clock::now();
     // Signal even after a failure: the caller's stream must not wait forever;
     // the failure reaches it through the session's next call.
@@ -435,6 +442,7 @@ class CudaDevice final : public Device {
     for (const Readback& r : work.readbacks) {
       cudaMemcpyAsync(r.host, r.device, r.bytes, cudaMemcpyDeviceToHost, stream_);
     }
+    timer.Mark();
     // A completion event only on the last work queued so far: the works
     // after it in a burst (a step's calls) end later in stream order, and the
     // last one's event tells the reaper that all of them are done. Each
@@ -464,6 +472,7 @@ class CudaDevice final : public Device {
       if (ends_batch) ++batch_ends_;
     }
     ++next_work_id_;
+    timer.Mark();
     if (TraceEnabled()) {
       const auto us = [](auto a, auto b) {
         return std::chrono::duration<double, std::micro>(b - a).count();
