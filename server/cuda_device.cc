@@ -346,6 +346,9 @@ class CudaDevice final : public Device {
   // microseconds apart, and waking a sleeping thread costs the RPC thread a
   // futex call and the call a scheduler wake-up.
   const std::chrono::microseconds submit_spin_;
+  // The most works one completion event ends (a step is about one per layer).
+  static constexpr int kMaxBatchWorks = 64;
+  int works_since_event_ = 0;  // the submitter's
 
   void SubmitLoop() {
     cudaSetDevice(ordinal_);  // the submitter's own thread
@@ -444,11 +447,15 @@ class CudaDevice final : public Device {
     }
     timer.Mark();
     // A completion event only on the last work queued so far: the works
-    // after it in a burst (a step's calls) end later in stream order, and the
-    // last one's event tells the reaper that all of them are done. Each
+    // before it in a burst (a step's calls) end earlier in stream order, and
+    // its event tells the reaper that all of them are done. Each
     // blocking-sync event costs the stream an interrupt and about 1.8 us
-    // before the next handoff (handoff_bench, H200).
-    const bool ends_batch = queued_.load(std::memory_order_acquire) == 0;
+    // before the next handoff (handoff_bench, H200). At least one every
+    // kMaxBatchWorks, so that a queue that never empties still has its
+    // calls answered and their regions released.
+    const bool ends_batch = queued_.load(std::memory_order_acquire) == 0 ||
+                            ++works_since_event_ >= kMaxBatchWorks;
+    if (ends_batch) works_since_event_ = 0;
     cudaEvent_t completion = nullptr;
     if (ends_batch) {
       completion = TakeEvent();
