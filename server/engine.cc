@@ -510,6 +510,13 @@ Engine::Step* Engine::FindStep(const std::string& session, uint64_t id) {
   return nullptr;
 }
 
+absl::Status Engine::SubmitInSlot(StepSlot& slot, Work work) {
+  ++slot.in_flight;
+  absl::Status st = device_->Submit(std::move(work));
+  if (!st.ok()) --slot.in_flight;
+  return st;
+}
+
 kernels::Prerequisites Engine::StepPrerequisites(const StepSlot& slot, const Step& step,
                                                 int count) {
   return kernels::Prerequisites{slot.status_device, count, slot.cancelled, step.generation};
@@ -947,11 +954,11 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
     if (!async) reply(result, {});
   };
 
+  // Later calls of the step read its statuses as prerequisites: its first
+  // call zeroes them, in a Work of its own ahead of the wait for the caller's
+  // inputs, so that it runs while the caller's GPU work does.
+  Work reset;
   if (first) {
-    // Later calls of the step read these as prerequisites: start clean. A
-    // Work of its own, ahead of the wait for the caller's inputs, so that it
-    // runs while the caller's GPU work does.
-    Work reset;
     reset.launch = [this, &slot, L](kernels::Stream stream, Scratch&) {
       return device_->ZeroOnStream(slot.status_device, (L + 2) * sizeof(kernels::DeviceStatus),
                                    stream);
@@ -961,26 +968,16 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
       --slots_[slot_index].in_flight;
       if (!launched.ok()) MarkFailed(step_id, session, launched, async);
     };
-    ++slot.in_flight;
-    absl::Status st = device_->Submit(std::move(reset));
-    if (!st.ok()) {
-      --slot.in_flight;
-      MarkFailed(step_id, session, st, false);
-      lock.Release();
-      reply(st, {});
-      return;
-    }
   }
   step->verified[layer_index] = true;
   ++step->verified_count;
   layer.records_session = session;
   layer.records_step = step_id;
   layer.records_valid = true;
-  ++slot.in_flight;
   timer.Mark();
-  absl::Status st = device_->Submit(std::move(work));
+  absl::Status st = first ? SubmitInSlot(slot, std::move(reset)) : absl::OkStatus();
+  if (st.ok()) st = SubmitInSlot(slot, std::move(work));
   if (!st.ok()) {
-    --slot.in_flight;
     MarkFailed(step_id, session, st, false);
     lock.Release();
     reply(st, {});
@@ -1248,10 +1245,8 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
   };
   step->commit.started = true;
   step->commit.fingerprint = fingerprint;
-  ++slot.in_flight;
-  absl::Status st = device_->Submit(std::move(work));
+  absl::Status st = SubmitInSlot(slot, std::move(work));
   if (!st.ok()) {
-    --slot.in_flight;
     step->commit.started = false;
     lock.Release();
     reply(st, {});
@@ -1463,10 +1458,8 @@ void Engine::RecordStateBlocks(const std::string& session,
   };
   step->record.started = true;
   step->record.fingerprint = fingerprint;
-  ++slot.in_flight;
-  st = device_->Submit(std::move(work));
+  st = SubmitInSlot(slot, std::move(work));
   if (!st.ok()) {
-    --slot.in_flight;
     step->record.started = false;
     lock.Release();
     reply(st, {});

@@ -159,6 +159,9 @@ class Engine {
   absl::Status TakeSessionError(const std::string& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkFailed(uint64_t step, const std::string& session, absl::Status status, bool async)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Submits `work` of a step in `slot`, counted in the slot's in-flight work
+  // (its `done` must uncount it); uncounted again if the submit fails.
+  absl::Status SubmitInSlot(StepSlot& slot, Work work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // A retry of a call that applies at most once per step (same step, same
   // arguments): answered from the first call's result, at once or when it
