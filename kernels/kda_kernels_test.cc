@@ -1480,6 +1480,57 @@ TEST_P(KdaKernelsTest, CancelledStepRunsNothing) {
   ExpectCommitMatchesStock(s, before);
 }
 
+// An earlier call of the step that failed on the device
+// (Prerequisites::statuses): Verify and Commit run nothing and name the
+// lowest failed call, also when a row of their own is bad (the checks load
+// the prerequisites and the rows together, and the prerequisites decide).
+TEST_P(KdaKernelsTest, FailedEarlierCallStopsTheStep) {
+  StepSpec spec;
+  spec.tokens = {2, 3, 1};
+  spec.sources = {1, 2, 3};
+  spec.num_accepted = {2, 3, 1};
+  Step s = MakeStep(spec);
+  StockAndVerifyAll(s);
+  if (HasFatalFailure()) return;
+  constexpr int kCalls = 7;
+  std::vector<DeviceStatus> statuses(kCalls, DeviceStatus{});
+  const int lowest = rng_->Int(2, 4);
+  statuses[lowest].failed = 1;
+  statuses[kCalls - 1].failed = 1;
+  BackendBuffer earlier =
+      Must(BackendBuffer::Allocate(backend(), sizeof(DeviceStatus) * kCalls), "statuses");
+  ASSERT_TRUE(earlier.Upload(statuses.data(), sizeof(DeviceStatus) * kCalls).ok());
+  const Snapshot before = TakeSnapshot(s);
+  const std::string named = absl::StrCat("earlier call ", lowest, " of the same step failed");
+  for (bool bad_row : {false, true}) {
+    SCOPED_TRACE(bad_row ? "and a bad row" : "rows valid");
+    const std::vector<int32_t> sources = s.sources;
+    if (bad_row) s.sources[1] = static_cast<int32_t>(s.num_blocks);  // past the pool
+    CallData cd;
+    VerifyArgs a = VerifyArgsFor(s, 0, &cd);
+    s.sources = sources;
+    a.prerequisites.statuses = earlier.As<DeviceStatus>();
+    a.prerequisites.count = kCalls;
+    a.status_mirror = ZeroedMirror();
+    const CallResult r = Finish(kernels_->Verify(a, stream()), "Verify", s);
+    ASSERT_TRUE(r.launch.ok()) << r.launch;
+    EXPECT_EQ(r.device.code(), absl::StatusCode::kFailedPrecondition) << r.device;
+    EXPECT_THAT(std::string(r.device.message()), HasSubstr(named));
+  }
+  {
+    CallData cd;
+    CommitArgs a = CommitArgsFor(s, &cd);
+    a.prerequisites.statuses = earlier.As<DeviceStatus>();
+    a.prerequisites.count = kCalls;
+    a.status_mirror = ZeroedMirror();
+    const CallResult r = Finish(kernels_->Commit(a, stream()), "Commit", s);
+    ASSERT_TRUE(r.launch.ok()) << r.launch;
+    EXPECT_EQ(r.device.code(), absl::StatusCode::kFailedPrecondition) << r.device;
+    EXPECT_THAT(std::string(r.device.message()), HasSubstr(named));
+  }
+  ExpectSameBytes(before, TakeSnapshot(s));
+}
+
 // Align mode: each row's case is asserted on the reference plan first, so
 // the test keeps covering what it says.
 TEST_P(KdaKernelsTest, CommitAlignModeEqualsStockState) {

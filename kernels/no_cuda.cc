@@ -13,6 +13,10 @@ absl::StatusOr<const KdaKernels*> CudaKdaKernels() {
 
 bool BuiltWithCuda() { return false; }
 
+absl::Status CopyToHostOnStream(void*, const void*, uint64_t, Stream) {
+  return absl::UnavailableError("this build of SpecState has no CUDA backend");
+}
+
 int NumCudaLayoutVariants() { return 0; }
 
 absl::StatusOr<std::pair<std::string, const KdaKernels*>> CudaKdaKernelsWithLayout(int) {

@@ -20,6 +20,7 @@
 // first and return at once when it failed, so a rejected call writes nothing.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <string>
@@ -385,21 +386,38 @@ __device__ bool BlockCheckRows(int num_rows, DeviceStatus* status, Check check) 
   return result == INT_MAX;
 }
 
+// A thread's share of the prerequisites, loaded into registers: each
+// dependent round of global loads costs a check kernel about half a
+// microsecond, so every load of the checks is issued before any is used.
+struct PrerequisiteLoads {
+  internal::RowFault cancelled = internal::NoFault();  // thread 0's
+  int lowest_failed = INT_MAX;                         // this thread's statuses
+};
+
+__device__ PrerequisiteLoads LoadPrerequisites(const Prerequisites& p) {
+  PrerequisiteLoads loads;
+  if (threadIdx.x == 0) loads.cancelled = internal::CheckCancelled(p);
+  for (int i = threadIdx.x; i < p.count; i += blockDim.x) {
+    if (p.statuses[i].failed != 0) {
+      loads.lowest_failed = i;
+      break;  // i grows with the loop: this is the thread's lowest
+    }
+  }
+  return loads;
+}
+
 // False (to every thread, with the status written) when a prerequisite failed.
-__device__ bool BlockCheckPrerequisites(const Prerequisites& p, DeviceStatus* status) {
+__device__ bool BlockResolvePrerequisites(const PrerequisiteLoads& loads, DeviceStatus* status) {
   __shared__ int lowest_failed;
   __shared__ bool cancelled;
   if (threadIdx.x == 0) {
     lowest_failed = INT_MAX;
-    const RowFault c = internal::CheckCancelled(p);
-    cancelled = c.problem != 0;
-    if (cancelled) *status = internal::StatusFromFault(c, -1, -1);
+    cancelled = loads.cancelled.problem != 0;
+    if (cancelled) *status = internal::StatusFromFault(loads.cancelled, -1, -1);
   }
   __syncthreads();
   if (cancelled) return false;
-  for (int i = threadIdx.x; i < p.count; i += blockDim.x) {
-    if (p.statuses[i].failed != 0) atomicMin(&lowest_failed, i);
-  }
+  if (loads.lowest_failed != INT_MAX) atomicMin(&lowest_failed, loads.lowest_failed);
   __syncthreads();
   const int failed = lowest_failed;
   if (failed != INT_MAX && threadIdx.x == 0) {
@@ -410,6 +428,10 @@ __device__ bool BlockCheckPrerequisites(const Prerequisites& p, DeviceStatus* st
   }
   __syncthreads();
   return failed == INT_MAX;
+}
+
+__device__ bool BlockCheckPrerequisites(const Prerequisites& p, DeviceStatus* status) {
+  return BlockResolvePrerequisites(LoadPrerequisites(p), status);
 }
 
 // The cross-row pass of checks.h on one block. `owner` is zero on entry and on return.
@@ -488,19 +510,31 @@ __device__ void PublishStatus(const DeviceStatus* status, DeviceStatus* mirror) 
   if (mirror != nullptr && threadIdx.x == 0 && status->failed != 0) *mirror = *status;
 }
 
-__device__ void VerifyChecks(const VerifyArgs& a) {
+// Whether every check passed (to every thread). One round of loads: the
+// prerequisites and each thread's first row are read together (reading a
+// row's indices is harmless when a prerequisite failed: only its result is
+// dropped, and nothing is written then).
+__device__ bool VerifyChecks(const VerifyArgs& a) {
   if (threadIdx.x == 0) *a.status = internal::OkStatus();
-  __syncthreads();
-  if (!BlockCheckPrerequisites(a.prerequisites, a.status)) return;
-  for (int n = threadIdx.x; n < a.num_rows; n += blockDim.x) internal::SnapshotVerifyRow(a, n);
+  const PrerequisiteLoads prerequisites = LoadPrerequisites(a.prerequisites);
   internal::VerifyRow unused;
-  BlockCheckRows(a.num_rows, a.status,
-                 [&](int n) { return internal::CheckVerifyRow(a, n, &unused); });
+  const int first_row = threadIdx.x;
+  const internal::RowFault first_fault = first_row < a.num_rows
+                                             ? internal::CheckVerifyRow(a, first_row, &unused)
+                                             : internal::NoFault();
+  // Its barrier orders the OK status before any fault's.
+  if (!BlockResolvePrerequisites(prerequisites, a.status)) return false;
+  for (int n = threadIdx.x; n < a.num_rows; n += blockDim.x) internal::SnapshotVerifyRow(a, n);
+  return BlockCheckRows(a.num_rows, a.status, [&](int n) {
+    return n == first_row ? first_fault : internal::CheckVerifyRow(a, n, &unused);
+  });
 }
 
 __global__ void __launch_bounds__(kCheckThreads) VerifyCheckKernel(const VerifyArgs a) {
-  VerifyChecks(a);
-  PublishStatus(a.status, a.status_mirror);
+  // The block knows whether it failed: no reload of its status to decide.
+  if (!VerifyChecks(a) && a.status_mirror != nullptr && threadIdx.x == 0) {
+    *a.status_mirror = *a.status;
+  }
 }
 
 // Checks, plans and writes the replay indices of a commit.
@@ -776,6 +810,21 @@ class CudaKernels final : public KdaKernels {
   }
 };
 
+// Grid-stride: a readback is a few kilobytes on the hot path (a step's
+// indices, a commit's plan), megabytes only for ReadState. Whole words when
+// both ends are aligned.
+__global__ void __launch_bounds__(256) CopyToHostKernel(char* dst, const char* src, uint64_t bytes) {
+  const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
+  const uint64_t first = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) % 4 == 0) {
+    for (uint64_t i = first; i < bytes / 4; i += stride) {
+      reinterpret_cast<uint32_t*>(dst)[i] = reinterpret_cast<const uint32_t*>(src)[i];
+    }
+  } else {
+    for (uint64_t i = first; i < bytes; i += stride) dst[i] = src[i];
+  }
+}
+
 // The layouts the benchmark sweeps; index 0 is the production layout.
 struct LayoutVariant {
   const char* name;
@@ -796,6 +845,18 @@ const std::vector<LayoutVariant>& LayoutVariants() {
 }
 
 }  // namespace
+
+absl::Status CopyToHostOnStream(void* host, const void* device, uint64_t bytes, Stream stream) {
+  if (bytes == 0) return absl::OkStatus();
+  if (host == nullptr || device == nullptr) {
+    return absl::InvalidArgumentError("CopyToHostOnStream: a null pointer");
+  }
+  const uint64_t blocks = std::min<uint64_t>((bytes / 4 + 255) / 256, 256);
+  CopyToHostKernel<<<static_cast<unsigned>(std::max<uint64_t>(blocks, 1)), 256, 0,
+                     static_cast<cudaStream_t>(stream)>>>(
+      static_cast<char*>(host), static_cast<const char*>(device), bytes);
+  return CudaStatus(cudaGetLastError(), "CopyToHostOnStream");
+}
 
 absl::StatusOr<const KdaKernels*> CudaKdaKernels() {
   int devices = 0;
