@@ -928,13 +928,16 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   };
   const bool async = ordering->async;
   const uint64_t step_id = req.step();
-  std::vector<RegionPin> all_pins = ordering->pins;
+  std::vector<RegionPin> all_pins;
+  all_pins.reserve(ordering->pins.size() + 8);
+  all_pins.insert(all_pins.end(), ordering->pins.begin(), ordering->pins.end());
   for (const TensorView* t : {&*q, &*k, &*v, &*g, &*beta, &*o}) all_pins.push_back(t->pin);
   all_pins.push_back(inputs->first.pin);
   all_pins.push_back(inputs->second.pin);
   auto pins = UniquePins(std::move(all_pins));
-  work.done = [this, pins, reply, async, step_id, session, layer_index, first, N,
-               slot_index = step->slot](absl::Status launched) {
+  // An ASYNC call is answered below, not when its work completes.
+  work.done = [this, pins, reply = async ? Reply<v1::VerifyResponse>() : reply, async, step_id,
+               session, layer_index, first, N, slot_index = step->slot](absl::Status launched) {
     absl::Status result = launched;
     {
       absl::MutexLock lock(&mu_);

@@ -90,8 +90,8 @@ int RegionRegistry::Count() const {
   return static_cast<int>(regions_.size());
 }
 
-absl::StatusOr<RegionPin> RegionRegistry::Find(const std::string& session,
-                                               const std::string& name) const {
+absl::StatusOr<RegionPin> RegionRegistry::Find(absl::string_view session,
+                                               absl::string_view name) const {
   absl::MutexLock lock(&mu_);
   auto it = regions_.find(std::make_pair(session, name));
   if (it == regions_.end()) {
@@ -102,7 +102,7 @@ absl::StatusOr<RegionPin> RegionRegistry::Find(const std::string& session,
 
 namespace {
 
-std::string ShapeString(const std::vector<int64_t>& shape) {
+std::string ShapeString(const Dims& shape) {
   std::vector<std::string> dims;
   for (int64_t d : shape) dims.push_back(d < 0 ? "*" : absl::StrCat(d));
   return absl::StrCat("[", absl::StrJoin(dims, ", "), "]");
@@ -122,7 +122,7 @@ absl::StatusOr<TensorView> RegionRegistry::ResolveTensor(const std::string& sess
                                                    DTypeName(spec.dtype), ")"));
   }
   const int rank = static_cast<int>(spec.shape.size());
-  std::vector<int64_t> shape(t.shape().begin(), t.shape().end());
+  Dims shape(t.shape().begin(), t.shape().end());
   if (static_cast<int>(shape.size()) != rank) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", ShapeString(shape),
                                                    " has rank ", shape.size(), ", expected ",
@@ -143,7 +143,7 @@ absl::StatusOr<TensorView> RegionRegistry::ResolveTensor(const std::string& sess
                                                      ", expected ", ShapeString(spec.shape)));
     }
   }
-  std::vector<int64_t> strides(t.strides().begin(), t.strides().end());
+  Dims strides(t.strides().begin(), t.strides().end());
   if (strides.empty()) {
     strides.assign(rank, 1);
     for (int d = rank - 2; d >= 0; --d) strides[d] = strides[d + 1] * std::max<int64_t>(shape[d + 1], 1);

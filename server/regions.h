@@ -22,8 +22,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/dtype.h"
 #include "specstate/v1/specstate.pb.h"
@@ -59,20 +61,23 @@ class Region {
 
 using RegionPin = std::shared_ptr<Region>;
 
+// Tensor dimensions: inline, so resolving a request's tensors allocates nothing.
+using Dims = absl::InlinedVector<int64_t, 4>;
+
 // What a tensor must look like: dtype, and per dimension the size required
 // (-1: any, reported back). `dense_inner` dimensions at the end must be
 // dense (stride = product of the later sizes).
 struct TensorSpec {
   DType dtype = DType::kInt32;
-  std::vector<int64_t> shape;
+  Dims shape;
   int dense_inner = 0;
 };
 
 // A resolved tensor: its address, shape and strides (in elements).
 struct TensorView {
   void* data = nullptr;
-  std::vector<int64_t> shape;
-  std::vector<int64_t> strides;
+  Dims shape;
+  Dims strides;
   RegionPin pin;
 };
 
@@ -94,7 +99,7 @@ class RegionRegistry {
   std::vector<v1::RegionInfo> List(const std::string& session) const;
   int Count() const;
 
-  absl::StatusOr<RegionPin> Find(const std::string& session, const std::string& name) const;
+  absl::StatusOr<RegionPin> Find(absl::string_view session, absl::string_view name) const;
 
   // Resolves `tensor` of the session against `spec`: the region exists, the
   // dtype and shape match, the strides are non-negative, and every element
@@ -110,8 +115,18 @@ class RegionRegistry {
 
  private:
   mutable absl::Mutex mu_;
+  // Orders (session, name) keys, and finds one from string_views without
+  // copying them (a Verify looks up eight).
+  struct KeyLess {
+    using is_transparent = void;
+    template <typename A, typename B>
+    bool operator()(const A& a, const B& b) const {
+      const int c = absl::string_view(a.first).compare(absl::string_view(b.first));
+      return c != 0 ? c < 0 : absl::string_view(a.second) < absl::string_view(b.second);
+    }
+  };
   // (session, name) -> region
-  std::map<std::pair<std::string, std::string>, RegionPin> regions_ ABSL_GUARDED_BY(mu_);
+  std::map<std::pair<std::string, std::string>, RegionPin, KeyLess> regions_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace server
