@@ -8,6 +8,10 @@
 namespace specstate {
 namespace client {
 
+void DisableMutexDeadlockDetection() {
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+}
+
 absl::Status FromGrpc(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());

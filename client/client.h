@@ -41,6 +41,12 @@
 namespace specstate {
 namespace client {
 
+// For a scheduler's main(), before any thread starts: turns off Abseil's
+// mutex deadlock detector in this process. Debian's Abseil is built without
+// NDEBUG, so the detector runs on every lock, gRPC's included, and adds
+// microseconds to each call (docs/benchmarks.md). specstated does the same.
+void DisableMutexDeadlockDetection();
+
 // The server's status as an absl::Status (same codes).
 absl::Status FromGrpc(const grpc::Status& status);
 

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -18,6 +19,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpc/health/v1/health.pb.h"
@@ -232,6 +234,14 @@ int Run() {
 int main(int argc, char** argv) {
   // Before any CUDA call: the stream waits on clients' doorbells (see there).
   specstate::kernels::UseEagerCudaModuleLoading();
+  // Debian's Abseil is built without NDEBUG, so its mutex deadlock detector
+  // runs on every lock this process takes, gRPC's included: it keeps a
+  // global lock-order graph and records stack traces. Off while serving;
+  // SPECSTATE_DEADLOCK_DETECTION=1 keeps it on (the unit tests always do).
+  const char* detection = std::getenv("SPECSTATE_DEADLOCK_DETECTION");
+  if (detection == nullptr || std::string(detection) != "1") {
+    absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  }
   // Block the shutdown signals before any thread starts, so that only
   // sigwait() in Run() receives them.
   sigset_t signals;
