@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Diagnostics of the service on the CUDA backend, from a bundle made by
-# tools/gpu/bundle.sh:   diagnose.sh BUNDLE OUTDIR [align|handoff|bench|breakdown|timeline|all]
+# tools/gpu/bundle.sh:   diagnose.sh BUNDLE OUTDIR [align|handoff|bench|breakdown|timeline|mutex|all]
 #   align: short simulations that isolate one factor each (cache mode, state
 #          and activation dtypes, shape, ordering), each under a time limit,
 #          with SPECSTATE_TRACE=1 on both sides so a stall shows its phase.
@@ -14,6 +14,8 @@
 #   timeline: under MPS, service_bench --breakdown with both processes traced
 #          by libcupti_trace.so; timeline.md has the median gaps and
 #          durations between the model kernel and the next, per pattern.
+#   mutex: under MPS, service_bench twice with Abseil's mutex deadlock detector
+#          on and twice with it off, in both processes.
 #   handoff: handoff_bench (what a doorbell handoff between two streams costs)
 #          in one process and in two, without and with MPS.
 # SERVER_FLAGS adds flags to every specstated started here.
@@ -118,6 +120,22 @@ if [ "$what" = timeline ]; then
   mps_stop
   python3 "$bundle/timeline.py" "$logs/server.csv" "$logs/client.csv" > "$out/timeline.md"
   say "timeline: exit $?, $(wc -l < "$logs/server.csv") server and $(wc -l < "$logs/client.csv") client records"
+fi
+
+if [ "$what" = mutex ]; then
+  # Abseil's mutex deadlock detector on and off in both processes (Debian's
+  # Abseil is built without NDEBUG, so it is on unless a process turns it off).
+  big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
+  mps_start
+  for detect in 1 0 1 0; do
+    SPECSTATE_DEADLOCK_DETECTION=$detect SERVER_TRACE=0 serve "mutex_detect_$detect" $big || continue
+    fast=true; [ $detect = 1 ] && fast=false
+    timeout -k 2 150 "$bin/service_bench" --server="unix://$sock" --iters=300 --steps=20 \
+      --fast_mutexes=$fast >> "$out/service_bench_detect_$detect.md" 2>> "$logs/mutex_$detect.err"
+    say "service_bench, deadlock detection $detect: exit $?, $(grep -h 'per-pair' "$out/service_bench_detect_$detect.md" | tail -1 | sed 's/.*difference//')"
+    stop
+  done
+  mps_stop
 fi
 
 if [ "$what" = breakdown ]; then
