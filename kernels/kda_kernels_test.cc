@@ -1480,6 +1480,59 @@ TEST_P(KdaKernelsTest, CancelledStepRunsNothing) {
   ExpectCommitMatchesStock(s, before);
 }
 
+// A later Verify of a step checks its query_start_loc and state_indices
+// against the step's first call's (VerifyArgs::expected_*): an element that
+// differs fails INVALID_ARGUMENT naming it and both values, and writes nothing.
+TEST_P(KdaKernelsTest, VerifyChecksIndicesAgainstTheStepsFirstCall) {
+  StepSpec spec;
+  spec.tokens = {2, 3, 1};
+  spec.sources = {1, 2, 3};
+  spec.num_accepted = {2, 3, 1};
+  Step s = MakeStep(spec);
+  StockAndVerifyAll(s);
+  if (HasFatalFailure()) return;
+  const Snapshot before = TakeSnapshot(s);
+  const int rows = static_cast<int>(s.sources.size());
+  struct Case {
+    int qsl_element;  // -1: none differs
+    int source_row;   // -1: none differs
+  };
+  // The last case passes: it runs after the snapshot comparison.
+  const std::vector<Case> cases = {
+      {0, -1}, {rng_->Int(1, rows), -1}, {-1, rng_->Int(0, rows - 1)}, {-1, -1}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat("query_start_loc element ", c.qsl_element, ", state_indices row ",
+                              c.source_row));
+    std::vector<int32_t> first_qsl = s.qsl;
+    std::vector<int32_t> first_sources = s.sources;
+    std::string named;
+    if (c.qsl_element >= 0) {
+      first_qsl[c.qsl_element] += rng_->Int(1, 3);
+      named = absl::StrCat("query_start_loc[", c.qsl_element, "] = ", s.qsl[c.qsl_element],
+                           " differs from ", first_qsl[c.qsl_element]);
+    }
+    if (c.source_row >= 0) {
+      first_sources[c.source_row] += rng_->Int(1, 3);
+      named = absl::StrCat("state_indices[", c.source_row, "] = ", s.sources[c.source_row],
+                           " differs from ", first_sources[c.source_row]);
+    }
+    CallData cd;
+    VerifyArgs a = VerifyArgsFor(s, 0, &cd);
+    a.expected_query_start_loc = Ints(&cd, first_qsl);
+    a.expected_state_indices = Ints(&cd, first_sources);
+    a.status_mirror = ZeroedMirror();
+    const CallResult r = Finish(kernels_->Verify(a, stream()), "Verify", s);
+    if (named.empty()) {
+      ExpectSameBytes(before, TakeSnapshot(s));
+      EXPECT_TRUE(CallOk(r));
+      continue;
+    }
+    ASSERT_TRUE(r.launch.ok()) << r.launch;
+    EXPECT_EQ(r.device.code(), absl::StatusCode::kInvalidArgument) << r.device;
+    EXPECT_THAT(std::string(r.device.message()), HasSubstr(named));
+  }
+}
+
 // An earlier call of the step that failed on the device
 // (Prerequisites::statuses): Verify and Commit run nothing and name the
 // lowest failed call, also when a row of their own is bad (the checks load

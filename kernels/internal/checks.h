@@ -171,18 +171,29 @@ struct VerifyRow {
 SPECSTATE_HD RowFault CheckVerifyRow(const VerifyArgs& a, int n, VerifyRow* row) {
   row->tokens = 0;
   row->source = kNullBlock;
+  // Every load first, then the checks in their order: on the GPU the loads
+  // are one round instead of one per comparison.
   const int32_t source = a.state_indices.data[n * a.state_indices.row_stride];
-  if (a.expected_query_start_loc != nullptr) {
-    for (int e = (n == 0 ? 0 : n + 1); e <= n + 1; ++e) {
-      if (a.query_start_loc[e] != a.expected_query_start_loc[e]) {
-        return MakeFault(CheckedField::kQueryStartLoc, CheckProblem::kMismatch, e, -1,
-                         a.query_start_loc[e], a.expected_query_start_loc[e]);
-      }
+  const int32_t begin = a.query_start_loc[n];
+  const int32_t end = a.query_start_loc[n + 1];
+  const int32_t* const expected_qsl = a.expected_query_start_loc;
+  const int32_t expected_begin = expected_qsl != nullptr && n == 0 ? expected_qsl[0] : 0;
+  const int32_t expected_end = expected_qsl != nullptr ? expected_qsl[n + 1] : 0;
+  const int32_t expected_source =
+      a.expected_state_indices != nullptr ? a.expected_state_indices[n] : 0;
+  if (expected_qsl != nullptr) {
+    if (n == 0 && begin != expected_begin) {
+      return MakeFault(CheckedField::kQueryStartLoc, CheckProblem::kMismatch, 0, -1, begin,
+                       expected_begin);
+    }
+    if (end != expected_end) {
+      return MakeFault(CheckedField::kQueryStartLoc, CheckProblem::kMismatch, n + 1, -1, end,
+                       expected_end);
     }
   }
-  if (a.expected_state_indices != nullptr && source != a.expected_state_indices[n]) {
+  if (a.expected_state_indices != nullptr && source != expected_source) {
     return MakeFault(CheckedField::kStateIndices, CheckProblem::kMismatch, n, -1, source,
-                     a.expected_state_indices[n]);
+                     expected_source);
   }
   int tokens = 0;
   RowFault f =
