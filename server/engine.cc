@@ -45,8 +45,7 @@ struct IndexSpec {
   int64_t cols = -1;  // for 2-D: -1 any
 };
 
-absl::StatusOr<IndexInput> ResolveIndex(const RegionRegistry& regions, const std::string& session,
-                                        const v1::IndexTensor& t, absl::string_view field,
+absl::StatusOr<IndexInput> ResolveIndex(RegionLookup& regions, const v1::IndexTensor& t, absl::string_view field,
                                         const IndexSpec& spec) {
   IndexInput in;
   if (t.source_case() == v1::IndexTensor::SOURCE_NOT_SET) return in;
@@ -83,7 +82,7 @@ absl::StatusOr<IndexInput> ResolveIndex(const RegionRegistry& regions, const std
     ts.dtype = DType::kInt32;
     ts.shape.assign(rank, -1);
     ts.dense_inner = rank == 2 ? 1 : (spec.strided_1d ? 0 : 1);
-    absl::StatusOr<TensorView> view = regions.ResolveTensor(session, t.region(), field, ts);
+    absl::StatusOr<TensorView> view = regions.ResolveTensor(t.region(), field, ts);
     if (!view.ok()) return view.status();
     in.data = static_cast<const int32_t*>(view->data);
     in.rows = view->shape[0];
@@ -675,6 +674,7 @@ void Engine::LoadLayerParams(const std::string& session, const v1::LoadLayerPara
     return;
   }
   // Each parameter inline or from a region; both copied into service memory.
+  RegionLookup lookup(regions_, session);
   struct Source {
     std::vector<float> values;
     const float* region = nullptr;
@@ -701,7 +701,7 @@ void Engine::LoadLayerParams(const std::string& session, const v1::LoadLayerPara
     spec.dtype = DType::kFloat32;
     spec.shape = {count};
     spec.dense_inner = 1;
-    absl::StatusOr<TensorView> view = regions_.ResolveTensor(session, t.region(), field, spec);
+    absl::StatusOr<TensorView> view = lookup.ResolveTensor(t.region(), field, spec);
     if (!view.ok()) return view.status();
     s.region = static_cast<const float*>(view->data);
     s.pin = view->pin;
@@ -774,31 +774,32 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   act.dtype = shape_.act_dtype;
   act.shape = {-1, H, K};
   act.dense_inner = 2;
-  absl::StatusOr<TensorView> q = regions_.ResolveTensor(session, req.q(), "q", act);
+  RegionLookup lookup(regions_, session);
+  absl::StatusOr<TensorView> q = lookup.ResolveTensor(req.q(), "q", act);
   if (!q.ok()) {
     reply(q.status(), {});
     return;
   }
   const int64_t T = q->shape[0];
   act.shape[0] = T;
-  absl::StatusOr<TensorView> k = regions_.ResolveTensor(session, req.k(), "k", act);
-  absl::StatusOr<TensorView> v = k.ok() ? regions_.ResolveTensor(session, req.v(), "v", act) : k;
+  absl::StatusOr<TensorView> k = lookup.ResolveTensor(req.k(), "k", act);
+  absl::StatusOr<TensorView> v = k.ok() ? lookup.ResolveTensor(req.v(), "v", act) : k;
   TensorSpec dense = act;
   dense.dense_inner = 3;
-  absl::StatusOr<TensorView> g = v.ok() ? regions_.ResolveTensor(session, req.g(), "g", dense) : v;
-  absl::StatusOr<TensorView> o = g.ok() ? regions_.ResolveTensor(session, req.o(), "o", dense) : g;
+  absl::StatusOr<TensorView> g = v.ok() ? lookup.ResolveTensor(req.g(), "g", dense) : v;
+  absl::StatusOr<TensorView> o = g.ok() ? lookup.ResolveTensor(req.o(), "o", dense) : g;
   TensorSpec beta_spec;
   beta_spec.dtype = shape_.act_dtype;
   beta_spec.shape = {T, H};
   beta_spec.dense_inner = 1;
   absl::StatusOr<TensorView> beta =
-      o.ok() ? regions_.ResolveTensor(session, req.beta(), "beta", beta_spec) : o;
+      o.ok() ? lookup.ResolveTensor(req.beta(), "beta", beta_spec) : o;
   if (!beta.ok()) {
     reply(beta.status(), {});
     return;
   }
   absl::StatusOr<IndexInput> qsl =
-      ResolveIndex(regions_, session, req.query_start_loc(), "query_start_loc", {N + 1});
+      ResolveIndex(lookup, req.query_start_loc(), "query_start_loc", {N + 1});
   if (!qsl.ok()) {
     reply(qsl.status(), {});
     return;
@@ -808,7 +809,7 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   idx_spec.allow_2d = true;
   idx_spec.strided_1d = true;
   absl::StatusOr<IndexInput> indices =
-      ResolveIndex(regions_, session, req.state_indices(), "state_indices", idx_spec);
+      ResolveIndex(lookup, req.state_indices(), "state_indices", idx_spec);
   if (!indices.ok()) {
     reply(indices.status(), {});
     return;
@@ -903,7 +904,7 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   }
 
   Work work;
-  work.waits = StepWaits(slot, *step, ordering->waits);
+  work.waits = StepWaits(slot, *step, std::move(ordering->waits));
   work.signals = ordering->signals;
   if (first && N > 0) {
     work.readbacks.push_back(Readback{slot.query_start_loc, slot.qsl_host, uint64_t(N + 1) * 4});
@@ -1001,8 +1002,9 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
   const int L = layout_.num_layers();
   const int max_rows = layout_.max_rows();
   const bool align = layout_.cache_mode() == v1::ALIGN;
+  RegionLookup lookup(regions_, session);
   absl::StatusOr<IndexInput> accepted =
-      ResolveIndex(regions_, session, req.num_accepted(), "num_accepted", {});
+      ResolveIndex(lookup, req.num_accepted(), "num_accepted", {});
   if (accepted.ok()) {
     absl::Status st = Required(*accepted, "num_accepted");
     if (st.ok() && accepted->rows > max_rows) {
@@ -1026,7 +1028,7 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
     return;
   }
   absl::StatusOr<IndexInput> request_indices =
-      ResolveIndex(regions_, session, req.request_indices(), "request_indices", {});
+      ResolveIndex(lookup, req.request_indices(), "request_indices", {});
   if (!request_indices.ok()) {
     reply(request_indices.status(), {});
     return;
@@ -1035,9 +1037,9 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
   table_spec.rows = batch;
   table_spec.allow_2d = true;
   absl::StatusOr<IndexInput> block_table =
-      ResolveIndex(regions_, session, req.block_table(), "block_table", table_spec);
+      ResolveIndex(lookup, req.block_table(), "block_table", table_spec);
   absl::StatusOr<IndexInput> computed =
-      block_table.ok() ? ResolveIndex(regions_, session, req.num_computed_tokens(),
+      block_table.ok() ? ResolveIndex(lookup, req.num_computed_tokens(),
                                       "num_computed_tokens", {batch})
                        : block_table;
   if (!computed.ok()) {
@@ -1270,8 +1272,9 @@ void Engine::RecordStateBlocks(const std::string& session,
           {});
     return;
   }
+  RegionLookup lookup(regions_, session);
   absl::StatusOr<IndexInput> mapping =
-      ResolveIndex(regions_, session, req.idx_mapping(), "idx_mapping", {});
+      ResolveIndex(lookup, req.idx_mapping(), "idx_mapping", {});
   if (mapping.ok()) {
     absl::Status st = Required(*mapping, "idx_mapping");
     if (st.ok() && mapping->rows > max_rows) {
@@ -1286,13 +1289,13 @@ void Engine::RecordStateBlocks(const std::string& session,
   }
   const int64_t batch = mapping->rows;
   absl::StatusOr<IndexInput> sampled =
-      ResolveIndex(regions_, session, req.num_sampled(), "num_sampled", {batch});
+      ResolveIndex(lookup, req.num_sampled(), "num_sampled", {batch});
   absl::StatusOr<IndexInput> computed =
-      sampled.ok() ? ResolveIndex(regions_, session, req.num_computed_tokens(),
+      sampled.ok() ? ResolveIndex(lookup, req.num_computed_tokens(),
                                   "num_computed_tokens", {batch})
                    : sampled;
   absl::StatusOr<IndexInput> request_indices =
-      computed.ok() ? ResolveIndex(regions_, session, req.request_indices(), "request_indices", {})
+      computed.ok() ? ResolveIndex(lookup, req.request_indices(), "request_indices", {})
                     : computed;
   if (!request_indices.ok()) {
     reply(request_indices.status(), {});
@@ -1309,7 +1312,7 @@ void Engine::RecordStateBlocks(const std::string& session,
   out_spec.shape = {-1};
   out_spec.dense_inner = 1;
   absl::StatusOr<TensorView> state_idx =
-      st.ok() ? regions_.ResolveTensor(session, req.state_idx(), "state_idx", out_spec)
+      st.ok() ? lookup.ResolveTensor(req.state_idx(), "state_idx", out_spec)
               : absl::StatusOr<TensorView>(st);
   if (state_idx.ok() && state_idx->shape[0] > max_rows) {
     state_idx = absl::OutOfRangeError(absl::StrCat("state_idx has ", state_idx->shape[0],
@@ -1318,7 +1321,7 @@ void Engine::RecordStateBlocks(const std::string& session,
   if (state_idx.ok()) out_spec.shape[0] = state_idx->shape[0];
   absl::StatusOr<TensorView> out_accepted =
       state_idx.ok()
-          ? regions_.ResolveTensor(session, req.num_accepted(), "num_accepted", out_spec)
+          ? lookup.ResolveTensor(req.num_accepted(), "num_accepted", out_spec)
           : state_idx;
   if (!out_accepted.ok()) {
     reply(out_accepted.status(), {});

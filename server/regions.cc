@@ -114,8 +114,24 @@ absl::StatusOr<TensorView> RegionRegistry::ResolveTensor(const std::string& sess
                                                          const v1::RegionTensor& t,
                                                          absl::string_view field,
                                                          const TensorSpec& spec) const {
+  RegionLookup lookup(*this, session);
+  return lookup.ResolveTensor(t, field, spec);
+}
+
+absl::StatusOr<RegionPin> RegionLookup::Find(absl::string_view name) {
+  for (const auto& [found_name, pin] : found_) {
+    if (found_name == name) return pin;
+  }
+  absl::StatusOr<RegionPin> pin = registry_.Find(session_, name);
+  if (pin.ok()) found_.emplace_back(name, *pin);
+  return pin;
+}
+
+absl::StatusOr<TensorView> RegionLookup::ResolveTensor(const v1::RegionTensor& t,
+                                                       absl::string_view field,
+                                                       const TensorSpec& spec) {
   if (t.region().empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": region is empty"));
-  absl::StatusOr<RegionPin> region = Find(session, t.region());
+  absl::StatusOr<RegionPin> region = Find(t.region());
   if (!region.ok()) return absl::NotFoundError(absl::StrCat(field, ": ", region.status().message()));
   if (t.dtype() == v1::DTYPE_UNSPECIFIED) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": dtype is not set (expected ",

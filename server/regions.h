@@ -81,6 +81,8 @@ struct TensorView {
   RegionPin pin;
 };
 
+class RegionLookup;
+
 class RegionRegistry {
  public:
   // ALREADY_EXISTS if the session already has a region of that name.
@@ -101,9 +103,7 @@ class RegionRegistry {
 
   absl::StatusOr<RegionPin> Find(absl::string_view session, absl::string_view name) const;
 
-  // Resolves `tensor` of the session against `spec`: the region exists, the
-  // dtype and shape match, the strides are non-negative, and every element
-  // lies inside the region (computed without overflow). Errors name `field`.
+  // RegionLookup::ResolveTensor for one tensor.
   absl::StatusOr<TensorView> ResolveTensor(const std::string& session,
                                            const v1::RegionTensor& tensor,
                                            absl::string_view field, const TensorSpec& spec) const;
@@ -127,6 +127,28 @@ class RegionRegistry {
   };
   // (session, name) -> region
   std::map<std::pair<std::string, std::string>, RegionPin, KeyLess> regions_ ABSL_GUARDED_BY(mu_);
+};
+
+// The regions of one request, each looked up in the registry once: a
+// Verify's eight tensors usually live in one or two regions. Names are views
+// into the request, which must outlive the lookup.
+class RegionLookup {
+ public:
+  RegionLookup(const RegionRegistry& registry, const std::string& session)
+      : registry_(registry), session_(session) {}
+
+  absl::StatusOr<RegionPin> Find(absl::string_view name);
+
+  // Resolves `tensor` of the session against `spec`: the region exists, the
+  // dtype and shape match, the strides are non-negative, and every element
+  // lies inside the region (computed without overflow). Errors name `field`.
+  absl::StatusOr<TensorView> ResolveTensor(const v1::RegionTensor& tensor, absl::string_view field,
+                                           const TensorSpec& spec);
+
+ private:
+  const RegionRegistry& registry_;
+  const std::string& session_;
+  absl::InlinedVector<std::pair<absl::string_view, RegionPin>, 4> found_;
 };
 
 }  // namespace server
