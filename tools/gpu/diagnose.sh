@@ -118,7 +118,7 @@ if [ "$what" = timeline ]; then
   say "service_bench traced: exit $?"
   stop
   mps_stop
-  python3 "$bundle/timeline.py" "$logs/server.csv" "$logs/client.csv" > "$out/timeline.md"
+  python3 "$bundle/timeline.py" "$logs/server.csv" "$logs/client.csv" --positions > "$out/timeline.md"
   say "timeline: exit $?, $(wc -l < "$logs/server.csv") server and $(wc -l < "$logs/client.csv") client records"
 fi
 
