@@ -45,8 +45,8 @@ struct IndexSpec {
   int64_t cols = -1;  // for 2-D: -1 any
 };
 
-absl::StatusOr<IndexInput> ResolveIndex(RegionLookup& regions, const v1::IndexTensor& t, absl::string_view field,
-                                        const IndexSpec& spec) {
+absl::StatusOr<IndexInput> ResolveIndex(RegionLookup& regions, const v1::IndexTensor& t,
+                                        absl::string_view field, const IndexSpec& spec) {
   IndexInput in;
   if (t.source_case() == v1::IndexTensor::SOURCE_NOT_SET) return in;
   in.present = true;

@@ -81,8 +81,6 @@ struct TensorView {
   RegionPin pin;
 };
 
-class RegionLookup;
-
 class RegionRegistry {
  public:
   // ALREADY_EXISTS if the session already has a region of that name.
@@ -116,7 +114,7 @@ class RegionRegistry {
  private:
   mutable absl::Mutex mu_;
   // Orders (session, name) keys, and finds one from string_views without
-  // copying them (a Verify looks up eight).
+  // copying them (every request looks up its regions).
   struct KeyLess {
     using is_transparent = void;
     template <typename A, typename B>

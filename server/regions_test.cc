@@ -1,0 +1,143 @@
+// RegionRegistry and RegionLookup: resolving a request's tensors against the
+// regions its session registered.
+#include "server/regions.h"
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace specstate {
+namespace server {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Host memory standing in for a mapped shared-memory segment.
+class HostRegion final : public MappedRegion {
+ public:
+  explicit HostRegion(uint64_t bytes) : bytes_(bytes) {}
+  void* data() const override { return const_cast<uint8_t*>(bytes_.data()); }
+  uint64_t byte_size() const override { return bytes_.size(); }
+  absl::string_view kind() const override { return "shm"; }
+
+ private:
+  std::vector<uint8_t> bytes_;
+};
+
+v1::RegionTensor Tensor(const std::string& region, uint64_t offset,
+                        const std::vector<int64_t>& shape) {
+  v1::RegionTensor t;
+  t.set_region(region);
+  t.set_dtype(v1::BF16);
+  t.set_offset_bytes(offset);
+  for (int64_t d : shape) t.add_shape(d);
+  return t;
+}
+
+TensorSpec Bf16(Dims shape, int dense_inner) {
+  TensorSpec spec;
+  spec.dtype = DType::kBFloat16;
+  spec.shape = std::move(shape);
+  spec.dense_inner = dense_inner;
+  return spec;
+}
+
+class RegionLookupTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::mt19937_64 rng(::testing::UnitTest::GetInstance()->random_seed());
+    bytes_ = 4096 + 2 * (rng() % 512);
+    ASSERT_TRUE(registry_.Register("s1", "acts", std::make_unique<HostRegion>(bytes_)).ok());
+    ASSERT_TRUE(registry_.Register("s1", "meta", std::make_unique<HostRegion>(bytes_)).ok());
+    // Another session's region of the same name: never visible to s1.
+    ASSERT_TRUE(registry_.Register("s2", "acts", std::make_unique<HostRegion>(64)).ok());
+  }
+
+  int InUse(const std::string& name) {
+    for (const v1::RegionInfo& r : registry_.List("s1")) {
+      if (r.name() == name) return r.in_use();
+    }
+    return -1;
+  }
+
+  RegionRegistry registry_;
+  uint64_t bytes_ = 0;
+  const std::string session_ = "s1";
+};
+
+TEST_F(RegionLookupTest, ResolvesEachTensorAtItsOffset) {
+  RegionLookup lookup(registry_, session_);
+  const v1::RegionTensor q = Tensor("acts", 0, {4, 2, 8});
+  const v1::RegionTensor k = Tensor("acts", 128, {4, 2, 8});
+  const v1::RegionTensor beta = Tensor("meta", 64, {4, 2});
+  absl::StatusOr<TensorView> qv = lookup.ResolveTensor(q, "q", Bf16({-1, 2, 8}, 2));
+  absl::StatusOr<TensorView> kv = lookup.ResolveTensor(k, "k", Bf16({4, 2, 8}, 2));
+  absl::StatusOr<TensorView> bv = lookup.ResolveTensor(beta, "beta", Bf16({4, 2}, 1));
+  ASSERT_TRUE(qv.ok()) << qv.status();
+  ASSERT_TRUE(kv.ok()) << kv.status();
+  ASSERT_TRUE(bv.ok()) << bv.status();
+  EXPECT_EQ(static_cast<char*>(kv->data) - static_cast<char*>(qv->data), 128);
+  EXPECT_EQ(qv->shape, (Dims{4, 2, 8}));
+  EXPECT_EQ(qv->strides, (Dims{16, 8, 1}));
+  EXPECT_EQ(qv->pin, kv->pin);  // one region, one lookup
+  EXPECT_NE(qv->pin, bv->pin);
+  EXPECT_EQ(qv->pin->session(), "s1");
+  // Every view pins its region; the lookup itself holds one more each.
+  EXPECT_EQ(InUse("acts"), 3);
+  EXPECT_EQ(InUse("meta"), 2);
+}
+
+TEST_F(RegionLookupTest, RanksBeyondTheInlineCapacity) {
+  RegionLookup lookup(registry_, session_);
+  const v1::RegionTensor t = Tensor("meta", 0, {2, 2, 2, 2, 2, 2});
+  absl::StatusOr<TensorView> v = lookup.ResolveTensor(t, "t", Bf16({2, 2, 2, 2, 2, -1}, 6));
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->strides, (Dims{32, 16, 8, 4, 2, 1}));
+}
+
+TEST_F(RegionLookupTest, ErrorsNameTheFieldAndTheBound) {
+  RegionLookup lookup(registry_, session_);
+  absl::StatusOr<TensorView> missing =
+      lookup.ResolveTensor(Tensor("nope", 0, {4}), "g", Bf16({-1}, 1));
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(missing.status().message()), HasSubstr("g: no region \"nope\""));
+  // Past the end by one element.
+  const int64_t elements = static_cast<int64_t>(bytes_ / 2);
+  absl::StatusOr<TensorView> past =
+      lookup.ResolveTensor(Tensor("acts", 2, {elements}), "o", Bf16({-1}, 1));
+  EXPECT_EQ(past.status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(std::string(past.status().message()),
+              HasSubstr(absl::StrCat("o: ", bytes_, " bytes at offset 2 are past the end of "
+                                     "region \"acts\" (", bytes_, " bytes)")));
+  // The other session's region of the same name is not this session's.
+  RegionLookup other(registry_, "s3");
+  EXPECT_EQ(other.ResolveTensor(Tensor("acts", 0, {4}), "q", Bf16({-1}, 1)).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST_F(RegionLookupTest, AnUnregisteredRegionStaysMappedWhilePinned) {
+  bool unmapped = false;
+  absl::StatusOr<TensorView> view;
+  {
+    RegionLookup lookup(registry_, session_);
+    view = lookup.ResolveTensor(Tensor("acts", 0, {4}), "q", Bf16({-1}, 1));
+    ASSERT_TRUE(view.ok()) << view.status();
+  }
+  ASSERT_TRUE(registry_.Unregister(session_, "acts", [&] { unmapped = true; }).ok());
+  EXPECT_FALSE(unmapped);
+  RegionLookup later(registry_, session_);
+  EXPECT_EQ(later.ResolveTensor(Tensor("acts", 0, {4}), "q", Bf16({-1}, 1)).status().code(),
+            absl::StatusCode::kNotFound);
+  view->pin.reset();
+  EXPECT_TRUE(unmapped);
+}
+
+}  // namespace
+}  // namespace server
+}  // namespace specstate
