@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Diagnostics of the service on the CUDA backend, from a bundle made by
-# tools/gpu/bundle.sh:   diagnose.sh BUNDLE OUTDIR [align|handoff|bench|breakdown|timeline|mutex|all]
+# tools/gpu/bundle.sh:   diagnose.sh BUNDLE OUTDIR [align|handoff|bench|breakdown|timeline|mutex|pinning|all]
 #   align: short simulations that isolate one factor each (cache mode, state
 #          and activation dtypes, shape, ordering), each under a time limit,
 #          with SPECSTATE_TRACE=1 on both sides so a stall shows its phase.
@@ -16,6 +16,9 @@
 #          durations between the model kernel and the next, per pattern.
 #   mutex: under MPS, service_bench twice with Abseil's mutex deadlock detector
 #          on and twice with it off, in both processes.
+#   pinning: under MPS, service_bench alternately with both processes
+#          unpinned and pinned to cores of their own (PIN_SERVER, PIN_CLIENT:
+#          taskset CPU lists), twice each.
 #   handoff: handoff_bench (what a doorbell handoff between two streams costs)
 #          in one process and in two, without and with MPS.
 # SERVER_FLAGS adds flags to every specstated started here.
@@ -29,7 +32,7 @@ say() { echo "[$(date +%T.%N | cut -c1-12)] $*" | tee -a "$log"; }
 serve() {  # serve NAME -- specstated flags; sets $sock and $server
   local name=$1; shift
   sock=/tmp/$name.sock; rm -f "$sock"
-  SPECSTATE_TRACE=${SERVER_TRACE:-1} "$bin/specstated" --backend=cuda --listen="unix://$sock" "$@" ${SERVER_FLAGS:-} \
+  SPECSTATE_TRACE=${SERVER_TRACE:-1} ${SERVER_WRAPPER:-} "$bin/specstated" --backend=cuda --listen="unix://$sock" "$@" ${SERVER_FLAGS:-} \
     > "$logs/$name.server.log" 2>&1 &
   server=$!
   for _ in $(seq 300); do [ -S "$sock" ] && return 0; sleep 0.1; done
@@ -133,6 +136,27 @@ if [ "$what" = mutex ]; then
     timeout -k 2 150 "$bin/service_bench" --server="unix://$sock" --iters=300 --steps=20 \
       --fast_mutexes=$fast >> "$out/service_bench_detect_$detect.md" 2>> "$logs/mutex_$detect.err"
     say "service_bench, deadlock detection $detect: exit $?, $(grep -h 'per-pair' "$out/service_bench_detect_$detect.md" | tail -1 | sed 's/.*difference//')"
+    stop
+  done
+  mps_stop
+fi
+
+if [ "$what" = pinning ]; then
+  # Whether an RPC landing on a cold core is what the ASYNC Verify's distance
+  # to the echo is made of: service_bench with both processes free to run
+  # anywhere, then with each pinned to a few cores of its own (taskset),
+  # alternately. PIN_SERVER and PIN_CLIENT are taskset CPU lists.
+  big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
+  mps_start
+  for pinned in 0 1 0 1; do
+    server_pin=""; client_pin=""
+    if [ $pinned = 1 ]; then
+      server_pin="taskset -c ${PIN_SERVER:-2-5}"; client_pin="taskset -c ${PIN_CLIENT:-8-11}"
+    fi
+    SERVER_WRAPPER=$server_pin SERVER_TRACE=0 serve "pinned_$pinned" $big || continue
+    timeout -k 2 150 $client_pin "$bin/service_bench" --server="unix://$sock" --iters=300 --steps=20 \
+      >> "$out/service_bench_pinned_$pinned.md" 2>> "$logs/pinned_$pinned.err"
+    say "service_bench, pinned $pinned: exit $?, $(grep -h 'per-pair' "$out/service_bench_pinned_$pinned.md" | tail -1 | sed 's/.*difference//'), $(grep -h 'handler' "$out/service_bench_pinned_$pinned.md" | tail -1)"
     stop
   done
   mps_stop
