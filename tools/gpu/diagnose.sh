@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Diagnostics of the service on the CUDA backend, from a bundle made by
-# tools/gpu/bundle.sh:   diagnose.sh BUNDLE OUTDIR [align|handoff|bench|breakdown|timeline|mutex|pinning|all]
+# tools/gpu/bundle.sh:   diagnose.sh BUNDLE OUTDIR [align|handoff|bench|breakdown|timeline|mutex|pinning|ab|all]
 #   align: short simulations that isolate one factor each (cache mode, state
 #          and activation dtypes, shape, ordering), each under a time limit,
 #          with SPECSTATE_TRACE=1 on both sides so a stall shows its phase.
@@ -19,6 +19,8 @@
 #   pinning: under MPS, service_bench alternately with both processes
 #          unpinned and pinned to cores of their own (PIN_SERVER, PIN_CLIENT:
 #          taskset CPU lists), twice each.
+#   ab: under MPS, service_bench alternately with specstated's environment
+#          variable AB_ENV at each of AB_VALUES, AB_ROUNDS (2) times each.
 #   handoff: handoff_bench (what a doorbell handoff between two streams costs)
 #          in one process and in two, without and with MPS.
 # SERVER_FLAGS adds flags to every specstated started here.
@@ -158,6 +160,24 @@ if [ "$what" = pinning ]; then
       >> "$out/service_bench_pinned_$pinned.md" 2>> "$logs/pinned_$pinned.err"
     say "service_bench, pinned $pinned: exit $?, $(grep -h 'per-pair' "$out/service_bench_pinned_$pinned.md" | tail -1 | sed 's/.*difference//'), $(grep -h 'handler' "$out/service_bench_pinned_$pinned.md" | tail -1)"
     stop
+  done
+  mps_stop
+fi
+
+if [ "$what" = ab ]; then
+  # One setting of specstated's environment against another: AB_ENV=NAME,
+  # AB_VALUES="A B" (each started fresh, alternately, AB_ROUNDS times each).
+  big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
+  mps_start
+  for round in $(seq ${AB_ROUNDS:-2}); do
+    for value in ${AB_VALUES:?}; do
+      SERVER_WRAPPER="env ${AB_ENV:?}=$value" SERVER_TRACE=0 serve "ab_$value" $big || continue
+      timeout -k 2 150 "$bin/service_bench" --server="unix://$sock" --iters=300 --steps=20 \
+        >> "$out/service_bench_${AB_ENV}_$value.md" 2>> "$logs/ab_$value.err"
+      rc=$?; f="$out/service_bench_${AB_ENV}_$value.md"
+      say "service_bench, $AB_ENV=$value: exit $rc, $(grep -h 'per-pair' "$f" | tail -1 | sed 's/.*difference//'), $(grep -h 'handler' "$f" | tail -1 | sed 's/.*median/handler/'), SubmitStep p50 $(grep -h 'SubmitStep of' "$f" | tail -1 | cut -d'|' -f4)"
+      stop
+    done
   done
   mps_stop
 fi
