@@ -119,11 +119,11 @@ absl::StatusOr<TensorView> RegionRegistry::ResolveTensor(const std::string& sess
 }
 
 absl::StatusOr<RegionPin> RegionLookup::Find(absl::string_view name) {
-  for (const auto& [found_name, pin] : found_) {
-    if (found_name == name) return pin;
+  for (const RegionPin& pin : found_) {
+    if (pin->name() == name) return pin;
   }
   absl::StatusOr<RegionPin> pin = registry_.Find(session_, name);
-  if (pin.ok()) found_.emplace_back(name, *pin);
+  if (pin.ok()) found_.push_back(*pin);
   return pin;
 }
 

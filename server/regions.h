@@ -128,12 +128,13 @@ class RegionRegistry {
 };
 
 // The regions of one request, each looked up in the registry once: a
-// Verify's eight tensors usually live in one or two regions. Names are views
-// into the request, which must outlive the lookup.
+// Verify's eight tensors usually live in one or two regions. `session` must
+// outlive the lookup.
 class RegionLookup {
  public:
   RegionLookup(const RegionRegistry& registry, const std::string& session)
       : registry_(registry), session_(session) {}
+  RegionLookup(const RegionRegistry& registry, std::string&& session) = delete;
 
   absl::StatusOr<RegionPin> Find(absl::string_view name);
 
@@ -146,7 +147,7 @@ class RegionLookup {
  private:
   const RegionRegistry& registry_;
   const std::string& session_;
-  absl::InlinedVector<std::pair<absl::string_view, RegionPin>, 4> found_;
+  absl::InlinedVector<RegionPin, 4> found_;  // matched by the region's own name
 };
 
 }  // namespace server

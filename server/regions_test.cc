@@ -116,7 +116,8 @@ TEST_F(RegionLookupTest, ErrorsNameTheFieldAndTheBound) {
               HasSubstr(absl::StrCat("o: ", bytes_, " bytes at offset 2 are past the end of "
                                      "region \"acts\" (", bytes_, " bytes)")));
   // The other session's region of the same name is not this session's.
-  RegionLookup other(registry_, "s3");
+  const std::string other_session = "s3";
+  RegionLookup other(registry_, other_session);
   EXPECT_EQ(other.ResolveTensor(Tensor("acts", 0, {4}), "q", Bf16({-1}, 1)).status().code(),
             absl::StatusCode::kNotFound);
 }
