@@ -34,6 +34,18 @@ absl::StatusOr<Response> Call(Client* client, Method method, const Request& requ
   return response;
 }
 
+// A driving call in session `id`: the caller's request itself when it
+// already names the session (a scheduler that keeps one request per layer
+// and changes only its step copies nothing), else a copy that does.
+template <typename Request, typename Response, typename Method>
+absl::StatusOr<Response> CallInSession(Client* client, const std::string& id, Method method,
+                                       const Request& request) {
+  if (request.session_id() == id) return Call<Request, Response>(client, method, request);
+  Request named = request;
+  named.set_session_id(id);
+  return Call<Request, Response>(client, method, named);
+}
+
 }  // namespace
 
 Client::Client(std::string address, std::shared_ptr<grpc::Channel> channel)
@@ -262,29 +274,25 @@ absl::Status Session::LoadLayerParams(v1::LoadLayerParamsRequest request) {
       .status();
 }
 
-absl::StatusOr<v1::VerifyResponse> Session::Verify(v1::VerifyRequest request) {
-  request.set_session_id(id_);
-  return Call<v1::VerifyRequest, v1::VerifyResponse>(client_, &v1::SpecState::Stub::Verify,
-                                                     request);
+absl::StatusOr<v1::VerifyResponse> Session::Verify(const v1::VerifyRequest& request) {
+  return CallInSession<v1::VerifyRequest, v1::VerifyResponse>(
+      client_, id_, &v1::SpecState::Stub::Verify, request);
 }
 
-absl::StatusOr<v1::CommitResponse> Session::Commit(v1::CommitRequest request) {
-  request.set_session_id(id_);
-  return Call<v1::CommitRequest, v1::CommitResponse>(client_, &v1::SpecState::Stub::Commit,
-                                                     request);
+absl::StatusOr<v1::CommitResponse> Session::Commit(const v1::CommitRequest& request) {
+  return CallInSession<v1::CommitRequest, v1::CommitResponse>(
+      client_, id_, &v1::SpecState::Stub::Commit, request);
 }
 
 absl::StatusOr<v1::RecordStateBlocksResponse> Session::RecordStateBlocks(
-    v1::RecordStateBlocksRequest request) {
-  request.set_session_id(id_);
-  return Call<v1::RecordStateBlocksRequest, v1::RecordStateBlocksResponse>(
-      client_, &v1::SpecState::Stub::RecordStateBlocks, request);
+    const v1::RecordStateBlocksRequest& request) {
+  return CallInSession<v1::RecordStateBlocksRequest, v1::RecordStateBlocksResponse>(
+      client_, id_, &v1::SpecState::Stub::RecordStateBlocks, request);
 }
 
-absl::StatusOr<v1::SubmitStepResponse> Session::SubmitStep(v1::SubmitStepRequest request) {
-  request.set_session_id(id_);
-  return Call<v1::SubmitStepRequest, v1::SubmitStepResponse>(
-      client_, &v1::SpecState::Stub::SubmitStep, request);
+absl::StatusOr<v1::SubmitStepResponse> Session::SubmitStep(const v1::SubmitStepRequest& request) {
+  return CallInSession<v1::SubmitStepRequest, v1::SubmitStepResponse>(
+      client_, id_, &v1::SpecState::Stub::SubmitStep, request);
 }
 
 }  // namespace client

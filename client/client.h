@@ -114,14 +114,15 @@ class Session {
   // Step ids for the caller: increasing, unique within the session.
   uint64_t NextStep() { return ++last_step_; }
 
-  // The driving calls; session_id is filled in.
+  // The driving calls, in this session: a request that already carries its
+  // id (session_id()) is sent as it is, any other is copied and given it.
   absl::Status LoadLayerParams(v1::LoadLayerParamsRequest request);
-  absl::StatusOr<v1::VerifyResponse> Verify(v1::VerifyRequest request);
-  absl::StatusOr<v1::CommitResponse> Commit(v1::CommitRequest request);
+  absl::StatusOr<v1::VerifyResponse> Verify(const v1::VerifyRequest& request);
+  absl::StatusOr<v1::CommitResponse> Commit(const v1::CommitRequest& request);
   absl::StatusOr<v1::RecordStateBlocksResponse> RecordStateBlocks(
-      v1::RecordStateBlocksRequest request);
+      const v1::RecordStateBlocksRequest& request);
   // A step's Verify calls (and its Commit) in one round trip.
-  absl::StatusOr<v1::SubmitStepResponse> SubmitStep(v1::SubmitStepRequest request);
+  absl::StatusOr<v1::SubmitStepResponse> SubmitStep(const v1::SubmitStepRequest& request);
 
   // Stops the renewal thread and closes the stream: the session ends on the
   // server, which unregisters its regions (each once no enqueued work uses

@@ -538,6 +538,11 @@ TEST_F(ServiceTest, ASecondDriverIsRefusedAndReadOnlyCallsStayOpen) {
   Scheduler reader(*client_, /*drive=*/false);
   ExpectError(reader.session().Verify(reader.Verify(1, 0)).status(),
               absl::StatusCode::kFailedPrecondition, "does not drive");
+  // A Session sends its calls under its own id, whatever the request says.
+  v1::VerifyRequest borrowed = reader.Verify(1, 0);
+  borrowed.set_session_id(driver.session().id());
+  ExpectError(reader.session().Verify(borrowed).status(), absl::StatusCode::kFailedPrecondition,
+              "does not drive");
   EXPECT_TRUE(client_->GetLayout().ok());
   EXPECT_TRUE(client_->GetStats().ok());
   EXPECT_TRUE(client_->ReadState(0, 1, false).ok());
