@@ -68,7 +68,7 @@ using SignalOp = SyncPoint;
 // Device bytes to copy to host memory after the work (statistics).
 struct Readback {
   const void* device = nullptr;
-  void* host = nullptr;
+  void* host = nullptr;  // from AllocateHost: the CUDA device writes it with a kernel
   uint64_t bytes = 0;
 };
 
