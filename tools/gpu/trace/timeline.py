@@ -65,6 +65,7 @@ def main():
             # What ran between: started after this anchor ended, ended before the next began.
             between = [it for it in items[a + 1:b] if it[0] >= anchor[1] and it[1] <= nxt[0]]
             if len(between) > 8:
+                position = 0  # not a layer's cycle: the next starts afresh
                 continue
             pattern = tuple(("A" if it[3] == anchor[3] else "B") + ":" + it[5] for it in between)
             times, last = [], anchor[1]
