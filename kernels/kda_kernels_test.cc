@@ -682,17 +682,29 @@ class KdaKernelsTest : public ::testing::TestWithParam<Backend> {
     const StockArgs args = StockArgsFor(s, l, &cd);
     return Finish(kernels_->Stock(args, stream()), "Stock", s, /*mirrored=*/false);
   }
-  CallResult RunVerify(Step& s, int l) {
+  CallResult RunVerify(Step& s, int l, const Prerequisites& prerequisites = {}) {
     CallData cd;
     VerifyArgs args = VerifyArgsFor(s, l, &cd);
+    args.prerequisites = prerequisites;
     args.status_mirror = ZeroedMirror();
     return Finish(kernels_->Verify(args, stream()), "Verify", s);
   }
-  CallResult RunCommit(Step& s) {
+  CallResult RunCommit(Step& s, const Prerequisites& prerequisites = {}) {
     CallData cd;
     CommitArgs args = CommitArgsFor(s, &cd);
+    args.prerequisites = prerequisites;
     args.status_mirror = ZeroedMirror();
     return Finish(kernels_->Commit(args, stream()), "Commit", s);
+  }
+
+  // Three rows of different lengths, each from its own checkpoint: the step
+  // of the prerequisite and first-call tests.
+  Step MakeThreeRowStep() {
+    StepSpec spec;
+    spec.tokens = {2, 3, 1};
+    spec.sources = {1, 2, 3};
+    spec.num_accepted = {2, 3, 1};
+    return MakeStep(spec);
   }
 
   // Stock and verify on every layer (valid metadata), as a step does before
@@ -1436,47 +1448,31 @@ TEST_P(KdaKernelsTest, CommitEqualsStockState) {
 // generation, Verify and Commit fail CANCELLED and write nothing; holding
 // another step's, the commit runs.
 TEST_P(KdaKernelsTest, CancelledStepRunsNothing) {
-  StepSpec spec;
-  spec.tokens = {2, 3, 1};
-  spec.sources = {1, 2, 3};
-  spec.num_accepted = {2, 3, 1};
-  Step s = MakeStep(spec);
+  Step s = MakeThreeRowStep();
   StockAndVerifyAll(s);
   if (HasFatalFailure()) return;
   BackendBuffer word = Must(BackendBuffer::Allocate(backend(), sizeof(uint32_t)), "word");
   const uint32_t generation = 0x9e3779b9u;
   ASSERT_TRUE(word.Upload(&generation, sizeof(generation)).ok());
+  Prerequisites cancelled;
+  cancelled.cancelled = word.As<uint32_t>();
+  cancelled.generation = generation;
   const Snapshot before = TakeSnapshot(s);
   {
-    CallData cd;
-    VerifyArgs a = VerifyArgsFor(s, 0, &cd);
-    a.prerequisites.cancelled = word.As<uint32_t>();
-    a.prerequisites.generation = generation;
-    a.status_mirror = ZeroedMirror();
-    const CallResult r = Finish(kernels_->Verify(a, stream()), "Verify", s);
+    const CallResult r = RunVerify(s, 0, cancelled);
     ASSERT_TRUE(r.launch.ok()) << r.launch;
     EXPECT_EQ(r.device.code(), absl::StatusCode::kCancelled) << r.device;
     EXPECT_THAT(std::string(r.device.message()), HasSubstr("its step was cancelled"));
   }
   {
-    CallData cd;
-    CommitArgs a = CommitArgsFor(s, &cd);
-    a.prerequisites.cancelled = word.As<uint32_t>();
-    a.prerequisites.generation = generation;
-    a.status_mirror = ZeroedMirror();
-    const CallResult r = Finish(kernels_->Commit(a, stream()), "Commit", s);
+    const CallResult r = RunCommit(s, cancelled);
     ASSERT_TRUE(r.launch.ok()) << r.launch;
     EXPECT_EQ(r.device.code(), absl::StatusCode::kCancelled) << r.device;
   }
   ExpectSameBytes(before, TakeSnapshot(s));
-  {
-    CallData cd;
-    CommitArgs a = CommitArgsFor(s, &cd);
-    a.prerequisites.cancelled = word.As<uint32_t>();
-    a.prerequisites.generation = generation + 1;
-    a.status_mirror = ZeroedMirror();
-    ASSERT_TRUE(CallOk(Finish(kernels_->Commit(a, stream()), "Commit", s)));
-  }
+  Prerequisites another_step = cancelled;
+  another_step.generation = generation + 1;
+  ASSERT_TRUE(CallOk(RunCommit(s, another_step)));
   ExpectCommitMatchesStock(s, before);
 }
 
@@ -1484,11 +1480,7 @@ TEST_P(KdaKernelsTest, CancelledStepRunsNothing) {
 // against the step's first call's (VerifyArgs::expected_*): an element that
 // differs fails INVALID_ARGUMENT naming it and both values, and writes nothing.
 TEST_P(KdaKernelsTest, VerifyChecksIndicesAgainstTheStepsFirstCall) {
-  StepSpec spec;
-  spec.tokens = {2, 3, 1};
-  spec.sources = {1, 2, 3};
-  spec.num_accepted = {2, 3, 1};
-  Step s = MakeStep(spec);
+  Step s = MakeThreeRowStep();
   StockAndVerifyAll(s);
   if (HasFatalFailure()) return;
   const Snapshot before = TakeSnapshot(s);
@@ -1538,11 +1530,7 @@ TEST_P(KdaKernelsTest, VerifyChecksIndicesAgainstTheStepsFirstCall) {
 // lowest failed call, also when a row of their own is bad (the checks load
 // the prerequisites and the rows together, and the prerequisites decide).
 TEST_P(KdaKernelsTest, FailedEarlierCallStopsTheStep) {
-  StepSpec spec;
-  spec.tokens = {2, 3, 1};
-  spec.sources = {1, 2, 3};
-  spec.num_accepted = {2, 3, 1};
-  Step s = MakeStep(spec);
+  Step s = MakeThreeRowStep();
   StockAndVerifyAll(s);
   if (HasFatalFailure()) return;
   constexpr int kCalls = 7;
@@ -1553,34 +1541,25 @@ TEST_P(KdaKernelsTest, FailedEarlierCallStopsTheStep) {
   BackendBuffer earlier =
       Must(BackendBuffer::Allocate(backend(), sizeof(DeviceStatus) * kCalls), "statuses");
   ASSERT_TRUE(earlier.Upload(statuses.data(), sizeof(DeviceStatus) * kCalls).ok());
+  Prerequisites failed_earlier;
+  failed_earlier.statuses = earlier.As<DeviceStatus>();
+  failed_earlier.count = kCalls;
   const Snapshot before = TakeSnapshot(s);
   const std::string named = absl::StrCat("earlier call ", lowest, " of the same step failed");
   for (bool bad_row : {false, true}) {
     SCOPED_TRACE(bad_row ? "and a bad row" : "rows valid");
     const std::vector<int32_t> sources = s.sources;
     if (bad_row) s.sources[1] = static_cast<int32_t>(s.num_blocks);  // past the pool
-    CallData cd;
-    VerifyArgs a = VerifyArgsFor(s, 0, &cd);
+    const CallResult r = RunVerify(s, 0, failed_earlier);
     s.sources = sources;
-    a.prerequisites.statuses = earlier.As<DeviceStatus>();
-    a.prerequisites.count = kCalls;
-    a.status_mirror = ZeroedMirror();
-    const CallResult r = Finish(kernels_->Verify(a, stream()), "Verify", s);
     ASSERT_TRUE(r.launch.ok()) << r.launch;
     EXPECT_EQ(r.device.code(), absl::StatusCode::kFailedPrecondition) << r.device;
     EXPECT_THAT(std::string(r.device.message()), HasSubstr(named));
   }
-  {
-    CallData cd;
-    CommitArgs a = CommitArgsFor(s, &cd);
-    a.prerequisites.statuses = earlier.As<DeviceStatus>();
-    a.prerequisites.count = kCalls;
-    a.status_mirror = ZeroedMirror();
-    const CallResult r = Finish(kernels_->Commit(a, stream()), "Commit", s);
-    ASSERT_TRUE(r.launch.ok()) << r.launch;
-    EXPECT_EQ(r.device.code(), absl::StatusCode::kFailedPrecondition) << r.device;
-    EXPECT_THAT(std::string(r.device.message()), HasSubstr(named));
-  }
+  const CallResult r = RunCommit(s, failed_earlier);
+  ASSERT_TRUE(r.launch.ok()) << r.launch;
+  EXPECT_EQ(r.device.code(), absl::StatusCode::kFailedPrecondition) << r.device;
+  EXPECT_THAT(std::string(r.device.message()), HasSubstr(named));
   ExpectSameBytes(before, TakeSnapshot(s));
 }
 
