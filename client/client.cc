@@ -279,6 +279,12 @@ absl::StatusOr<v1::VerifyResponse> Session::Verify(const v1::VerifyRequest& requ
       client_, id_, &v1::SpecState::Stub::Verify, request);
 }
 
+absl::StatusOr<v1::BindVerifyInputsResponse> Session::BindVerifyInputs(
+    const v1::BindVerifyInputsRequest& request) {
+  return CallInSession<v1::BindVerifyInputsRequest, v1::BindVerifyInputsResponse>(
+      client_, id_, &v1::SpecState::Stub::BindVerifyInputs, request);
+}
+
 absl::StatusOr<v1::CommitResponse> Session::Commit(const v1::CommitRequest& request) {
   return CallInSession<v1::CommitRequest, v1::CommitResponse>(
       client_, id_, &v1::SpecState::Stub::Commit, request);

@@ -118,6 +118,10 @@ class Session {
   // id (session_id()) is sent as it is, any other is copied and given it.
   absl::Status LoadLayerParams(v1::LoadLayerParamsRequest request);
   absl::StatusOr<v1::VerifyResponse> Verify(const v1::VerifyRequest& request);
+  // Binds a layer's Verify tensors once; later Verify calls set bound_inputs
+  // and num_tokens instead of sending them.
+  absl::StatusOr<v1::BindVerifyInputsResponse> BindVerifyInputs(
+      const v1::BindVerifyInputsRequest& request);
   absl::StatusOr<v1::CommitResponse> Commit(const v1::CommitRequest& request);
   absl::StatusOr<v1::RecordStateBlocksResponse> RecordStateBlocks(
       const v1::RecordStateBlocksRequest& request);

@@ -289,6 +289,33 @@ class Simulator {
       if (!copied.ok()) return copied;
       stock_params_.push_back(*std::move(p));
     }
+    if (options_.bound_inputs) {
+      // The buffers at their capacity; each step uses the first T tokens (and
+      // the R_ rows at the front of the metadata, where every step puts them).
+      for (int l = 0; l < L_; ++l) {
+        v1::BindVerifyInputsRequest bind;
+        bind.set_layer(l);
+        const char* proj = static_cast<const char*>(proj_[l]->data());
+        const std::vector<int64_t> strides = {proj_stride_, K_, 1};
+        *bind.mutable_q() = session_->Tensor(proj, act_, {tmax_, H_, K_}, strides).value();
+        *bind.mutable_k() =
+            session_->Tensor(proj + HK_ * as_, act_, {tmax_, H_, K_}, strides).value();
+        *bind.mutable_v() =
+            session_->Tensor(proj + 2 * HK_ * as_, act_, {tmax_, H_, K_}, strides).value();
+        *bind.mutable_beta() =
+            session_->Tensor(proj + 3 * HK_ * as_, act_, {tmax_, H_}, {proj_stride_, 1}).value();
+        *bind.mutable_g() = session_->Tensor(g_[l]->data(), act_, {tmax_, H_, K_}).value();
+        *bind.mutable_o() = session_->Tensor(o_[l]->data(), act_, {tmax_, H_, K_}).value();
+        if (l % 2 == 0) {
+          *bind.mutable_query_start_loc() = session_->Index(Meta(0), {R_ + 1}).value();
+          *bind.mutable_state_indices() = session_->Index(Meta(R_ + 1), {R_}).value();
+        }
+        const auto t0 = Clock::now();
+        absl::StatusOr<v1::BindVerifyInputsResponse> bound = session_->BindVerifyInputs(bind);
+        latencies_.Add("BindVerifyInputs", Clock::now() - t0);
+        if (!bound.ok()) return bound.status();
+      }
+    }
     if (options_.async && options_.events) {
       absl::StatusOr<std::unique_ptr<IpcEvent>> e = memory_->CreateIpcEvent();
       if (!e.ok()) return e.status();
@@ -578,19 +605,25 @@ class Simulator {
       v.set_step(step_id);
       v.set_layer(l);
       v.set_num_rows(R_);
-      if (l == 0 || s % 3 == 0) {  // later layers may rely on the step's copy
-        *v.mutable_query_start_loc() = session_->Index(Meta(o_qsl), {R_ + 1}).value();
-        *v.mutable_state_indices() = session_->Index(Meta(o_idx), {R_}).value();
+      if (options_.bound_inputs) {
+        v.set_bound_inputs(true);
+        v.set_num_tokens(T);
+      } else {
+        if (l == 0 || s % 3 == 0) {  // later layers may rely on the step's copy
+          *v.mutable_query_start_loc() = session_->Index(Meta(o_qsl), {R_ + 1}).value();
+          *v.mutable_state_indices() = session_->Index(Meta(o_idx), {R_}).value();
+        }
+        const char* proj = static_cast<const char*>(proj_[l]->data());
+        const std::vector<int64_t> strides = {proj_stride_, K_, 1};
+        *v.mutable_q() = session_->Tensor(proj, act_, {T, H_, K_}, strides).value();
+        *v.mutable_k() = session_->Tensor(proj + HK_ * as_, act_, {T, H_, K_}, strides).value();
+        *v.mutable_v() =
+            session_->Tensor(proj + 2 * HK_ * as_, act_, {T, H_, K_}, strides).value();
+        *v.mutable_beta() =
+            session_->Tensor(proj + 3 * HK_ * as_, act_, {T, H_}, {proj_stride_, 1}).value();
+        *v.mutable_g() = session_->Tensor(g_[l]->data(), act_, {T, H_, K_}).value();
+        *v.mutable_o() = session_->Tensor(o_[l]->data(), act_, {T, H_, K_}).value();
       }
-      const char* proj = static_cast<const char*>(proj_[l]->data());
-      const std::vector<int64_t> strides = {proj_stride_, K_, 1};
-      *v.mutable_q() = session_->Tensor(proj, act_, {T, H_, K_}, strides).value();
-      *v.mutable_k() = session_->Tensor(proj + HK_ * as_, act_, {T, H_, K_}, strides).value();
-      *v.mutable_v() = session_->Tensor(proj + 2 * HK_ * as_, act_, {T, H_, K_}, strides).value();
-      *v.mutable_beta() =
-          session_->Tensor(proj + 3 * HK_ * as_, act_, {T, H_}, {proj_stride_, 1}).value();
-      *v.mutable_g() = session_->Tensor(g_[l]->data(), act_, {T, H_, K_}).value();
-      *v.mutable_o() = session_->Tensor(o_[l]->data(), act_, {T, H_, K_}).value();
       if (options_.async && options_.events) {
         v.set_ordering(v1::ASYNC);
         v.mutable_wait()->mutable_event()->set_handle(inputs_ready_->handle());

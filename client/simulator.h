@@ -51,6 +51,10 @@ struct SimulationOptions {
   bool events = false;
   // Send each step's Verify calls in one SubmitStep call.
   bool batch = false;
+  // Bind every layer's tensors once (BindVerifyInputs, even layers with the
+  // step's query_start_loc and state_indices, odd layers without) and send
+  // Verify calls that carry only their counts.
+  bool bound_inputs = false;
   double finish_probability = 0.15;
   // After this step's checks, flip one bit of a committed state in the
   // service's pool through the exported handle (tests of the verdict).

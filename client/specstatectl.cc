@@ -40,6 +40,9 @@ ABSL_FLAG(bool, async, false,
 ABSL_FLAG(bool, events, false,
           "simulate: with --async, order with CUDA interprocess events instead of doorbells");
 ABSL_FLAG(bool, batch, false, "simulate: send each step's Verify calls in one SubmitStep call");
+ABSL_FLAG(bool, bound_inputs, false,
+          "simulate: bind every layer's Verify tensors once (BindVerifyInputs) and send Verify "
+          "calls that carry only their counts");
 ABSL_FLAG(double, finish_probability, 0.15, "simulate: chance a request finishes each step");
 ABSL_FLAG(int, crash_after_verify_step, -1,
           "simulate (crash tests): die by SIGKILL after sending this step's Verify calls");
@@ -95,7 +98,7 @@ int Layout(Client& c) {
     std::printf("%s", Json(*l).c_str());
     return 0;
   }
-  std::printf(
+  absl::PrintF(
       "backend          %s (device %d)\n"
       "layers           %d\n"
       "heads x dim      %d x %d\n"
@@ -203,6 +206,7 @@ int Simulate(Client& c) {
   options.async = absl::GetFlag(FLAGS_async);
   options.events = absl::GetFlag(FLAGS_events);
   options.batch = absl::GetFlag(FLAGS_batch);
+  options.bound_inputs = absl::GetFlag(FLAGS_bound_inputs);
   options.finish_probability = absl::GetFlag(FLAGS_finish_probability);
   options.corrupt_after_step = absl::GetFlag(FLAGS_corrupt_after_step);
   options.crash_after_verify_step = absl::GetFlag(FLAGS_crash_after_verify_step);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -153,6 +154,34 @@ absl::Status Prefix(absl::string_view prefix, const absl::Status& s) {
 
 }  // namespace
 
+struct Engine::VerifyInputs {
+  kernels::Activation q, k, v, g, beta;
+  void* out = nullptr;
+  int64_t num_tokens = 0;
+  IndexInput query_start_loc, state_indices;
+  std::vector<RegionPin> pins;  // of every region named (duplicates allowed)
+};
+
+// A layer's Verify tensors at their capacity, checked when bound. The
+// regions are referred to, not held: a bound Verify pins them, and fails
+// once one was unregistered.
+struct Engine::BoundInputs {
+  std::string session;
+  kernels::Activation q, k, v, g, beta;
+  void* out = nullptr;
+  int64_t max_tokens = 0;
+  int max_rows = -1;  // -1: no query_start_loc / state_indices
+  const int32_t* query_start_loc = nullptr;
+  const int32_t* state_indices = nullptr;
+  int64_t state_indices_row_stride = 1;
+  int64_t state_indices_cols = 1;
+  struct Held {
+    std::weak_ptr<Region> region;
+    std::string name;
+  };
+  std::vector<Held> regions;  // distinct
+};
+
 // ---------------------------------------------------------------------------
 // Set-up.
 
@@ -213,6 +242,10 @@ absl::Status Engine::Allocate() {
   const int64_t act_size = DTypeSize(shape_.act_dtype);
   const int64_t tokens = int64_t{rows} * Q;
   layers_.resize(L);
+  {
+    absl::MutexLock lock(&bound_mu_);
+    bound_.assign(L, nullptr);
+  }
   host_layer_table_.resize(L);
   for (int l = 0; l < L; ++l) {
     LayerState& layer = layers_[l];
@@ -746,6 +779,250 @@ void Engine::LoadLayerParams(const std::string& session, const v1::LoadLayerPara
   if (!st.ok()) reply(st, {});
 }
 
+namespace {
+
+// The checks a Verify's tensors and a binding's share: activations q, k, v
+// [T, H, K] with dense tokens, g and o dense, beta [T, H]; T from q (any
+// when `num_tokens` < 0). Pins of every region named go to `pins`.
+struct ActivationViews {
+  TensorView q, k, v, g, beta, o;
+};
+
+absl::StatusOr<ActivationViews> ResolveActivations(RegionLookup& lookup, const v1::RegionTensor& q,
+                                                   const v1::RegionTensor& k,
+                                                   const v1::RegionTensor& v,
+                                                   const v1::RegionTensor& g,
+                                                   const v1::RegionTensor& beta,
+                                                   const v1::RegionTensor& o,
+                                                   const kernels::KdaShape& shape) {
+  ActivationViews out;
+  TensorSpec act;
+  act.dtype = shape.act_dtype;
+  act.shape = {-1, shape.num_heads, shape.head_dim};
+  act.dense_inner = 2;
+  absl::StatusOr<TensorView> view = lookup.ResolveTensor(q, "q", act);
+  if (!view.ok()) return view.status();
+  out.q = *std::move(view);
+  const int64_t T = out.q.shape[0];
+  act.shape[0] = T;
+  for (auto [tensor, field, target] :
+       {std::make_tuple(&k, "k", &out.k), std::make_tuple(&v, "v", &out.v)}) {
+    view = lookup.ResolveTensor(*tensor, field, act);
+    if (!view.ok()) return view.status();
+    *target = *std::move(view);
+  }
+  TensorSpec dense = act;
+  dense.dense_inner = 3;
+  for (auto [tensor, field, target] :
+       {std::make_tuple(&g, "g", &out.g), std::make_tuple(&o, "o", &out.o)}) {
+    view = lookup.ResolveTensor(*tensor, field, dense);
+    if (!view.ok()) return view.status();
+    *target = *std::move(view);
+  }
+  TensorSpec beta_spec;
+  beta_spec.dtype = shape.act_dtype;
+  beta_spec.shape = {T, shape.num_heads};
+  beta_spec.dense_inner = 1;
+  view = lookup.ResolveTensor(beta, "beta", beta_spec);
+  if (!view.ok()) return view.status();
+  out.beta = *std::move(view);
+  return out;
+}
+
+kernels::Activation ActivationOf(const TensorView& view) {
+  return kernels::Activation{view.data, view.strides[0]};
+}
+
+// query_start_loc [rows + 1] and state_indices [rows] or [rows, C], together.
+absl::StatusOr<std::pair<IndexInput, IndexInput>> ResolveRowIndices(
+    RegionLookup& lookup, const v1::IndexTensor& query_start_loc,
+    const v1::IndexTensor& state_indices, int64_t rows) {
+  absl::StatusOr<IndexInput> qsl =
+      ResolveIndex(lookup, query_start_loc, "query_start_loc", {rows < 0 ? -1 : rows + 1});
+  if (!qsl.ok()) return qsl.status();
+  IndexSpec idx_spec;
+  idx_spec.rows = rows < 0 ? (qsl->present ? qsl->rows - 1 : -1) : rows;
+  idx_spec.allow_2d = true;
+  idx_spec.strided_1d = true;
+  absl::StatusOr<IndexInput> indices = ResolveIndex(lookup, state_indices, "state_indices", idx_spec);
+  if (!indices.ok()) return indices.status();
+  if (qsl->present != indices->present) {
+    return absl::InvalidArgumentError(
+        "give query_start_loc and state_indices together (or omit both after the step's first "
+        "Verify)");
+  }
+  return std::make_pair(*std::move(qsl), *std::move(indices));
+}
+
+}  // namespace
+
+absl::StatusOr<Engine::VerifyInputs> Engine::RequestInputs(const std::string& session,
+                                                           const v1::VerifyRequest& req,
+                                                           int num_rows) {
+  RegionLookup lookup(regions_, session);
+  absl::StatusOr<ActivationViews> views =
+      ResolveActivations(lookup, req.q(), req.k(), req.v(), req.g(), req.beta(), req.o(), shape_);
+  if (!views.ok()) return views.status();
+  if (req.num_tokens() != 0 && req.num_tokens() != views->q.shape[0]) {
+    return absl::InvalidArgumentError(absl::StrCat("num_tokens = ", req.num_tokens(),
+                                                   " differs from q's first dimension ",
+                                                   views->q.shape[0], " (or set it to 0)"));
+  }
+  absl::StatusOr<std::pair<IndexInput, IndexInput>> indices =
+      ResolveRowIndices(lookup, req.query_start_loc(), req.state_indices(), num_rows);
+  if (!indices.ok()) return indices.status();
+  VerifyInputs in;
+  in.q = ActivationOf(views->q);
+  in.k = ActivationOf(views->k);
+  in.v = ActivationOf(views->v);
+  in.g = ActivationOf(views->g);
+  in.beta = ActivationOf(views->beta);
+  in.out = views->o.data;
+  in.num_tokens = views->q.shape[0];
+  in.query_start_loc = std::move(indices->first);
+  in.state_indices = std::move(indices->second);
+  in.pins.reserve(10);  // and the ordering's doorbells
+  for (TensorView* t : {&views->q, &views->k, &views->v, &views->g, &views->beta, &views->o}) {
+    in.pins.push_back(std::move(t->pin));
+  }
+  in.pins.push_back(in.query_start_loc.pin);
+  in.pins.push_back(in.state_indices.pin);
+  return in;
+}
+
+absl::StatusOr<Engine::VerifyInputs> Engine::BoundInputsOf(const std::string& session,
+                                                           const v1::VerifyRequest& req,
+                                                           int num_rows) {
+  const int layer = req.layer();
+  if (req.has_q() || req.has_k() || req.has_v() || req.has_g() || req.has_beta() || req.has_o() ||
+      req.has_query_start_loc() || req.has_state_indices()) {
+    return absl::InvalidArgumentError(
+        "bound_inputs: leave q, k, v, g, beta, o, query_start_loc and state_indices unset (the "
+        "layer's binding gives them)");
+  }
+  std::shared_ptr<const BoundInputs> bound;
+  {
+    absl::ReaderMutexLock lock(&bound_mu_);
+    bound = bound_[layer];
+  }
+  if (bound == nullptr || bound->session != session) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "bound_inputs: layer ", layer, " has no bound inputs in this session: call "
+        "BindVerifyInputs first"));
+  }
+  if (req.num_tokens() < 0 || req.num_tokens() > bound->max_tokens) {
+    return absl::OutOfRangeError(absl::StrCat("num_tokens = ", req.num_tokens(),
+                                              " is out of range: layer ", layer,
+                                              "'s bound inputs hold ", bound->max_tokens,
+                                              " tokens"));
+  }
+  if (bound->max_rows >= 0 && num_rows > bound->max_rows) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "num_rows = ", num_rows, " is out of range: layer ", layer,
+        "'s bound query_start_loc and state_indices hold ", bound->max_rows, " rows"));
+  }
+  VerifyInputs in;
+  in.pins.reserve(bound->regions.size() + 2);  // and the ordering's doorbells
+  for (const BoundInputs::Held& held : bound->regions) {
+    RegionPin pin = held.region.lock();
+    if (pin == nullptr || !pin->registered()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "bound_inputs: layer ", layer, "'s bound inputs are in region \"", held.name,
+          "\", which was unregistered after the bind: call BindVerifyInputs again"));
+    }
+    in.pins.push_back(std::move(pin));
+  }
+  in.q = bound->q;
+  in.k = bound->k;
+  in.v = bound->v;
+  in.g = bound->g;
+  in.beta = bound->beta;
+  in.out = bound->out;
+  in.num_tokens = req.num_tokens();
+  if (bound->max_rows >= 0) {
+    in.query_start_loc.present = true;
+    in.query_start_loc.data = bound->query_start_loc;
+    in.query_start_loc.rows = num_rows + 1;
+    in.state_indices.present = true;
+    in.state_indices.data = bound->state_indices;
+    in.state_indices.rows = num_rows;
+    in.state_indices.cols = bound->state_indices_cols;
+    in.state_indices.row_stride = bound->state_indices_row_stride;
+  }
+  return in;
+}
+
+void Engine::BindVerifyInputs(const std::string& session, const v1::BindVerifyInputsRequest& req,
+                              Reply<v1::BindVerifyInputsResponse> reply) {
+  const int L = layout_.num_layers();
+  if (req.layer() < 0 || req.layer() >= L) {
+    reply(absl::OutOfRangeError(absl::StrCat("layer ", req.layer(),
+                                             " is out of range: the layout has ", L, " layers")),
+          {});
+    return;
+  }
+  for (auto [index, field] : {std::make_pair(&req.query_start_loc(), "query_start_loc"),
+                              std::make_pair(&req.state_indices(), "state_indices")}) {
+    if (index->has_values()) {
+      reply(absl::InvalidArgumentError(absl::StrCat(
+                field, ": a binding's index tensors must be in a region (inline values cannot "
+                       "change between steps)")),
+            {});
+      return;
+    }
+  }
+  RegionLookup lookup(regions_, session);
+  absl::StatusOr<ActivationViews> views =
+      ResolveActivations(lookup, req.q(), req.k(), req.v(), req.g(), req.beta(), req.o(), shape_);
+  if (!views.ok()) {
+    reply(views.status(), {});
+    return;
+  }
+  absl::StatusOr<std::pair<IndexInput, IndexInput>> indices =
+      ResolveRowIndices(lookup, req.query_start_loc(), req.state_indices(), -1);
+  if (!indices.ok()) {
+    reply(indices.status(), {});
+    return;
+  }
+  const IndexInput& qsl = indices->first;
+  if (qsl.present && qsl.rows < 1) {
+    reply(absl::InvalidArgumentError("query_start_loc: has 0 rows, expected max_rows + 1 >= 1"),
+          {});
+    return;
+  }
+  auto bound = std::make_shared<BoundInputs>();
+  bound->session = session;
+  bound->q = ActivationOf(views->q);
+  bound->k = ActivationOf(views->k);
+  bound->v = ActivationOf(views->v);
+  bound->g = ActivationOf(views->g);
+  bound->beta = ActivationOf(views->beta);
+  bound->out = views->o.data;
+  bound->max_tokens = views->q.shape[0];
+  if (qsl.present) {
+    bound->max_rows = static_cast<int>(std::min<int64_t>(qsl.rows - 1, layout_.max_rows()));
+    bound->query_start_loc = qsl.data;
+    bound->state_indices = indices->second.data;
+    bound->state_indices_row_stride = indices->second.row_stride;
+    bound->state_indices_cols = indices->second.cols;
+  }
+  std::vector<RegionPin> pins = {views->q.pin,    views->k.pin, views->v.pin,
+                                 views->g.pin,    views->beta.pin, views->o.pin,
+                                 qsl.pin,         indices->second.pin};
+  const auto distinct = UniquePins(std::move(pins));
+  for (const RegionPin& pin : *distinct) {
+    bound->regions.push_back(BoundInputs::Held{pin, pin->name()});
+  }
+  {
+    absl::MutexLock lock(&bound_mu_);
+    bound_[req.layer()] = bound;
+  }
+  v1::BindVerifyInputsResponse response;
+  response.set_max_tokens(bound->max_tokens);
+  response.set_max_rows(bound->max_rows);
+  reply(absl::OkStatus(), response);
+}
+
 void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
                     Reply<v1::VerifyResponse> reply) {
   // SPECSTATE_PROFILE=1: where an ASYNC Verify's handling goes.
@@ -753,8 +1030,6 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
                               {"tensors", "ordering", "step+checks", "submit", "reply"});
   PhaseProfile::Timer timer(profile);
   const int L = layout_.num_layers();
-  const int H = layout_.num_heads();
-  const int K = layout_.head_dim();
   if (req.layer() < 0 || req.layer() >= L) {
     reply(absl::OutOfRangeError(absl::StrCat("layer ", req.layer(),
                                              " is out of range: the layout has ", L, " layers")),
@@ -769,58 +1044,13 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
     return;
   }
   const int N = req.num_rows();
-  // Activations: q, k, v [T, H, K] with dense tokens; g, o dense; beta [T, H].
-  TensorSpec act;
-  act.dtype = shape_.act_dtype;
-  act.shape = {-1, H, K};
-  act.dense_inner = 2;
-  RegionLookup lookup(regions_, session);
-  absl::StatusOr<TensorView> q = lookup.ResolveTensor(req.q(), "q", act);
-  if (!q.ok()) {
-    reply(q.status(), {});
+  absl::StatusOr<VerifyInputs> inputs_or =
+      req.bound_inputs() ? BoundInputsOf(session, req, N) : RequestInputs(session, req, N);
+  if (!inputs_or.ok()) {
+    reply(inputs_or.status(), {});
     return;
   }
-  const int64_t T = q->shape[0];
-  act.shape[0] = T;
-  absl::StatusOr<TensorView> k = lookup.ResolveTensor(req.k(), "k", act);
-  absl::StatusOr<TensorView> v = k.ok() ? lookup.ResolveTensor(req.v(), "v", act) : k;
-  TensorSpec dense = act;
-  dense.dense_inner = 3;
-  absl::StatusOr<TensorView> g = v.ok() ? lookup.ResolveTensor(req.g(), "g", dense) : v;
-  absl::StatusOr<TensorView> o = g.ok() ? lookup.ResolveTensor(req.o(), "o", dense) : g;
-  TensorSpec beta_spec;
-  beta_spec.dtype = shape_.act_dtype;
-  beta_spec.shape = {T, H};
-  beta_spec.dense_inner = 1;
-  absl::StatusOr<TensorView> beta =
-      o.ok() ? lookup.ResolveTensor(req.beta(), "beta", beta_spec) : o;
-  if (!beta.ok()) {
-    reply(beta.status(), {});
-    return;
-  }
-  absl::StatusOr<IndexInput> qsl =
-      ResolveIndex(lookup, req.query_start_loc(), "query_start_loc", {N + 1});
-  if (!qsl.ok()) {
-    reply(qsl.status(), {});
-    return;
-  }
-  IndexSpec idx_spec;
-  idx_spec.rows = N;
-  idx_spec.allow_2d = true;
-  idx_spec.strided_1d = true;
-  absl::StatusOr<IndexInput> indices =
-      ResolveIndex(lookup, req.state_indices(), "state_indices", idx_spec);
-  if (!indices.ok()) {
-    reply(indices.status(), {});
-    return;
-  }
-  if (qsl->present != indices->present) {
-    reply(absl::InvalidArgumentError(
-              "give query_start_loc and state_indices together (or omit both after the step's "
-              "first Verify)"),
-          {});
-    return;
-  }
+  VerifyInputs& in = *inputs_or;
   timer.Mark();
   absl::StatusOr<Ordering> ordering = ResolveOrdering(
       session, req.ordering(), req.wait(), req.signal(), req.has_wait(), req.has_signal());
@@ -853,7 +1083,7 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   }
   Step* step = *step_or;
   const bool first = step->verified_count == 0 && !step->verified[req.layer()];
-  if (first && !qsl->present) {
+  if (first && !in.query_start_loc.present) {
     lock.Release();
     reply(absl::InvalidArgumentError(absl::StrCat(
               "query_start_loc and state_indices are required on the first Verify of step ",
@@ -866,13 +1096,13 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
 
   kernels::VerifyArgs args;
   args.shape = shape_;
-  args.q = kernels::Activation{q->data, q->strides[0]};
-  args.k = kernels::Activation{k->data, k->strides[0]};
-  args.v = kernels::Activation{v->data, v->strides[0]};
-  args.g = kernels::Activation{g->data, g->strides[0]};
-  args.beta = kernels::Activation{beta->data, beta->strides[0]};
-  args.num_tokens = T;
-  args.out = o->data;
+  args.q = in.q;
+  args.k = in.k;
+  args.v = in.v;
+  args.g = in.g;
+  args.beta = in.beta;
+  args.num_tokens = in.num_tokens;
+  args.out = in.out;
   args.state = layer.state;
   args.params = kernels::LayerParams{layer.a_log, layer.dt_bias};
   args.records = layer.records;
@@ -883,7 +1113,7 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   if (first) {
     args.snapshot_query_start_loc = slot.query_start_loc;
     args.snapshot_state_indices = slot.state_indices;
-  } else if (qsl->present) {
+  } else if (in.query_start_loc.present) {
     args.expected_query_start_loc = slot.query_start_loc;
     args.expected_state_indices = slot.state_indices;
   }
@@ -909,8 +1139,8 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   if (first && N > 0) {
     work.readbacks.push_back(Readback{slot.query_start_loc, slot.qsl_host, uint64_t(N + 1) * 4});
   }
-  auto inputs = std::make_shared<std::pair<IndexInput, IndexInput>>(*std::move(qsl),
-                                                                      *std::move(indices));
+  auto inputs = std::make_shared<std::pair<IndexInput, IndexInput>>(
+      std::move(in.query_start_loc), std::move(in.state_indices));
   work.launch = [this, args, inputs, &slot](kernels::Stream stream,
                                            Scratch& scratch) mutable -> absl::Status {
     if (inputs->first.present) {
@@ -929,12 +1159,8 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   };
   const bool async = ordering->async;
   const uint64_t step_id = req.step();
-  std::vector<RegionPin> all_pins;
-  all_pins.reserve(ordering->pins.size() + 8);
+  std::vector<RegionPin> all_pins = std::move(in.pins);
   all_pins.insert(all_pins.end(), ordering->pins.begin(), ordering->pins.end());
-  for (const TensorView* t : {&*q, &*k, &*v, &*g, &*beta, &*o}) all_pins.push_back(t->pin);
-  all_pins.push_back(inputs->first.pin);
-  all_pins.push_back(inputs->second.pin);
   auto pins = UniquePins(std::move(all_pins));
   // An ASYNC call is answered below, not when its work completes.
   work.done = [this, pins, reply = async ? Reply<v1::VerifyResponse>() : reply, async, step_id,
@@ -1532,6 +1758,12 @@ void Engine::EndSession(const std::string& session) {
   if (cancellation != nullptr) {
     cancellation->cancelled.store(true);
     device_->ReleaseCancelledWaits();
+  }
+  {
+    absl::MutexLock lock(&bound_mu_);
+    for (auto& bound : bound_) {
+      if (bound != nullptr && bound->session == session) bound = nullptr;
+    }
   }
   regions_.ReleaseSession(session);
 }

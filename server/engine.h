@@ -70,6 +70,10 @@ class Engine {
                        Reply<v1::LoadLayerParamsResponse> reply);
   void Verify(const std::string& session, const v1::VerifyRequest& request,
               Reply<v1::VerifyResponse> reply);
+  // Checks and keeps a layer's Verify tensors for bound Verify calls of the
+  // session (replacing the layer's binding).
+  void BindVerifyInputs(const std::string& session, const v1::BindVerifyInputsRequest& request,
+                        Reply<v1::BindVerifyInputsResponse> reply);
   void Commit(const std::string& session, const v1::CommitRequest& request,
               Reply<v1::CommitResponse> reply);
   void RecordStateBlocks(const std::string& session, const v1::RecordStateBlocksRequest& request,
@@ -173,6 +177,14 @@ class Engine {
                    absl::ReleasableMutexLock& lock, const Reply<Response>& reply)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // A Verify's tensors, from its request or from its layer's binding.
+  struct VerifyInputs;
+  struct BoundInputs;
+  absl::StatusOr<VerifyInputs> RequestInputs(const std::string& session,
+                                             const v1::VerifyRequest& request, int num_rows);
+  absl::StatusOr<VerifyInputs> BoundInputsOf(const std::string& session,
+                                             const v1::VerifyRequest& request, int num_rows);
+
   struct Ordering {
     std::vector<WaitOp> waits;
     std::vector<SignalOp> signals;
@@ -212,6 +224,11 @@ class Engine {
   std::map<std::string, std::shared_ptr<WaitCancellation>> session_waits_ ABSL_GUARDED_BY(mu_);
   EngineCounters counters_ ABSL_GUARDED_BY(mu_);
   std::vector<char*> read_buffers_ ABSL_GUARDED_BY(mu_);  // ReadState's host buffers
+
+  // Per layer, its binding (BindVerifyInputs), or null. Its own lock: a
+  // Verify reads it before it takes mu_.
+  mutable absl::Mutex bound_mu_;
+  std::vector<std::shared_ptr<const BoundInputs>> bound_ ABSL_GUARDED_BY(bound_mu_);
 };
 
 }  // namespace server

@@ -48,6 +48,7 @@ absl::Status RegionRegistry::Unregister(const std::string& session, const std::s
     region = std::move(it->second);
     regions_.erase(it);
   }
+  region->MarkUnregistered();
   region->OnUnmapped(std::move(unmapped));
   region.reset();  // the last reference unless in-flight work pins it
   return absl::OkStatus();
@@ -59,6 +60,7 @@ void RegionRegistry::ReleaseSession(const std::string& session) {
     absl::MutexLock lock(&mu_);
     for (auto it = regions_.begin(); it != regions_.end();) {
       if (it->first.first == session) {
+        it->second->MarkUnregistered();
         dropped.push_back(std::move(it->second));
         it = regions_.erase(it);
       } else {

@@ -15,6 +15,7 @@
 #ifndef SPECSTATE_SERVER_REGIONS_H_
 #define SPECSTATE_SERVER_REGIONS_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -51,7 +52,13 @@ class Region {
   // Runs `fn` once the region is unmapped.
   void OnUnmapped(std::function<void()> fn);
 
+  // False once unregistered (or its session ended), though in-flight work
+  // may still hold it mapped.
+  bool registered() const { return registered_.load(std::memory_order_acquire); }
+  void MarkUnregistered() { registered_.store(false, std::memory_order_release); }
+
  private:
+  std::atomic<bool> registered_{true};
   std::string session_;
   std::string name_;
   std::unique_ptr<MappedRegion> mapped_;

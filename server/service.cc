@@ -337,6 +337,25 @@ grpc::ServerUnaryReactor* SpecStateService::Verify(grpc::CallbackServerContext* 
   return reactor;
 }
 
+grpc::ServerUnaryReactor* SpecStateService::BindVerifyInputs(
+    grpc::CallbackServerContext* ctx, const v1::BindVerifyInputsRequest* request,
+    v1::BindVerifyInputsResponse* response) {
+  const absl::Time start = absl::Now();
+  auto* reactor = ctx->DefaultReactor();
+  absl::Status st = sessions_->CheckDriver(request->session_id());
+  if (!st.ok()) {
+    Finish(reactor, "BindVerifyInputs", start, st);
+    return reactor;
+  }
+  engine_->BindVerifyInputs(
+      request->session_id(), *request,
+      [this, reactor, response, start](absl::Status s, v1::BindVerifyInputsResponse r) {
+        *response = std::move(r);
+        Finish(reactor, "BindVerifyInputs", start, s);
+      });
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* SpecStateService::Commit(grpc::CallbackServerContext* ctx,
                                                    const v1::CommitRequest* request,
                                                    v1::CommitResponse* response) {

@@ -65,6 +65,9 @@ class SpecStateService final : public v1::SpecState::CallbackService {
   grpc::ServerUnaryReactor* Verify(grpc::CallbackServerContext* ctx,
                                    const v1::VerifyRequest* request,
                                    v1::VerifyResponse* response) override;
+  grpc::ServerUnaryReactor* BindVerifyInputs(grpc::CallbackServerContext* ctx,
+                                             const v1::BindVerifyInputsRequest* request,
+                                             v1::BindVerifyInputsResponse* response) override;
   grpc::ServerUnaryReactor* Commit(grpc::CallbackServerContext* ctx,
                                    const v1::CommitRequest* request,
                                    v1::CommitResponse* response) override;

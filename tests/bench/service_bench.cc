@@ -231,6 +231,36 @@ v1::VerifyRequest VerifyRequest(const Scheduler& s, Session& session, uint64_t s
   return v;
 }
 
+// Binds every layer's tensors once (BindVerifyInputs), as a scheduler whose
+// buffers stay put does.
+void BindLayers(const Scheduler& s, Session& session) {
+  for (int l = 0; l < s.L; ++l) {
+    const v1::VerifyRequest v = VerifyRequest(s, session, 0, l);
+    v1::BindVerifyInputsRequest b;
+    b.set_layer(l);
+    *b.mutable_q() = v.q();
+    *b.mutable_k() = v.k();
+    *b.mutable_v() = v.v();
+    *b.mutable_g() = v.g();
+    *b.mutable_beta() = v.beta();
+    *b.mutable_o() = v.o();
+    *b.mutable_query_start_loc() = v.query_start_loc();
+    *b.mutable_state_indices() = v.state_indices();
+    Check(session.BindVerifyInputs(b), "BindVerifyInputs");
+  }
+}
+
+// A Verify of the layer's bound tensors: only the counts travel.
+v1::VerifyRequest BoundVerifyRequest(const Scheduler& s, uint64_t step, int layer) {
+  v1::VerifyRequest v;
+  v.set_step(step);
+  v.set_layer(layer);
+  v.set_num_rows(s.N);
+  v.set_bound_inputs(true);
+  v.set_num_tokens(s.T);
+  return v;
+}
+
 v1::CommitRequest CommitRequest(const Scheduler& s, Session& session, uint64_t step) {
   v1::CommitRequest c;
   c.set_step(step);
@@ -399,11 +429,14 @@ void ServiceStepStream(const Scheduler& s, uint32_t step, double model_us, bool 
 
 // All of a step's calls, sent before its GPU work reaches them, in one
 // SubmitStep round trip.
+// One step's calls in one SubmitStep: each layer's Verify (its tensors sent,
+// or bound once by BindLayers) and the Commit, ordered by doorbells.
 void SendStepCalls(const Scheduler& s, Session& session, uint64_t step_id, uint32_t step,
-                   bool commit) {
+                   bool commit, bool bound) {
   v1::SubmitStepRequest batch;
   for (int l = 0; l < s.L; ++l) {
-    v1::VerifyRequest v = VerifyRequest(s, session, step_id, l);
+    v1::VerifyRequest v =
+        bound ? BoundVerifyRequest(s, step_id, l) : VerifyRequest(s, session, step_id, l);
     v.set_ordering(v1::ASYNC);
     *v.mutable_wait()->mutable_doorbell() = Door(s, 2 * l, step);
     *v.mutable_signal()->mutable_doorbell() = Door(s, 2 * l + 1, step);
@@ -512,9 +545,11 @@ int Main() {
 
   uint64_t step_id = 0;
   std::vector<int> ns = {1, layout.max_rows()};
-  Paired paired{};
+  Paired paired{};        // the tensors sent with each call
+  Paired paired_bound{};  // the layer's tensors bound once
   std::string breakdown;  // --breakdown: what the ASYNC Verify's difference is made of
   double served_us = 0;   // the service's own handling of those ASYNC Verify calls
+  double served_bound_us = 0;
   for (int N : ns) {
     Scheduler s = MakeScheduler(*c, *session, N, rng);
     const uint64_t step = ++step_id;
@@ -525,29 +560,43 @@ int Main() {
     va.set_ordering(v1::ASYNC);
     const Percentiles async = TimeRpc(iters, [&] { Check(session->Verify(va), "Verify"); });
     std::printf("| Verify, ASYNC (enqueue) | %d | %.1f | %.1f |\n", N, async.p50, async.p99);
+    BindLayers(s, *session);
+    v1::VerifyRequest bound = BoundVerifyRequest(s, step, 0);
+    bound.set_ordering(v1::ASYNC);
+    bound.set_session_id(session->id());
+    const Percentiles async_bound =
+        TimeRpc(iters, [&] { Check(session->Verify(bound), "Verify"); });
+    std::printf("| Verify, ASYNC (enqueue), bound inputs | %d | %.1f | %.1f |\n", N,
+                async_bound.p50, async_bound.p99);
     if (N == 1) {
       // A step's ASYNC Verify calls of every layer in one SubmitStep (no
       // doorbells: each runs once enqueued): the service's cost per call
       // without a round trip each.
-      std::vector<double> us;
-      for (int i = 0; i < std::min(iters, 100) + 5; ++i) {
-        v1::SubmitStepRequest b;
-        const uint64_t id = ++step_id;
-        for (int l = 0; l < s.L; ++l) {
-          v1::VerifyRequest one = VerifyRequest(s, *session, id, l);
-          one.set_ordering(v1::ASYNC);
-          *b.add_verifies() = std::move(one);
+      for (const bool bound_inputs : {false, true}) {
+        std::vector<double> us;
+        for (int i = 0; i < std::min(iters, 100) + 5; ++i) {
+          v1::SubmitStepRequest b;
+          b.set_session_id(session->id());
+          const uint64_t id = ++step_id;
+          for (int l = 0; l < s.L; ++l) {
+            v1::VerifyRequest one = bound_inputs ? BoundVerifyRequest(s, id, l)
+                                                 : VerifyRequest(s, *session, id, l);
+            one.set_ordering(v1::ASYNC);
+            *b.add_verifies() = std::move(one);
+          }
+          const auto t0 = Clock::now();
+          Check(session->SubmitStep(b), "SubmitStep");
+          if (i >= 5) {
+            us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+          }
+          // Drained (a SYNC call of a new step returns after all before it),
+          // so that no step waits for a free slot.
+          Check(session->Verify(VerifyRequest(s, *session, ++step_id, 0)), "Verify");
         }
-        const auto t0 = Clock::now();
-        Check(session->SubmitStep(std::move(b)), "SubmitStep");
-        if (i >= 5) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
-        // Drained (a SYNC call of a new step returns after all before it),
-        // so that no step waits for a free slot.
-        Check(session->Verify(VerifyRequest(s, *session, ++step_id, 0)), "Verify");
+        const Percentiles batch = Of(us);
+        std::printf("| SubmitStep of %d ASYNC Verify%s | %d | %.1f | %.1f |\n", s.L,
+                    bound_inputs ? ", bound inputs" : "", N, batch.p50, batch.p99);
       }
-      const Percentiles batch = Of(us);
-      std::printf("| SubmitStep of %d ASYNC Verify | %d | %.1f | %.1f |\n", s.L, N, batch.p50,
-                  batch.p99);
     }
     if (N == 1 && absl::GetFlag(FLAGS_breakdown)) {
       // What the difference to the echo is made of: each variant against the
@@ -591,6 +640,8 @@ int Main() {
           [&] { Check(session->Verify(va), "Verify"); });
       row("Verify, Session::Verify, prepared request",
           [&] { Check(session->Verify(prepared), "Verify"); });
+      row("Verify, Session::Verify, bound inputs (prepared)",
+          [&] { Check(session->Verify(bound), "Verify"); });
     }
     if (N == 1) {
       // The target's comparison, measured alternately with the echo (whose
@@ -598,16 +649,19 @@ int Main() {
       // that keeps one per layer does.
       v1::VerifyRequest prepared = va;
       prepared.set_session_id(session->id());
-      const v1::Stats before = Check(c->GetStats(), "GetStats");
-      paired = TimeInterleaved(
-          absl::GetFlag(FLAGS_paired_iters),
-          [&] {
-            grpc::ClientContext ctx;
-            v1::PingResponse r;
-            Check(client::FromGrpc(c->stub().Ping(&ctx, ping, &r)), "Ping");
-          },
-          [&] { Check(session->Verify(prepared), "Verify"); });
+      const auto bare_ping = [&] {
+        grpc::ClientContext ctx;
+        v1::PingResponse r;
+        Check(client::FromGrpc(c->stub().Ping(&ctx, ping, &r)), "Ping");
+      };
+      v1::Stats before = Check(c->GetStats(), "GetStats");
+      paired = TimeInterleaved(absl::GetFlag(FLAGS_paired_iters), bare_ping,
+                               [&] { Check(session->Verify(prepared), "Verify"); });
       served_us = ServedMedianUs(before, Check(c->GetStats(), "GetStats"), "Verify");
+      before = Check(c->GetStats(), "GetStats");
+      paired_bound = TimeInterleaved(absl::GetFlag(FLAGS_paired_iters), bare_ping,
+                                     [&] { Check(session->Verify(bound), "Verify"); });
+      served_bound_us = ServedMedianUs(before, Check(c->GetStats(), "GetStats"), "Verify");
     }
     Check(session->Verify(v), "Verify");  // drains the stream
     // Commit needs every layer verified in its step, once per step.
@@ -633,11 +687,15 @@ int Main() {
     for (const std::string& name : s.names) Check(session->Unregister(name), "Unregister");
   }
   std::printf(
-      "\nASYNC Verify (N=1) against the echo, alternating calls: Ping p50 %.1f us (p99 %.1f), "
-      "Verify p50 %.1f us (p99 %.1f); per-pair difference p50 %.1f us (target: within 10 us)\n",
-      paired.a.p50, paired.a.p99, paired.b.p50, paired.b.p99, paired.diff_p50);
-  std::printf("Of which the service's handler (entry to answer, its stats): median %.1f us\n",
-              served_us);
+      "\nASYNC Verify (N=1) against the echo, alternating calls (target: within 10 us):\n\n"
+      "| Verify | Ping p50 (p99) (us) | Verify p50 (p99) (us) | per-pair difference p50 (us) | "
+      "handler median (us) |\n|---|---:|---:|---:|---:|\n");
+  for (const auto& [what, p, served] :
+       {std::make_tuple("tensors sent", &paired, served_us),
+        std::make_tuple("bound inputs", &paired_bound, served_bound_us)}) {
+    std::printf("| %s | %.1f (%.1f) | %.1f (%.1f) | %.1f | %.1f |\n", what, p->a.p50, p->a.p99,
+                p->b.p50, p->b.p99, p->diff_p50, served);
+  }
   std::printf("%s", breakdown.c_str());
 
   if (!cuda) {
@@ -654,13 +712,13 @@ int Main() {
   // One row: the step at N rows with `model_us` per layer, with or without
   // its Commit, in-process against through the service.
   const auto measure_step = [&](const Scheduler& s, const InProcess& p, double model_us,
-                                bool commit, const char* what) {
+                                bool commit, const char* what, bool bound = true) {
     const double in_process = MeanStepUs(
         stream, steps, [&](int) { InProcessStep(s, p, model_us, commit, stream); }, [](int) {});
     const uint32_t base = static_cast<uint32_t>(step_id + 1);
     const StepTiming service = TimeSteps(
         stream, steps, [&](int i) { ServiceStepStream(s, base + i, model_us, commit, stream); },
-        [&](int i) { SendStepCalls(s, *session, ++step_id, base + i, commit); });
+        [&](int i) { SendStepCalls(s, *session, ++step_id, base + i, commit, bound); });
     CHECK_CUDA(cudaStreamSynchronize(stream));
     std::printf("| %s | %d | %.0f | %.1f | %.1f | %.3f | %.0f / %.0f |\n", what, s.N, model_us,
                 in_process, service.gpu_us, service.gpu_us / in_process, service.send_us.p50,
@@ -672,7 +730,9 @@ int Main() {
     InProcess p = MakeInProcess(s, rng);
     const double model_us =
         N == 1 ? absl::GetFlag(FLAGS_model_us_small) : absl::GetFlag(FLAGS_model_us_large);
+    BindLayers(s, *session);
     measure_step(s, p, model_us, true, "decode step");
+    measure_step(s, p, model_us, true, "decode step, tensors sent", false);
     if (N == 1 && absl::GetFlag(FLAGS_breakdown)) {
       // Where the difference goes: without the Commit (the Verify chain
       // alone), and with a longer model kernel (a host that cannot keep up

@@ -54,12 +54,14 @@ class GpuServiceTest : public ::testing::Test {
   std::unique_ptr<ServerProcess> server_;
 };
 
-TEST_F(GpuServiceTest, SimulationSyncAsyncDoorbellsAndEvents) {
+TEST_F(GpuServiceTest, SimulationSyncAsyncDoorbellsEventsAndBoundInputs) {
   Start({"--heads=8", "--head_dim=128", "--conv_dim=3072", "--blocks=128", "--max_rows=32"});
   for (const std::vector<std::string>& mode :
        {std::vector<std::string>{}, std::vector<std::string>{"--async"},
         std::vector<std::string>{"--async", "--events"},
-        std::vector<std::string>{"--async", "--batch"}}) {
+        std::vector<std::string>{"--async", "--batch"},
+        std::vector<std::string>{"--async", "--bound_inputs"},
+        std::vector<std::string>{"--async", "--events", "--bound_inputs"}}) {
     std::vector<std::string> flags = {"--steps=25", "--requests=12", "--seed=3"};
     flags.insert(flags.end(), mode.begin(), mode.end());
     const testing::ProcessResult r = Simulate(flags);

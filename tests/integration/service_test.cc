@@ -139,6 +139,11 @@ class Scheduler {
     const uint64_t bytes = pools_->description().allocation_bytes();
     return std::string(pools_->base(), bytes);
   }
+  // Writes them back, as a scheduler may (prefill writes the pools).
+  void RestorePools(const std::string& bytes) {
+    std::memcpy(pools_->base(), bytes.data(), bytes.size());
+  }
+  std::string Outputs() { return std::string(Act(4), T_ * H_ * K_ * 2); }
 
   Session& session() { return *session_; }
   SharedMemory& memory() { return *memory_; }
@@ -438,6 +443,207 @@ TEST_F(ServiceTest, BadInputIsRejectedAndChangesNothing) {
   // The service still works after all of that.
   ASSERT_OK(s.VerifyAll(1000));
   ASSERT_OK(s.session().Commit(s.Commit(1000)).status());
+}
+
+// ---------------------------------------------------------------------------
+// Bound inputs: a layer's tensors bound once, Verify calls with counts only.
+
+TEST_F(ServiceTest, SimulationWithBoundInputs) {
+  Start({"--cache_mode=align", "--mamba_block_size=4", "--blocks=300"});
+  for (auto [async, batch] : {std::pair{false, false}, {true, false}, {true, true}}) {
+    client::SimulationOptions o;
+    o.steps = 8;
+    o.requests = 4;
+    o.async = async;
+    o.batch = batch;
+    o.bound_inputs = true;
+    o.seed = std::random_device()();
+    SCOPED_TRACE(absl::StrCat("async ", async, ", batch ", batch, ", seed ", o.seed));
+    const client::SimulationReport r = ValueOrDie(client::RunSimulation(*client_, o));
+    EXPECT_TRUE(r.passed()) << client::FormatReport(r);
+    EXPECT_GT(r.boundary_states, 0u);
+    EXPECT_EQ(r.latency.count("BindVerifyInputs"), 1u);
+  }
+}
+
+TEST_F(ServiceTest, BoundInputsAreCheckedAndFollowTheirRegions) {
+  Start();
+  auto s = std::make_unique<Scheduler>(*client_);
+  ASSERT_OK(s->VerifyAll(1));
+  ASSERT_OK(s->session().Commit(s->Commit(1)).status());
+  const int L = s->layout().num_layers();
+  // The rows of Scheduler::Verify, in a region: query_start_loc [4], state_indices [3].
+  auto rows = ValueOrDie(s->memory().Allocate(64));
+  int32_t* r = static_cast<int32_t*>(rows->data());
+  const int32_t values[] = {0, 2, 4, 6, 1, 2, 3};
+  std::memcpy(r, values, sizeof(values));
+  ValueOrDie(s->session().RegisterBuffer(*rows, "rows"));
+  const auto binding = [&](int layer) {
+    const v1::VerifyRequest v = s->Verify(0, layer);
+    v1::BindVerifyInputsRequest b;
+    b.set_layer(layer);
+    *b.mutable_q() = v.q();
+    *b.mutable_k() = v.k();
+    *b.mutable_v() = v.v();
+    *b.mutable_g() = v.g();
+    *b.mutable_beta() = v.beta();
+    *b.mutable_o() = v.o();
+    *b.mutable_query_start_loc() = ValueOrDie(s->session().Index(r, {4}));
+    *b.mutable_state_indices() = ValueOrDie(s->session().Index(r + 4, {3}));
+    return b;
+  };
+  const auto bind_all = [&]() -> absl::Status {
+    for (int l = 0; l < L; ++l) {
+      absl::StatusOr<v1::BindVerifyInputsResponse> b = s->session().BindVerifyInputs(binding(l));
+      if (!b.ok()) return b.status();
+      EXPECT_EQ(b->max_tokens(), 6);
+      EXPECT_EQ(b->max_rows(), 3);
+    }
+    return absl::OkStatus();
+  };
+  const auto bound = [](uint64_t step, int layer) {
+    v1::VerifyRequest v;
+    v.set_step(step);
+    v.set_layer(layer);
+    v.set_num_rows(3);
+    v.set_bound_inputs(true);
+    v.set_num_tokens(6);
+    return v;
+  };
+  uint64_t step = 100;
+  const auto run_cases = [&](const std::vector<BadCase>& cases) {
+    for (const BadCase& c : cases) {
+      SCOPED_TRACE(c.name);
+      const std::string before = s->Pools();
+      ExpectError(c.call(*s), c.code, c.message);
+      EXPECT_TRUE(s->Pools() == before) << "a rejected call changed the pools";
+    }
+  };
+  run_cases({
+      {"bound Verify without a binding",
+       [&](Scheduler& s) { return s.session().Verify(bound(++step, 0)).status(); },
+       absl::StatusCode::kFailedPrecondition, "layer 0 has no bound inputs in this session"},
+      {"binding with inline rows",
+       [&](Scheduler& s) {
+         v1::BindVerifyInputsRequest b = binding(0);
+         b.mutable_query_start_loc()->mutable_values()->add_values(0);
+         return s.session().BindVerifyInputs(b).status();
+       },
+       absl::StatusCode::kInvalidArgument, "query_start_loc: a binding's index tensors must be in a region"},
+      {"binding of the wrong dtype",
+       [&](Scheduler& s) {
+         v1::BindVerifyInputsRequest b = binding(0);
+         b.mutable_q()->set_dtype(v1::FP32);
+         return s.session().BindVerifyInputs(b).status();
+       },
+       absl::StatusCode::kInvalidArgument, "q: dtype FP32, expected bf16"},
+      {"binding past its region",
+       [&](Scheduler& s) {
+         v1::BindVerifyInputsRequest b = binding(0);
+         b.mutable_o()->set_offset_bytes(1 << 30);
+         return s.session().BindVerifyInputs(b).status();
+       },
+       absl::StatusCode::kOutOfRange, "o: "},
+      {"binding with state_indices alone",
+       [&](Scheduler& s) {
+         v1::BindVerifyInputsRequest b = binding(0);
+         b.clear_query_start_loc();
+         return s.session().BindVerifyInputs(b).status();
+       },
+       absl::StatusCode::kInvalidArgument, "together"},
+      {"binding of a layer out of range",
+       [&](Scheduler& s) {
+         v1::BindVerifyInputsRequest b = binding(0);
+         b.set_layer(9);
+         return s.session().BindVerifyInputs(b).status();
+       },
+       absl::StatusCode::kOutOfRange, "layer 9 is out of range"},
+  });
+  ASSERT_OK(bind_all());
+  // The binding does not hold its regions.
+  const v1::ListRegionsResponse listed = ValueOrDie(client_->ListRegions(s->session().id()));
+  for (const v1::RegionInfo& info : listed.regions()) EXPECT_EQ(info.in_use(), 0) << info.name();
+  run_cases({
+      {"bound Verify with tensors too",
+       [&](Scheduler& s) {
+         v1::VerifyRequest v = bound(++step, 0);
+         *v.mutable_q() = s.Verify(0, 0).q();
+         return s.session().Verify(v).status();
+       },
+       absl::StatusCode::kInvalidArgument, "bound_inputs: leave q, k, v"},
+      {"more tokens than bound",
+       [&](Scheduler& s) {
+         v1::VerifyRequest v = bound(++step, 0);
+         v.set_num_tokens(7);
+         return s.session().Verify(v).status();
+       },
+       absl::StatusCode::kOutOfRange, "num_tokens = 7 is out of range: layer 0's bound inputs hold 6 tokens"},
+      {"more rows than bound",
+       [&](Scheduler& s) {
+         v1::VerifyRequest v = bound(++step, 0);
+         v.set_num_rows(4);
+         return s.session().Verify(v).status();
+       },
+       absl::StatusCode::kOutOfRange, "num_rows = 4 is out of range: layer 0's bound query_start_loc and state_indices hold 3 rows"},
+      {"tensors with another num_tokens",
+       [&](Scheduler& s) {
+         v1::VerifyRequest v = s.Verify(++step, 0);
+         v.set_num_tokens(5);
+         return s.session().Verify(v).status();
+       },
+       absl::StatusCode::kInvalidArgument, "num_tokens = 5 differs from q's first dimension 6"},
+      {"bound state index past the pool (device check)",
+       [&](Scheduler& s) {
+         r[5] = 9999;
+         absl::Status st = s.session().Verify(bound(++step, 0)).status();
+         r[5] = 2;
+         return st;
+       },
+       absl::StatusCode::kOutOfRange, "state_indices[1] = 9999"},
+      {"bound row longer than Q (device check)",
+       [&](Scheduler& s) {
+         r[1] = 5;
+         r[2] = 5;
+         absl::Status st = s.session().Verify(bound(++step, 0)).status();
+         r[1] = 2;
+         r[2] = 4;
+         return st;
+       },
+       absl::StatusCode::kOutOfRange, "row 0 5 tokens, more than the 4"},
+  });
+
+  // A bound step computes what the same step with its tensors sent does.
+  const std::string start = s->Pools();
+  for (int l = 0; l < L; ++l) ASSERT_OK(s->session().Verify(bound(200, l)).status());
+  ASSERT_OK(s->session().Commit(s->Commit(200)).status());
+  const std::string bound_pools = s->Pools(), bound_outputs = s->Outputs();
+  s->RestorePools(start);
+  ASSERT_OK(s->VerifyAll(201));
+  ASSERT_OK(s->session().Commit(s->Commit(201)).status());
+  EXPECT_FALSE(bound_pools == start);
+  EXPECT_TRUE(s->Pools() == bound_pools) << "the bound step's states differ";
+  EXPECT_TRUE(s->Outputs() == bound_outputs) << "the bound step's outputs differ";
+
+  // Unregistering a bound region neither waits for the binding nor leaves it
+  // usable, even under the same name again; binding again does.
+  ASSERT_OK(s->session().Unregister("rows"));
+  run_cases({{"bound Verify after its region went",
+              [&](Scheduler& s) { return s.session().Verify(bound(++step, 0)).status(); },
+              absl::StatusCode::kFailedPrecondition,
+              "region \"rows\", which was unregistered after the bind"}});
+  ValueOrDie(s->session().RegisterBuffer(*rows, "rows"));
+  run_cases({{"bound Verify after its region was registered again",
+              [&](Scheduler& s) { return s.session().Verify(bound(++step, 0)).status(); },
+              absl::StatusCode::kFailedPrecondition, "unregistered after the bind"}});
+  ASSERT_OK(bind_all());
+  for (int l = 0; l < L; ++l) ASSERT_OK(s->session().Verify(bound(300, l)).status());
+  ASSERT_OK(s->session().Commit(s->Commit(300)).status());
+
+  // A session's bindings end with it.
+  s.reset();
+  Scheduler next(*client_);
+  ExpectError(next.session().Verify(bound(1, 0)).status(), absl::StatusCode::kFailedPrecondition,
+              "layer 0 has no bound inputs in this session");
 }
 
 TEST_F(ServiceTest, AlignModeDeviceChecksNameTheField) {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Diagnostics of the service on the CUDA backend, from a bundle made by
-# tools/gpu/bundle.sh:   diagnose.sh BUNDLE OUTDIR [align|handoff|bench|breakdown|timeline|mutex|pinning|ab|all]
+# tools/gpu/bundle.sh:   diagnose.sh BUNDLE OUTDIR [align|handoff|bench|breakdown|timeline|mutex|pinning|ab|repeat|all]
 #   align: short simulations that isolate one factor each (cache mode, state
 #          and activation dtypes, shape, ordering), each under a time limit,
 #          with SPECSTATE_TRACE=1 on both sides so a stall shows its phase.
@@ -21,6 +21,8 @@
 #          taskset CPU lists), twice each.
 #   ab: under MPS, service_bench alternately with specstated's environment
 #          variable AB_ENV at each of AB_VALUES, AB_ROUNDS (2) times each.
+#   repeat: under MPS, service_bench REPEATS (6) times, each against a fresh
+#          specstated: the spread of the ASYNC Verify's distance to the echo.
 #   handoff: handoff_bench (what a doorbell handoff between two streams costs)
 #          in one process and in two, without and with MPS.
 # SERVER_FLAGS adds flags to every specstated started here.
@@ -52,6 +54,10 @@ simulate() {  # simulate NAME LIMIT_S -- simulate flags
     say "$name: last phases: $(grep '\[simulate' "$logs/$name.sim.log" | tail -3 | tr '\n' '|')"
     say "$name: server's last lines: $(tail -4 "$logs/$name.server.log" | tr '\n' '|')"
   fi
+}
+echo_rows() {  # the ASYNC Verify's distance to the echo, from a service_bench output
+  grep -h -E '^\| (tensors sent|bound inputs) \|' "$1" | tail -2 |
+    awk -F'|' '{gsub(/ /, "", $5); gsub(/ /, "", $6); printf "%s: %s us (handler %s); ", $2, $5, $6}'
 }
 mps_start() {
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/ss-mps CUDA_MPS_LOG_DIRECTORY=/tmp/ss-mps-log
@@ -137,7 +143,7 @@ if [ "$what" = mutex ]; then
     fast=true; [ $detect = 1 ] && fast=false
     timeout -k 2 150 "$bin/service_bench" --server="unix://$sock" --iters=300 --steps=20 \
       --fast_mutexes=$fast >> "$out/service_bench_detect_$detect.md" 2>> "$logs/mutex_$detect.err"
-    say "service_bench, deadlock detection $detect: exit $?, $(grep -h 'per-pair' "$out/service_bench_detect_$detect.md" | tail -1 | sed 's/.*difference//')"
+    say "service_bench, deadlock detection $detect: exit $?, $(echo_rows "$out/service_bench_detect_$detect.md")"
     stop
   done
   mps_stop
@@ -158,7 +164,7 @@ if [ "$what" = pinning ]; then
     SERVER_WRAPPER=$server_pin SERVER_TRACE=0 serve "pinned_$pinned" $big || continue
     timeout -k 2 150 $client_pin "$bin/service_bench" --server="unix://$sock" --iters=300 --steps=20 \
       >> "$out/service_bench_pinned_$pinned.md" 2>> "$logs/pinned_$pinned.err"
-    say "service_bench, pinned $pinned: exit $?, $(grep -h 'per-pair' "$out/service_bench_pinned_$pinned.md" | tail -1 | sed 's/.*difference//'), $(grep -h 'handler' "$out/service_bench_pinned_$pinned.md" | tail -1)"
+    say "service_bench, pinned $pinned: exit $?, $(echo_rows "$out/service_bench_pinned_$pinned.md")"
     stop
   done
   mps_stop
@@ -175,9 +181,22 @@ if [ "$what" = ab ]; then
       timeout -k 2 150 "$bin/service_bench" --server="unix://$sock" --iters=300 --steps=20 \
         >> "$out/service_bench_${AB_ENV}_$value.md" 2>> "$logs/ab_$value.err"
       rc=$?; f="$out/service_bench_${AB_ENV}_$value.md"
-      say "service_bench, $AB_ENV=$value: exit $rc, $(grep -h 'per-pair' "$f" | tail -1 | sed 's/.*difference//'), $(grep -h 'handler' "$f" | tail -1 | sed 's/.*median/handler/'), SubmitStep p50 $(grep -h 'SubmitStep of' "$f" | tail -1 | cut -d'|' -f4)"
+      say "service_bench, $AB_ENV=$value: exit $rc, $(echo_rows "$f") SubmitStep p50 $(grep -h 'SubmitStep of' "$f" | tail -1 | cut -d'|' -f4)"
       stop
     done
+  done
+  mps_stop
+fi
+
+if [ "$what" = repeat ]; then
+  big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
+  mps_start
+  for round in $(seq ${REPEATS:-6}); do
+    SERVER_TRACE=0 serve "repeat_$round" $big || continue
+    timeout -k 2 150 "$bin/service_bench" --server="unix://$sock" --iters=300 --steps=20 \
+      >> "$out/service_bench_repeats.md" 2>> "$logs/repeat.err"
+    say "service_bench, run $round: exit $?, $(echo_rows "$out/service_bench_repeats.md") step N=1 $(grep -h '^| decode step | 1 |' "$out/service_bench_repeats.md" | tail -1 | cut -d'|' -f7)"
+    stop
   done
   mps_stop
 fi

@@ -456,6 +456,72 @@ class Session:
         _set_signals(request, wait, signal)
         return self.client.call("Verify", request)
 
+    def bind_verify_inputs(self, layer: int, *, q: Any, k: Any, v: Any, g: Any, beta: Any,
+                           o: Any, query_start_loc: Any = None,
+                           state_indices: Any = None) -> pb.BindVerifyInputsResponse:
+        """Binds one layer's Verify tensors once, at their capacity (BindVerifyInputs).
+
+        For a scheduler whose buffers stay at fixed addresses (as under CUDA
+        graphs): :meth:`verify_bound` then sends only the counts, and the
+        service uses the first `num_tokens` tokens and `num_rows` rows of these.
+        q, k, v [max_tokens, H, K], g [max_tokens, H, K] (dense), beta
+        [max_tokens, H], o [max_tokens, H, V] (dense): as in :meth:`verify`.
+        `query_start_loc` [max_rows+1] and `state_indices` [max_rows] (or
+        [max_rows, C]) are optional, together, and must be int32 arrays in a
+        registered buffer: their values change every step, so inline values
+        (lists, arrays outside every region) raise INVALID_ARGUMENT here,
+        before any call. A layer bound without them cannot start a step (its
+        bound Verify uses the step's copy). Binding a layer again replaces its
+        binding; unregistering a bound buffer fails the layer's next bound
+        Verify (FAILED_PRECONDITION) until it is bound again. The response
+        gives ``max_tokens`` and ``max_rows`` (-1 without the indices).
+        """
+        request = pb.BindVerifyInputsRequest(
+            session_id=self.id, layer=layer, q=self.tensor(q), k=self.tensor(k),
+            v=self.tensor(v), g=self.tensor(g), beta=self.tensor(beta), o=self.tensor(o))
+        for field, value in (("query_start_loc", query_start_loc),
+                             ("state_indices", state_indices)):
+            t = self.index(value)
+            if t is None:
+                continue
+            # The binding is read at every later Verify: a snapshot of the
+            # values would silently go stale.
+            if not t.HasField("region"):
+                raise SpecStateError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{field}: a binding's index tensors must be int32 arrays in a registered "
+                    "buffer (inline values cannot change between steps)")
+            getattr(request, field).CopyFrom(t)
+        return self.client.call("BindVerifyInputs", request)
+
+    def verify_bound(self, step: int, layer: int, *, num_tokens: int,
+                     num_rows: Optional[int] = None, ordering: Union[None, str, int] = None,
+                     wait: Any = None, signal: Any = None) -> pb.VerifyResponse:
+        """Verify with the layer's bound tensors (:meth:`bind_verify_inputs`).
+
+        Uses the first `num_tokens` tokens of the bound activations and, when
+        the binding has them, the first `num_rows` + 1 and `num_rows` entries of
+        its query_start_loc and state_indices, read when the call runs (write
+        this step's values there first, or before `wait` is signalled). A layer
+        bound without them relies on the step's copy, so it cannot be the
+        step's first Verify. `num_rows` defaults to the step's earlier call
+        (required on the step's first); a later :meth:`verify` of the step may
+        omit it too. FAILED_PRECONDITION when the layer has no binding in this
+        session; OUT_OF_RANGE past the binding's max_tokens / max_rows.
+        Ordering, `wait` and `signal` as in :meth:`verify`.
+        """
+        if num_rows is None:
+            if step not in self._step_rows:
+                raise SpecStateError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"num_rows: give it on step {step}'s first Verify")
+            num_rows = self._step_rows[step]
+        self._step_rows = {step: num_rows}
+        request = pb.VerifyRequest(
+            session_id=self.id, step=step, layer=layer, num_rows=num_rows, bound_inputs=True,
+            num_tokens=num_tokens, ordering=_ordering(ordering, wait, signal))
+        _set_signals(request, wait, signal)
+        return self.client.call("Verify", request)
+
     def commit(self, step: int, num_accepted: Any, *, request_indices: Any = None,
                block_table: Any = None, num_computed_tokens: Any = None,
                ordering: Union[None, str, int] = None, wait: Any = None,

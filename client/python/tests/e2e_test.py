@@ -18,6 +18,7 @@ import sys
 import unittest
 from typing import Dict, List, Optional
 
+import grpc
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -101,8 +102,40 @@ class Harness:
         self.nc: List[int] = []
         self.states: List[List[np.ndarray]] = []  # [request][layer] float64 [H, V, K]
         self.windows: List[List[np.ndarray]] = []  # [request][layer] [D, hl] raw
+        self.bound_qsl: Optional[np.ndarray] = None  # set by bind()
+        self.bound_idx: Optional[np.ndarray] = None
         for i in range(self.R):
             self.start_request(i)
+
+    # ---- bound inputs ----
+
+    def bind(self) -> None:
+        """Binds every layer's Verify tensors once, at capacity: the R * Q tokens of
+        the activation buffers and the layout's max_rows rows of index buffers in
+        "meta", of which a step uses the first T and R. Even layers are bound with
+        the indices (state_indices [max_rows, 2], column 0 used), odd layers
+        without (their bound Verify uses the step's copy)."""
+        if self.bound_qsl is not None:
+            return
+        H, K, HK, tmax, rows = self.H, self.K, self.HK, self.R * self.Q, self.lo.max_rows
+        self.t.assertLessEqual(self.R, rows)
+        self.bound_qsl = self.meta.ndarray((rows + 1,), np.int32, 40960)
+        self.bound_idx = self.meta.ndarray((rows, 2), np.int32, 45056)
+        # Entries past a step's rows (and column 1) are never read: out of range if they were.
+        self.bound_qsl[...] = -9
+        self.bound_idx[...] = -9
+        for layer in range(self.L):
+            proj = self.proj[layer]
+            indices = layer % 2 == 0
+            r = self.session.bind_verify_inputs(
+                layer, q=proj[:, :HK].reshape(tmax, H, K),
+                k=proj[:, HK:2 * HK].reshape(tmax, H, K),
+                v=proj[:, 2 * HK:3 * HK].reshape(tmax, H, K), beta=proj[:, 3 * HK:],
+                g=self.g[layer], o=self.o[layer],
+                query_start_loc=self.bound_qsl if indices else None,
+                state_indices=self.bound_idx if indices else None)
+            self.t.assertEqual(r.max_tokens, tmax)
+            self.t.assertEqual(r.max_rows, rows if indices else -1)
 
     # ---- requests ----
 
@@ -134,8 +167,10 @@ class Harness:
     # ---- one step ----
 
     def step(self, s: int, null_rows: tuple = (), remap: bool = False,
-             region_indices: bool = False, full: bool = False) -> Dict[str, object]:
-        """One decode step; `full`: every row verifies Q tokens and accepts them all."""
+             region_indices: bool = False, full: bool = False,
+             bound: bool = False) -> Dict[str, object]:
+        """One decode step; `full`: every row verifies Q tokens and accepts them all;
+        `bound`: Verify through the layers' bindings (bind() on the first such step)."""
         R, Q, H, K, HK = self.R, self.Q, self.H, self.K, self.HK
         tokens = [Q if full else int(self.rng.integers(1, Q + 1)) for _ in range(R)]
         accepted = [t if full else int(self.rng.integers(1, t + 1)) for t in tokens]
@@ -179,21 +214,37 @@ class Harness:
             idx_arg[...] = checkpoint
         else:
             qsl_arg, idx_arg = qsl.tolist(), checkpoint
+        if bound:
+            self.bind()
+            self.bound_qsl[:R + 1] = qsl
+            self.bound_idx[:R, 0] = checkpoint
         step = self.session.next_step()
         for layer in range(self.L):
+            # Bound steps: odd steps send the last layer's tensors in a plain
+            # Verify (bindings and tensors mix within a step), and later layers
+            # leave num_rows to the client's copy of the step's.
+            if bound and not (s % 2 == 1 and layer == self.L - 1 > 0):
+                self.session.verify_bound(step, layer, num_tokens=T,
+                                          num_rows=R if layer == 0 or s % 2 == 0 else None)
+                continue
             proj = self.proj[layer][:T]
-            give = layer == 0 or s % 2 == 0  # later layers may rely on the step's copy
+            # Later layers may rely on the step's copy.
+            give = not bound and (layer == 0 or s % 2 == 0)
             self.session.verify(
                 step, layer,
                 q=proj[:, :HK].reshape(T, H, K), k=proj[:, HK:2 * HK].reshape(T, H, K),
                 v=proj[:, 2 * HK:3 * HK].reshape(T, H, K), beta=proj[:, 3 * HK:],
                 g=self.g[layer][:T], o=self.o[layer][:T],
                 query_start_loc=qsl_arg if give else None,
-                state_indices=idx_arg if give else None, num_rows=None if give else R)
+                state_indices=idx_arg if give else None,
+                num_rows=None if give or bound else R)
 
         # Outputs against the reference; null rows keep the poison.
         out_errors = []
         for layer in range(self.L):
+            # Tokens past T keep the poison (a binding's capacity is not written).
+            self.t.assertTrue(np.all(self.o[layer][T:].view(np.uint8) == 0xFF),
+                              f"step {s}, layer {layer}: outputs past token {T}")
             proj = act_float(self.proj[layer][:T], self.act)
             g = act_float(self.g[layer][:T], self.act)
             o = act_float(self.o[layer][:T], self.act)
@@ -403,6 +454,46 @@ class NoneModeFp32Test(_ServerTest):
                     h.g[layer][:2], proj[:2, 3 * HK:], h.a_log[layer], h.dt_bias[layer],
                     h.lo.lower_bound)
                 self.assertLess(ref.rel_err(h.pools.recurrent(layer)[h.checkpoint(0)], want), 1e-5)
+            h.close()
+
+    def test_bound_inputs(self) -> None:
+        """BindVerifyInputs once per layer at capacity, then Verify calls that carry
+        only their counts: the same checks (and tolerances) as the plain loop."""
+        with self.server.client() as client, client.session("e2e-bound", drive=True) as session:
+            h = Harness(self, client, session, requests=4, seed=5)
+            # No binding in this session yet.
+            with self.assertRaises(specstate.SpecStateError) as cm:
+                session.verify_bound(session.next_step(), 0, num_tokens=1, num_rows=1)
+            self.assertEqual(cm.exception.code, grpc.StatusCode.FAILED_PRECONDITION,
+                             cm.exception.message)
+            for s in range(6):
+                # Step 3 sends tensors: the bindings outlive a plain step.
+                r = h.step(s, bound=s != 3, remap=s == 1, null_rows=(2,) if s == 4 else (),
+                           full=s == 5)
+                self.assertLess(r["max_out_err"], 1e-5)
+                self.assertLess(r["max_state_err"], 1e-5)
+            # Past the binding's capacity.
+            with self.assertRaises(specstate.SpecStateError) as cm:
+                session.verify_bound(session.next_step(), 0, num_tokens=h.R * h.Q + 1,
+                                     num_rows=h.R)
+            self.assertEqual(cm.exception.code, grpc.StatusCode.OUT_OF_RANGE,
+                             cm.exception.message)
+            # Index values inline: refused before the call (they could not change).
+            tmax, HK = h.R * h.Q, h.HK
+            with self.assertRaises(specstate.SpecStateError) as cm:
+                session.bind_verify_inputs(
+                    0, q=h.proj[0][:, :HK].reshape(tmax, h.H, h.K),
+                    k=h.proj[0][:, HK:2 * HK].reshape(tmax, h.H, h.K),
+                    v=h.proj[0][:, 2 * HK:3 * HK].reshape(tmax, h.H, h.K),
+                    beta=h.proj[0][:, 3 * HK:], g=h.g[0], o=h.o[0],
+                    query_start_loc=[0, 1], state_indices=[1])
+            self.assertEqual(cm.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            # A binding does not keep its regions.
+            session.unregister("meta")
+            with self.assertRaises(specstate.SpecStateError) as cm:
+                session.verify_bound(session.next_step(), 0, num_tokens=1, num_rows=1)
+            self.assertEqual(cm.exception.code, grpc.StatusCode.FAILED_PRECONDITION,
+                             cm.exception.message)
             h.close()
 
 
