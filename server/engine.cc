@@ -26,7 +26,6 @@ struct IndexInput {
   int64_t rows = 0;
   int64_t cols = 1;
   int64_t row_stride = 1;
-  RegionPin pin;
 
   absl::StatusOr<const int32_t*> Pointer(Scratch& scratch) const {
     if (data != nullptr) return data;
@@ -89,7 +88,6 @@ absl::StatusOr<IndexInput> ResolveIndex(RegionLookup& regions, const v1::IndexTe
     in.rows = view->shape[0];
     in.cols = rank == 2 ? view->shape[1] : 1;
     in.row_stride = view->strides[0];
-    in.pin = view->pin;
   }
   if (spec.rows >= 0 && in.rows != spec.rows) {
     return absl::InvalidArgumentError(
@@ -159,7 +157,7 @@ struct Engine::VerifyInputs {
   void* out = nullptr;
   int64_t num_tokens = 0;
   IndexInput query_start_loc, state_indices;
-  std::vector<RegionPin> pins;  // of every region named (duplicates allowed)
+  std::vector<RegionPin> pins;  // of every region named, each once
 };
 
 // A layer's Verify tensors at their capacity, checked when bound. The
@@ -711,7 +709,6 @@ void Engine::LoadLayerParams(const std::string& session, const v1::LoadLayerPara
   struct Source {
     std::vector<float> values;
     const float* region = nullptr;
-    RegionPin pin;
   };
   auto resolve = [&](const v1::FloatTensor& t, absl::string_view field,
                      int64_t count) -> absl::StatusOr<Source> {
@@ -737,7 +734,6 @@ void Engine::LoadLayerParams(const std::string& session, const v1::LoadLayerPara
     absl::StatusOr<TensorView> view = lookup.ResolveTensor(t.region(), field, spec);
     if (!view.ok()) return view.status();
     s.region = static_cast<const float*>(view->data);
-    s.pin = view->pin;
     return s;
   };
   absl::StatusOr<Source> a_log = resolve(req.a_log(), "a_log", H);
@@ -768,7 +764,9 @@ void Engine::LoadLayerParams(const std::string& session, const v1::LoadLayerPara
     absl::Status st = copy(sources->first, layer.a_log, H);
     return st.ok() ? copy(sources->second, layer.dt_bias, hk) : st;
   };
-  work.done = [this, sources, reply, l = req.layer()](absl::Status launched) {
+  auto pins = std::make_shared<std::vector<RegionPin>>(lookup.TakePins());
+  work.done = [this, sources, pins, reply, l = req.layer()](absl::Status launched) {
+    pins->clear();  // the regions may go now
     if (launched.ok()) {
       absl::MutexLock lock(&mu_);
       layers_[l].params_loaded = true;
@@ -783,7 +781,7 @@ namespace {
 
 // The checks a Verify's tensors and a binding's share: activations q, k, v
 // [T, H, K] with dense tokens, g and o dense, beta [T, H]; T from q (any
-// when `num_tokens` < 0). Pins of every region named go to `pins`.
+// when `num_tokens` < 0). The lookup holds their regions.
 struct ActivationViews {
   TensorView q, k, v, g, beta, o;
 };
@@ -881,12 +879,7 @@ absl::StatusOr<Engine::VerifyInputs> Engine::RequestInputs(const std::string& se
   in.num_tokens = views->q.shape[0];
   in.query_start_loc = std::move(indices->first);
   in.state_indices = std::move(indices->second);
-  in.pins.reserve(10);  // and the ordering's doorbells
-  for (TensorView* t : {&views->q, &views->k, &views->v, &views->g, &views->beta, &views->o}) {
-    in.pins.push_back(std::move(t->pin));
-  }
-  in.pins.push_back(in.query_start_loc.pin);
-  in.pins.push_back(in.state_indices.pin);
+  in.pins = lookup.TakePins();
   return in;
 }
 
@@ -1006,11 +999,7 @@ void Engine::BindVerifyInputs(const std::string& session, const v1::BindVerifyIn
     bound->state_indices_row_stride = indices->second.row_stride;
     bound->state_indices_cols = indices->second.cols;
   }
-  std::vector<RegionPin> pins = {views->q.pin,    views->k.pin, views->v.pin,
-                                 views->g.pin,    views->beta.pin, views->o.pin,
-                                 qsl.pin,         indices->second.pin};
-  const auto distinct = UniquePins(std::move(pins));
-  for (const RegionPin& pin : *distinct) {
+  for (const RegionPin& pin : lookup.TakePins()) {
     bound->regions.push_back(BoundInputs::Held{pin, pin->name()});
   }
   {
@@ -1433,11 +1422,8 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
   };
   const bool async = ordering->async;
   const uint64_t step_id = req.step();
-  std::vector<RegionPin> all_pins = ordering->pins;
-  for (const IndexInput* in : {&inputs->accepted, &inputs->request_indices, &inputs->block_table,
-                               &inputs->computed}) {
-    all_pins.push_back(in->pin);
-  }
+  std::vector<RegionPin> all_pins = lookup.TakePins();
+  all_pins.insert(all_pins.end(), ordering->pins.begin(), ordering->pins.end());
   auto pins = UniquePins(std::move(all_pins));
   v1::CommitResponse response;
   response.set_enqueued(async);
@@ -1656,13 +1642,8 @@ void Engine::RecordStateBlocks(const std::string& session,
   };
   const bool async = ordering->async;
   const uint64_t step_id = req.step();
-  std::vector<RegionPin> all_pins = ordering->pins;
-  all_pins.push_back(state_idx->pin);
-  all_pins.push_back(out_accepted->pin);
-  for (const IndexInput* in : {&inputs->mapping, &inputs->sampled, &inputs->computed,
-                               &inputs->request_indices}) {
-    all_pins.push_back(in->pin);
-  }
+  std::vector<RegionPin> all_pins = lookup.TakePins();
+  all_pins.insert(all_pins.end(), ordering->pins.begin(), ordering->pins.end());
   auto pins = UniquePins(std::move(all_pins));
   v1::RecordStateBlocksResponse response;
   response.set_enqueued(async);

@@ -112,28 +112,21 @@ std::string ShapeString(const Dims& shape) {
 
 }  // namespace
 
-absl::StatusOr<TensorView> RegionRegistry::ResolveTensor(const std::string& session,
-                                                         const v1::RegionTensor& t,
-                                                         absl::string_view field,
-                                                         const TensorSpec& spec) const {
-  RegionLookup lookup(*this, session);
-  return lookup.ResolveTensor(t, field, spec);
-}
-
-absl::StatusOr<RegionPin> RegionLookup::Find(absl::string_view name) {
+absl::StatusOr<const Region*> RegionLookup::Find(absl::string_view name) {
   for (const RegionPin& pin : found_) {
-    if (pin->name() == name) return pin;
+    if (pin->name() == name) return pin.get();
   }
   absl::StatusOr<RegionPin> pin = registry_.Find(session_, name);
-  if (pin.ok()) found_.push_back(*pin);
-  return pin;
+  if (!pin.ok()) return pin.status();
+  found_.push_back(*std::move(pin));
+  return found_.back().get();
 }
 
 absl::StatusOr<TensorView> RegionLookup::ResolveTensor(const v1::RegionTensor& t,
                                                        absl::string_view field,
                                                        const TensorSpec& spec) {
   if (t.region().empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": region is empty"));
-  absl::StatusOr<RegionPin> region = Find(t.region());
+  absl::StatusOr<const Region*> region = Find(t.region());
   if (!region.ok()) return absl::NotFoundError(absl::StrCat(field, ": ", region.status().message()));
   if (t.dtype() == v1::DTYPE_UNSPECIFIED) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": dtype is not set (expected ",
@@ -219,7 +212,7 @@ absl::StatusOr<TensorView> RegionLookup::ResolveTensor(const v1::RegionTensor& t
   view.data = static_cast<char*>((*region)->data()) + t.offset_bytes();
   view.shape = std::move(shape);
   view.strides = std::move(strides);
-  view.pin = *std::move(region);
+  view.region = *region;
   return view;
 }
 

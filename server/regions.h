@@ -3,21 +3,24 @@
 // name, and requests then refer to tensors in it by name + byte offset +
 // dtype + shape + strides.
 //
-// A region stays mapped while work that uses it is in flight: resolving a
-// tensor pins its region (a shared_ptr the work holds until the device has
-// finished it). Unregistering, or the end of the owning session, drops the
-// registry's reference; the mapping goes, and the unregister completes,
-// when the last pin is released.
+// A region stays mapped while work that uses it is in flight: a request's
+// lookup pins each region it names once (a shared_ptr the work holds until
+// the device has finished it). Unregistering, or the end of the owning
+// session, drops the registry's reference; the mapping goes, and the
+// unregister completes, when the last pin is released.
 //
 //   RegionRegistry regions;
 //   regions.Register("s1", "acts", std::move(mapped));
-//   absl::StatusOr<TensorView> q = regions.ResolveTensor("s1", request.q(), "q", spec);
+//   RegionLookup lookup(regions, session);
+//   absl::StatusOr<TensorView> q = lookup.ResolveTensor(request.q(), "q", spec);
+//   work.pins = lookup.TakePins();  // keeps q's region mapped
 #ifndef SPECSTATE_SERVER_REGIONS_H_
 #define SPECSTATE_SERVER_REGIONS_H_
 
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <string>
@@ -80,12 +83,14 @@ struct TensorSpec {
   int dense_inner = 0;
 };
 
-// A resolved tensor: its address, shape and strides (in elements).
+// A resolved tensor: its address, shape and strides (in elements). Its
+// region is held by the lookup that resolved it, and then by the pins taken
+// from that lookup.
 struct TensorView {
   void* data = nullptr;
   Dims shape;
   Dims strides;
-  RegionPin pin;
+  const Region* region = nullptr;
 };
 
 class RegionRegistry {
@@ -108,11 +113,6 @@ class RegionRegistry {
 
   absl::StatusOr<RegionPin> Find(absl::string_view session, absl::string_view name) const;
 
-  // RegionLookup::ResolveTensor for one tensor.
-  absl::StatusOr<TensorView> ResolveTensor(const std::string& session,
-                                           const v1::RegionTensor& tensor,
-                                           absl::string_view field, const TensorSpec& spec) const;
-
   // A 4-byte counter for a doorbell, inside a region of the session.
   absl::StatusOr<std::pair<uint32_t*, RegionPin>> ResolveCounter(const std::string& session,
                                                                  const v1::Doorbell& doorbell,
@@ -134,8 +134,9 @@ class RegionRegistry {
   std::map<std::pair<std::string, std::string>, RegionPin, KeyLess> regions_ ABSL_GUARDED_BY(mu_);
 };
 
-// The regions of one request, each looked up in the registry once: a
-// Verify's eight tensors usually live in one or two regions. `session` must
+// The regions of one request, each looked up in the registry and pinned
+// once: a Verify's eight tensors usually live in one or two regions, and a
+// pin is an atomic count the device's threads also touch. `session` must
 // outlive the lookup.
 class RegionLookup {
  public:
@@ -143,7 +144,16 @@ class RegionLookup {
       : registry_(registry), session_(session) {}
   RegionLookup(const RegionRegistry& registry, std::string&& session) = delete;
 
-  absl::StatusOr<RegionPin> Find(absl::string_view name);
+  absl::StatusOr<const Region*> Find(absl::string_view name);
+
+  // The pins of every region found so far, each once: the views resolved
+  // so far stay valid while they are held. The lookup starts afresh.
+  std::vector<RegionPin> TakePins() {
+    std::vector<RegionPin> pins(std::make_move_iterator(found_.begin()),
+                                std::make_move_iterator(found_.end()));
+    found_.clear();
+    return pins;
+  }
 
   // Resolves `tensor` of the session against `spec`: the region exists, the
   // dtype and shape match, the strides are non-negative, and every element

@@ -85,12 +85,18 @@ TEST_F(RegionLookupTest, ResolvesEachTensorAtItsOffset) {
   EXPECT_EQ(static_cast<char*>(kv->data) - static_cast<char*>(qv->data), 128);
   EXPECT_EQ(qv->shape, (Dims{4, 2, 8}));
   EXPECT_EQ(qv->strides, (Dims{16, 8, 1}));
-  EXPECT_EQ(qv->pin, kv->pin);  // one region, one lookup
-  EXPECT_NE(qv->pin, bv->pin);
-  EXPECT_EQ(qv->pin->session(), "s1");
-  // Every view pins its region; the lookup itself holds one more each.
-  EXPECT_EQ(InUse("acts"), 3);
-  EXPECT_EQ(InUse("meta"), 2);
+  EXPECT_EQ(qv->region, kv->region);  // one region, one lookup
+  EXPECT_NE(qv->region, bv->region);
+  EXPECT_EQ(qv->region->session(), "s1");
+  // Each region pinned once, however many tensors it holds.
+  EXPECT_EQ(InUse("acts"), 1);
+  EXPECT_EQ(InUse("meta"), 1);
+  const std::vector<RegionPin> pins = lookup.TakePins();
+  ASSERT_EQ(pins.size(), 2u);
+  EXPECT_EQ(pins[0].get(), qv->region);
+  EXPECT_EQ(pins[1].get(), bv->region);
+  EXPECT_TRUE(lookup.TakePins().empty());
+  EXPECT_EQ(InUse("acts"), 1);  // now held by `pins` alone
 }
 
 TEST_F(RegionLookupTest, RanksBeyondTheInlineCapacity) {
@@ -124,18 +130,19 @@ TEST_F(RegionLookupTest, ErrorsNameTheFieldAndTheBound) {
 
 TEST_F(RegionLookupTest, AnUnregisteredRegionStaysMappedWhilePinned) {
   bool unmapped = false;
-  absl::StatusOr<TensorView> view;
+  std::vector<RegionPin> pins;
   {
     RegionLookup lookup(registry_, session_);
-    view = lookup.ResolveTensor(Tensor("acts", 0, {4}), "q", Bf16({-1}, 1));
+    absl::StatusOr<TensorView> view = lookup.ResolveTensor(Tensor("acts", 0, {4}), "q", Bf16({-1}, 1));
     ASSERT_TRUE(view.ok()) << view.status();
+    pins = lookup.TakePins();
   }
   ASSERT_TRUE(registry_.Unregister(session_, "acts", [&] { unmapped = true; }).ok());
   EXPECT_FALSE(unmapped);
   RegionLookup later(registry_, session_);
   EXPECT_EQ(later.ResolveTensor(Tensor("acts", 0, {4}), "q", Bf16({-1}, 1)).status().code(),
             absl::StatusCode::kNotFound);
-  view->pin.reset();
+  pins.clear();
   EXPECT_TRUE(unmapped);
 }
 
