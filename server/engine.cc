@@ -780,8 +780,8 @@ void Engine::LoadLayerParams(const std::string& session, const v1::LoadLayerPara
 namespace {
 
 // The checks a Verify's tensors and a binding's share: activations q, k, v
-// [T, H, K] with dense tokens, g and o dense, beta [T, H]; T from q (any
-// when `num_tokens` < 0). The lookup holds their regions.
+// [T, H, K] with dense tokens, g and o dense, beta [T, H], T being q's first
+// dimension. The lookup holds their regions.
 struct ActivationViews {
   TensorView q, k, v, g, beta, o;
 };
