@@ -622,13 +622,6 @@ absl::StatusOr<Engine::Ordering> Engine::ResolveOrdering(const std::string& sess
   if (!out.async && (has_wait || has_signal)) {
     return absl::InvalidArgumentError("wait and signal need ordering ASYNC");
   }
-  std::shared_ptr<WaitCancellation> cancellation;
-  {
-    absl::MutexLock lock(&mu_);
-    auto& c = session_waits_[session];
-    if (c == nullptr) c = std::make_shared<WaitCancellation>();
-    cancellation = c;
-  }
   // One doorbell (a counter in a region of the session) or one event.
   const auto resolve = [&](const v1::Signal& sync,
                            absl::string_view field) -> absl::StatusOr<SyncPoint> {
@@ -654,7 +647,13 @@ absl::StatusOr<Engine::Ordering> Engine::ResolveOrdering(const std::string& sess
   if (has_wait) {
     absl::StatusOr<SyncPoint> op = resolve(wait, "wait");
     if (!op.ok()) return op.status();
-    op->cancellation = cancellation;
+    {
+      // Raised when the session ends, so that nothing waits for it forever.
+      absl::MutexLock lock(&mu_);
+      auto& c = session_waits_[session];
+      if (c == nullptr) c = std::make_shared<WaitCancellation>();
+      op->cancellation = c;
+    }
     out.waits.push_back(*op);
   }
   if (has_signal) {
