@@ -5,12 +5,15 @@
 //
 // 1. The floor: Ping, an echo served by the same callback threads.
 // 2. Round trips (p50, p99) of Verify at N=1 and N=max_rows, and Commit,
-//    SYNC and ASYNC (ASYNC returns once the work is enqueued).
+//    SYNC and ASYNC (ASYNC returns once the work is enqueued); Verify with
+//    its tensors sent and with them bound once (BindVerifyInputs). The ASYNC
+//    Verify at N=1 against the echo, alternately, both ways.
 // 3. A simulated decode step over every layer: a GPU kernel standing in for
 //    the rest of the model (--model_us_small at N=1, --model_us_large at
 //    N=max_rows) then Verify, per layer, then Commit; through the service (all
-//    of a step's calls sent ahead, ordered by doorbells on both streams)
-//    against the same loop calling the kernels in this process.
+//    of a step's calls sent ahead, ordered by doorbells on both streams; the
+//    tensors bound, and sent) against the same loop calling the kernels in
+//    this process.
 // With --breakdown, each of them broken down further (see the flag). 1 and 2
 // run on either backend; 3 needs the CUDA backend (GPU streams on both
 // sides).
