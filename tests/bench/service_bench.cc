@@ -539,11 +539,12 @@ int Main() {
   std::printf("| call | N | p50 (us) | p99 (us) |\n|---|---:|---:|---:|\n");
   v1::PingRequest ping;
   ping.set_payload(std::string(64, 'x'));
-  const Percentiles echo = TimeRpc(iters, [&] {
+  const auto bare_ping = [&] {
     grpc::ClientContext ctx;
     v1::PingResponse r;
     Check(client::FromGrpc(c->stub().Ping(&ctx, ping, &r)), "Ping");
-  });
+  };
+  const Percentiles echo = TimeRpc(iters, bare_ping);
   std::printf("| Ping (echo floor) | - | %.1f | %.1f |\n", echo.p50, echo.p99);
 
   uint64_t step_id = 0;
@@ -563,6 +564,10 @@ int Main() {
     va.set_ordering(v1::ASYNC);
     const Percentiles async = TimeRpc(iters, [&] { Check(session->Verify(va), "Verify"); });
     std::printf("| Verify, ASYNC (enqueue) | %d | %.1f | %.1f |\n", N, async.p50, async.p99);
+    // Built once, as a scheduler that keeps one request per layer does (the
+    // echo's request is built once too).
+    v1::VerifyRequest prepared = va;
+    prepared.set_session_id(session->id());
     BindLayers(s, *session);
     v1::VerifyRequest bound = BoundVerifyRequest(s, step, 0);
     bound.set_ordering(v1::ASYNC);
@@ -604,13 +609,6 @@ int Main() {
     if (N == 1 && absl::GetFlag(FLAGS_breakdown)) {
       // What the difference to the echo is made of: each variant against the
       // bare Ping, alternately.
-      v1::VerifyRequest prepared = va;
-      prepared.set_session_id(session->id());
-      const auto bare_ping = [&] {
-        grpc::ClientContext ctx;
-        v1::PingResponse r;
-        Check(client::FromGrpc(c->stub().Ping(&ctx, ping, &r)), "Ping");
-      };
       const auto with_deadline = [&](grpc::ClientContext& ctx) {
         ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
       };
@@ -647,16 +645,8 @@ int Main() {
           [&] { Check(session->Verify(bound), "Verify"); });
     }
     if (N == 1) {
-      // The target's comparison, measured alternately with the echo (whose
-      // request is built once): the request built once too, as a scheduler
-      // that keeps one per layer does.
-      v1::VerifyRequest prepared = va;
-      prepared.set_session_id(session->id());
-      const auto bare_ping = [&] {
-        grpc::ClientContext ctx;
-        v1::PingResponse r;
-        Check(client::FromGrpc(c->stub().Ping(&ctx, ping, &r)), "Ping");
-      };
+      // The target's comparison, measured alternately with the echo: the
+      // prepared request, with its tensors and bound.
       v1::Stats before = Check(c->GetStats(), "GetStats");
       paired = TimeInterleaved(absl::GetFlag(FLAGS_paired_iters), bare_ping,
                                [&] { Check(session->Verify(prepared), "Verify"); });

@@ -32,6 +32,8 @@ bundle=$(cd "$1" && pwd); out=$2; what=${3:-all}; mkdir -p "$out"
 export LD_LIBRARY_PATH="$bundle/lib" TEST_SRCDIR="$bundle/runfiles"
 bin="$bundle/bin"; log="$out/diagnose.log"; : > "$log"
 logs=$(mktemp -d /tmp/diagXXXX)
+# The Kimi-Linear layout of every service_bench run.
+big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
 say() { echo "[$(date +%T.%N | cut -c1-12)] $*" | tee -a "$log"; }
 serve() {  # serve NAME -- specstated flags; sets $sock and $server
   local name=$1; shift
@@ -102,7 +104,6 @@ if [ "$what" = all ] || [ "$what" = handoff ]; then
 fi
 
 if [ "$what" = all ] || [ "$what" = bench ]; then
-  big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
   for mps in off on; do
     if [ $mps = on ]; then mps_start || break; fi
     SERVER_TRACE=0 serve "bench_mps_$mps" $big || continue
@@ -119,7 +120,6 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   done
 fi
 if [ "$what" = timeline ]; then
-  big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
   mps_start
   CUDA_INJECTION64_PATH="$bin/libcupti_trace.so" SPECSTATE_CUPTI_OUT="$logs/server.csv" \
     SERVER_TRACE=0 serve timeline $big
@@ -136,7 +136,6 @@ fi
 if [ "$what" = mutex ]; then
   # Abseil's mutex deadlock detector on and off in both processes (Debian's
   # Abseil is built without NDEBUG, so it is on unless a process turns it off).
-  big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
   mps_start
   for detect in 1 0 1 0; do
     SPECSTATE_DEADLOCK_DETECTION=$detect SERVER_TRACE=0 serve "mutex_detect_$detect" $big || continue
@@ -154,7 +153,6 @@ if [ "$what" = pinning ]; then
   # to the echo is made of: service_bench with both processes free to run
   # anywhere, then with each pinned to a few cores of its own (taskset),
   # alternately. PIN_SERVER and PIN_CLIENT are taskset CPU lists.
-  big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
   mps_start
   for pinned in 0 1 0 1; do
     server_pin=""; client_pin=""
@@ -173,7 +171,6 @@ fi
 if [ "$what" = ab ]; then
   # One setting of specstated's environment against another: AB_ENV=NAME,
   # AB_VALUES="A B" (each started fresh, alternately, AB_ROUNDS times each).
-  big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
   mps_start
   for round in $(seq ${AB_ROUNDS:-2}); do
     for value in ${AB_VALUES:?}; do
@@ -189,7 +186,6 @@ if [ "$what" = ab ]; then
 fi
 
 if [ "$what" = repeat ]; then
-  big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
   mps_start
   for round in $(seq ${REPEATS:-6}); do
     SERVER_TRACE=0 serve "repeat_$round" $big || continue
@@ -202,7 +198,6 @@ if [ "$what" = repeat ]; then
 fi
 
 if [ "$what" = breakdown ]; then
-  big="--layers=20 --heads=32 --head_dim=128 --conv_dim=12288 --num_spec=3 --blocks=300 --max_rows=256"
   mps_start
   for trace in ${BREAKDOWN_TRACE:-0 1}; do
     SERVER_TRACE=$trace serve "breakdown_trace_$trace" $big || continue
