@@ -29,6 +29,12 @@ absl::string_view CheckedFieldName(CheckedField field) {
       return "idx_mapping";
     case CheckedField::kPrerequisites:
       return "prerequisites";
+    case CheckedField::kALog:
+      return "a_log";
+    case CheckedField::kDtBias:
+      return "dt_bias";
+    case CheckedField::kInputs:
+      return "inputs";
   }
   return "unknown";
 }
@@ -48,9 +54,9 @@ absl::Status DeviceStatusToStatus(const DeviceStatus& s, absl::string_view opera
   const std::string where = absl::StrCat("In ", operation, ": ");
   const std::string element = Element(s);
   switch (static_cast<CheckProblem>(s.problem)) {
-    case CheckProblem::kNegativeStart:
-      return absl::OutOfRangeError(
-          absl::StrCat(where, "query_start_loc[0] = ", s.value, " is negative"));
+    case CheckProblem::kNonZeroStart:
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, "query_start_loc[0] = ", s.value, " must be 0"));
     case CheckProblem::kDecreasing:
       return absl::InvalidArgumentError(absl::StrCat(
           where, "query_start_loc[", s.index, "] = ", s.value, " is less than query_start_loc[",
@@ -104,6 +110,13 @@ absl::Status DeviceStatusToStatus(const DeviceStatus& s, absl::string_view opera
     case CheckProblem::kPrerequisiteFailed:
       return absl::FailedPreconditionError(absl::StrCat(
           where, "not run: earlier call ", s.index, " of the same step failed on the device"));
+    case CheckProblem::kNotFinite:
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, element, " is not finite (NaN or infinite)"));
+    case CheckProblem::kInputFault:
+      return absl::DataLossError(absl::StrCat(
+          where, "not run: reading its inputs faulted (a region they are in was truncated by its "
+                 "owner while in use)"));
     case CheckProblem::kNone:
       break;
   }

@@ -34,12 +34,15 @@ enum class CheckedField : int32_t {
   kNumComputedTokens = 7,
   kIdxMapping = 8,
   kPrerequisites = 9,
+  kALog = 10,
+  kDtBias = 11,
+  kInputs = 12,  // the call's inputs as a whole (a region they were read from)
 };
 
 // What was wrong with it.
 enum class CheckProblem : int32_t {
   kNone = 0,
-  kNegativeStart = 1,       // query_start_loc[0] < 0
+  kNonZeroStart = 1,        // query_start_loc[0] != 0
   kDecreasing = 2,          // query_start_loc[n + 1] < query_start_loc[n]
   kTooManyTokens = 3,       // a row has more tokens than the window allows
   kPastLastToken = 4,       // query_start_loc[N] > tokens in the activations
@@ -53,6 +56,8 @@ enum class CheckProblem : int32_t {
   kMismatch = 12,           // differs from the value the step's first call used
   kPrerequisiteFailed = 13, // an earlier call this one depends on failed
   kCancelled = 14,          // the service cancelled the call's step
+  kNotFinite = 15,          // a parameter is NaN or infinite
+  kInputFault = 16,         // reading the inputs faulted (CPU: a region truncated by its owner)
 };
 
 // Written by the first kernel of every call (plain data: lives in device

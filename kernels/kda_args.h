@@ -85,11 +85,18 @@ struct Records {
 // (nonzero) the checks fail with kCancelled. The service writes it before it
 // releases a doorbell wait whose ringer is gone, so a call let through that
 // way runs nothing on inputs that may never have been written.
+//
+// `input_fault` (CPU backend, optional): a word the service's SIGBUS handler
+// sets when reading a client's shared memory faulted because its owner
+// truncated it. The checks read it after they have loaded the call's inputs:
+// when it is set they fail with kInputFault before anything is written (the
+// faulting pages read as zeros).
 struct Prerequisites {
   const DeviceStatus* statuses = nullptr;
   int count = 0;
   const uint32_t* cancelled = nullptr;
   uint32_t generation = 0;
+  const uint32_t* input_fault = nullptr;
 };
 
 // An int32 matrix [rows, cols] with column stride 1.
@@ -131,11 +138,15 @@ struct VerifyArgs {
   int num_rows = 0;
   const int32_t* query_start_loc = nullptr;  // [N + 1]; every row has at most records.q tokens
   IndexMatrix state_indices;                 // [N, >= 1]: column 0 is the checkpoint block
-  // Optional. The check pass copies query_start_loc [N + 1] and column 0 of
-  // state_indices [N] here (dense)...
-  int32_t* snapshot_query_start_loc = nullptr;
-  int32_t* snapshot_state_indices = nullptr;
-  // ...or requires them equal to these (problem kMismatch).
+  // The checks read each element of query_start_loc and of state_indices'
+  // column 0 exactly once, and then either copy them here (dense memory the
+  // caller of the kernels owns)...
+  int32_t* snapshot_query_start_loc = nullptr;  // [N + 1]
+  int32_t* snapshot_state_indices = nullptr;    // [N]
+  // ...or require them equal to these (problem kMismatch). One of the two
+  // pairs is required. Every later check and kernel reads only the snapshot
+  // (or the expected values), never the inputs again: a caller that rewrites
+  // its indices while the call runs cannot get unchecked ones used.
   const int32_t* expected_query_start_loc = nullptr;
   const int32_t* expected_state_indices = nullptr;
   Prerequisites prerequisites;
@@ -195,6 +206,7 @@ struct CommitPlanRow {
   int32_t final_block;
   int32_t boundary_block;
   int32_t boundary_len;
+  int32_t request_row;  // the batch row (request_indices[i], or i) the plan read
 };
 
 // Align mode, after the commit: point each request at the block holding its
@@ -223,12 +235,29 @@ struct RecordStateBlocksArgs {
   DeviceStatus* status_mirror = nullptr;
 };
 
+// A layer's gate parameters copied into the service's memory, checked
+// finite on the device first: the destination keeps its old values when any
+// source value is NaN or infinite (field kALog / kDtBias, problem kNotFinite).
+struct LoadParamsArgs {
+  int num_heads = 0;                 // H
+  int head_dim = 0;                  // K
+  const float* a_log = nullptr;      // [H], the caller's
+  const float* dt_bias = nullptr;    // [H * K], the caller's
+  float* staging = nullptr;          // [H + H * K]: where the values are checked
+  float* dst_a_log = nullptr;        // [H]
+  float* dst_dt_bias = nullptr;      // [H * K]
+  const uint32_t* input_fault = nullptr;  // as in Prerequisites
+  DeviceStatus* status = nullptr;
+  DeviceStatus* status_mirror = nullptr;  // optional, as in VerifyArgs
+};
+
 // Scratch each call needs. The checks use part of it as a table they reset
 // before returning, so it must be zeroed once when allocated and then only
 // handed to one call at a time.
 size_t StockWorkspaceBytes(int64_t num_blocks);
 size_t CommitWorkspaceBytes(int max_rows, int spec_query_len, int64_t num_blocks);
-size_t RecordStateBlocksWorkspaceBytes(int num_requests);
+// For calls of at most `max_rows` spec rows and `max_rows` request rows.
+size_t RecordStateBlocksWorkspaceBytes(int max_rows);
 
 // Where a commit leaves its plan in `workspace`: rows [0, num_rows) of the
 // call, valid once it ran (for statistics: tokens committed per row).

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <algorithm>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -29,8 +30,8 @@ const CommitPlanRow* CommitPlanOf(const void* workspace, int64_t num_blocks) {
   return internal::CommitWorkspaceLayout(const_cast<void*>(workspace), 0, num_blocks).plan;
 }
 
-size_t RecordStateBlocksWorkspaceBytes(int num_requests) {
-  return internal::AlignUp(static_cast<size_t>(num_requests) * sizeof(int32_t));
+size_t RecordStateBlocksWorkspaceBytes(int max_rows) {
+  return internal::AlignUp(256 + static_cast<size_t>(max_rows) * 16);
 }
 
 namespace {
@@ -199,6 +200,19 @@ absl::Status ValidateVerifyArgs(const VerifyArgs& a) {
   if (st.ok()) st = CheckRows(op, a.num_rows, a.query_start_loc);
   if (st.ok()) st = CheckRecords(op, a.records, a.num_rows, "");
   if (st.ok()) st = CheckIndexMatrix(op, "state_indices", a.state_indices, a.num_rows, 1);
+  if (st.ok()) {
+    const bool snapshot =
+        a.snapshot_query_start_loc != nullptr && a.snapshot_state_indices != nullptr;
+    const bool expected =
+        a.expected_query_start_loc != nullptr && a.expected_state_indices != nullptr;
+    const bool any = a.snapshot_query_start_loc != nullptr || a.snapshot_state_indices != nullptr ||
+                     a.expected_query_start_loc != nullptr || a.expected_state_indices != nullptr;
+    if (snapshot == expected || (any && !snapshot && !expected)) {
+      st = Invalid(op, "give the snapshot (snapshot_query_start_loc and snapshot_state_indices) "
+                       "or the expected values (expected_query_start_loc and "
+                       "expected_state_indices): one of the two pairs");
+    }
+  }
   if (st.ok()) st = CheckPrerequisites(op, a.prerequisites);
   if (st.ok() && a.status == nullptr) st = Invalid(op, "status is null");
   return st;
@@ -315,11 +329,37 @@ absl::Status ValidateRecordStateBlocksArgs(const RecordStateBlocksArgs& a) {
   if (a.num_rows > 0 && (a.state_idx == nullptr || a.num_accepted == nullptr)) {
     return Invalid(op, "the outputs state_idx and num_accepted must be set");
   }
-  absl::Status st = CheckWorkspace(op, a.workspace, a.workspace_bytes,
-                                   RecordStateBlocksWorkspaceBytes(a.num_requests));
+  const int rows = std::max(a.num_rows, a.num_requests);
+  absl::Status st =
+      CheckWorkspace(op, a.workspace, a.workspace_bytes, RecordStateBlocksWorkspaceBytes(rows));
+  if (st.ok() && internal::RecordWorkspaceCapacity(a.workspace_bytes) < rows) {
+    st = Invalid(op, absl::StrCat("workspace of ", a.workspace_bytes, " bytes holds ",
+                                  internal::RecordWorkspaceCapacity(a.workspace_bytes),
+                                  " rows, this call has ", rows));
+  }
   if (st.ok()) st = CheckPrerequisites(op, a.prerequisites);
   if (st.ok() && a.status == nullptr) st = Invalid(op, "status is null");
   return st;
+}
+
+absl::Status ValidateLoadParamsArgs(const LoadParamsArgs& a) {
+  constexpr absl::string_view op = "LoadParams";
+  if (a.num_heads < 1 || a.head_dim < 1) {
+    return Invalid(op, absl::StrCat("num_heads = ", a.num_heads, " and head_dim = ", a.head_dim,
+                                    " must be >= 1"));
+  }
+  if (a.a_log == nullptr || a.dt_bias == nullptr) return Invalid(op, "a_log and dt_bias must be set");
+  if (a.staging == nullptr) return Invalid(op, "staging is null");
+  if (a.dst_a_log == nullptr || a.dst_dt_bias == nullptr) {
+    return Invalid(op, "the destinations must be set");
+  }
+  if (a.status == nullptr) return Invalid(op, "status is null");
+  return absl::OkStatus();
+}
+
+absl::Status KdaKernels::LoadParams(const LoadParamsArgs& args, Stream stream) const {
+  absl::Status st = ValidateLoadParamsArgs(args);
+  return st.ok() ? LaunchLoadParams(args, stream) : st;
 }
 
 absl::Status KdaKernels::Stock(const StockArgs& args, Stream stream) const {

@@ -54,6 +54,10 @@ class KdaKernels {
   // Align mode: record each request's state block and reset its accepted count.
   absl::Status RecordStateBlocks(const RecordStateBlocksArgs& args, Stream stream) const;
 
+  // Copies a layer's gate parameters after checking them finite on the
+  // device (the destination is unchanged when they are not).
+  absl::Status LoadParams(const LoadParamsArgs& args, Stream stream) const;
+
  protected:
   // Called with validated arguments.
   virtual absl::Status LaunchStock(const StockArgs& args, Stream stream) const = 0;
@@ -61,6 +65,7 @@ class KdaKernels {
   virtual absl::Status LaunchCommit(const CommitArgs& args, Stream stream) const = 0;
   virtual absl::Status LaunchRecordStateBlocks(const RecordStateBlocksArgs& args,
                                                Stream stream) const = 0;
+  virtual absl::Status LaunchLoadParams(const LoadParamsArgs& args, Stream stream) const = 0;
 };
 
 // The CPU backend: host memory, runs on the calling thread.
@@ -102,6 +107,7 @@ absl::Status ValidateStockArgs(const StockArgs& args);
 absl::Status ValidateVerifyArgs(const VerifyArgs& args);
 absl::Status ValidateCommitArgs(const CommitArgs& args);
 absl::Status ValidateRecordStateBlocksArgs(const RecordStateBlocksArgs& args);
+absl::Status ValidateLoadParamsArgs(const LoadParamsArgs& args);
 
 }  // namespace kernels
 }  // namespace specstate

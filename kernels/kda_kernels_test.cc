@@ -961,6 +961,11 @@ VerifyArgs KdaKernelsTest::VerifyArgsFor(Step& s, int l, CallData* cd) {
   std::vector<std::vector<int32_t>> indices;
   for (int32_t b : s.sources) indices.push_back({b});
   a.state_indices = Matrix(cd, indices, 2);  // a column of a wider tensor
+  // Where the checks copy the indices (the service's step snapshot).
+  cd->tensors.push_back(Upload(ToBytes(std::vector<int32_t>(s.rows + 1, 0))));
+  a.snapshot_query_start_loc = cd->tensors.back().As<int32_t>();
+  cd->tensors.push_back(Upload(ToBytes(std::vector<int32_t>(std::max(s.rows, 1), 0))));
+  a.snapshot_state_indices = cd->tensors.back().As<int32_t>();
   a.status = s.status.As<DeviceStatus>();
   return a;
 }
@@ -1476,6 +1481,101 @@ TEST_P(KdaKernelsTest, CancelledStepRunsNothing) {
   ExpectCommitMatchesStock(s, before);
 }
 
+// The input-fault word (Prerequisites::input_fault, set by the CPU service's
+// SIGBUS handler when a region the call read was truncated under it): the
+// call fails DATA_LOSS after its loads and writes nothing; a clear word
+// lets the same call through.
+TEST_P(KdaKernelsTest, InputFaultRunsNothing) {
+  Step s = MakeThreeRowStep();
+  StockAndVerifyAll(s);
+  if (HasFatalFailure()) return;
+  BackendBuffer word = Must(BackendBuffer::Allocate(backend(), sizeof(uint32_t)), "word");
+  const uint32_t faulted = 1;
+  ASSERT_TRUE(word.Upload(&faulted, sizeof(faulted)).ok());
+  Prerequisites fault;
+  fault.input_fault = word.As<uint32_t>();
+  const Snapshot before = TakeSnapshot(s);
+  for (const CallResult& r : {RunVerify(s, 0, fault), RunCommit(s, fault)}) {
+    ASSERT_TRUE(r.launch.ok()) << r.launch;
+    EXPECT_EQ(r.device.code(), absl::StatusCode::kDataLoss) << r.device;
+    EXPECT_THAT(std::string(r.device.message()), HasSubstr("reading its inputs faulted"));
+  }
+  ExpectSameBytes(before, TakeSnapshot(s));
+  const uint32_t clear = 0;
+  ASSERT_TRUE(word.Upload(&clear, sizeof(clear)).ok());
+  ASSERT_TRUE(CallOk(RunCommit(s, fault)));
+  ExpectCommitMatchesStock(s, before);
+}
+
+// Verify copies the caller's indices to its snapshot (dense, where the
+// service keeps the step's), which its later checks and its kernel read
+// (every other Verify test checks the outputs computed from it); a call
+// with neither a snapshot nor expected values is refused.
+TEST_P(KdaKernelsTest, VerifyCopiesItsIndicesToTheSnapshot) {
+  Step s = MakeThreeRowStep();
+  StockAndVerifyAll(s);
+  if (HasFatalFailure()) return;
+  CallData cd;
+  VerifyArgs a = VerifyArgsFor(s, 0, &cd);
+  const size_t n = cd.tensors.size();
+  VerifyArgs none = a;
+  none.snapshot_query_start_loc = nullptr;
+  none.snapshot_state_indices = nullptr;
+  const absl::Status refused = kernels_->Verify(none, stream());
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("one of the two pairs"));
+  VerifyArgs half = a;
+  half.snapshot_state_indices = nullptr;
+  EXPECT_EQ(kernels_->Verify(half, stream()).code(), absl::StatusCode::kInvalidArgument);
+  a.status_mirror = ZeroedMirror();
+  ASSERT_TRUE(CallOk(Finish(kernels_->Verify(a, stream()), "Verify", s)));
+  EXPECT_EQ(FromBytes<int32_t>(cd.tensors[n - 2].Read()), s.qsl);
+  EXPECT_EQ(FromBytes<int32_t>(cd.tensors[n - 1].Read()), s.sources);
+}
+
+// LoadParams copies finite parameters, and refuses a NaN or an infinity in
+// either tensor naming its element, leaving the destination as it was.
+TEST_P(KdaKernelsTest, LoadParamsChecksFinitenessOnTheDevice) {
+  const int H = rng().Int(1, 6);
+  const int K = 64;
+  const int count = H + H * K;
+  std::vector<float> src(count), old(count);
+  for (float& x : src) x = rng().Uniform(-2.0f, 2.0f);
+  for (float& x : old) x = rng().Uniform(-2.0f, 2.0f);
+  Tensor staging = Zeroed(count * sizeof(float));
+  Tensor dst = Upload(ToBytes(old));
+  BackendBuffer status = Must(BackendBuffer::Allocate(backend(), sizeof(DeviceStatus)), "status");
+  const auto run = [&](const std::vector<float>& values) {
+    Tensor source = Upload(ToBytes(values));
+    LoadParamsArgs a;
+    a.num_heads = H;
+    a.head_dim = K;
+    a.a_log = source.As<float>();
+    a.dt_bias = source.As<float>() + H;
+    a.staging = staging.As<float>();
+    a.dst_a_log = dst.As<float>();
+    a.dst_dt_bias = dst.As<float>() + H;
+    a.status = status.As<DeviceStatus>();
+    a.status_mirror = ZeroedMirror();
+    return Finish(kernels_->LoadParams(a, stream()), "LoadParams", status.As<DeviceStatus>());
+  };
+  for (float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+    const int at = rng().Int(0, count - 1);
+    SCOPED_TRACE(absl::StrCat(bad, " at ", at));
+    std::vector<float> values = src;
+    values[at] = bad;
+    const CallResult r = run(values);
+    ASSERT_TRUE(r.launch.ok()) << r.launch;
+    EXPECT_EQ(r.device.code(), absl::StatusCode::kInvalidArgument) << r.device;
+    const std::string element =
+        at < H ? absl::StrCat("a_log[", at, "]") : absl::StrCat("dt_bias[", at - H, "]");
+    EXPECT_THAT(std::string(r.device.message()), HasSubstr(element + " is not finite"));
+    EXPECT_EQ(FromBytes<float>(dst.Read()), old);
+  }
+  ASSERT_TRUE(CallOk(run(src)));
+  EXPECT_EQ(FromBytes<float>(dst.Read()), src);
+}
+
 // A later Verify of a step checks its query_start_loc and state_indices
 // against the step's first call's (VerifyArgs::expected_*): an element that
 // differs fails INVALID_ARGUMENT naming it and both values, and writes nothing.
@@ -1510,6 +1610,8 @@ TEST_P(KdaKernelsTest, VerifyChecksIndicesAgainstTheStepsFirstCall) {
     }
     CallData cd;
     VerifyArgs a = VerifyArgsFor(s, 0, &cd);
+    a.snapshot_query_start_loc = nullptr;
+    a.snapshot_state_indices = nullptr;
     a.expected_query_start_loc = Ints(&cd, first_qsl);
     a.expected_state_indices = Ints(&cd, first_sources);
     a.status_mirror = ZeroedMirror();
@@ -2094,7 +2196,7 @@ class RecordStateBlocksTest : public KdaKernelsTest {
     }
     r.state_idx = Upload(ToBytes(std::vector<int32_t>(requests, -777)));
     r.num_accepted = Upload(ToBytes(std::vector<int32_t>(requests, -888)));
-    r.workspace = Zeroed(RecordStateBlocksWorkspaceBytes(requests));
+    r.workspace = Zeroed(RecordStateBlocksWorkspaceBytes(std::max(rows, requests)));
     r.status = Zeroed(sizeof(DeviceStatus));
     return r;
   }
@@ -2366,12 +2468,12 @@ TEST_P(DeviceCheckTest, Stock) {
                              " tokens of the activations");
        },
        absl::StatusCode::kOutOfRange},
-      {"negative start",
+      {"a start other than 0",
        [](Step& s) {
          s.qsl[0] = -1;
-         return std::string("query_start_loc[0] = -1 is negative");
+         return std::string("query_start_loc[0] = -1 must be 0");
        },
-       absl::StatusCode::kOutOfRange},
+       absl::StatusCode::kInvalidArgument},
       {"a store past the pool",
        [](Step& s) {
          s.stock_indices[1][2] = static_cast<int32_t>(s.num_blocks);
@@ -2451,12 +2553,18 @@ TEST_P(DeviceCheckTest, Verify) {
                              " tokens of the activations");
        },
        absl::StatusCode::kOutOfRange},
-      {"negative start",
+      {"a negative start",
        [](Step& s) {
          s.qsl[0] = -2;
-         return std::string("query_start_loc[0] = -2 is negative");
+         return std::string("query_start_loc[0] = -2 must be 0");
        },
-       absl::StatusCode::kOutOfRange},
+       absl::StatusCode::kInvalidArgument},
+      {"a positive start",
+       [](Step& s) {
+         s.qsl[0] = 1;
+         return std::string("query_start_loc[0] = 1 must be 0");
+       },
+       absl::StatusCode::kInvalidArgument},
       {"a checkpoint past the pool",
        [](Step& s) {
          s.sources[1] = static_cast<int32_t>(s.num_blocks);

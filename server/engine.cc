@@ -1100,10 +1100,12 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   args.prerequisites = StepPrerequisites(slot, *step, L);
   args.status = slot.status_device + layer_index;
   args.status_mirror = slot.StatusMirror(layer_index);
+  // The first Verify of a step snapshots its indices; later ones are checked
+  // against that snapshot, and every kernel reads only it.
   if (first) {
     args.snapshot_query_start_loc = slot.query_start_loc;
     args.snapshot_state_indices = slot.state_indices;
-  } else if (in.query_start_loc.present) {
+  } else {
     args.expected_query_start_loc = slot.query_start_loc;
     args.expected_state_indices = slot.state_indices;
   }

@@ -91,6 +91,14 @@ bool PrerequisitesPassed(const Prerequisites& p, DeviceStatus* status) {
   return false;
 }
 
+// False (with the status written) when loading the inputs faulted.
+bool InputsIntact(const uint32_t* input_fault, DeviceStatus* status) {
+  const RowFault f = internal::CheckInputFault(input_fault);
+  if (f.problem == 0) return true;
+  *status = internal::StatusFromFault(f, -1, -1);
+  return false;
+}
+
 // ---------------------------------------------------------------------------
 // The recurrence of one (row, head).
 
@@ -309,12 +317,18 @@ class CpuKernels final : public KdaKernels {
   void RunVerify(const VerifyArgs& a) const {
     *a.status = internal::OkStatus();
     if (!PrerequisitesPassed(a.prerequisites, a.status)) return;
+    std::vector<RowFault> mismatch(a.num_rows);
+    for (int n = 0; n < a.num_rows; ++n) {
+      mismatch[n] = internal::SnapshotVerifyRow(a, n, internal::LoadVerifyRow(a, n));
+    }
+    if (!InputsIntact(a.prerequisites.input_fault, a.status)) return;
     std::vector<internal::VerifyRow> rows(a.num_rows);
-    for (int n = 0; n < a.num_rows; ++n) internal::SnapshotVerifyRow(a, n);
-    if (!CheckRows(a.num_rows, a.status,
-                   [&](int n) { return internal::CheckVerifyRow(a, n, &rows[n]); })) {
+    if (!CheckRows(a.num_rows, a.status, [&](int n) {
+          return mismatch[n].problem != 0 ? mismatch[n] : internal::CheckVerifyRow(a, n, &rows[n]);
+        })) {
       return;
     }
+    const int32_t* const qsl = internal::VerifiedQueryStartLoc(a);
     DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
       using Act = typename decltype(act)::type;
       using State = typename decltype(state)::type;
@@ -325,7 +339,7 @@ class CpuKernels final : public KdaKernels {
       for (int n = 0; n < a.num_rows; ++n) {
         const int tokens = rows[n].tokens;
         if (tokens == 0 || !IsBlock(rows[n].source)) continue;
-        const int64_t bos = a.query_start_loc[n];
+        const int64_t bos = qsl[n];
         for (int h = 0; h < H; ++h) {
           PrepareHead<Act, K>(a.shape, a.q, a.k, a.v, a.g, a.beta, a.params, h, bos, tokens,
                               &prep);
@@ -354,11 +368,12 @@ class CpuKernels final : public KdaKernels {
     const int64_t num_blocks = a.layers[0].state.num_blocks;
     const internal::CommitWorkspace ws =
         internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks);
-    if (!CheckRows(a.num_rows, a.status, [&](int i) {
-          return internal::PlanCommitRow(a, num_blocks, i, &ws.plan[i]);
-        })) {
-      return;
+    std::vector<RowFault> faults(a.num_rows);
+    for (int i = 0; i < a.num_rows; ++i) {
+      faults[i] = internal::PlanCommitRow(a, num_blocks, i, &ws.plan[i]);
     }
+    if (!InputsIntact(a.prerequisites.input_fault, a.status)) return;
+    if (!CheckRows(a.num_rows, a.status, [&](int i) { return faults[i]; })) return;
     if (!CheckCrossRow(
             a.num_rows, ws.owner, a.status,
             [&](int i, auto fn) { internal::ForEachCommitWrite(a, ws.plan[i], i, fn); },
@@ -413,23 +428,49 @@ class CpuKernels final : public KdaKernels {
   void RunRecordStateBlocks(const RecordStateBlocksArgs& a) const {
     *a.status = internal::OkStatus();
     if (!PrerequisitesPassed(a.prerequisites, a.status)) return;
-    std::vector<internal::RecordRow> rows(a.num_rows);
-    if (!CheckRows(a.num_rows, a.status,
-                   [&](int i) { return internal::CheckRecordRow(a, i, &rows[i]); })) {
-      return;
-    }
+    const internal::RecordWorkspace ws =
+        internal::RecordWorkspaceLayout(a.workspace, a.workspace_bytes);
+    internal::RecordRow* const rows = ws.rows;
+    std::vector<RowFault> faults(a.num_rows);
+    for (int i = 0; i < a.num_rows; ++i) faults[i] = internal::CheckRecordRow(a, i, &rows[i]);
+    if (!InputsIntact(a.prerequisites.input_fault, a.status)) return;
+    if (!CheckRows(a.num_rows, a.status, [&](int i) { return faults[i]; })) return;
     const auto no_reads = [](int, auto) {};
     if (!CheckCrossRow(
-            a.num_rows, static_cast<int32_t*>(a.workspace), a.status,
+            a.num_rows, ws.owner, a.status,
             [&](int i, auto fn) { internal::ForEachRecordWrite(rows[i], fn); }, no_reads)) {
       return;
     }
     for (int i = 0; i < a.num_rows; ++i) {
       if (rows[i].request_row < 0) continue;
-      a.state_idx[rows[i].request_row] = internal::RecordedStateColumn(a, rows[i].batch_row);
+      a.state_idx[rows[i].request_row] = rows[i].state_column;
       a.num_accepted[rows[i].request_row] = 1;
     }
     return;
+  }
+
+  absl::Status LaunchLoadParams(const LoadParamsArgs& a, Stream) const override {
+    *a.status = internal::OkStatus();
+    const int count = a.num_heads + a.num_heads * a.head_dim;
+    for (int i = 0; i < count; ++i) {
+      a.staging[i] = i < a.num_heads ? a.a_log[i] : a.dt_bias[i - a.num_heads];
+    }
+    if (InputsIntact(a.input_fault, a.status)) {
+      for (int i = 0; i < count; ++i) {
+        const RowFault f = internal::CheckParamValue(a.staging[i], i, a.num_heads);
+        if (f.problem != 0) {
+          *a.status = internal::StatusFromFault(f, -1, -1);
+          break;
+        }
+      }
+    }
+    if (a.status->failed == 0) {
+      std::memcpy(a.dst_a_log, a.staging, sizeof(float) * a.num_heads);
+      std::memcpy(a.dst_dt_bias, a.staging + a.num_heads,
+                  sizeof(float) * a.num_heads * a.head_dim);
+    }
+    PublishStatus(*a.status, a.status_mirror);
+    return absl::OkStatus();
   }
 
  private:

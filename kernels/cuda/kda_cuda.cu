@@ -390,13 +390,18 @@ __device__ bool BlockCheckRows(int num_rows, DeviceStatus* status, Check check) 
 // dependent round of global loads costs a check kernel about half a
 // microsecond, so every load of the checks is issued before any is used.
 struct PrerequisiteLoads {
-  internal::RowFault cancelled = internal::NoFault();  // thread 0's
+  // Thread 0's: the cancellation, else the input fault (which no device
+  // memory can raise: the word is for the CPU backend; read for symmetry).
+  internal::RowFault cancelled = internal::NoFault();
   int lowest_failed = INT_MAX;                         // this thread's statuses
 };
 
 __device__ PrerequisiteLoads LoadPrerequisites(const Prerequisites& p) {
   PrerequisiteLoads loads;
-  if (threadIdx.x == 0) loads.cancelled = internal::CheckCancelled(p);
+  if (threadIdx.x == 0) {
+    loads.cancelled = internal::CheckCancelled(p);
+    if (loads.cancelled.problem == 0) loads.cancelled = internal::CheckInputFault(p.input_fault);
+  }
   for (int i = threadIdx.x; i < p.count; i += blockDim.x) {
     if (p.statuses[i].failed != 0) {
       loads.lowest_failed = i;
@@ -510,23 +515,28 @@ __device__ void PublishStatus(const DeviceStatus* status, DeviceStatus* mirror) 
   if (mirror != nullptr && threadIdx.x == 0 && status->failed != 0) *mirror = *status;
 }
 
-// Whether every check passed (to every thread). One round of loads: the
-// prerequisites and each thread's first row are read together (reading a
-// row's indices is harmless when a prerequisite failed: only its result is
-// dropped, and nothing is written then).
+// Whether every check passed (to every thread). The prerequisites and the
+// caller's indices are loaded in one round (phase one of checks.h: each
+// index once, into the snapshot or against the expected values); the
+// barrier in resolving the prerequisites makes the snapshot visible to the
+// whole block, and phase two checks it.
 __device__ bool VerifyChecks(const VerifyArgs& a) {
   if (threadIdx.x == 0) *a.status = internal::OkStatus();
   const PrerequisiteLoads prerequisites = LoadPrerequisites(a.prerequisites);
-  internal::VerifyRow unused;
-  const int first_row = threadIdx.x;
-  const internal::RowFault first_fault = first_row < a.num_rows
-                                             ? internal::CheckVerifyRow(a, first_row, &unused)
-                                             : internal::NoFault();
+  internal::RowFault mismatch = internal::NoFault();
+  int mismatch_row = INT_MAX;
+  for (int n = threadIdx.x; n < a.num_rows; n += blockDim.x) {
+    const internal::RowFault f = internal::SnapshotVerifyRow(a, n, internal::LoadVerifyRow(a, n));
+    if (f.problem != 0 && mismatch_row == INT_MAX) {
+      mismatch = f;
+      mismatch_row = n;
+    }
+  }
   // Its barrier orders the OK status before any fault's.
   if (!BlockResolvePrerequisites(prerequisites, a.status)) return false;
-  for (int n = threadIdx.x; n < a.num_rows; n += blockDim.x) internal::SnapshotVerifyRow(a, n);
+  internal::VerifyRow unused;
   return BlockCheckRows(a.num_rows, a.status, [&](int n) {
-    return n == first_row ? first_fault : internal::CheckVerifyRow(a, n, &unused);
+    return n == mismatch_row ? mismatch : internal::CheckVerifyRow(a, n, &unused);
   });
 }
 
@@ -612,26 +622,24 @@ __device__ void RecordStateBlocks(const RecordStateBlocksArgs& a) {
   if (threadIdx.x == 0) *a.status = internal::OkStatus();
   __syncthreads();
   if (!BlockCheckPrerequisites(a.prerequisites, a.status)) return;
-  internal::RecordRow unused;
+  // The checked rows go to the workspace: the cross-row pass and the writes
+  // read them, not the caller's tensors again.
+  const internal::RecordWorkspace ws =
+      internal::RecordWorkspaceLayout(a.workspace, a.workspace_bytes);
   if (!BlockCheckRows(a.num_rows, a.status,
-                      [&](int i) { return internal::CheckRecordRow(a, i, &unused); })) {
+                      [&](int i) { return internal::CheckRecordRow(a, i, &ws.rows[i]); })) {
     return;
   }
-  const auto row_of = [&](int i) {
-    internal::RecordRow row;
-    internal::CheckRecordRow(a, i, &row);
-    return row;
-  };
   if (!BlockCheckCrossRow(
-          a.num_rows, static_cast<int32_t*>(a.workspace), a.status,
-          [&](int i, auto fn) { internal::ForEachRecordWrite(row_of(i), fn); },
+          a.num_rows, ws.owner, a.status,
+          [&](int i, auto fn) { internal::ForEachRecordWrite(ws.rows[i], fn); },
           [](int, auto) {})) {
     return;
   }
   for (int i = threadIdx.x; i < a.num_rows; i += blockDim.x) {
-    const internal::RecordRow row = row_of(i);
+    const internal::RecordRow row = ws.rows[i];
     if (row.request_row < 0) continue;
-    a.state_idx[row.request_row] = internal::RecordedStateColumn(a, row.batch_row);
+    a.state_idx[row.request_row] = row.state_column;
     a.num_accepted[row.request_row] = 1;
   }
 }
@@ -639,6 +647,42 @@ __device__ void RecordStateBlocks(const RecordStateBlocksArgs& a) {
 __global__ void __launch_bounds__(kCheckThreads)
     RecordStateBlocksKernel(const RecordStateBlocksArgs a) {
   RecordStateBlocks(a);
+  PublishStatus(a.status, a.status_mirror);
+}
+
+// Each value loaded once, staged, checked; copied to the layer only when all
+// of them are finite.
+__global__ void __launch_bounds__(kCheckThreads) LoadParamsKernel(const LoadParamsArgs a) {
+  if (threadIdx.x == 0) *a.status = internal::OkStatus();
+  const int count = a.num_heads + a.num_heads * a.head_dim;
+  RowFault fault = internal::NoFault();
+  int fault_index = INT_MAX;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) {
+    const float x = i < a.num_heads ? a.a_log[i] : a.dt_bias[i - a.num_heads];
+    a.staging[i] = x;
+    const RowFault f = internal::CheckParamValue(x, i, a.num_heads);
+    if (f.problem != 0 && fault_index == INT_MAX) {
+      fault = f;
+      fault_index = i;
+    }
+  }
+  __shared__ int lowest;
+  if (threadIdx.x == 0) lowest = INT_MAX;
+  __syncthreads();
+  if (fault_index != INT_MAX) atomicMin(&lowest, fault_index);
+  __syncthreads();
+  const int failed = lowest;
+  if (failed != INT_MAX) {
+    if (fault_index == failed) *a.status = internal::StatusFromFault(fault, -1, -1);
+  } else {
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+      if (i < a.num_heads) {
+        a.dst_a_log[i] = a.staging[i];
+      } else {
+        a.dst_dt_bias[i - a.num_heads] = a.staging[i];
+      }
+    }
+  }
   PublishStatus(a.status, a.status_mirror);
 }
 
@@ -734,9 +778,10 @@ class CudaKernels final : public KdaKernels {
     p.num_rows = a.num_rows;
     p.num_heads = a.shape.num_heads;
     p.lower_bound = a.shape.lower_bound;
-    p.qsl = a.query_start_loc;
-    p.indices = a.state_indices.data;
-    p.indices_stride = a.state_indices.row_stride;
+    // The snapshot the checks validated, never the caller's indices.
+    p.qsl = internal::VerifiedQueryStartLoc(a);
+    p.indices = internal::VerifiedStateIndices(a);
+    p.indices_stride = 1;
     p.window = a.records.q;
     p.max_tokens = a.records.q;
     p.status = a.status;
@@ -797,6 +842,11 @@ class CudaKernels final : public KdaKernels {
                                        Stream stream) const override {
     RecordStateBlocksKernel<<<1, kCheckThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
     return CudaStatus(cudaGetLastError(), "RecordStateBlocks");
+  }
+
+  absl::Status LaunchLoadParams(const LoadParamsArgs& a, Stream stream) const override {
+    LoadParamsKernel<<<1, kCheckThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+    return CudaStatus(cudaGetLastError(), "LoadParams");
   }
 
  private:

@@ -10,6 +10,8 @@
 #ifndef SPECSTATE_KERNELS_INTERNAL_CHECKS_H_
 #define SPECSTATE_KERNELS_INTERNAL_CHECKS_H_
 
+#include <math.h>
+
 #include <cstdint>
 
 #include "kernels/device_status.h"
@@ -68,15 +70,15 @@ SPECSTATE_HD DeviceStatus OkStatus() {
 }
 
 // Row n's token count from query_start_loc, checking the entries it reads:
-// qsl[0] >= 0 (row 0), non-decreasing, at most `max_tokens` tokens, and the
+// qsl[0] == 0 (row 0), non-decreasing, at most `max_tokens` tokens, and the
 // last offset within the `num_tokens` tokens of the activations.
 SPECSTATE_HD RowFault CheckRowTokens(const int32_t* qsl, int n, int num_rows, int max_tokens,
                                      int64_t num_tokens, int* tokens) {
   *tokens = 0;
   const int64_t begin = qsl[n];
   const int64_t end = qsl[n + 1];
-  if (n == 0 && begin < 0) {
-    return MakeFault(CheckedField::kQueryStartLoc, CheckProblem::kNegativeStart, 0, -1, begin, 0);
+  if (n == 0 && begin != 0) {
+    return MakeFault(CheckedField::kQueryStartLoc, CheckProblem::kNonZeroStart, 0, -1, begin, 0);
   }
   if (end < begin) {
     return MakeFault(CheckedField::kQueryStartLoc, CheckProblem::kDecreasing, n + 1, -1, end,
@@ -161,43 +163,76 @@ SPECSTATE_HD RowFault CheckStockRow(const StockArgs& a, int n, StockRow* row) {
 }
 
 // ---------------------------------------------------------------------------
-// Verify.
+// Verify: in two phases. The first loads each of the caller's index values
+// once and copies it to the snapshot (or compares it with the step's first
+// call's); the second checks the snapshot, which the caller cannot write.
+// The kernels then read the snapshot too (VerifiedQueryStartLoc() and
+// VerifiedStateIndices()).
+
+struct VerifyRowLoads {
+  int32_t start;   // query_start_loc[0] (row 0 only)
+  int32_t end;     // query_start_loc[n + 1]
+  int32_t source;  // state_indices[n, 0]
+};
+
+SPECSTATE_HD VerifyRowLoads LoadVerifyRow(const VerifyArgs& a, int n) {
+  VerifyRowLoads in;
+  in.start = n == 0 ? a.query_start_loc[0] : 0;
+  in.end = a.query_start_loc[n + 1];
+  in.source = a.state_indices.data[n * a.state_indices.row_stride];
+  return in;
+}
+
+SPECSTATE_HD const int32_t* VerifiedQueryStartLoc(const VerifyArgs& a) {
+  return a.expected_query_start_loc != nullptr ? a.expected_query_start_loc
+                                               : a.snapshot_query_start_loc;
+}
+SPECSTATE_HD const int32_t* VerifiedStateIndices(const VerifyArgs& a) {
+  return a.expected_state_indices != nullptr ? a.expected_state_indices
+                                             : a.snapshot_state_indices;
+}
+
+// Phase one for row n: its loads into the snapshot, or against the expected
+// values (a mismatch is the row's fault).
+SPECSTATE_HD RowFault SnapshotVerifyRow(const VerifyArgs& a, int n, const VerifyRowLoads& in) {
+  const int32_t* const expected_qsl = a.expected_query_start_loc;
+  if (expected_qsl == nullptr) {
+    if (n == 0) a.snapshot_query_start_loc[0] = in.start;
+    a.snapshot_query_start_loc[n + 1] = in.end;
+    a.snapshot_state_indices[n] = in.source;
+    return NoFault();
+  }
+  const int32_t expected_start = n == 0 ? expected_qsl[0] : 0;
+  const int32_t expected_end = expected_qsl[n + 1];
+  const int32_t expected_source = a.expected_state_indices[n];
+  if (n == 0 && in.start != expected_start) {
+    return MakeFault(CheckedField::kQueryStartLoc, CheckProblem::kMismatch, 0, -1, in.start,
+                     expected_start);
+  }
+  if (in.end != expected_end) {
+    return MakeFault(CheckedField::kQueryStartLoc, CheckProblem::kMismatch, n + 1, -1, in.end,
+                     expected_end);
+  }
+  if (in.source != expected_source) {
+    return MakeFault(CheckedField::kStateIndices, CheckProblem::kMismatch, n, -1, in.source,
+                     expected_source);
+  }
+  return NoFault();
+}
 
 struct VerifyRow {
   int tokens;
   int32_t source;
 };
 
+// Phase two for row n, on the snapshot only.
 SPECSTATE_HD RowFault CheckVerifyRow(const VerifyArgs& a, int n, VerifyRow* row) {
   row->tokens = 0;
   row->source = kNullBlock;
-  // Every load first, then the checks in their order: on the GPU the loads
-  // are one round instead of one per comparison.
-  const int32_t source = a.state_indices.data[n * a.state_indices.row_stride];
-  const int32_t begin = a.query_start_loc[n];
-  const int32_t end = a.query_start_loc[n + 1];
-  const int32_t* const expected_qsl = a.expected_query_start_loc;
-  const int32_t expected_begin = expected_qsl != nullptr && n == 0 ? expected_qsl[0] : 0;
-  const int32_t expected_end = expected_qsl != nullptr ? expected_qsl[n + 1] : 0;
-  const int32_t expected_source =
-      a.expected_state_indices != nullptr ? a.expected_state_indices[n] : 0;
-  if (expected_qsl != nullptr) {
-    if (n == 0 && begin != expected_begin) {
-      return MakeFault(CheckedField::kQueryStartLoc, CheckProblem::kMismatch, 0, -1, begin,
-                       expected_begin);
-    }
-    if (end != expected_end) {
-      return MakeFault(CheckedField::kQueryStartLoc, CheckProblem::kMismatch, n + 1, -1, end,
-                       expected_end);
-    }
-  }
-  if (a.expected_state_indices != nullptr && source != expected_source) {
-    return MakeFault(CheckedField::kStateIndices, CheckProblem::kMismatch, n, -1, source,
-                     expected_source);
-  }
+  const int32_t source = VerifiedStateIndices(a)[n];
   int tokens = 0;
-  RowFault f =
-      CheckRowTokens(a.query_start_loc, n, a.num_rows, a.records.q, a.num_tokens, &tokens);
+  RowFault f = CheckRowTokens(VerifiedQueryStartLoc(a), n, a.num_rows, a.records.q, a.num_tokens,
+                              &tokens);
   if (f.problem != 0) return f;
   f = CheckBlock(CheckedField::kStateIndices, source, a.state.num_blocks, n, -1);
   if (f.problem != 0) return f;
@@ -207,18 +242,14 @@ SPECSTATE_HD RowFault CheckVerifyRow(const VerifyArgs& a, int n, VerifyRow* row)
 }
 
 // ---------------------------------------------------------------------------
-// Commit.
+// Prerequisites.
 
-
-// The row's entries of Verify's snapshot (dense copies the service keeps).
-SPECSTATE_HD void SnapshotVerifyRow(const VerifyArgs& a, int n) {
-  if (a.snapshot_query_start_loc != nullptr) {
-    if (n == 0) a.snapshot_query_start_loc[0] = a.query_start_loc[0];
-    a.snapshot_query_start_loc[n + 1] = a.query_start_loc[n + 1];
+// Whether reading the call's inputs faulted (Prerequisites::input_fault).
+SPECSTATE_HD RowFault CheckInputFault(const uint32_t* input_fault) {
+  if (input_fault != nullptr && *static_cast<const volatile uint32_t*>(input_fault) != 0) {
+    return MakeFault(CheckedField::kInputs, CheckProblem::kInputFault, -1, -1, 0, 0);
   }
-  if (a.snapshot_state_indices != nullptr) {
-    a.snapshot_state_indices[n] = a.state_indices.data[n * a.state_indices.row_stride];
-  }
+  return NoFault();
 }
 
 // Whether the step was cancelled. A volatile read: on CUDA another stream
@@ -254,9 +285,11 @@ SPECSTATE_HD bool CommitsAnything(const CommitPlanRow& p) {
 SPECSTATE_HD int64_t MinI64(int64_t a, int64_t b) { return a < b ? a : b; }
 SPECSTATE_HD int64_t MaxI64(int64_t a, int64_t b) { return a > b ? a : b; }
 
+// Row i's plan. It reads each of the caller's values it uses once and keeps
+// what the later passes and kernels need in the plan (service memory).
 SPECSTATE_HD RowFault PlanCommitRow(const CommitArgs& a, int64_t num_blocks, int i,
                                     CommitPlanRow* plan) {
-  *plan = CommitPlanRow{kNullBlock, 0, kNullBlock, kNullBlock, 0};
+  *plan = CommitPlanRow{kNullBlock, 0, kNullBlock, kNullBlock, 0, i};
   const int q = a.spec_query_len;
   int tokens = 0;
   RowFault f = CheckRowTokens(a.query_start_loc, i, a.num_rows, q, INT64_MAX, &tokens);
@@ -267,6 +300,7 @@ SPECSTATE_HD RowFault PlanCommitRow(const CommitArgs& a, int64_t num_blocks, int
     f = CheckRowIndex(CheckedField::kRequestIndices, r, a.batch, i);
     if (f.problem != 0) return f;
   }
+  plan->request_row = r;
   const int32_t source = a.state_indices.data[i * a.state_indices.row_stride];
   f = CheckBlock(CheckedField::kStateIndices, source, num_blocks, i, -1);
   if (f.problem != 0) return f;
@@ -334,14 +368,18 @@ SPECSTATE_HD int32_t ReplayIndex(const CommitPlanRow& p, int q, int col) {
 // ---------------------------------------------------------------------------
 // RecordStateBlocks.
 
+// What the checks read of spec row i, kept (service memory) for the
+// cross-row pass and the writes, which read nothing of the caller's again.
 struct RecordRow {
   int32_t batch_row;
   int32_t request_row;  // < 0: skipped
+  int32_t state_column; // what state_idx[request_row] gets
 };
 
 SPECSTATE_HD RowFault CheckRecordRow(const RecordStateBlocksArgs& a, int i, RecordRow* row) {
   row->batch_row = i;
   row->request_row = -1;
+  row->state_column = 0;
   int32_t b = i;
   if (a.request_indices != nullptr) {
     b = a.request_indices[i];
@@ -356,18 +394,52 @@ SPECSTATE_HD RowFault CheckRecordRow(const RecordStateBlocksArgs& a, int i, Reco
                      a.num_requests);
   }
   const int32_t computed = a.num_computed_tokens[b];
+  const int32_t sampled = a.num_sampled[b];
   if (computed < 0) {
     return MakeFault(CheckedField::kNumComputedTokens, CheckProblem::kNegative, b, -1, computed, 0);
   }
   row->request_row = r;
+  // The block-table column now holding the request's running state.
+  const int64_t last = MaxI64(int64_t{computed} + sampled - 1, 0);
+  row->state_column =
+      static_cast<int32_t>(MinI64(last / a.mamba_block_size, a.block_table_width - 1));
   return NoFault();
 }
 
-// The block-table column now holding the request's running state.
-SPECSTATE_HD int32_t RecordedStateColumn(const RecordStateBlocksArgs& a, int32_t batch_row) {
-  const int64_t last =
-      MaxI64(int64_t{a.num_computed_tokens[batch_row]} + a.num_sampled[batch_row] - 1, 0);
-  return static_cast<int32_t>(MinI64(last / a.mamba_block_size, a.block_table_width - 1));
+// Workspace of a RecordStateBlocks call: the owner table of the cross-row
+// pass, then the checked rows, each for `capacity` rows, the capacity being
+// what the workspace's size holds. The owner table's place and size do not
+// depend on the call (it must stay zero between calls).
+struct RecordWorkspace {
+  int capacity;     // most spec rows and request rows a call may have
+  int32_t* owner;   // [capacity]
+  RecordRow* rows;  // [capacity]
+};
+
+SPECSTATE_HD size_t AlignUp(size_t bytes);
+
+SPECSTATE_HD int RecordWorkspaceCapacity(size_t bytes) {
+  static_assert(sizeof(RecordRow) == 12, "owner + row = 16 bytes a row");
+  return bytes < 256 ? 0 : static_cast<int>((bytes - 256) / 16);
+}
+
+SPECSTATE_HD RecordWorkspace RecordWorkspaceLayout(void* base, size_t bytes) {
+  char* p = static_cast<char*>(base);
+  RecordWorkspace w;
+  w.capacity = RecordWorkspaceCapacity(bytes);
+  w.owner = reinterpret_cast<int32_t*>(p);
+  w.rows = reinterpret_cast<RecordRow*>(p + AlignUp(static_cast<size_t>(w.capacity) * 4));
+  return w;
+}
+
+// ---------------------------------------------------------------------------
+// LoadParams: element i of the staged parameters, a_log [H] then dt_bias [H * K].
+
+SPECSTATE_HD RowFault CheckParamValue(float x, int i, int num_heads) {
+  if (isfinite(x)) return NoFault();
+  const bool a_log = i < num_heads;
+  return MakeFault(a_log ? CheckedField::kALog : CheckedField::kDtBias, CheckProblem::kNotFinite,
+                   a_log ? i : i - num_heads, -1, 0, 0);
 }
 
 // ---------------------------------------------------------------------------
@@ -404,7 +476,7 @@ SPECSTATE_HD void ForEachCommitWrite(const CommitArgs& a, const CommitPlanRow& p
     fn(p.final_block, CheckedField::kStateIndices, i, -1);
     return;
   }
-  const int32_t r = a.request_indices != nullptr ? a.request_indices[i] : i;
+  const int32_t r = p.request_row;
   fn(p.final_block, CheckedField::kBlockTable, r, -1);
   if (IsBlock(p.boundary_block) && p.boundary_block != p.final_block) {
     fn(p.boundary_block, CheckedField::kBlockTable, r, -1);

@@ -287,6 +287,9 @@ kernels::VerifyArgs VerifyOf(const Bench& b) {
   a.num_rows = b.N;
   a.query_start_loc = b.qsl;
   a.state_indices = {b.checkpoints, 1, 1};
+  // As a step's later Verify calls are: checked against the step's snapshot.
+  a.expected_query_start_loc = b.qsl;
+  a.expected_state_indices = b.checkpoints;
   a.status = b.status;
   return a;
 }
