@@ -131,7 +131,7 @@ int Regions(Client& c) {
   }
   std::printf("%-20s %-24s %-9s %14s %7s\n", "session", "name", "kind", "bytes", "in use");
   for (const v1::RegionInfo& i : r->regions()) {
-    std::printf("%-20s %-24s %-9s %14llu %7d\n", i.session_id().c_str(), i.name().c_str(),
+    std::printf("%-20s %-24s %-9s %14llu %7d\n", i.session_label().c_str(), i.name().c_str(),
                 i.kind().c_str(), static_cast<unsigned long long>(i.byte_size()), i.in_use());
   }
   std::printf("%d regions\n", r->regions_size());

@@ -146,6 +146,11 @@ class Device {
   // memory (CPU), for validation.
   virtual bool DoorbellsInDeviceMemory() const = 0;
 
+  // A word that reads nonzero while the call running on the queue has
+  // faulted reading a client's memory (kernels::Prerequisites::input_fault),
+  // or null where that cannot happen (CUDA).
+  virtual const uint32_t* input_fault_word() const { return nullptr; }
+
   // Unblocks the queue from waits whose WaitCancellation was raised (called
   // when the session that was to ring them has ended). The CPU device's
   // worker watches the flags itself.

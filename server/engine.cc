@@ -279,6 +279,12 @@ absl::Status Engine::Allocate() {
     entry.params = kernels::LayerParams{layer.a_log, layer.dt_bias};
     entry.records = layer.records;
   }
+  absl::StatusOr<void*> staging = device_->AllocateDevice((H + hk) * sizeof(float));
+  if (!staging.ok()) return staging.status();
+  params_staging_ = static_cast<float*>(*staging);
+  absl::StatusOr<void*> params_status = device_->AllocateDevice(sizeof(kernels::DeviceStatus));
+  if (!params_status.ok()) return params_status.status();
+  params_status_ = static_cast<kernels::DeviceStatus*>(*params_status);
   absl::StatusOr<void*> table = device_->AllocateDevice(L * sizeof(kernels::CommitLayer));
   if (!table.ok()) return table.status();
   device_layer_table_ = static_cast<kernels::CommitLayer*>(*table);
@@ -550,8 +556,9 @@ absl::Status Engine::SubmitInSlot(StepSlot& slot, Work work) {
 }
 
 kernels::Prerequisites Engine::StepPrerequisites(const StepSlot& slot, const Step& step,
-                                                int count) {
-  return kernels::Prerequisites{slot.status_device, count, slot.cancelled, step.generation};
+                                                int count) const {
+  return kernels::Prerequisites{slot.status_device, count, slot.cancelled, step.generation,
+                                device_->input_fault_word()};
 }
 
 std::vector<WaitOp> Engine::StepWaits(const StepSlot& slot, const Step& step,
@@ -563,8 +570,9 @@ std::vector<WaitOp> Engine::StepWaits(const StepSlot& slot, const Step& step,
   return waits;
 }
 
-absl::StatusOr<Engine::Step*> Engine::StartOrFindStep(const std::string& session, uint64_t id,
-                                                      int num_rows) {
+absl::StatusOr<Engine::Step*> Engine::FindOrPrepareStep(const std::string& session,
+                                                        uint64_t id, int num_rows,
+                                                        std::unique_ptr<Step>* fresh) {
   Step* step = FindStep(session, id);
   if (step != nullptr) {
     if (step != steps_.back().get()) {
@@ -591,24 +599,29 @@ absl::StatusOr<Engine::Step*> Engine::StartOrFindStep(const std::string& session
     return absl::UnavailableError(absl::StrCat(
         kStepSlots, " steps are still in flight on the device; retry once one has finished"));
   }
+  *fresh = std::make_unique<Step>();
+  Step& f = **fresh;
+  f.session = session;
+  f.id = id;
+  f.slot = slot;
+  f.num_rows = num_rows;
+  f.verified.assign(layout_.num_layers(), false);
+  f.generation = next_generation_ + 1 == 0 ? 1 : next_generation_ + 1;  // 0: no cancellation word
+  return fresh->get();
+}
+
+Engine::Step* Engine::StartStep(std::unique_ptr<Step> fresh) {
   next_slot_ = (next_slot_ + 1) % kStepSlots;
-  auto fresh = std::make_unique<Step>();
-  fresh->session = session;
-  fresh->id = id;
-  fresh->slot = slot;
-  fresh->num_rows = num_rows;
-  fresh->verified.assign(layout_.num_layers(), false);
-  if (++next_generation_ == 0) ++next_generation_;  // 0 means "no cancellation word"
-  fresh->generation = next_generation_;
-  std::memset(slots_[slot].status_host, 0,
+  next_generation_ = fresh->generation;
+  std::memset(slots_[fresh->slot].status_host, 0,
               (layout_.num_layers() + 2) * sizeof(kernels::DeviceStatus));
+  ++counters_.steps_verified;
+  counters_.rows_verified += fresh->num_rows;
+  // The latest step's rows: what the stock path would hold beyond them now.
+  counters_.state_bytes_saved = uint64_t(fresh->num_rows) * (sizes_.spec_query_len - 1) *
+                                sizes_.state_block_bytes * layout_.num_layers();
   steps_.push_back(std::move(fresh));
   while (steps_.size() > kStepHistory) steps_.pop_front();
-  ++counters_.steps_verified;
-  counters_.rows_verified += num_rows;
-  // The latest step's rows: what the stock path would hold beyond them now.
-  counters_.state_bytes_saved = uint64_t(num_rows) * (sizes_.spec_query_len - 1) *
-                                sizes_.state_block_bytes * layout_.num_layers();
   return steps_.back().get();
 }
 
@@ -648,8 +661,13 @@ absl::StatusOr<Engine::Ordering> Engine::ResolveOrdering(const std::string& sess
     absl::StatusOr<SyncPoint> op = resolve(wait, "wait");
     if (!op.ok()) return op.status();
     {
-      // Raised when the session ends, so that nothing waits for it forever.
+      // Raised when the session ends, so that nothing waits for it forever;
+      // refused once it has ended (its end raised the cancellations before).
       absl::MutexLock lock(&mu_);
+      if (open_sessions_.count(session) == 0) {
+        return absl::FailedPreconditionError(
+            "the session has ended: nothing may wait on its doorbells any more");
+      }
       auto& c = session_waits_[session];
       if (c == nullptr) c = std::make_shared<WaitCancellation>();
       op->cancellation = c;
@@ -749,33 +767,75 @@ void Engine::LoadLayerParams(const std::string& session, const v1::LoadLayerPara
   }
   LayerState& layer = layers_[req.layer()];
   auto sources = std::make_shared<std::pair<Source, Source>>(*std::move(a_log), *std::move(dt_bias));
+  // A host mirror of this call's status (the device's is shared by every
+  // LoadLayerParams: they run in stream order).
+  kernels::DeviceStatus* mirror = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!param_mirrors_.empty()) {
+      mirror = param_mirrors_.back();
+      param_mirrors_.pop_back();
+    }
+  }
+  if (mirror == nullptr) {
+    absl::StatusOr<void*> p = device_->AllocateHost(sizeof(kernels::DeviceStatus));
+    if (!p.ok()) {
+      reply(p.status(), {});
+      return;
+    }
+    mirror = static_cast<kernels::DeviceStatus*>(*p);
+  }
+  std::memset(mirror, 0, sizeof(*mirror));
   Work work;
-  work.launch = [this, sources, &layer, H, hk](kernels::Stream stream,
-                                               Scratch& scratch) -> absl::Status {
-    // Region sources are already device memory; inline ones go through the scratch.
-    auto copy = [&](const Source& s, float* dst, int64_t count) -> absl::Status {
-      const float* src = s.region;
-      if (src == nullptr) {
-        absl::StatusOr<void*> up = scratch.Upload(s.values.data(), count * sizeof(float));
-        if (!up.ok()) return up.status();
-        src = static_cast<const float*>(*up);
-      }
-      return device_->CopyOnStream(dst, src, count * sizeof(float), stream);
+  work.launch = [this, sources, &layer, H, hk, mirror](kernels::Stream stream,
+                                                        Scratch& scratch) -> absl::Status {
+    // Inline values go through the scratch; region values are read by the
+    // kernel, which checks them finite before the layer's copy changes.
+    auto pointer = [&](const Source& s, int64_t count) -> absl::StatusOr<const float*> {
+      if (s.region != nullptr) return s.region;
+      absl::StatusOr<void*> up = scratch.Upload(s.values.data(), count * sizeof(float));
+      if (!up.ok()) return up.status();
+      return static_cast<const float*>(*up);
     };
-    absl::Status st = copy(sources->first, layer.a_log, H);
-    return st.ok() ? copy(sources->second, layer.dt_bias, hk) : st;
+    absl::StatusOr<const float*> a = pointer(sources->first, H);
+    if (!a.ok()) return a.status();
+    absl::StatusOr<const float*> d = pointer(sources->second, hk);
+    if (!d.ok()) return d.status();
+    kernels::LoadParamsArgs args;
+    args.num_heads = H;
+    args.head_dim = layout_.head_dim();
+    args.a_log = *a;
+    args.dt_bias = *d;
+    args.staging = params_staging_;
+    args.dst_a_log = layer.a_log;
+    args.dst_dt_bias = layer.dt_bias;
+    args.input_fault = device_->input_fault_word();
+    args.status = params_status_;
+    args.status_mirror = mirror;
+    return device_->kernels().LoadParams(args, stream);
   };
   auto pins = std::make_shared<std::vector<RegionPin>>(lookup.TakePins());
-  work.done = [this, sources, pins, reply, l = req.layer()](absl::Status launched) {
+  work.done = [this, sources, pins, reply, mirror, l = req.layer()](absl::Status launched) {
     pins->clear();  // the regions may go now
-    if (launched.ok()) {
-      absl::MutexLock lock(&mu_);
-      layers_[l].params_loaded = true;
+    absl::Status result = launched;
+    if (result.ok()) {
+      result = kernels::DeviceStatusToStatus(*mirror, absl::StrCat("LoadLayerParams of layer ", l));
     }
-    reply(launched, {});
+    {
+      absl::MutexLock lock(&mu_);
+      if (result.ok()) layers_[l].params_loaded = true;
+      param_mirrors_.push_back(mirror);
+    }
+    reply(result, {});
   };
   absl::Status st = device_->Submit(std::move(work));
-  if (!st.ok()) reply(st, {});
+  if (!st.ok()) {
+    {
+      absl::MutexLock lock(&mu_);
+      param_mirrors_.push_back(mirror);
+    }
+    reply(st, {});
+  }
 }
 
 namespace {
@@ -1065,14 +1125,17 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
           {});
     return;
   }
-  absl::StatusOr<Step*> step_or = StartOrFindStep(session, req.step(), N);
+  // A new step starts only once this call has passed every check: a
+  // rejected call changes nothing.
+  std::unique_ptr<Step> fresh;
+  absl::StatusOr<Step*> step_or = FindOrPrepareStep(session, req.step(), N, &fresh);
   if (!step_or.ok()) {
     lock.Release();
     reply(step_or.status(), {});
     return;
   }
   Step* step = *step_or;
-  const bool first = step->verified_count == 0 && !step->verified[req.layer()];
+  const bool first = fresh != nullptr;
   if (first && !in.query_start_loc.present) {
     lock.Release();
     reply(absl::InvalidArgumentError(absl::StrCat(
@@ -1191,6 +1254,7 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
       if (!launched.ok()) MarkFailed(step_id, session, launched, async);
     };
   }
+  if (first) step = StartStep(std::move(fresh));
   step->verified[layer_index] = true;
   ++step->verified_count;
   layer.records_session = session;
@@ -1687,17 +1751,38 @@ void Engine::RecordStateBlocks(const std::string& session,
 
 void Engine::SubmitStep(const std::string& session, const v1::SubmitStepRequest& request,
                         Reply<v1::SubmitStepResponse> reply) {
+  const int64_t limit = MaxSubmitStepVerifies();
+  if (request.verifies_size() > limit) {
+    reply(absl::InvalidArgumentError(absl::StrCat(
+              "SubmitStep carries ", request.verifies_size(), " Verify calls; at most ", limit,
+              " (4 * num_layers) are allowed in one")),
+          {});
+    return;
+  }
   // Each call starts when the one before it has answered (at once in ASYNC
-  // mode), so they are enqueued in the order given.
+  // mode, later from a device thread in SYNC mode), so they are enqueued in
+  // the order given. A loop, not recursion: a call answered at once hands
+  // the next one back to the loop instead of starting it from its reply.
   struct Chain {
-    Engine* engine;
-    std::string session;
+    Chain(Engine* e, std::string s, const v1::SubmitStepRequest& r,
+          Reply<v1::SubmitStepResponse> done)
+        : engine(e), session(std::move(s)), request(r), reply(std::move(done)) {}
+    Engine* const engine;
+    const std::string session;
     const v1::SubmitStepRequest& request;  // owned by the RPC until it is answered
-    Reply<v1::SubmitStepResponse> reply;
+    const Reply<v1::SubmitStepResponse> reply;
     v1::SubmitStepResponse response;
+    absl::Mutex mu;
+    bool calling = false;           // Run() is inside a Verify call
+    bool answered_inline = false;   // ... and that call has answered OK
 
-    static void Next(std::shared_ptr<Chain> c, int i) {
-      if (i < c->request.verifies_size()) {
+    static void Run(const std::shared_ptr<Chain>& c, int i) {
+      for (; i < c->request.verifies_size(); ++i) {
+        {
+          absl::MutexLock lock(&c->mu);
+          c->calling = true;
+          c->answered_inline = false;
+        }
         // The engine takes the session from the batch, not from each call.
         c->engine->Verify(c->session, c->request.verifies(i),
                           [c, i](absl::Status s, v1::VerifyResponse r) {
@@ -1705,10 +1790,21 @@ void Engine::SubmitStep(const std::string& session, const v1::SubmitStepRequest&
             c->reply(absl::Status(s.code(), absl::StrCat("verifies[", i, "]: ", s.message())), {});
             return;
           }
-          *c->response.add_verifies() = std::move(r);
-          Next(c, i + 1);
+          bool continue_here = false;
+          {
+            absl::MutexLock lock(&c->mu);
+            *c->response.add_verifies() = std::move(r);
+            if (c->calling) {
+              c->answered_inline = true;
+            } else {
+              continue_here = true;
+            }
+          }
+          if (continue_here) Run(c, i + 1);
         });
-        return;
+        absl::MutexLock lock(&c->mu);
+        c->calling = false;
+        if (!c->answered_inline) return;  // failed, or answers later and goes on from there
       }
       if (!c->request.has_commit()) {
         c->reply(absl::OkStatus(), std::move(c->response));
@@ -1724,14 +1820,23 @@ void Engine::SubmitStep(const std::string& session, const v1::SubmitStepRequest&
       });
     }
   };
-  auto chain = std::make_shared<Chain>(Chain{this, session, request, std::move(reply), {}});
-  Chain::Next(chain, 0);
+  auto chain = std::make_shared<Chain>(this, session, request, std::move(reply));
+  Chain::Run(chain, 0);
+}
+
+void Engine::OpenSession(const std::string& session) {
+  {
+    absl::MutexLock lock(&mu_);
+    open_sessions_.insert(session);
+  }
+  regions_.OpenSession(session);
 }
 
 void Engine::EndSession(const std::string& session) {
   std::shared_ptr<WaitCancellation> cancellation;
   {
     absl::MutexLock lock(&mu_);
+    open_sessions_.erase(session);
     session_errors_.erase(session);
     auto it = session_waits_.find(session);
     if (it != session_waits_.end()) {

@@ -15,6 +15,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -80,14 +81,22 @@ class Engine {
                          Reply<v1::RecordStateBlocksResponse> reply);
   // Verify of each of `request.verifies`, in order, then Commit; stops at the
   // first error. `request` must live until `reply` is called (the RPC's does).
+  // At most MaxSubmitStepVerifies() Verify calls (INVALID_ARGUMENT beyond).
   void SubmitStep(const std::string& session, const v1::SubmitStepRequest& request,
                   Reply<v1::SubmitStepResponse> reply);
 
+  // A session opened: it may register regions and wait on doorbells.
+  void OpenSession(const std::string& session);
   // The session ended: its regions go (once their work is done), waits on
-  // its doorbells are released, its pending errors are dropped.
+  // its doorbells are released, its pending errors are dropped; it may
+  // register and wait no more.
   void EndSession(const std::string& session);
 
   EngineCounters counters() const;
+
+  // The most Verify calls one SubmitStep may carry: 4 per layer (a step
+  // verifies each layer once; the rest is room for retries).
+  int64_t MaxSubmitStepVerifies() const { return 4 * int64_t{layout_.num_layers()}; }
 
  private:
   struct LayerState {
@@ -149,15 +158,19 @@ class Engine {
   // A call's prerequisites: the first `count` statuses of its step's slot and
   // the step's cancellation. Its waits, with the cancellation word they set
   // when they are cancelled.
-  static kernels::Prerequisites StepPrerequisites(const StepSlot& slot, const Step& step,
-                                                  int count);
+  kernels::Prerequisites StepPrerequisites(const StepSlot& slot, const Step& step,
+                                           int count) const;
   static std::vector<WaitOp> StepWaits(const StepSlot& slot, const Step& step,
                                        std::vector<WaitOp> waits);
 
-  // The step `id`, started (with a free slot) when new.
+  // The current step `id` of `session`, or, when it is new, a Step in
+  // `fresh` (with a free slot) that is not started yet: nothing changes
+  // until StartStep(), so a call that fails its checks starts no step.
   // Steps are the driving session's: a new driver starts its own numbering.
-  absl::StatusOr<Step*> StartOrFindStep(const std::string& session, uint64_t id, int num_rows)
+  absl::StatusOr<Step*> FindOrPrepareStep(const std::string& session, uint64_t id, int num_rows,
+                                          std::unique_ptr<Step>* fresh)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Step* StartStep(std::unique_ptr<Step> fresh) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Step* FindStep(const std::string& session, uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The first asynchronous error of the session, once (then cleared).
   absl::Status TakeSessionError(const std::string& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -210,6 +223,8 @@ class Engine {
   size_t commit_workspace_bytes_ = 0;
   void* record_workspace_ = nullptr;
   size_t record_workspace_bytes_ = 0;
+  float* params_staging_ = nullptr;                  // LoadLayerParams: [H + H * K]
+  kernels::DeviceStatus* params_status_ = nullptr;  // LoadLayerParams' device status
 
   static constexpr int kStepSlots = 8;
   static constexpr int kStepHistory = 64;
@@ -220,10 +235,12 @@ class Engine {
   uint32_t next_generation_ ABSL_GUARDED_BY(mu_) = 0;
   // Recent steps, oldest first; the last is the current one.
   std::deque<std::unique_ptr<Step>> steps_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> open_sessions_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, absl::Status> session_errors_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::shared_ptr<WaitCancellation>> session_waits_ ABSL_GUARDED_BY(mu_);
   EngineCounters counters_ ABSL_GUARDED_BY(mu_);
   std::vector<char*> read_buffers_ ABSL_GUARDED_BY(mu_);  // ReadState's host buffers
+  std::vector<kernels::DeviceStatus*> param_mirrors_ ABSL_GUARDED_BY(mu_);  // LoadLayerParams'
 
   // Per layer, its binding (BindVerifyInputs), or null. Its own lock: a
   // Verify reads it before it takes mu_.

@@ -23,10 +23,19 @@ void Region::OnUnmapped(std::function<void()> fn) {
   on_unmapped_.push_back(std::move(fn));
 }
 
+void RegionRegistry::OpenSession(const std::string& session) {
+  absl::MutexLock lock(&mu_);
+  open_sessions_.insert(session);
+}
+
 absl::Status RegionRegistry::Register(const std::string& session, const std::string& name,
                                       std::unique_ptr<MappedRegion> mapped) {
   if (name.empty()) return absl::InvalidArgumentError("region name is empty");
   absl::MutexLock lock(&mu_);
+  if (open_sessions_.count(session) == 0) {
+    return absl::FailedPreconditionError(
+        "the session has ended: its regions were released, and it registers no more");
+  }
   auto key = std::make_pair(session, name);
   if (regions_.count(key) != 0) {
     return absl::AlreadyExistsError(
@@ -58,6 +67,7 @@ void RegionRegistry::ReleaseSession(const std::string& session) {
   std::vector<RegionPin> dropped;
   {
     absl::MutexLock lock(&mu_);
+    open_sessions_.erase(session);
     for (auto it = regions_.begin(); it != regions_.end();) {
       if (it->first.first == session) {
         it->second->MarkUnregistered();

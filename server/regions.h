@@ -22,6 +22,7 @@
 #include <functional>
 #include <iterator>
 #include <map>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -95,7 +96,13 @@ struct TensorView {
 
 class RegionRegistry {
  public:
-  // ALREADY_EXISTS if the session already has a region of that name.
+  // Sessions may register regions from OpenSession() until ReleaseSession():
+  // a registration that races the end of its session either lands before
+  // the end (and is released with the session) or fails.
+  void OpenSession(const std::string& session);
+
+  // ALREADY_EXISTS if the session already has a region of that name;
+  // FAILED_PRECONDITION if the session is not open.
   absl::Status Register(const std::string& session, const std::string& name,
                         std::unique_ptr<MappedRegion> mapped);
 
@@ -104,7 +111,7 @@ class RegionRegistry {
   absl::Status Unregister(const std::string& session, const std::string& name,
                           std::function<void()> unmapped);
 
-  // Drops every region of `session` (its end).
+  // Drops every region of `session` (its end); it registers no more.
   void ReleaseSession(const std::string& session);
 
   // The regions of `session`, or of all sessions when it is empty.
@@ -132,6 +139,7 @@ class RegionRegistry {
   };
   // (session, name) -> region
   std::map<std::pair<std::string, std::string>, RegionPin, KeyLess> regions_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> open_sessions_ ABSL_GUARDED_BY(mu_);
 };
 
 // The regions of one request, each looked up in the registry and pinned

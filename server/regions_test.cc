@@ -53,6 +53,8 @@ class RegionLookupTest : public ::testing::Test {
   void SetUp() override {
     std::mt19937_64 rng(::testing::UnitTest::GetInstance()->random_seed());
     bytes_ = 4096 + 2 * (rng() % 512);
+    registry_.OpenSession("s1");
+    registry_.OpenSession("s2");
     ASSERT_TRUE(registry_.Register("s1", "acts", std::make_unique<HostRegion>(bytes_)).ok());
     ASSERT_TRUE(registry_.Register("s1", "meta", std::make_unique<HostRegion>(bytes_)).ok());
     // Another session's region of the same name: never visible to s1.

@@ -9,6 +9,13 @@
 namespace specstate {
 namespace server {
 
+namespace {
+
+// What the log names a session by: its label, never its secret id.
+absl::string_view SessionLabel(absl::string_view id) { return id.substr(0, id.find('-')); }
+
+}  // namespace
+
 grpc::Status ToGrpc(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
@@ -19,8 +26,9 @@ SpecStateService::SpecStateService(Engine* engine, const v1::ServiceConfig& conf
   sessions_ = std::make_unique<SessionManager>(
       absl::Milliseconds(config.default_lease_ms() == 0 ? 10000 : config.default_lease_ms()),
       absl::Milliseconds(config.max_lease_ms() == 0 ? 600000 : config.max_lease_ms()),
+      [engine](const std::string& id) { engine->OpenSession(id); },
       [this, engine](const std::string& id, SessionEnd why) {
-        LogInfo(absl::StrCat("session ", id,
+        LogInfo(absl::StrCat("session ", SessionLabel(id),
                              why == SessionEnd::kExpired ? " lease expired" : " closed",
                              ": releasing its regions"));
         engine->EndSession(id);
@@ -133,7 +141,7 @@ class SpecStateService::SessionReactor final
                                        request_.open().drive());
       if (info.ok()) {
         id_ = info->id;
-        LogInfo(absl::StrCat("session ", id_, " opened by \"", info->client_name, "\"",
+        LogInfo(absl::StrCat("session ", info->label, " opened by \"", info->client_name, "\"",
                              info->driving ? " (driving)" : ""));
       }
     } else if (request_.has_renew()) {
@@ -292,7 +300,15 @@ grpc::ServerUnaryReactor* SpecStateService::ListRegions(grpc::CallbackServerCont
                                                         v1::ListRegionsResponse* response) {
   const absl::Time start = absl::Now();
   auto* reactor = ctx->DefaultReactor();
+  // Without a session id: every session's regions, without their ids (a
+  // session id is its owner's capability).
   for (v1::RegionInfo& info : engine_->regions().List(request->session_id())) {
+    if (request->session_id().empty()) {
+      info.set_session_label(std::string(SessionLabel(info.session_id())));
+      info.clear_session_id();
+    } else {
+      info.set_session_label(std::string(SessionLabel(info.session_id())));
+    }
     *response->add_regions() = std::move(info);
   }
   Finish(reactor, "ListRegions", start, absl::OkStatus());

@@ -2,16 +2,24 @@
 
 #include <vector>
 
-#include "absl/random/random.h"
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 
 namespace specstate {
 namespace server {
 
 SessionManager::SessionManager(absl::Duration default_lease, absl::Duration max_lease,
+                               std::function<void(const std::string&)> on_open,
                                std::function<void(const std::string&, SessionEnd)> on_end)
-    : default_lease_(default_lease), max_lease_(max_lease), on_end_(std::move(on_end)) {
+    : default_lease_(default_lease),
+      max_lease_(max_lease),
+      on_open_(std::move(on_open)),
+      on_end_(std::move(on_end)) {
   expiry_ = std::thread([this] {
     for (;;) {
       {
@@ -34,8 +42,28 @@ SessionManager::~SessionManager() {
 }
 
 std::string SessionManager::Describe(const Entry& e) const {
-  return absl::StrCat("session ", e.info.id, " (client \"", e.info.client_name, "\")");
+  return absl::StrCat("session ", e.info.label, " (client \"", e.info.client_name, "\")");
 }
+
+namespace {
+
+// 128 bits from the kernel's CSPRNG, as hex.
+absl::StatusOr<std::string> RandomHex128() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return absl::InternalError(absl::StrCat("getrandom: ", std::strerror(errno)));
+    }
+    got += static_cast<size_t>(n);
+  }
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+}  // namespace
 
 absl::StatusOr<SessionInfo> SessionManager::Open(const std::string& client_name,
                                                  uint32_t lease_ms, bool drive) {
@@ -47,15 +75,18 @@ absl::StatusOr<SessionInfo> SessionManager::Open(const std::string& client_name,
         "another session drives this service: ", Describe(sessions_.at(driver_)),
         "; it must end (close its stream or let its lease expire) before another can drive"));
   }
-  static absl::BitGen* const bits = new absl::BitGen();
+  absl::StatusOr<std::string> secret = RandomHex128();
+  if (!secret.ok()) return secret.status();
   Entry e;
-  e.info.id = absl::StrFormat("s%d-%08x", next_id_++, absl::Uniform<uint32_t>(*bits));
+  e.info.label = absl::StrCat("s", next_id_++);
+  e.info.id = absl::StrCat(e.info.label, "-", *secret);
   e.info.client_name = client_name;
   e.info.lease = lease;
   e.info.driving = drive;
   e.expires = absl::Now() + lease;
   if (drive) driver_ = e.info.id;
   sessions_.emplace(e.info.id, e);
+  on_open_(e.info.id);
   return e.info;
 }
 

@@ -6,7 +6,12 @@
 // session at most drives; the pools outlive every session, so a restarted
 // scheduler opens a new driving session and finds them as they were.
 //
+// A session id is a capability: whoever knows it acts as the session. It
+// holds 128 random bits and only its owner is told it; everything shown to
+// other clients (errors, stats) names a session by its label ("s3").
+//
 //   SessionManager sessions(lease, max_lease,
+//                           /*on_open=*/[&](const std::string& id) { ... },
 //                           /*on_end=*/[&](const std::string& id, SessionEnd why) { ... });
 //   absl::StatusOr<SessionInfo> s = sessions.Open("vllm-0", 10000, /*drive=*/true);
 //   absl::Status ok = sessions.CheckDriver(s->id);
@@ -30,7 +35,8 @@ namespace server {
 enum class SessionEnd { kClosed, kExpired };
 
 struct SessionInfo {
-  std::string id;
+  std::string id;     // secret: "s<n>-" and 32 hex digits of randomness
+  std::string label;  // public: "s<n>"
   std::string client_name;
   absl::Duration lease;
   bool driving = false;
@@ -38,8 +44,11 @@ struct SessionInfo {
 
 class SessionManager {
  public:
-  // `on_end(id, why)` runs (without the manager's lock) when a session ends.
+  // `on_open(id)` runs when a session opens, under the manager's lock, so
+  // that it happens before anything can end the session; `on_end(id, why)`
+  // runs (without the manager's lock) when a session ends.
   SessionManager(absl::Duration default_lease, absl::Duration max_lease,
+                 std::function<void(const std::string&)> on_open,
                  std::function<void(const std::string&, SessionEnd)> on_end);
   ~SessionManager();
 
@@ -76,6 +85,7 @@ class SessionManager {
 
   const absl::Duration default_lease_;
   const absl::Duration max_lease_;
+  const std::function<void(const std::string&)> on_open_;
   const std::function<void(const std::string&, SessionEnd)> on_end_;
   mutable absl::Mutex mu_;
   std::map<std::string, Entry> sessions_ ABSL_GUARDED_BY(mu_);

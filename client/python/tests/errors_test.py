@@ -147,8 +147,12 @@ class ErrorsTest(unittest.TestCase):
     def test_second_driver_is_refused_naming_the_holder(self) -> None:
         with self.assertRaises(SpecStateError) as cm:
             self.client.session("second-scheduler", drive=True)
+        # Named by its label and client; its id is the driver's secret.
+        label = self.session.id.split("-")[0]
         self.assertCode(cm, grpc.StatusCode.FAILED_PRECONDITION,
-                        f"errors-{self._testMethodName}", self.session.id)
+                        f"errors-{self._testMethodName}", f"session {label} ")
+        self.assertNotIn(self.session.id, cm.exception.message)
+        self.assertGreaterEqual(len(self.session.id.split("-")[1]), 32)
         # A non-driving session may read but not drive.
         with self.client.session("observer") as observer:
             self.assertFalse(observer.driving)
