@@ -92,15 +92,15 @@ class HostSharedMemory final : public SharedMemory {
   }
 
   absl::StatusOr<std::unique_ptr<MappedPools>> MapPools(const v1::ExportPoolsResponse& d) override {
-    if (d.shm_name().empty()) {
+    if (d.shm_path().empty()) {
       return absl::FailedPreconditionError(
           "the service exports its pools by CUDA IPC handle: this client uses the CPU backend");
     }
-    const int fd = shm_open(d.shm_name().c_str(), O_RDWR, 0);
-    if (fd < 0) return Errno(absl::StrCat("shm_open(", d.shm_name(), ")"));
+    const int fd = open(d.shm_path().c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) return Errno(absl::StrCat("open(", d.shm_path(), ") of the service's pools"));
     void* p = mmap(nullptr, d.allocation_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
-    if (p == MAP_FAILED) return Errno(absl::StrCat("mmap(", d.shm_name(), ")"));
+    if (p == MAP_FAILED) return Errno(absl::StrCat("mmap(", d.shm_path(), ")"));
     return std::unique_ptr<MappedPools>(new ShmPools(d, p, d.allocation_bytes()));
   }
 

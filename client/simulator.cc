@@ -548,8 +548,10 @@ class Simulator {
     const int64_t T = qsl[R_];
 
     // Metadata in the shared int32 buffer. Odd steps put a prefill row in
-    // front of the batch and map spec rows to batch rows with request_indices.
-    const bool remap = s % 2 == 1;
+    // front of the batch and map spec rows to batch rows with request_indices
+    // (when the batch has room for it: the service's batches hold at most
+    // max_rows rows).
+    const bool remap = s % 2 == 1 && R_ < layout_.max_rows();
     const int batch = remap ? R_ + 1 : R_;
     const int shift = remap ? 1 : 0;
     std::vector<int32_t> meta(meta_ints_, 0);

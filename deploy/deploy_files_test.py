@@ -161,7 +161,7 @@ class ProtoParserTest(unittest.TestCase):
         messages, enums = parse_proto(read(PROTO))
         self.assertEqual(set(messages["ServiceConfig"]),
                          {"layout", "listen", "default_lease_ms", "max_lease_ms",
-                          "submit_spin_us"})
+                          "submit_spin_us", "stuck_stream_ms"})
         self.assertEqual(messages["ServiceConfig"]["layout"], ("Layout", False))
         self.assertIn("mamba_block_size", messages["Layout"])
         self.assertEqual(messages["Layout"]["backend"], ("Backend", False))

@@ -33,6 +33,7 @@ v1::ServiceConfig DefaultServiceConfig() {
   config.set_default_lease_ms(10000);
   config.set_max_lease_ms(600000);
   config.set_submit_spin_us(200);
+  config.set_stuck_stream_ms(30000);
   return config;
 }
 

@@ -1,7 +1,12 @@
-// The CPU device: host memory, POSIX shared memory for everything shared
-// with clients, and one worker thread that runs submitted work in order, the
-// way a CUDA stream would. Doorbells are 32-bit counters in shared memory:
-// the worker polls a wait's counter and writes a signal's.
+// The CPU device: host memory, shared memory for everything shared with
+// clients, and one worker thread that runs submitted work in order, the way
+// a CUDA stream would. Doorbells are 32-bit counters in shared memory: the
+// worker polls a wait's counter and writes a signal's.
+//
+// Clients cannot kill it by truncating shared memory: the pools are a
+// sealed memfd (F_SEAL_SHRINK: nobody can shrink it; clients open it as
+// /proc/<pid>/fd/<n>), and client regions are watched by the
+// TruncationGuard (a truncated region reads as zeros and fails its calls).
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -15,13 +20,13 @@
 #include <deque>
 #include <fstream>
 #include <mutex>
-#include <random>
 #include <string>
 #include <thread>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "server/device.h"
+#include "server/truncation_guard.h"
 
 namespace specstate {
 namespace server {
@@ -38,19 +43,34 @@ absl::Status ErrnoError(absl::string_view what, int err) {
 // A mapping of a whole shared-memory object; the region starts `offset` in.
 class ShmRegion final : public MappedRegion {
  public:
-  ShmRegion(void* base, uint64_t mapped, uint64_t offset, uint64_t size)
-      : base_(base), mapped_(mapped), offset_(offset), size_(size) {}
-  ~ShmRegion() override { munmap(base_, mapped_); }
+  ShmRegion(void* base, uint64_t mapped, uint64_t offset, uint64_t size, MemoryObject object,
+            int watch)
+      : base_(base), mapped_(mapped), offset_(offset), size_(size), object_(object),
+        watch_(watch) {}
+  ~ShmRegion() override {
+    TruncationGuard::Unwatch(watch_);
+    munmap(base_, mapped_);
+  }
+  bool faulted() const override { return TruncationGuard::Faulted(watch_); }
   void* data() const override { return static_cast<char*>(base_) + offset_; }
   uint64_t byte_size() const override { return size_; }
   absl::string_view kind() const override { return "shm"; }
+  MemoryObject object() const override { return object_; }
+  uint64_t object_offset() const override { return offset_; }
 
  private:
   void* base_;
   uint64_t mapped_;
   uint64_t offset_;
   uint64_t size_;
+  MemoryObject object_;
+  int watch_;
 };
+
+MemoryObject ObjectOf(const struct stat& st) {
+  return MemoryObject{MemoryObject::kShm, static_cast<uint64_t>(st.st_dev),
+                      static_cast<uint64_t>(st.st_ino)};
+}
 
 class HostScratch final : public Scratch {
  public:
@@ -77,10 +97,8 @@ class CpuDevice final : public Device {
     }
     cv_.notify_all();
     worker_.join();
-    if (exported_ != nullptr) {
-      munmap(exported_, exported_bytes_);
-      shm_unlink(export_name_.c_str());
-    }
+    if (exported_ != nullptr) munmap(exported_, exported_bytes_);
+    if (export_fd_ >= 0) close(export_fd_);
     for (void* p : allocations_) std::free(p);
   }
 
@@ -102,38 +120,44 @@ class CpuDevice final : public Device {
     return available;
   }
 
+  // A sealed memfd: its size is fixed for everyone (F_SEAL_SHRINK and
+  // F_SEAL_GROW), so no client that maps it can make the service's accesses
+  // fault. Clients open it by path, /proc/<pid>/fd/<n>.
   absl::StatusOr<void*> AllocateExported(uint64_t bytes) override {
     if (exported_ != nullptr) return absl::FailedPreconditionError("the pools are allocated once");
-    // pid and a random tag: pids repeat across containers sharing /dev/shm.
-    export_name_ = absl::StrCat("/specstate-", getpid(), "-", absl::Hex(std::random_device()()),
-                                "-pools");
-    const int fd = shm_open(export_name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) return ErrnoError(absl::StrCat("shm_open(", export_name_, ")"), errno);
-    // posix_fallocate reserves the pages now, so a /dev/shm too small for
-    // the layout fails here, not with SIGBUS later.
-    const int err = ftruncate(fd, static_cast<off_t>(bytes)) == 0
-                        ? posix_fallocate(fd, 0, static_cast<off_t>(bytes))
-                        : errno;
+    const int fd = memfd_create("specstate-pools", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) return ErrnoError("memfd_create for the pools", errno);
+    // posix_fallocate reserves the pages now, so too little memory for the
+    // layout fails here, not with SIGBUS later.
+    int err = ftruncate(fd, static_cast<off_t>(bytes)) == 0
+                  ? posix_fallocate(fd, 0, static_cast<off_t>(bytes))
+                  : errno;
+    if (err == 0 && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+      err = errno;
+    }
     if (err != 0) {
       close(fd);
-      shm_unlink(export_name_.c_str());
-      return ErrnoError(absl::StrCat("reserving ", bytes, " bytes of shared memory for the pools in ",
-                                     export_name_, " (is /dev/shm large enough?)"),
+      return ErrnoError(absl::StrCat("reserving ", bytes, " bytes of shared memory for the pools"),
                         err);
     }
     void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    close(fd);
     if (p == MAP_FAILED) {
-      shm_unlink(export_name_.c_str());
-      return ErrnoError("mmap of the pools", errno);
+      err = errno;
+      close(fd);
+      return ErrnoError("mmap of the pools", err);
     }
+    struct stat st;
+    if (fstat(fd, &st) == 0) exported_object_ = ObjectOf(st);
+    export_fd_ = fd;
+    export_path_ = absl::StrCat("/proc/", getpid(), "/fd/", fd);
     exported_ = p;
     exported_bytes_ = bytes;
     return p;
   }
 
-  std::string ExportName() const override { return export_name_; }
+  std::string ExportName() const override { return export_path_; }
   std::string ExportHandle() const override { return ""; }
+  MemoryObject ExportedObject() const override { return exported_object_; }
 
   absl::StatusOr<void*> AllocateDevice(uint64_t bytes) override { return AllocateHost(bytes); }
 
@@ -196,10 +220,21 @@ class CpuDevice final : public Device {
                                                 offset_bytes, " does not fit in ", name, " (",
                                                 real, " bytes)"));
     }
+    if (ObjectOf(st) == exported_object_) {
+      close(fd);
+      return absl::InvalidArgumentError(
+          "it is the service's own pools: map them from ExportPools, never register them");
+    }
     void* p = mmap(nullptr, real, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (p == MAP_FAILED) return ErrnoError(absl::StrCat("mmap(", name, ")"), errno);
-    return std::unique_ptr<MappedRegion>(new ShmRegion(p, real, offset_bytes, byte_size));
+    absl::StatusOr<int> watch = TruncationGuard::Watch(p, real);
+    if (!watch.ok()) {
+      munmap(p, real);
+      return watch.status();
+    }
+    return std::unique_ptr<MappedRegion>(
+        new ShmRegion(p, real, offset_bytes, byte_size, ObjectOf(st), *watch));
   }
 
   absl::StatusOr<std::unique_ptr<MappedRegion>> MapCudaIpc(absl::string_view, int, uint64_t,
@@ -225,23 +260,42 @@ class CpuDevice final : public Device {
 
   bool DoorbellsInDeviceMemory() const override { return false; }
 
+  const uint32_t* input_fault_word() const override { return TruncationGuard::FaultWord(); }
+
+  // The CPU has no sticky errors; the worker is stalled while it waits.
+  Health CheckHealth() const override {
+    Health h;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (waiting_since_ != absl::InfiniteFuture()) {
+      h.stalled = absl::Now() - waiting_since_;
+      h.stalled_on = "a doorbell";
+    }
+    return h;
+  }
+
  private:
   // Polls a doorbell: spins briefly, then sleeps with a growing pause (up to
-  // 100 us), until it rings, its wait is cancelled or the device stops.
-  bool WaitFor(const WaitOp& wait) {
+  // 100 us), until it rings, its wait is cancelled, a region faulted (its
+  // counter may be one: it would read zero forever) or the device stops.
+  absl::Status WaitFor(const WaitOp& wait) {
     int spins = 0;
     auto pause = std::chrono::microseconds(1);
     while (LoadAcquire(wait.counter) < wait.value) {
-      if (wait.cancellation != nullptr && wait.cancellation->cancelled.load()) return false;
+      if (wait.cancellation != nullptr && wait.cancellation->cancelled.load()) {
+        return absl::CancelledError("a wait of this call was cancelled before its doorbell rang");
+      }
+      if (LoadAcquire(TruncationGuard::FaultWord()) != 0) {
+        return absl::DataLossError("a region was truncated by its owner while this call waited");
+      }
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (stopping_) return false;
+        if (stopping_) return absl::UnavailableError("the service is shutting down");
       }
       if (++spins < 64) continue;
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::microseconds(100));
     }
-    return true;
+    return absl::OkStatus();
   }
 
   void Run() {
@@ -256,8 +310,17 @@ class CpuDevice final : public Device {
       }
       absl::Status status = absl::OkStatus();
       for (const WaitOp& wait : work.waits) {
-        if (!WaitFor(wait)) {
-          status = absl::CancelledError("a wait of this call was cancelled before its doorbell rang");
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          waiting_since_ = absl::Now();
+        }
+        status = WaitFor(wait);
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          waiting_since_ = absl::InfiniteFuture();
+        }
+        if (!status.ok()) {
+          // The step's later calls, already queued, run nothing.
           if (wait.cancel_word != nullptr) StoreRelease(wait.cancel_word, wait.cancel_value);
           break;
         }
@@ -274,20 +337,25 @@ class CpuDevice final : public Device {
     }
   }
 
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Work> queue_;
+  absl::Time waiting_since_ = absl::InfiniteFuture();  // the worker's current wait
   bool stopping_ = false;
   std::vector<void*> allocations_;
   void* exported_ = nullptr;
   uint64_t exported_bytes_ = 0;
-  std::string export_name_;
+  int export_fd_ = -1;
+  std::string export_path_;
+  MemoryObject exported_object_;
   std::thread worker_;  // last: starts after the members it uses
 };
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Device>> CreateCpuDevice() {
+  absl::Status guarded = TruncationGuard::Install();
+  if (!guarded.ok()) return guarded;
   return std::unique_ptr<Device>(new CpuDevice());
 }
 

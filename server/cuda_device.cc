@@ -78,6 +78,15 @@ class IpcRegion final : public MappedRegion {
  public:
   IpcRegion(int device, void* base, uint64_t offset, uint64_t size)
       : device_(device), base_(base), offset_(offset), size_(size) {}
+  // Opening one handle twice gives the same mapping (the driver counts its
+  // opens), so the allocation's base in this process names the allocation.
+  void SetAllocation(uint64_t allocation_base) { allocation_base_ = allocation_base; }
+  MemoryObject object() const override {
+    return MemoryObject{MemoryObject::kCudaAllocation, allocation_base_, 0};
+  }
+  uint64_t object_offset() const override {
+    return reinterpret_cast<uint64_t>(base_) - allocation_base_ + offset_;
+  }
   ~IpcRegion() override {
     ScopedDevice scoped(device_);
     cudaIpcCloseMemHandle(base_);
@@ -91,6 +100,7 @@ class IpcRegion final : public MappedRegion {
   void* base_;
   uint64_t offset_;
   uint64_t size_;
+  uint64_t allocation_base_ = 0;
 };
 
 // cudaMallocAsync'd copies of inline tensors, freed in stream order after
@@ -189,6 +199,9 @@ class CudaDevice final : public Device {
 
   std::string ExportName() const override { return ""; }
   std::string ExportHandle() const override { return export_handle_; }
+  MemoryObject ExportedObject() const override {
+    return MemoryObject{MemoryObject::kCudaAllocation, reinterpret_cast<uint64_t>(exported_), 0};
+  }
 
   absl::StatusOr<void*> AllocateDevice(uint64_t bytes) override {
     ScopedDevice scoped(ordinal_);
@@ -259,11 +272,16 @@ class CudaDevice final : public Device {
           "cuda_ipc_handle has ", handle.size(), " bytes; a cudaIpcMemHandle_t has ",
           sizeof(cudaIpcMemHandle_t),
           " (torch's expandable segments give handles that cannot be opened: see "
-          "docs/clients.md)"));
+          "client/python/README.md)"));
     }
     if (device != ordinal_) {
       return absl::InvalidArgumentError(absl::StrCat("region is on device ", device,
                                                      ", the service runs on device ", ordinal_));
+    }
+    if (handle == export_handle_) {
+      return absl::InvalidArgumentError(
+          "cuda_ipc_handle is the service's own pools: map them from ExportPools, never register "
+          "them as a region (no call may write the pools through a client's tensor)");
     }
     ScopedDevice scoped(ordinal_);
     cudaIpcMemHandle_t h;
@@ -271,7 +289,8 @@ class CudaDevice final : public Device {
     void* base = nullptr;
     SPECSTATE_CUDA_RETURN(cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess),
                           "cudaIpcOpenMemHandle");
-    std::unique_ptr<MappedRegion> region(new IpcRegion(ordinal_, base, offset_bytes, byte_size));
+    auto* ipc = new IpcRegion(ordinal_, base, offset_bytes, byte_size);
+    std::unique_ptr<MappedRegion> region(ipc);
     // The real size of what the handle names, not what the client claims.
     CUdeviceptr alloc_base = 0;
     size_t alloc_size = 0;
@@ -279,6 +298,7 @@ class CudaDevice final : public Device {
         CUDA_SUCCESS) {
       return absl::InternalError("cuMemGetAddressRange failed on an opened IPC handle");
     }
+    ipc->SetAllocation(static_cast<uint64_t>(alloc_base));
     const uint64_t available =
         alloc_size - (reinterpret_cast<CUdeviceptr>(base) - alloc_base);
     if (offset_bytes > available || byte_size > available - offset_bytes) {
@@ -333,6 +353,24 @@ class CudaDevice final : public Device {
   }
 
   bool DoorbellsInDeviceMemory() const override { return true; }
+
+  // Sticky: the context failed running work (an illegal address, say); no
+  // call can succeed again. Stalled: the oldest work issued on the stream
+  // and not yet finished (its waits, or its kernels).
+  Health CheckHealth() const override {
+    Health h;
+    std::lock_guard<std::mutex> lock(mu_);
+    h.sticky_error = sticky_error_;
+    std::chrono::steady_clock::time_point oldest = reaping_since_;
+    if (!in_flight_.empty() && in_flight_.front().enqueued < oldest) {
+      oldest = in_flight_.front().enqueued;
+    }
+    if (oldest != std::chrono::steady_clock::time_point::max()) {
+      h.stalled = absl::FromChrono(std::chrono::steady_clock::now() - oldest);
+      h.stalled_on = "work issued on the stream (a doorbell or event wait, or a kernel)";
+    }
+    return h;
+  }
 
  private:
   struct Queued {
@@ -642,12 +680,21 @@ class CudaDevice final : public Device {
       // A stream blocked on a doorbell of an ended session is released by
       // ReleaseCancelledWaits(), which the service calls when the session ends.
       const InFlight& last = batch.back();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        reaping_since_ = batch.front().enqueued;
+      }
       absl::Status batch_failure;
       if (last.completion != nullptr) {
         // The device failed while running this work (or earlier work): its
         // statuses were not copied back, so they must not be read as OK.
-        batch_failure = CudaError(cudaEventSynchronize(last.completion),
-                                  "the device failed while running this call");
+        const cudaError_t synced = cudaEventSynchronize(last.completion);
+        batch_failure = CudaError(synced, "the device failed while running this call");
+        // A kernel's fault poisons the context: every later call fails too.
+        if (synced != cudaSuccess && cudaPeekAtLastError() != cudaSuccess) {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (sticky_error_.ok()) sticky_error_ = batch_failure;
+        }
       } else if (last.ends_batch) {
         // Its event could not be recorded: nothing tells when the batch ended.
         batch_failure = absl::InternalError(
@@ -675,6 +722,8 @@ class CudaDevice final : public Device {
         }
         if (item.done) item.done(item.launched);
       }
+      std::lock_guard<std::mutex> lock(mu_);
+      reaping_since_ = std::chrono::steady_clock::time_point::max();
     }
   }
 
@@ -694,10 +743,13 @@ class CudaDevice final : public Device {
   bool submit_stopping_ = false;
   bool submitter_sleeping_ = false;  // guarded by queue_mu_: Submit must wake it
   std::atomic<size_t> queued_{0};    // submit_queue_.size(), for the spin without the lock
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
   std::deque<InFlight> in_flight_;
+  // When the batch the reaper waits for was issued (max: none).
+  std::chrono::steady_clock::time_point reaping_since_ = std::chrono::steady_clock::time_point::max();
+  absl::Status sticky_error_;
   int batch_ends_ = 0;  // works in in_flight_ that end a batch
   uint64_t next_work_id_ = 0;  // the submitter's
   std::vector<PendingWait> pending_waits_;

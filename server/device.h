@@ -24,11 +24,37 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "kernels/device_status.h"
 #include "kernels/kda_kernels.h"
 
 namespace specstate {
 namespace server {
+
+// Which memory a mapping is of, whatever address it is mapped at: two
+// registrations of one shared-memory object (mapped twice) or of one CUDA
+// allocation are the same object, so the service can tell that a call's
+// output overlaps its inputs or its own pools.
+struct MemoryObject {
+  enum Kind : uint32_t { kNone = 0, kShm = 1, kCudaAllocation = 2, kHost = 3 };
+  uint32_t kind = kNone;
+  uint64_t a = 0;  // shm: st_dev; CUDA: the allocation's base in the service; host: its address
+  uint64_t b = 0;  // shm: st_ino
+  bool operator==(const MemoryObject& o) const { return kind == o.kind && a == o.a && b == o.b; }
+};
+
+// Bytes [begin, end) of an object.
+struct ByteSpan {
+  MemoryObject object;
+  uint64_t begin = 0;
+  uint64_t end = 0;
+};
+
+// Whether two spans share a byte (empty spans share none).
+inline bool Overlap(const ByteSpan& x, const ByteSpan& y) {
+  return x.object.kind != MemoryObject::kNone && x.object == y.object && x.begin < x.end &&
+         y.begin < y.end && x.begin < y.end && y.begin < x.end;
+}
 
 // A client's buffer mapped into the service. Unmapped on destruction.
 class MappedRegion {
@@ -38,6 +64,12 @@ class MappedRegion {
   virtual void* data() const = 0;
   virtual uint64_t byte_size() const = 0;
   virtual absl::string_view kind() const = 0;  // "shm" or "cuda_ipc"
+  // The memory it maps, and where data() lies in it.
+  virtual MemoryObject object() const = 0;
+  virtual uint64_t object_offset() const = 0;
+  // Whether an access to it faulted because its owner truncated it (CPU:
+  // server/truncation_guard.h); the calls that used it must fail.
+  virtual bool faulted() const { return false; }
 };
 
 // Raised by the service to end waits that can no longer be satisfied (the
@@ -106,9 +138,12 @@ class Device {
 
   // The pools: one zeroed allocation other processes can map. Once.
   virtual absl::StatusOr<void*> AllocateExported(uint64_t bytes) = 0;
-  // How a client maps it: shm_name (CPU) or cuda_ipc_handle (CUDA).
+  // How a client maps it: a path to open (CPU) or cuda_ipc_handle (CUDA).
   virtual std::string ExportName() const = 0;
   virtual std::string ExportHandle() const = 0;
+  // The pools' memory: a region of it is refused (no call may write the
+  // pools through a client's tensor).
+  virtual MemoryObject ExportedObject() const = 0;
 
   // Zeroed memory only the service uses (records, workspaces, tables).
   virtual absl::StatusOr<void*> AllocateDevice(uint64_t bytes) = 0;
@@ -145,6 +180,16 @@ class Device {
   // Whether doorbell counters must live in device memory (CUDA) or host
   // memory (CPU), for validation.
   virtual bool DoorbellsInDeviceMemory() const = 0;
+
+  // What the health service reports: a device error that no later work can
+  // clear, and how long the queue has been on one piece of work (a wait, or
+  // a kernel) without finishing it.
+  struct Health {
+    absl::Status sticky_error;
+    absl::Duration stalled = absl::ZeroDuration();
+    std::string stalled_on;  // what it waits for, when stalled
+  };
+  virtual Health CheckHealth() const = 0;
 
   // A word that reads nonzero while the call running on the queue has
   // faulted reading a client's memory (kernels::Prerequisites::input_fault),

@@ -26,6 +26,7 @@ struct IndexInput {
   int64_t rows = 0;
   int64_t cols = 1;
   int64_t row_stride = 1;
+  ByteSpan span;  // region only
 
   absl::StatusOr<const int32_t*> Pointer(Scratch& scratch) const {
     if (data != nullptr) return data;
@@ -85,6 +86,7 @@ absl::StatusOr<IndexInput> ResolveIndex(RegionLookup& regions, const v1::IndexTe
     absl::StatusOr<TensorView> view = regions.ResolveTensor(t.region(), field, ts);
     if (!view.ok()) return view.status();
     in.data = static_cast<const int32_t*>(view->data);
+    in.span = view->span;
     in.rows = view->shape[0];
     in.cols = rank == 2 ? view->shape[1] : 1;
     in.row_stride = view->strides[0];
@@ -145,6 +147,23 @@ std::shared_ptr<std::vector<RegionPin>> UniquePins(std::vector<RegionPin> pins) 
   return std::make_shared<std::vector<RegionPin>>(std::move(pins));
 }
 
+// A call's tensors by field, for the aliasing check.
+using NamedSpans = std::vector<std::pair<std::string, ByteSpan>>;
+
+// INVALID_ARGUMENT when output `field` shares a byte with any of `others`
+// (inputs, doorbells, other outputs): the kernels would read what they
+// write, or ring a doorbell by writing an output.
+absl::Status CheckNoAlias(absl::string_view field, const ByteSpan& out, const NamedSpans& others) {
+  for (const auto& [name, span] : others) {
+    if (Overlap(out, span)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " overlaps ", name, " (the same memory): an output must not alias the call's "
+                                    "inputs, doorbells or other outputs"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Prefix(absl::string_view prefix, const absl::Status& s) {
   if (s.ok()) return s;
   return absl::Status(s.code(), absl::StrCat(prefix, s.message()));
@@ -155,6 +174,8 @@ absl::Status Prefix(absl::string_view prefix, const absl::Status& s) {
 struct Engine::VerifyInputs {
   kernels::Activation q, k, v, g, beta;
   void* out = nullptr;
+  ByteSpan out_span;
+  NamedSpans input_spans;  // q, k, v, g, beta and the index tensors in regions
   int64_t num_tokens = 0;
   IndexInput query_start_loc, state_indices;
   std::vector<RegionPin> pins;  // of every region named, each once
@@ -173,6 +194,8 @@ struct Engine::BoundInputs {
   const int32_t* state_indices = nullptr;
   int64_t state_indices_row_stride = 1;
   int64_t state_indices_cols = 1;
+  ByteSpan out_span;
+  NamedSpans input_spans;
   struct Held {
     std::weak_ptr<Region> region;
     std::string name;
@@ -332,7 +355,7 @@ absl::Status Engine::Allocate() {
 v1::ExportPoolsResponse Engine::ExportPools() const {
   v1::ExportPoolsResponse out;
   out.set_backend(layout_.backend());
-  out.set_shm_name(device_->ExportName());
+  out.set_shm_path(device_->ExportName());
   out.set_cuda_ipc_handle(device_->ExportHandle());
   out.set_device(device_->ordinal());
   out.set_allocation_bytes(sizes_.pool_bytes);
@@ -494,6 +517,13 @@ void Engine::ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateR
 absl::Status Engine::RegisterRegion(const v1::RegisterRegionRequest& request) {
   if (request.name().empty()) return absl::InvalidArgumentError("name is empty");
   if (request.byte_size() == 0) return absl::InvalidArgumentError("byte_size is 0");
+  // Every allocation starts aligned; a region that does not leaves every
+  // element of every tensor in it misaligned.
+  constexpr uint64_t kRegionAlignment = 16;
+  if (request.offset_bytes() % kRegionAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("offset_bytes = ", request.offset_bytes(),
+                                                   " must be a multiple of ", kRegionAlignment));
+  }
   absl::StatusOr<std::unique_ptr<MappedRegion>> mapped;
   switch (request.kind_case()) {
     case v1::RegisterRegionRequest::kShmName:
@@ -508,6 +538,11 @@ absl::Status Engine::RegisterRegion(const v1::RegisterRegionRequest& request) {
   }
   if (!mapped.ok()) {
     return Prefix(absl::StrCat("region \"", request.name(), "\": "), mapped.status());
+  }
+  if ((*mapped)->object() == device_->ExportedObject()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "region \"", request.name(), "\" is the service's own pools: map them from ExportPools, "
+        "never register them as a region (no call may write the pools through a client's tensor)"));
   }
   return regions_.Register(request.session_id(), request.name(), *std::move(mapped));
 }
@@ -546,6 +581,20 @@ Engine::Step* Engine::FindStep(const std::string& session, uint64_t id) {
     if ((*it)->id == id && (*it)->session == session) return it->get();
   }
   return nullptr;
+}
+
+absl::Status Engine::LostRegions(const std::vector<RegionPin>& pins) {
+  absl::Status lost;
+  for (const RegionPin& pin : pins) {
+    if (pin == nullptr || !pin->faulted()) continue;
+    regions_.Drop(pin);
+    if (lost.ok()) {
+      lost = absl::DataLossError(absl::StrCat(
+          "region \"", pin->name(), "\" was truncated by its owner while this call used it: the "
+          "call failed, and the region was unregistered (register the buffer again)"));
+    }
+  }
+  return lost;
 }
 
 absl::Status Engine::SubmitInSlot(StepSlot& slot, Work work) {
@@ -644,9 +693,10 @@ absl::StatusOr<Engine::Ordering> Engine::ResolveOrdering(const std::string& sess
           regions_.ResolveCounter(session, sync.doorbell(), absl::StrCat(field, ".doorbell"));
       if (!counter.ok()) return counter.status();
       op.kind = SyncPoint::Kind::kDoorbell;
-      op.counter = counter->first;
+      op.counter = counter->word;
       op.value = sync.doorbell().value();
-      out.pins.push_back(counter->second);
+      out.doorbells.emplace_back(absl::StrCat(field, ".doorbell"), counter->span);
+      out.pins.push_back(counter->pin);
     } else if (sync.has_event()) {
       auto event = device_->OpenIpcEvent(sync.event().handle());
       if (!event.ok()) return Prefix(absl::StrCat(field, ".event: "), event.status());
@@ -816,8 +866,9 @@ void Engine::LoadLayerParams(const std::string& session, const v1::LoadLayerPara
   };
   auto pins = std::make_shared<std::vector<RegionPin>>(lookup.TakePins());
   work.done = [this, sources, pins, reply, mirror, l = req.layer()](absl::Status launched) {
-    pins->clear();  // the regions may go now
     absl::Status result = launched;
+    if (absl::Status lost = LostRegions(*pins); !lost.ok()) result = lost;
+    pins->clear();  // the regions may go now
     if (result.ok()) {
       result = kernels::DeviceStatusToStatus(*mirror, absl::StrCat("LoadLayerParams of layer ", l));
     }
@@ -892,6 +943,14 @@ kernels::Activation ActivationOf(const TensorView& view) {
   return kernels::Activation{view.data, view.strides[0]};
 }
 
+NamedSpans InputSpans(const ActivationViews& v, const IndexInput& qsl, const IndexInput& indices) {
+  NamedSpans spans = {{"q", v.q.span}, {"k", v.k.span}, {"v", v.v.span}, {"g", v.g.span},
+                      {"beta", v.beta.span}};
+  if (qsl.data != nullptr) spans.emplace_back("query_start_loc", qsl.span);
+  if (indices.data != nullptr) spans.emplace_back("state_indices", indices.span);
+  return spans;
+}
+
 // query_start_loc [rows + 1] and state_indices [rows] or [rows, C], together.
 absl::StatusOr<std::pair<IndexInput, IndexInput>> ResolveRowIndices(
     RegionLookup& lookup, const v1::IndexTensor& query_start_loc,
@@ -937,6 +996,8 @@ absl::StatusOr<Engine::VerifyInputs> Engine::RequestInputs(const std::string& se
   in.g = ActivationOf(views->g);
   in.beta = ActivationOf(views->beta);
   in.out = views->o.data;
+  in.out_span = views->o.span;
+  in.input_spans = InputSpans(*views, indices->first, indices->second);
   in.num_tokens = views->q.shape[0];
   in.query_start_loc = std::move(indices->first);
   in.state_indices = std::move(indices->second);
@@ -992,6 +1053,8 @@ absl::StatusOr<Engine::VerifyInputs> Engine::BoundInputsOf(const std::string& se
   in.g = bound->g;
   in.beta = bound->beta;
   in.out = bound->out;
+  in.out_span = bound->out_span;
+  in.input_spans = bound->input_spans;
   in.num_tokens = req.num_tokens();
   if (bound->max_rows >= 0) {
     in.query_start_loc.present = true;
@@ -1039,6 +1102,11 @@ void Engine::BindVerifyInputs(const std::string& session, const v1::BindVerifyIn
     return;
   }
   const IndexInput& qsl = indices->first;
+  NamedSpans input_spans = InputSpans(*views, qsl, indices->second);
+  if (absl::Status alias = CheckNoAlias("o", views->o.span, input_spans); !alias.ok()) {
+    reply(alias, {});
+    return;
+  }
   if (qsl.present && qsl.rows < 1) {
     reply(absl::InvalidArgumentError("query_start_loc: has 0 rows, expected max_rows + 1 >= 1"),
           {});
@@ -1052,6 +1120,8 @@ void Engine::BindVerifyInputs(const std::string& session, const v1::BindVerifyIn
   bound->g = ActivationOf(views->g);
   bound->beta = ActivationOf(views->beta);
   bound->out = views->o.data;
+  bound->out_span = views->o.span;
+  bound->input_spans = std::move(input_spans);
   bound->max_tokens = views->q.shape[0];
   if (qsl.present) {
     bound->max_rows = static_cast<int>(std::min<int64_t>(qsl.rows - 1, layout_.max_rows()));
@@ -1107,6 +1177,14 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   if (!ordering.ok()) {
     reply(ordering.status(), {});
     return;
+  }
+  {
+    absl::Status alias = CheckNoAlias("o", in.out_span, in.input_spans);
+    if (alias.ok()) alias = CheckNoAlias("o", in.out_span, ordering->doorbells);
+    if (!alias.ok()) {
+      reply(alias, {});
+      return;
+    }
   }
   timer.Mark();
 
@@ -1221,6 +1299,7 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
   work.done = [this, pins, reply = async ? Reply<v1::VerifyResponse>() : reply, async, step_id,
                session, layer_index, first, N, slot_index = step->slot](absl::Status launched) {
     absl::Status result = launched;
+    if (absl::Status lost = LostRegions(*pins); !lost.ok()) result = lost;
     {
       absl::MutexLock lock(&mu_);
       StepSlot& s = slots_[slot_index];
@@ -1499,6 +1578,7 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
   work.done = [this, pins, reply, async, step_id, session, N, L, response,
                slot_index = step->slot](absl::Status launched) {
     absl::Status result = launched;
+    if (absl::Status lost = LostRegions(*pins); !lost.ok()) result = lost;
     std::vector<std::function<void(absl::Status)>> waiters;
     {
       absl::MutexLock lock(&mu_);
@@ -1612,6 +1692,22 @@ void Engine::RecordStateBlocks(const std::string& session,
     reply(ordering.status(), {});
     return;
   }
+  {
+    NamedSpans others = ordering->doorbells;
+    for (const auto& [field, input] :
+         {std::make_pair("idx_mapping", &*mapping), std::make_pair("num_sampled", &*sampled),
+          std::make_pair("num_computed_tokens", &*computed),
+          std::make_pair("request_indices", &*request_indices)}) {
+      if (input->data != nullptr) others.emplace_back(field, input->span);
+    }
+    absl::Status alias = CheckNoAlias("state_idx", state_idx->span, others);
+    others.emplace_back("state_idx", state_idx->span);
+    if (alias.ok()) alias = CheckNoAlias("num_accepted", out_accepted->span, others);
+    if (!alias.ok()) {
+      reply(alias, {});
+      return;
+    }
+  }
   const uint64_t fingerprint = Fingerprint(req);
 
   absl::ReleasableMutexLock lock(&mu_);
@@ -1717,6 +1813,7 @@ void Engine::RecordStateBlocks(const std::string& session,
   work.done = [this, pins, reply, async, step_id, session, L, response,
                slot_index = step->slot](absl::Status launched) {
     absl::Status result = launched;
+    if (absl::Status lost = LostRegions(*pins); !lost.ok()) result = lost;
     std::vector<std::function<void(absl::Status)>> waiters;
     {
       absl::MutexLock lock(&mu_);
@@ -1855,6 +1952,21 @@ void Engine::EndSession(const std::string& session) {
     }
   }
   regions_.ReleaseSession(session);
+}
+
+std::string Engine::HealthProblem() const {
+  const Device::Health h = device_->CheckHealth();
+  if (!h.sticky_error.ok()) {
+    return absl::StrCat("the device failed and cannot recover: ", h.sticky_error.ToString());
+  }
+  const absl::Duration limit =
+      absl::Milliseconds(config_.stuck_stream_ms() == 0 ? 30000 : config_.stuck_stream_ms());
+  if (h.stalled > limit) {
+    return absl::StrCat("the device's queue has been on ", h.stalled_on, " for ",
+                        absl::FormatDuration(h.stalled), ", over the limit of ",
+                        absl::FormatDuration(limit), " (stuck_stream_ms)");
+  }
+  return "";
 }
 
 EngineCounters Engine::counters() const {

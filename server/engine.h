@@ -94,6 +94,11 @@ class Engine {
 
   EngineCounters counters() const;
 
+  // Why the service should report NOT_SERVING now ("" when healthy): a
+  // sticky device error, or the device's queue stuck on one piece of work
+  // for longer than ServiceConfig.stuck_stream_ms.
+  std::string HealthProblem() const;
+
   // The most Verify calls one SubmitStep may carry: 4 per layer (a step
   // verifies each layer once; the rest is room for retries).
   int64_t MaxSubmitStepVerifies() const { return 4 * int64_t{layout_.num_layers()}; }
@@ -179,6 +184,9 @@ class Engine {
   // Submits `work` of a step in `slot`, counted in the slot's in-flight work
   // (its `done` must uncount it); uncounted again if the submit fails.
   absl::Status SubmitInSlot(StepSlot& slot, Work work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // DATA_LOSS naming the first of `pins` whose owner truncated it while the
+  // call ran (server/truncation_guard.h); each such region is unregistered.
+  absl::Status LostRegions(const std::vector<RegionPin>& pins) ABSL_LOCKS_EXCLUDED(mu_);
 
   // A retry of a call that applies at most once per step (same step, same
   // arguments): answered from the first call's result, at once or when it
@@ -201,6 +209,7 @@ class Engine {
   struct Ordering {
     std::vector<WaitOp> waits;
     std::vector<SignalOp> signals;
+    std::vector<std::pair<std::string, ByteSpan>> doorbells;  // by field
     std::vector<RegionPin> pins;
     bool async = false;
   };

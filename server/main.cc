@@ -6,20 +6,29 @@
 //
 // Flags override the config file's fields. SIGINT/SIGTERM shut down cleanly.
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/parse.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpc/health/v1/health.pb.h"
@@ -30,31 +39,76 @@
 #include "server/log.h"
 #include "server/service.h"
 
+// Every flag's default is the default configuration's value (config.cc's
+// DefaultServiceConfig(), checked at start); a flag overrides the config
+// file only when it is given on the command line.
 ABSL_FLAG(std::string, config, "", "ServiceConfig file (.json, or protobuf text format)");
-ABSL_FLAG(std::string, listen, "",
-          "unix:///PATH (default unix:///tmp/specstate.sock) or HOST:PORT for TCP");
-ABSL_FLAG(std::string, backend, "", "auto (default), cpu or cuda");
-ABSL_FLAG(int, device, -1, "CUDA device ordinal (default 0)");
-ABSL_FLAG(int, layers, 0, "KDA layers");
-ABSL_FLAG(int, heads, 0, "heads per layer (H)");
-ABSL_FLAG(int, head_dim, 0, "head dim K = V: 64, 128 or 256");
-ABSL_FLAG(int, conv_dim, 0, "conv-state channels (D)");
-ABSL_FLAG(int, conv_kernel, 0, "conv kernel width");
-ABSL_FLAG(int, num_spec, -1, "draft tokens per row (Q = num_spec + 1)");
-ABSL_FLAG(int, blocks, 0, "blocks per pool, the null block 0 included");
-ABSL_FLAG(int, max_rows, 0, "rows a step may verify");
-ABSL_FLAG(std::string, activation_dtype, "", "bf16, fp16 or fp32");
-ABSL_FLAG(std::string, state_dtype, "", "fp32 or bf16");
-ABSL_FLAG(std::string, cache_mode, "", "none or align");
+ABSL_FLAG(std::string, listen, "unix:///tmp/specstate.sock", "unix:///PATH or HOST:PORT (TCP)");
+ABSL_FLAG(std::string, backend, "auto",
+          "auto (CUDA when a GPU is usable, else CPU), cpu or cuda");
+ABSL_FLAG(int, device, 0, "CUDA device ordinal");
+ABSL_FLAG(int, layers, 4, "KDA layers");
+ABSL_FLAG(int, heads, 4, "heads per layer (H)");
+ABSL_FLAG(int, head_dim, 64, "head dim K = V: 64, 128 or 256");
+ABSL_FLAG(int, conv_dim, 768, "conv-state channels (D)");
+ABSL_FLAG(int, conv_kernel, 4, "conv kernel width");
+ABSL_FLAG(int, num_spec, 3, "draft tokens per row (Q = num_spec + 1)");
+ABSL_FLAG(int, blocks, 64, "blocks per pool, the null block 0 included");
+ABSL_FLAG(int, max_rows, 16, "rows a step may verify");
+ABSL_FLAG(std::string, activation_dtype, "bf16", "bf16, fp16 or fp32");
+ABSL_FLAG(std::string, state_dtype, "fp32", "fp32 or bf16");
+ABSL_FLAG(std::string, cache_mode, "none", "none or align");
 ABSL_FLAG(int, mamba_block_size, 0, "align mode: tokens per state block (>= Q)");
-ABSL_FLAG(float, lower_bound, 0.0f, "the KDA gate's lower bound (negative)");
-ABSL_FLAG(int, default_lease_ms, 0, "session lease when a client asks for none");
-ABSL_FLAG(int, submit_spin_us, -1,
-          "CUDA: how long the submitting thread polls before it sleeps (us, <= 100000; default 200)");
+ABSL_FLAG(float, lower_bound, -5.0f, "the KDA gate's lower bound (negative)");
+ABSL_FLAG(int, default_lease_ms, 10000, "session lease when a client asks for none (ms)");
+ABSL_FLAG(int, stuck_stream_ms, 30000,
+          "report NOT_SERVING while the device's queue is stuck on one wait or kernel this long "
+          "(ms)");
+ABSL_FLAG(int, submit_spin_us, 200,
+          "CUDA: how long the submitting thread polls before it sleeps (us, <= 100000)");
 
 namespace specstate {
 namespace server {
 namespace {
+
+// Whether the command line set `flag` (Abseil's public API has no such
+// query in this version: the parser's own record of it).
+template <typename T>
+bool Given(const absl::Flag<T>& flag) {
+  return absl::flags_internal::WasPresentOnCommandLine(absl::GetFlagReflectionHandle(flag).Name());
+}
+
+// The flags' defaults must be the default configuration's (the --help text
+// shows them): an internal error at start, so that a test catches a drift.
+absl::Status CheckFlagDefaults() {
+  const v1::ServiceConfig d = DefaultServiceConfig();
+  const v1::Layout& l = d.layout();
+  const auto differs = [](const auto& flag, const std::string& want) {
+    return absl::GetFlagReflectionHandle(flag).DefaultValue() != want;
+  };
+  std::vector<std::string> bad;
+  const auto check = [&](bool drift, absl::string_view name) {
+    if (drift) bad.emplace_back(name);
+  };
+  check(differs(FLAGS_listen, d.listen()), "listen");
+  check(differs(FLAGS_device, absl::StrCat(l.device())), "device");
+  check(differs(FLAGS_layers, absl::StrCat(l.num_layers())), "layers");
+  check(differs(FLAGS_heads, absl::StrCat(l.num_heads())), "heads");
+  check(differs(FLAGS_head_dim, absl::StrCat(l.head_dim())), "head_dim");
+  check(differs(FLAGS_conv_dim, absl::StrCat(l.conv_dim())), "conv_dim");
+  check(differs(FLAGS_conv_kernel, absl::StrCat(l.conv_kernel())), "conv_kernel");
+  check(differs(FLAGS_num_spec, absl::StrCat(l.num_spec())), "num_spec");
+  check(differs(FLAGS_blocks, absl::StrCat(l.num_blocks())), "blocks");
+  check(differs(FLAGS_max_rows, absl::StrCat(l.max_rows())), "max_rows");
+  check(differs(FLAGS_mamba_block_size, absl::StrCat(l.mamba_block_size())), "mamba_block_size");
+  check(differs(FLAGS_lower_bound, absl::StrCat(l.lower_bound())), "lower_bound");
+  check(differs(FLAGS_default_lease_ms, absl::StrCat(d.default_lease_ms())), "default_lease_ms");
+  check(differs(FLAGS_stuck_stream_ms, absl::StrCat(d.stuck_stream_ms())), "stuck_stream_ms");
+  check(differs(FLAGS_submit_spin_us, absl::StrCat(d.submit_spin_us())), "submit_spin_us");
+  if (bad.empty()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("the defaults of --", absl::StrJoin(bad, ", --"),
+                                          " differ from the default configuration's"));
+}
 
 absl::StatusOr<v1::DType> DTypeFlag(const std::string& value, absl::string_view flag) {
   absl::StatusOr<DType> d = ParseDType(value);
@@ -63,6 +117,8 @@ absl::StatusOr<v1::DType> DTypeFlag(const std::string& value, absl::string_view 
 }
 
 absl::StatusOr<v1::ServiceConfig> BuildConfig() {
+  absl::Status defaults = CheckFlagDefaults();
+  if (!defaults.ok()) return defaults;
   v1::ServiceConfig config = DefaultServiceConfig();
   if (!absl::GetFlag(FLAGS_config).empty()) {
     absl::StatusOr<v1::ServiceConfig> loaded = LoadServiceConfig(absl::GetFlag(FLAGS_config));
@@ -70,53 +126,65 @@ absl::StatusOr<v1::ServiceConfig> BuildConfig() {
     config = *std::move(loaded);
   }
   v1::Layout* l = config.mutable_layout();
-  if (!absl::GetFlag(FLAGS_listen).empty()) config.set_listen(absl::GetFlag(FLAGS_listen));
-  const std::string backend = absl::GetFlag(FLAGS_backend);
-  if (backend == "auto") {
-    l->set_backend(v1::AUTO);
-  } else if (backend == "cpu") {
-    l->set_backend(v1::CPU);
-  } else if (backend == "cuda") {
-    l->set_backend(v1::CUDA);
-  } else if (!backend.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--backend=", backend, ": expected auto, cpu or cuda"));
+  if (Given(FLAGS_listen)) config.set_listen(absl::GetFlag(FLAGS_listen));
+  if (Given(FLAGS_backend)) {
+    const std::string backend = absl::GetFlag(FLAGS_backend);
+    if (backend == "auto") {
+      l->set_backend(v1::AUTO);
+    } else if (backend == "cpu") {
+      l->set_backend(v1::CPU);
+    } else if (backend == "cuda") {
+      l->set_backend(v1::CUDA);
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--backend=", backend, ": expected auto, cpu or cuda"));
+    }
   }
-  if (absl::GetFlag(FLAGS_device) >= 0) l->set_device(absl::GetFlag(FLAGS_device));
-  if (absl::GetFlag(FLAGS_layers) > 0) l->set_num_layers(absl::GetFlag(FLAGS_layers));
-  if (absl::GetFlag(FLAGS_heads) > 0) l->set_num_heads(absl::GetFlag(FLAGS_heads));
-  if (absl::GetFlag(FLAGS_head_dim) > 0) l->set_head_dim(absl::GetFlag(FLAGS_head_dim));
-  if (absl::GetFlag(FLAGS_conv_dim) > 0) l->set_conv_dim(absl::GetFlag(FLAGS_conv_dim));
-  if (absl::GetFlag(FLAGS_conv_kernel) > 0) l->set_conv_kernel(absl::GetFlag(FLAGS_conv_kernel));
-  if (absl::GetFlag(FLAGS_num_spec) >= 0) l->set_num_spec(absl::GetFlag(FLAGS_num_spec));
-  if (absl::GetFlag(FLAGS_blocks) > 0) l->set_num_blocks(absl::GetFlag(FLAGS_blocks));
-  if (absl::GetFlag(FLAGS_max_rows) > 0) l->set_max_rows(absl::GetFlag(FLAGS_max_rows));
-  if (!absl::GetFlag(FLAGS_activation_dtype).empty()) {
+  if (Given(FLAGS_device)) l->set_device(absl::GetFlag(FLAGS_device));
+  if (Given(FLAGS_layers)) l->set_num_layers(absl::GetFlag(FLAGS_layers));
+  if (Given(FLAGS_heads)) l->set_num_heads(absl::GetFlag(FLAGS_heads));
+  if (Given(FLAGS_head_dim)) l->set_head_dim(absl::GetFlag(FLAGS_head_dim));
+  if (Given(FLAGS_conv_dim)) l->set_conv_dim(absl::GetFlag(FLAGS_conv_dim));
+  if (Given(FLAGS_conv_kernel)) l->set_conv_kernel(absl::GetFlag(FLAGS_conv_kernel));
+  if (Given(FLAGS_num_spec)) l->set_num_spec(absl::GetFlag(FLAGS_num_spec));
+  if (Given(FLAGS_blocks)) l->set_num_blocks(absl::GetFlag(FLAGS_blocks));
+  if (Given(FLAGS_max_rows)) l->set_max_rows(absl::GetFlag(FLAGS_max_rows));
+  if (Given(FLAGS_activation_dtype)) {
     auto d = DTypeFlag(absl::GetFlag(FLAGS_activation_dtype), "activation_dtype");
     if (!d.ok()) return d.status();
     l->set_activation_dtype(*d);
   }
-  if (!absl::GetFlag(FLAGS_state_dtype).empty()) {
+  if (Given(FLAGS_state_dtype)) {
     auto d = DTypeFlag(absl::GetFlag(FLAGS_state_dtype), "state_dtype");
     if (!d.ok()) return d.status();
     l->set_state_dtype(*d);
   }
-  const std::string mode = absl::GetFlag(FLAGS_cache_mode);
-  if (mode == "none") {
-    l->set_cache_mode(v1::NONE);
-  } else if (mode == "align") {
-    l->set_cache_mode(v1::ALIGN);
-  } else if (!mode.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat("--cache_mode=", mode, ": expected none or align"));
+  if (Given(FLAGS_cache_mode)) {
+    const std::string mode = absl::GetFlag(FLAGS_cache_mode);
+    if (mode == "none") {
+      l->set_cache_mode(v1::NONE);
+    } else if (mode == "align") {
+      l->set_cache_mode(v1::ALIGN);
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--cache_mode=", mode, ": expected none or align"));
+    }
   }
-  if (absl::GetFlag(FLAGS_mamba_block_size) > 0) {
-    l->set_mamba_block_size(absl::GetFlag(FLAGS_mamba_block_size));
+  if (Given(FLAGS_mamba_block_size)) l->set_mamba_block_size(absl::GetFlag(FLAGS_mamba_block_size));
+  if (Given(FLAGS_lower_bound)) l->set_lower_bound(absl::GetFlag(FLAGS_lower_bound));
+  for (auto [flag, name] : {std::make_pair(&FLAGS_submit_spin_us, "submit_spin_us"),
+                            std::make_pair(&FLAGS_stuck_stream_ms, "stuck_stream_ms"),
+                            std::make_pair(&FLAGS_default_lease_ms, "default_lease_ms")}) {
+    if (Given(*flag) && absl::GetFlag(*flag) < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name, " = ", absl::GetFlag(*flag), " must not be negative"));
+    }
   }
-  if (absl::GetFlag(FLAGS_lower_bound) != 0.0f) l->set_lower_bound(absl::GetFlag(FLAGS_lower_bound));
-  if (absl::GetFlag(FLAGS_submit_spin_us) >= 0) {
-    config.set_submit_spin_us(absl::GetFlag(FLAGS_submit_spin_us));
+  if (Given(FLAGS_submit_spin_us)) config.set_submit_spin_us(absl::GetFlag(FLAGS_submit_spin_us));
+  if (Given(FLAGS_stuck_stream_ms)) {
+    config.set_stuck_stream_ms(absl::GetFlag(FLAGS_stuck_stream_ms));
   }
-  if (absl::GetFlag(FLAGS_default_lease_ms) > 0) {
+  if (Given(FLAGS_default_lease_ms)) {
     config.set_default_lease_ms(absl::GetFlag(FLAGS_default_lease_ms));
   }
   constexpr uint32_t kMaxSubmitSpinUs = 100000;
@@ -127,6 +195,49 @@ absl::StatusOr<v1::ServiceConfig> BuildConfig() {
   absl::Status st = ValidateLayout(config.layout());
   if (!st.ok()) return st;
   return config;
+}
+
+// Makes `path` free for a new socket: its directory must exist; a socket
+// that answers belongs to a live server (refused: never take over another
+// service's socket); one that refuses connections is stale and removed.
+absl::Status PrepareSocketPath(const std::string& path) {
+  if (path.size() >= sizeof(sockaddr_un{}.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("the socket path has ", path.size(),
+                                                   " bytes; Unix sockets allow at most ",
+                                                   sizeof(sockaddr_un{}.sun_path) - 1));
+  }
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::NotFoundError(absl::StrCat("directory ", dir, " does not exist"));
+  }
+  if (lstat(path.c_str(), &st) != 0) return absl::OkStatus();
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::AlreadyExistsError(absl::StrCat(path, " exists and is not a socket"));
+  }
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int connected = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  const int err = errno;
+  close(fd);
+  if (connected == 0) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "another server answers on ", path, ": stop it first, or choose another --listen"));
+  }
+  if (err != ECONNREFUSED) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot tell whether ", path, " is in use: ", std::strerror(err)));
+  }
+  if (unlink(path.c_str()) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot remove the stale socket ", path, ": ", std::strerror(errno)));
+  }
+  LogInfo(absl::StrCat("removed the stale socket ", path));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<Device>> OpenDevice(const v1::ServiceConfig& config) {
@@ -176,8 +287,11 @@ int Run() {
     socket_path = listen.substr(5);
   }
   if (!socket_path.empty()) {
-    struct stat st;
-    if (lstat(socket_path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) unlink(socket_path.c_str());
+    absl::Status ready = PrepareSocketPath(socket_path);
+    if (!ready.ok()) {
+      LogError(absl::StrCat("cannot listen on ", listen, ": ", ready.message()));
+      return 1;
+    }
   }
 
   // Referenced so the linker keeps grpc.health.v1's descriptor, which server
@@ -195,7 +309,10 @@ int Run() {
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   umask(old_umask);
   if (server == nullptr) {
-    LogError(absl::StrCat("cannot listen on ", listen));
+    LogError(absl::StrCat("cannot listen on ", listen,
+                          socket_path.empty()
+                              ? ": the port is in use, or the address is not this host's"
+                              : ": gRPC could not bind the socket (see its message above)"));
     return 1;
   }
   if (!socket_path.empty()) chmod(socket_path.c_str(), 0600);
@@ -212,6 +329,27 @@ int Run() {
       v1::CacheMode_Name(l.cache_mode()).c_str());
   std::fflush(stdout);
 
+  // Health that means something: NOT_SERVING on a sticky device error or a
+  // stuck queue (Engine::HealthProblem), polled a few times a second.
+  absl::Notification stop_health;
+  std::thread health([&] {
+    std::string reported;
+    do {
+      const std::string problem = (*engine)->HealthProblem();
+      if (problem != reported) {
+        const bool serving = problem.empty();
+        server->GetHealthCheckService()->SetServingStatus("specstate.v1.SpecState", serving);
+        server->GetHealthCheckService()->SetServingStatus(serving);
+        if (serving) {
+          LogInfo("health: SERVING again");
+        } else {
+          LogError(absl::StrCat("health: NOT_SERVING: ", problem));
+        }
+        reported = problem;
+      }
+    } while (!stop_health.WaitForNotificationWithTimeout(absl::Milliseconds(100)));
+  });
+
   // Wait for SIGINT/SIGTERM (blocked in every thread since the start).
   sigset_t signals;
   sigemptyset(&signals);
@@ -220,6 +358,8 @@ int Run() {
   int received = 0;
   sigwait(&signals, &received);
   LogInfo(absl::StrCat("signal ", received, ": shutting down"));
+  stop_health.Notify();
+  health.join();
   service.EndAllSessions();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   server->Wait();
@@ -249,8 +389,16 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // --help lists this file's flags (Abseil shows only those of a file named
+  // after the program by default).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "server/main.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::SetProgramUsageMessage(
-      "specstated: the SpecState speculative-decoding state service.\n"
+      "the SpecState speculative-decoding state service.\n"
       "  specstated [--config=FILE] [--listen=unix:///PATH|HOST:PORT] [--backend=auto|cpu|cuda] "
       "[layout flags]");
   absl::ParseCommandLine(argc, argv);

@@ -63,6 +63,18 @@ absl::Status RegionRegistry::Unregister(const std::string& session, const std::s
   return absl::OkStatus();
 }
 
+void RegionRegistry::Drop(const RegionPin& region) {
+  RegionPin dropped;  // released after the lock
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = regions_.find(std::make_pair(region->session(), region->name()));
+    if (it == regions_.end() || it->second != region) return;
+    dropped = std::move(it->second);
+    regions_.erase(it);
+  }
+  dropped->MarkUnregistered();
+}
+
 void RegionRegistry::ReleaseSession(const std::string& session) {
   std::vector<RegionPin> dropped;
   {
@@ -114,10 +126,16 @@ absl::StatusOr<RegionPin> RegionRegistry::Find(absl::string_view session,
 
 namespace {
 
+// A wanted shape: "*" for a dimension of any size.
 std::string ShapeString(const Dims& shape) {
   std::vector<std::string> dims;
   for (int64_t d : shape) dims.push_back(d < 0 ? "*" : absl::StrCat(d));
   return absl::StrCat("[", absl::StrJoin(dims, ", "), "]");
+}
+
+// A given shape, as given.
+std::string GivenShapeString(const Dims& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
 }  // namespace
@@ -145,7 +163,7 @@ absl::StatusOr<TensorView> RegionLookup::ResolveTensor(const v1::RegionTensor& t
   const int rank = static_cast<int>(spec.shape.size());
   Dims shape(t.shape().begin(), t.shape().end());
   if (static_cast<int>(shape.size()) != rank) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", ShapeString(shape),
+    return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", GivenShapeString(shape),
                                                    " has rank ", shape.size(), ", expected ",
                                                    ShapeString(spec.shape)));
   }
@@ -159,8 +177,12 @@ absl::StatusOr<TensorView> RegionLookup::ResolveTensor(const v1::RegionTensor& t
                                                    ", expected ", DTypeName(want)));
   }
   for (int d = 0; d < rank; ++d) {
-    if (shape[d] < 0 || (spec.shape[d] >= 0 && shape[d] != spec.shape[d])) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", ShapeString(shape),
+    if (shape[d] < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", GivenShapeString(shape),
+                                                     ": dimension ", d, " is negative"));
+    }
+    if (spec.shape[d] >= 0 && shape[d] != spec.shape[d]) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": shape ", GivenShapeString(shape),
                                                      ", expected ", ShapeString(spec.shape)));
     }
   }
@@ -201,13 +223,13 @@ absl::StatusOr<TensorView> RegionLookup::ResolveTensor(const v1::RegionTensor& t
     const uint64_t extent = static_cast<uint64_t>(shape[d] - 1);
     const uint64_t stride = static_cast<uint64_t>(strides[d]);
     if (stride != 0 && extent > (size / elem) / stride) {
-      return absl::OutOfRangeError(absl::StrCat(field, ": shape ", ShapeString(shape),
+      return absl::OutOfRangeError(absl::StrCat(field, ": shape ", GivenShapeString(shape),
                                                 " with these strides reaches past region \"",
                                                 t.region(), "\" (", size, " bytes)"));
     }
     last += extent * stride;
     if (last > size / elem) {
-      return absl::OutOfRangeError(absl::StrCat(field, ": shape ", ShapeString(shape),
+      return absl::OutOfRangeError(absl::StrCat(field, ": shape ", GivenShapeString(shape),
                                                 " with these strides reaches past region \"",
                                                 t.region(), "\" (", size, " bytes)"));
     }
@@ -223,10 +245,11 @@ absl::StatusOr<TensorView> RegionLookup::ResolveTensor(const v1::RegionTensor& t
   view.shape = std::move(shape);
   view.strides = std::move(strides);
   view.region = *region;
+  view.span = (*region)->Span(t.offset_bytes(), needed);
   return view;
 }
 
-absl::StatusOr<std::pair<uint32_t*, RegionPin>> RegionRegistry::ResolveCounter(
+absl::StatusOr<Counter> RegionRegistry::ResolveCounter(
     const std::string& session, const v1::Doorbell& doorbell, absl::string_view field) const {
   absl::StatusOr<RegionPin> region = Find(session, doorbell.region());
   if (!region.ok()) return absl::NotFoundError(absl::StrCat(field, ": ", region.status().message()));
@@ -240,9 +263,12 @@ absl::StatusOr<std::pair<uint32_t*, RegionPin>> RegionRegistry::ResolveCounter(
                                               " is past the end of region \"", doorbell.region(),
                                               "\" (", size, " bytes)"));
   }
-  auto* counter = reinterpret_cast<uint32_t*>(static_cast<char*>((*region)->data()) +
-                                              doorbell.offset_bytes());
-  return std::make_pair(counter, *std::move(region));
+  Counter counter;
+  counter.word = reinterpret_cast<uint32_t*>(static_cast<char*>((*region)->data()) +
+                                             doorbell.offset_bytes());
+  counter.span = (*region)->Span(doorbell.offset_bytes(), 4);
+  counter.pin = *std::move(region);
+  return counter;
 }
 
 }  // namespace server

@@ -44,7 +44,11 @@ namespace server {
 class Region {
  public:
   Region(std::string session, std::string name, std::unique_ptr<MappedRegion> mapped)
-      : session_(std::move(session)), name_(std::move(name)), mapped_(std::move(mapped)) {}
+      : session_(std::move(session)),
+        name_(std::move(name)),
+        mapped_(std::move(mapped)),
+        object_(mapped_->object()),
+        object_offset_(mapped_->object_offset()) {}
   ~Region();
 
   const std::string& session() const { return session_; }
@@ -52,6 +56,10 @@ class Region {
   void* data() const { return mapped_->data(); }
   uint64_t byte_size() const { return mapped_->byte_size(); }
   absl::string_view kind() const { return mapped_->kind(); }
+  // Bytes [offset, offset + bytes) of the region, as a span of its memory.
+  ByteSpan Span(uint64_t offset, uint64_t bytes) const {
+    return ByteSpan{object_, object_offset_ + offset, object_offset_ + offset + bytes};
+  }
 
   // Runs `fn` once the region is unmapped.
   void OnUnmapped(std::function<void()> fn);
@@ -61,11 +69,16 @@ class Region {
   bool registered() const { return registered_.load(std::memory_order_acquire); }
   void MarkUnregistered() { registered_.store(false, std::memory_order_release); }
 
+  // Whether its owner truncated it while it was in use (MappedRegion::faulted).
+  bool faulted() const { return mapped_->faulted(); }
+
  private:
   std::atomic<bool> registered_{true};
   std::string session_;
   std::string name_;
   std::unique_ptr<MappedRegion> mapped_;
+  const MemoryObject object_;
+  const uint64_t object_offset_;
   absl::Mutex mu_;
   std::vector<std::function<void()>> on_unmapped_;
 };
@@ -92,6 +105,14 @@ struct TensorView {
   Dims shape;
   Dims strides;
   const Region* region = nullptr;
+  ByteSpan span;  // the bytes from its first to its last element, in the region's memory
+};
+
+// A doorbell's counter: 4 bytes in a region of the session.
+struct Counter {
+  uint32_t* word = nullptr;
+  RegionPin pin;
+  ByteSpan span;
 };
 
 class RegionRegistry {
@@ -111,6 +132,10 @@ class RegionRegistry {
   absl::Status Unregister(const std::string& session, const std::string& name,
                           std::function<void()> unmapped);
 
+  // Drops `region`'s registration if it is still registered (its name may
+  // have been registered again since: that one stays).
+  void Drop(const RegionPin& region);
+
   // Drops every region of `session` (its end); it registers no more.
   void ReleaseSession(const std::string& session);
 
@@ -121,9 +146,8 @@ class RegionRegistry {
   absl::StatusOr<RegionPin> Find(absl::string_view session, absl::string_view name) const;
 
   // A 4-byte counter for a doorbell, inside a region of the session.
-  absl::StatusOr<std::pair<uint32_t*, RegionPin>> ResolveCounter(const std::string& session,
-                                                                 const v1::Doorbell& doorbell,
-                                                                 absl::string_view field) const;
+  absl::StatusOr<Counter> ResolveCounter(const std::string& session, const v1::Doorbell& doorbell,
+                                         absl::string_view field) const;
 
  private:
   mutable absl::Mutex mu_;

@@ -25,6 +25,10 @@ class HostRegion final : public MappedRegion {
   void* data() const override { return const_cast<uint8_t*>(bytes_.data()); }
   uint64_t byte_size() const override { return bytes_.size(); }
   absl::string_view kind() const override { return "shm"; }
+  MemoryObject object() const override {
+    return MemoryObject{MemoryObject::kHost, reinterpret_cast<uint64_t>(bytes_.data()), 0};
+  }
+  uint64_t object_offset() const override { return 0; }
 
  private:
   std::vector<uint8_t> bytes_;

@@ -109,6 +109,8 @@ grpc::ServerUnaryReactor* SpecStateService::GetStats(grpc::CallbackServerContext
   response->set_regions(engine_->regions().Count());
   response->set_driver(sessions_->DriverDescription());
   response->set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
+  const std::string problem = engine_->HealthProblem();
+  response->set_health(problem.empty() ? "SERVING" : absl::StrCat("NOT_SERVING: ", problem));
   stats_.ToProto(response);
   Finish(reactor, "GetStats", start, absl::OkStatus());
   return reactor;

@@ -848,8 +848,11 @@ TEST_F(ServiceTest, RegionRegistration) {
               absl::StatusCode::kNotFound, "shm_open(/specstate-no-such)");
   ExpectError(raw([](v1::RegisterRegionRequest* r) { r->set_byte_size(1 << 20); }),
               absl::StatusCode::kOutOfRange, "does not fit");
-  ExpectError(raw([](v1::RegisterRegionRequest* r) { r->set_offset_bytes(~uint64_t{0} - 8); }),
+  ExpectError(raw([](v1::RegisterRegionRequest* r) { r->set_offset_bytes(~uint64_t{0} - 15); }),
               absl::StatusCode::kOutOfRange, "does not fit");
+  // Every element of a region at an odd offset would be misaligned.
+  ExpectError(raw([](v1::RegisterRegionRequest* r) { r->set_offset_bytes(1); }),
+              absl::StatusCode::kInvalidArgument, "offset_bytes = 1 must be a multiple of 16");
   ExpectError(raw([](v1::RegisterRegionRequest* r) { r->set_cuda_ipc_handle(std::string(64, 'x')); }),
               absl::StatusCode::kInvalidArgument, "CPU backend");
   ExpectError(raw([](v1::RegisterRegionRequest* r) { r->set_shm_name("no-slash"); }),

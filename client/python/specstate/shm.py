@@ -166,19 +166,20 @@ class MappedPools:
     """
 
     def __init__(self, export: pb.ExportPoolsResponse) -> None:
-        if not export.shm_name:
+        if not export.shm_path:
             raise SpecStateError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "the service exports its pools by CUDA IPC handle (CUDA backend): map them with "
                 "specstate.cuda.CudaPools")
         try:
-            fd = _posixshmem.shm_open(export.shm_name, os.O_RDWR, mode=0)
+            # A sealed memfd of the service's, by its /proc path.
+            fd = os.open(export.shm_path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as e:
-            raise _shm_error(f"shm_open({export.shm_name}) of the service's pools", e) from None
+            raise _shm_error(f"open({export.shm_path}) of the service's pools", e) from None
         try:
             mm = mmap.mmap(fd, export.allocation_bytes)
         except OSError as e:
-            raise _shm_error(f"mmap of the service's pools ({export.shm_name})", e) from None
+            raise _shm_error(f"mmap of the service's pools ({export.shm_path})", e) from None
         finally:
             os.close(fd)
         self.export = export

@@ -7,7 +7,6 @@ The Unix socket lives in a short tempfile.mkdtemp(dir="/tmp") directory
 """
 from __future__ import annotations
 
-import _posixshmem
 import os
 import shutil
 import signal
@@ -44,7 +43,6 @@ class Server:
         self.address = "unix://" + self.socket
         self.log_path = os.path.join(self.dir, "specstated.log")
         self.process: Optional[subprocess.Popen] = None
-        self.pools_shm = ""  # the CPU backend's pools object, unlinked by stop()
 
     def start(self, timeout: float = 30.0) -> "Server":
         args = [find_specstated(), f"--listen={self.address}"]
@@ -60,7 +58,7 @@ class Server:
             if os.path.exists(self.socket):
                 try:
                     with specstate.Client(self.address, connect_timeout=1.0) as client:
-                        self.pools_shm = client.export_pools().shm_name
+                        client.layout()
                     return self
                 except specstate.SpecStateError:
                     pass
@@ -91,15 +89,7 @@ class Server:
                 self.process.wait()
 
     def stop(self) -> None:
-        self.kill()
-        # A process killed hard leaves its pools object behind. (Only then: the
-        # name is "/specstate-<pid>-pools", and in a PID namespace another live
-        # server may have the same pid.)
-        if self.pools_shm and self.process is not None and self.process.returncode == -9:
-            try:
-                _posixshmem.shm_unlink(self.pools_shm)
-            except FileNotFoundError:
-                pass
+        self.kill()  # the pools (a memfd) go with the process
         if getattr(self, "_log", None) is not None:
             self._log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
