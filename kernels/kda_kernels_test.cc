@@ -1797,8 +1797,10 @@ TEST_P(KdaKernelsTest, CommitAlignModeRandomRows) {
 // for bit: their reductions over K run in other orders, and exp differs by
 // an ulp), to about 1e-6 relative, bounded here by the fp32 compute budget
 // plus one rounding of what is stored.
-TEST_P(KdaKernelsTest, CudaAgreesWithCpu) {
-  if (GetParam() != Backend::kCuda) GTEST_SKIP() << "compares the CUDA backend with the CPU one";
+// Instantiated for the CUDA backend only: a GPU suite skips nothing.
+class CudaAgreementTest : public KdaKernelsTest {};
+
+TEST_P(CudaAgreementTest, CudaAgreesWithCpu) {
   for (const Config& c : {kConfigs[0], kConfigs[4], kConfigs[6], kConfigs[7]}) {
     StepSpec spec = SpecOf(c);
     spec.num_layers = 2;
@@ -2734,6 +2736,8 @@ std::string BackendParamName(const ::testing::TestParamInfo<Backend>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, KdaKernelsTest, ::testing::Values(Backend::kCpu, Backend::kCuda),
+                         BackendParamName);
+INSTANTIATE_TEST_SUITE_P(Backends, CudaAgreementTest, ::testing::Values(Backend::kCuda),
                          BackendParamName);
 INSTANTIATE_TEST_SUITE_P(Backends, RecordStateBlocksTest,
                          ::testing::Values(Backend::kCpu, Backend::kCuda), BackendParamName);

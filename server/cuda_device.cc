@@ -552,9 +552,9 @@ class CudaDevice final : public Device {
   };
 
   CudaDevice(int ordinal, const kernels::KdaKernels& kernels, absl::Duration submit_spin)
-      : ordinal_(ordinal),
-        kernels_(kernels),
-        submit_spin_(std::chrono::microseconds(absl::ToInt64Microseconds(submit_spin))) {}
+      : submit_spin_(std::chrono::microseconds(absl::ToInt64Microseconds(submit_spin))),
+        ordinal_(ordinal),
+        kernels_(kernels) {}
 
   // Zeroes on the service's stream and waits (set-up only). cudaMemset would
   // run on the legacy default stream, which the non-blocking stream_ does not

@@ -156,11 +156,31 @@ TEST_F(GpuServiceTest, CudaRegionHandlesAreChecked) {
   EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
   st = raw([](v1::RegisterRegionRequest* r) { r->set_shm_name("/x"); });
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  // The service's own pools are no region.
+  const std::string pools = c->ExportPools().value().cuda_ipc_handle();
+  st = raw([&](v1::RegisterRegionRequest* r) { r->set_cuda_ipc_handle(pools); });
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("the service's own pools"));
   EXPECT_TRUE(raw([](v1::RegisterRegionRequest*) {}).ok());
+  // Events of the wrong size, to wait on and to record: refused before
+  // anything is enqueued.
+  for (const auto& [field, bytes] : {std::make_pair("wait", 10), std::make_pair("signal", 65)}) {
+    v1::CommitRequest commit;
+    commit.set_session_id(session->id());
+    commit.set_step(1);
+    commit.mutable_num_accepted()->mutable_values()->add_values(1);
+    commit.set_ordering(v1::ASYNC);
+    v1::Signal* sync = std::string(field) == "wait" ? commit.mutable_wait() : commit.mutable_signal();
+    sync->mutable_event()->set_handle(std::string(bytes, 'x'));
+    st = session->Commit(commit).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(std::string(st.message()),
+                HasSubstr(absl::StrCat(field, ".event: event handle has ", bytes,
+                                       " bytes; a cudaIpcEventHandle_t has 64")));
+  }
   // The service maps the buffer until the session ends: end it before the
   // memory is freed.
   ASSERT_TRUE(session->Close().ok());
-  // Events of the wrong size.
 }
 
 }  // namespace

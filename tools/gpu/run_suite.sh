@@ -19,13 +19,28 @@ summary="$out/summary.txt"
 : > "$summary"
 note() { echo "$*" | tee -a "$summary"; }
 
+# No GPU, no suite: a run that skipped its GPU cases is not a pass.
+if ! nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+  note "no GPU is visible (nvidia-smi -L lists none): the GPU suites cannot run"
+  exit 1
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/gpu: /' | tee -a "$summary"
+# A GPU test that skipped itself (no device, no CUDA build) fails the suite.
+no_skips() {  # LOG NAME
+  local n
+  n=$(grep -cE '^\[  SKIPPED \]|skipped=[0-9]+' "$1")
+  if [ "$n" -gt 0 ]; then
+    note "$2: $n skipped (a GPU suite must run every case): failed"
+    status=1
+  fi
+}
 
 if [ "$what" = all ] || [ "$what" = tests ]; then
   if [ ! -x "$bin/kda_kernels_gpu_test" ]; then note "kda_kernels_gpu_test: not in this bundle"; else
   timeout 300 "$bin/kda_kernels_gpu_test" --gtest_brief=1 > "$out/kernels.log" 2>&1
   rc=$?; note "kda_kernels_gpu_test: exit $rc, $(grep -E '^\[  (PASSED|FAILED) ' "$out/kernels.log" | tr '\n' ' ')"
   [ $rc -eq 0 ] || status=1
+  no_skips "$out/kernels.log" kda_kernels_gpu_test
   sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   if [ -x "$sanitizer" ]; then
     timeout 240 "$sanitizer" --tool memcheck --error-exitcode 9 "$bin/kda_kernels_gpu_test" \
@@ -42,6 +57,7 @@ if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = service ]; then
     > "$out/gpu_service.log" 2>&1
   rc=$?; note "gpu_service_test: exit $rc, $(grep -E '^\[  (PASSED|FAILED) ' "$out/gpu_service.log" | tr '\n' ' ')"
   [ $rc -eq 0 ] || status=1
+  no_skips "$out/gpu_service.log" gpu_service_test
   # The Python client with torch tensors; the Python process keeps its own
   # libraries (LD_LIBRARY_PATH only for the launched specstated).
   if [ -d "$bundle/python" ]; then
@@ -49,6 +65,7 @@ if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = service ]; then
       PYTHONUNBUFFERED=1 timeout 240 python3 "$bundle/python/tests/gpu_test.py") > "$out/python_gpu.log" 2>&1
     rc=$?; note "python gpu_test: exit $rc, $(grep -E '^(Ran|OK|FAILED)' "$out/python_gpu.log" | tr '\n' ' ')"
     [ $rc -eq 0 ] || status=1
+    no_skips "$out/python_gpu.log" "python gpu_test"
   fi
 fi
 
