@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Builds the fuzz target with clang (libFuzzer + AddressSanitizer +
+# UndefinedBehaviorSanitizer) and runs it, bounded, over the committed
+# corpus. Ends with "1 passed, 0 failed" or "0 passed, 1 failed".
+#   tools/fuzz/run.sh [--seconds=60] [--jobs=1] [--keep]   # --keep: add new inputs to the corpus
+# Outside Bazel on purpose: Bazel's one C++ toolchain is gcc's, and switching
+# its compiler would reconfigure (and rebuild) everything else.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+seconds=60
+keep=0
+for arg in "$@"; do
+  case "$arg" in
+    --seconds=*) seconds=${arg#--seconds=} ;;
+    --keep) keep=1 ;;
+    *) echo "unknown argument $arg" >&2; exit 2 ;;
+  esac
+done
+fail() { echo "fuzz: $*"; echo "0 passed, 1 failed"; exit 1; }
+
+tools/install_deps.sh || fail "installing the build packages failed"
+missing=()
+for p in clang libclang-rt-14-dev; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null || fail "cannot install ${missing[*]}"
+fi
+
+out=${FUZZ_OUT:-/tmp/specstate-fuzz}
+mkdir -p "$out/gen" "$out/obj"
+protoc -Iproto --cpp_out="$out/gen" proto/specstate/v1/specstate.proto || fail "protoc failed"
+flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -ffp-contract=off
+       -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined
+       -I. -I"$out/gen" $(pkg-config --cflags protobuf))
+sources=(
+  server/engine.cc server/regions.cc server/config.cc server/cpu_device.cc
+  server/truncation_guard.cc server/no_cuda_device.cc server/log.cc server/phase_profile.cc
+  kernels/cpu/kda_cpu.cc kernels/kda_kernels.cc kernels/no_cuda.cc kernels/device_status.cc
+  kernels/dtype.cc "$out/gen/specstate/v1/specstate.pb.cc" tools/fuzz/engine_fuzzer.cc
+)
+objects=()
+pids=()
+for src in "${sources[@]}"; do
+  obj="$out/obj/$(echo "$src" | tr '/' '_').o"
+  objects+=("$obj")
+  # Rebuilt when the source is newer (headers: a clean $out rebuilds all).
+  if [ ! -f "$obj" ] || [ "$src" -nt "$obj" ]; then
+    clang++ "${flags[@]}" -c "$src" -o "$obj" &
+    pids+=($!)
+    if [ ${#pids[@]} -ge "$(nproc)" ]; then wait "${pids[0]}" || fail "compiling failed"; pids=("${pids[@]:1}"); fi
+  fi
+done
+for p in "${pids[@]}"; do wait "$p" || fail "compiling failed"; done
+absl="absl_base absl_status absl_statusor absl_str_format absl_strings absl_synchronization
+      absl_time absl_hash absl_raw_hash_set"
+clang++ -fsanitize=fuzzer,address,undefined "${objects[@]}" -o "$out/engine_fuzzer" \
+  $(pkg-config --libs protobuf $absl) -lpthread || fail "linking failed"
+
+corpus=tools/fuzz/corpus
+work=$(mktemp -d /tmp/fuzz-corpus.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+cp "$corpus"/* "$work"/ 2>/dev/null || true
+echo "fuzz: $(ls "$work" | wc -l) corpus inputs, ${seconds} s"
+# The pools are checked after every call; a crash, a sanitizer report or a
+# changed pool on a rejected call ends the run with a non-zero status.
+ASAN_OPTIONS=abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  "$out/engine_fuzzer" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 \
+  -print_final_stats=1 -artifact_prefix="$out/" "$work" 2>&1 | tail -n 25
+rc=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] || fail "the fuzz target failed (exit $rc); the input is under $out/"
+if [ "$keep" -eq 1 ]; then
+  mkdir -p "$corpus.new"
+  "$out/engine_fuzzer" -merge=1 "$corpus.new" "$work" "$corpus" >/dev/null 2>&1
+  rm -rf "$corpus" && mv "$corpus.new" "$corpus"
+  echo "fuzz: corpus now $(ls "$corpus" | wc -l) inputs"
+fi
+echo "1 passed, 0 failed"
