@@ -129,6 +129,66 @@ TEST_F(GpuServiceTest, KilledSchedulersWaitingCommitNeverRuns) {
   EXPECT_THAT(after.output, HasSubstr("verdict: PASS"));
 }
 
+// Health on the CUDA backend: a stream stuck on a doorbell for longer than
+// --stuck_stream_ms reports NOT_SERVING (overall and for the service), and
+// SERVING again once the doorbell rings.
+TEST_F(GpuServiceTest, HealthReportsAStuckStream) {
+  Start({"--stuck_stream_ms=300"});
+  auto c = client::Client::Connect(server_->address()).value();
+  ASSERT_EQ(c->Health().value(), "SERVING");
+  const v1::Layout layout = c->GetLayout().value();
+  auto session = c->OpenSession("gpu health", true).value();
+  const int H = layout.num_heads(), K = layout.head_dim();
+  v1::LoadLayerParamsRequest params;
+  params.set_layer(0);
+  for (int h = 0; h < H; ++h) params.mutable_a_log()->mutable_values()->add_values(-0.5f);
+  for (int i = 0; i < H * K; ++i) params.mutable_dt_bias()->mutable_values()->add_values(0.25f);
+  ASSERT_TRUE(session->LoadLayerParams(params).ok());
+  auto memory = client::SharedMemory::Create(v1::CUDA).value();
+  auto buffer = memory->Allocate(1 << 20).value();
+  std::vector<char> zeros(1 << 20, 0);
+  ASSERT_TRUE(memory->CopyIn(buffer->data(), zeros.data(), zeros.size()).ok());
+  ASSERT_TRUE(session->RegisterBuffer(*buffer, "acts").ok());
+  char* base = static_cast<char*>(buffer->data());
+  const int64_t T = 2;
+  const int64_t per = T * H * K * 2;
+  v1::VerifyRequest v;
+  v.set_step(1);
+  v.set_layer(0);
+  v.set_num_rows(1);
+  v.mutable_query_start_loc()->mutable_values()->add_values(0);
+  v.mutable_query_start_loc()->mutable_values()->add_values(2);
+  v.mutable_state_indices()->mutable_values()->add_values(1);
+  int which = 1;
+  for (v1::RegionTensor* t : {v.mutable_q(), v.mutable_k(), v.mutable_v(), v.mutable_g(),
+                              v.mutable_o()}) {
+    *t = session->Tensor(base + 4096 * which++, DType::kBFloat16, {T, H, K}).value();
+    ASSERT_LE(4096 * which + per, 1 << 20);
+  }
+  *v.mutable_beta() = session->Tensor(base + 4096 * 8 + 2 * per, DType::kBFloat16, {T, H}).value();
+  v.set_ordering(v1::ASYNC);
+  v.mutable_wait()->mutable_doorbell()->set_region("acts");
+  v.mutable_wait()->mutable_doorbell()->set_value(1);
+  ASSERT_TRUE(session->Verify(v).ok());
+  std::string overall, service;
+  for (int i = 0; i < 100; ++i) {
+    overall = c->Health().value();
+    service = c->Health("specstate.v1.SpecState").value();
+    if (overall == "NOT_SERVING" && service == "NOT_SERVING") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(overall, "NOT_SERVING");
+  EXPECT_EQ(service, "NOT_SERVING");
+  EXPECT_THAT(c->GetStats().value().health(), HasSubstr("NOT_SERVING: the device's queue"));
+  const uint32_t one = 1;
+  ASSERT_TRUE(memory->CopyIn(base, &one, sizeof(one)).ok());
+  for (int i = 0; i < 100 && c->Health().value() != "SERVING"; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(c->Health().value(), "SERVING");
+  ASSERT_TRUE(session->Close().ok());
+}
+
 TEST_F(GpuServiceTest, CudaRegionHandlesAreChecked) {
   Start({});
   auto c = client::Client::Connect(server_->address()).value();
