@@ -162,6 +162,20 @@ double RelativeError(const std::vector<double>& got, const std::vector<double>& 
   return norm > 0.0 ? std::sqrt(diff / norm) : std::sqrt(diff);
 }
 
+// max_i |got_i - want_i| / max_i |want_i|: element-wise beside the norm-wise
+// RelativeError (one wrong element hides in a norm over thousands). Every
+// element's error is at most the compute budget, relative to the tensor's
+// scale, plus one rounding of itself: the same Tolerance() bounds it.
+double ElementwiseError(const std::vector<double>& got, const std::vector<double>& want) {
+  double worst = 0.0, scale = 0.0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double d = std::fabs(got[i] - want[i]);
+    if (!(d <= worst)) worst = d;  // NaN sticks
+    scale = std::max(scale, std::fabs(want[i]));
+  }
+  return scale > 0.0 ? worst / scale : worst;
+}
+
 // The bound on ||kernel - reference|| / ||reference|| for a tensor stored in
 // `stored` (SEMANTICS.md: fp32 arithmetic throughout, one rounding on store).
 //  - The kernels compute in fp32, the reference in float64 from the same
@@ -1119,6 +1133,8 @@ void ExpectOutputs(const Step& s, const std::vector<uint8_t>& out, const std::ve
   if (!want_values.empty()) {
     EXPECT_LT(RelativeError(got_values, want_values), Tolerance(s.shape.act_dtype))
         << "outputs vs the float64 reference";
+    EXPECT_LT(ElementwiseError(got_values, want_values), Tolerance(s.shape.act_dtype))
+        << "outputs vs the float64 reference, element-wise";
   }
 }
 
@@ -1229,9 +1245,12 @@ TEST_P(KdaKernelsTest, StockMatchesReference) {
       for (int t = 0; t < tokens; ++t) {
         const int32_t block = s.stock_indices[n][t];
         if (block <= 0) continue;
-        EXPECT_LT(RelativeError(BlockValues(s, pool, block), model.at(block)),
-                  Tolerance(s.shape.state_dtype))
+        const std::vector<double> got = BlockValues(s, pool, block);
+        EXPECT_LT(RelativeError(got, model.at(block)), Tolerance(s.shape.state_dtype))
             << "row " << n << ", state after token " << t << " (block " << block << ")";
+        EXPECT_LT(ElementwiseError(got, model.at(block)), Tolerance(s.shape.state_dtype))
+            << "row " << n << ", state after token " << t << " (block " << block
+            << "), element-wise";
         SetBlockBytes(s, &rest, block, BlockBytes(s, L.stock_pool.host, block));
       }
     }
@@ -1333,9 +1352,11 @@ TEST_P(KdaKernelsTest, CommitMatchesReference) {
           std::vector<int32_t> blocks = {p.final_block};
           if (p.boundary_block > 0) blocks.push_back(p.boundary_block);
           for (int32_t block : blocks) {
-            EXPECT_LT(RelativeError(BlockValues(s, pool, block), states[l].at(block)),
-                      Tolerance(s.shape.state_dtype))
+            const std::vector<double> got = BlockValues(s, pool, block);
+            EXPECT_LT(RelativeError(got, states[l].at(block)), Tolerance(s.shape.state_dtype))
                 << "layer " << l << ", row " << i << ", block " << block;
+            EXPECT_LT(ElementwiseError(got, states[l].at(block)), Tolerance(s.shape.state_dtype))
+                << "layer " << l << ", row " << i << ", block " << block << ", element-wise";
             ++compared;
           }
         }
@@ -1479,6 +1500,50 @@ TEST_P(KdaKernelsTest, CancelledStepRunsNothing) {
   another_step.generation = generation + 1;
   ASSERT_TRUE(CallOk(RunCommit(s, another_step)));
   ExpectCommitMatchesStock(s, before);
+}
+
+// Batch invariance: a row's outputs and committed state do not depend on the
+// other rows or on N. Row 0 inside a step of 256 rows, then alone (N = 1,
+// the same inputs and initial state), bit for bit.
+TEST_P(KdaKernelsTest, ARowComputesTheSameAloneAndInABatchOf256) {
+  StepSpec spec;
+  spec.head_dim = 128;
+  for (int n = 0; n < 256; ++n) {
+    spec.tokens.push_back(rng().Int(1, spec.q));
+    spec.sources.push_back(1);
+    spec.num_accepted.push_back(rng().Int(1, spec.q));
+  }
+  Step s = MakeStep(spec);
+  Layer& L = s.layers[0];
+  const std::vector<uint8_t> initial = L.pool.Read();
+  ASSERT_TRUE(CallOk(RunVerify(s, 0)));
+  ASSERT_TRUE(CallOk(RunCommit(s)));
+  const std::vector<uint8_t> batch_out = L.verify_out.Read();
+  const std::vector<uint8_t> batch_pool = L.pool.Read();
+
+  L.pool.Write(initial);
+  L.verify_out.Write(std::vector<uint8_t>(batch_out.size(), 0x5a));
+  s.rows = 1;
+  s.batch = 1;
+  s.qsl = {0, s.qsl[1]};
+  s.sources = {s.sources[0]};
+  s.num_accepted = {s.num_accepted[0]};
+  ASSERT_TRUE(CallOk(RunVerify(s, 0)));
+  ASSERT_TRUE(CallOk(RunCommit(s)));
+  const size_t out_bytes = size_t(s.qsl[1]) * s.hk() * s.act_size();
+  const std::vector<uint8_t> alone_out = L.verify_out.Read();
+  EXPECT_EQ(FirstDifference(std::vector<uint8_t>(batch_out.begin(), batch_out.begin() + out_bytes),
+                            std::vector<uint8_t>(alone_out.begin(), alone_out.begin() + out_bytes)),
+            -1)
+      << "row 0's outputs differ alone and in the batch";
+  const size_t block_bytes = size_t(s.state_elems()) * s.state_size();
+  const size_t at = size_t(s.sources[0]) * size_t(s.block_stride) * s.state_size();
+  const std::vector<uint8_t> alone_pool = L.pool.Read();
+  EXPECT_EQ(FirstDifference(
+                std::vector<uint8_t>(batch_pool.begin() + at, batch_pool.begin() + at + block_bytes),
+                std::vector<uint8_t>(alone_pool.begin() + at, alone_pool.begin() + at + block_bytes)),
+            -1)
+      << "row 0's committed state differs alone and in the batch";
 }
 
 // The input-fault word (Prerequisites::input_fault, set by the CPU service's
@@ -1799,6 +1864,46 @@ TEST_P(KdaKernelsTest, CommitAlignModeRandomRows) {
 // plus one rounding of what is stored.
 // Instantiated for the CUDA backend only: a GPU suite skips nothing.
 class CudaAgreementTest : public KdaKernelsTest {};
+
+#if defined(SPECSTATE_TEST_CUDA)
+// The pipelined persistent kernel (production) and the one-block-per-item
+// kernel before it run the same per-token math with the same layout and
+// reductions: the same bits for verify's outputs and the committed states.
+TEST_P(CudaAgreementTest, PipelinedKernelEqualsTheOneBlockPerItemKernel) {
+  StepSpec spec;
+  spec.head_dim = 128;
+  spec.heads = 3;
+  spec.num_layers = 3;
+  for (int n = 0; n < 40; ++n) {
+    spec.tokens.push_back(rng().Int(0, spec.q));
+    spec.sources.push_back(n % 7 == 3 ? 0 : 1);
+    spec.num_accepted.push_back(rng().Int(0, spec.q + 1));
+  }
+  Step s = MakeStep(spec);
+  auto before = CudaKdaKernelsWithLayout(1);
+  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_THAT(before->first, HasSubstr("one block per item"));
+  const KdaKernels* pipelined = kernels_;
+  std::vector<std::vector<uint8_t>> initial;
+  for (const Layer& L : s.layers) initial.push_back(L.pool.Read());
+  std::vector<std::vector<uint8_t>> outputs[2], pools[2];
+  for (int variant = 0; variant < 2; ++variant) {
+    kernels_ = variant == 0 ? pipelined : before->second;
+    for (int l = 0; l < spec.num_layers; ++l) {
+      s.layers[l].pool.Write(initial[l]);
+      ASSERT_TRUE(CallOk(RunVerify(s, l))) << "variant " << variant << ", layer " << l;
+      outputs[variant].push_back(s.layers[l].verify_out.Read());
+    }
+    ASSERT_TRUE(CallOk(RunCommit(s))) << "variant " << variant;
+    for (const Layer& L : s.layers) pools[variant].push_back(L.pool.Read());
+  }
+  kernels_ = pipelined;
+  for (int l = 0; l < spec.num_layers; ++l) {
+    EXPECT_EQ(FirstDifference(outputs[0][l], outputs[1][l]), -1) << "outputs, layer " << l;
+    EXPECT_EQ(FirstDifference(pools[0][l], pools[1][l]), -1) << "pool, layer " << l;
+  }
+}
+#endif
 
 TEST_P(CudaAgreementTest, CudaAgreesWithCpu) {
   for (const Config& c : {kConfigs[0], kConfigs[4], kConfigs[6], kConfigs[7]}) {

@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <string>
@@ -60,6 +61,9 @@ struct ThreadLayout {
 // registers at 80 (6 blocks of 128 threads per SM) hides more of the memory
 // latency than the uncapped kernel does.
 using ProductionLayout = ThreadLayout<4, 128, 6>;
+// The pipelined kernel: 4 blocks of 128 threads per SM (shared memory holds
+// two stage buffers each; 128 registers a thread).
+using PipelinedLayout = ThreadLayout<4, 128, 4>;
 
 constexpr int kCheckThreads = 1024;
 constexpr int kConvThreads = 256;
@@ -123,7 +127,16 @@ struct RecurrentLaunch {
   int num_rows;
   int num_heads;
   int num_layers;
+  // The pipelined kernel copies a head's q, k, v and g asynchronously when
+  // every token's head slice starts on a 16-byte boundary (else it loads them).
+  bool async_inputs;
   float lower_bound;
+  // Verify checked against the step's snapshot (expected values): the
+  // pipelined kernel may load its first item's inputs before the check kernel
+  // has finished, bounded by these (the check decides afterwards).
+  bool early_loads;
+  int64_t num_tokens;
+  int64_t num_blocks;
   // Stock and verify: tokens of row n are [qsl[n], qsl[n + 1]). Replay: row
   // n's tokens are records [n * window, n * window + window).
   const int32_t* qsl;
@@ -179,6 +192,18 @@ __device__ __forceinline__ float LaneSum(float x) {
   return x;
 }
 
+// Programmatic dependent launch (sm_90): a call's kernels after the first
+// are launched while the one before runs (LaunchDependent), start early, and
+// wait for it (WaitForPrerequisiteGrid: its work done and visible) before
+// they read what it wrote or write anything. Kernels launched plainly see
+// both as no-ops.
+__device__ __forceinline__ void WaitForPrerequisiteGrid() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+__device__ __forceinline__ void LetDependentsLaunch() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
 __device__ __forceinline__ float WarpSum(float x) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
@@ -196,6 +221,7 @@ __global__ void __launch_bounds__(Layout::kThreads, Layout::kMinBlocks)
   constexpr int kChunks = V / kRows;
   static_assert(V % kRows == 0 && kSeg % 4 == 0, "layout does not tile the head");
   constexpr bool kWantOutput = M != Mode::kReplay;
+  WaitForPrerequisiteGrid();
   if (p.status->failed) return;
 
   int64_t block = blockIdx.x;
@@ -340,6 +366,23 @@ __global__ void __launch_bounds__(Layout::kThreads, Layout::kMinBlocks)
   }
 }
 
+// Launches `kernel` as a programmatic dependent of the stream's last kernel.
+template <typename... KernelArgs, typename... Args>
+cudaError_t LaunchDependent(void (*kernel)(KernelArgs...), unsigned blocks, unsigned threads,
+                            size_t smem, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
 template <Mode M, typename Act, typename State, int K, typename Layout>
 cudaError_t LaunchRecurrent(const RecurrentLaunch& p, int num_layers, cudaStream_t stream) {
   const int64_t blocks = int64_t{num_layers} * p.num_rows * p.num_heads * (K / Layout::kRows);
@@ -355,6 +398,16 @@ cudaError_t LaunchRecurrent(const RecurrentLaunch& p, int num_layers, cudaStream
   kernel<<<static_cast<unsigned>(blocks), Layout::kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
+
+}  // namespace
+}  // namespace kernels
+}  // namespace specstate
+
+#include "kernels/cuda/pipelined_recurrent.cuh"
+
+namespace specstate {
+namespace kernels {
+namespace {
 
 // ---------------------------------------------------------------------------
 // Single-block checks.
@@ -486,6 +539,7 @@ __device__ bool BlockCheckCrossRow(int num_rows, int32_t* owner, DeviceStatus* s
 }
 
 __global__ void __launch_bounds__(kCheckThreads) StockCheckKernel(const StockArgs a) {
+  LetDependentsLaunch();
   if (threadIdx.x == 0) *a.status = internal::OkStatus();
   __syncthreads();
   internal::StockRow unused;
@@ -541,6 +595,7 @@ __device__ bool VerifyChecks(const VerifyArgs& a) {
 }
 
 __global__ void __launch_bounds__(kCheckThreads) VerifyCheckKernel(const VerifyArgs a) {
+  LetDependentsLaunch();
   // The block knows whether it failed: no reload of its status to decide.
   if (!VerifyChecks(a) && a.status_mirror != nullptr && threadIdx.x == 0) {
     *a.status_mirror = *a.status;
@@ -574,6 +629,7 @@ __device__ void CommitPlan(const CommitArgs& a, int64_t num_blocks) {
 
 __global__ void __launch_bounds__(kCheckThreads) CommitPlanKernel(const CommitArgs a,
                                                                   int64_t num_blocks) {
+  LetDependentsLaunch();
   CommitPlan(a, num_blocks);
   PublishStatus(a.status, a.status_mirror);
 }
@@ -584,6 +640,8 @@ __global__ void __launch_bounds__(kCheckThreads) CommitPlanKernel(const CommitAr
 template <typename Act>
 __global__ void __launch_bounds__(kConvThreads)
     ConvCompactKernel(const CommitArgs a, int64_t num_blocks, int dim_blocks, int history_len) {
+  LetDependentsLaunch();
+  WaitForPrerequisiteGrid();
   if (a.status->failed) return;
   const int64_t block = blockIdx.x;
   const int dim_block = static_cast<int>(block % dim_blocks);
@@ -688,6 +746,24 @@ __global__ void __launch_bounds__(kCheckThreads) LoadParamsKernel(const LoadPara
 
 // ---------------------------------------------------------------------------
 
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Whether every token's head slice of q, k, g and v starts on a 16-byte
+// boundary (the pipelined kernel then copies them asynchronously).
+bool InputsAligned(const void* q, int64_t q_stride, const void* k, int64_t k_stride, const void* v,
+                   int64_t v_stride, const void* g, int heads, int head_dim, size_t elem) {
+  const auto ok = [&](const void* p, int64_t stride) {
+    return Aligned16(p) && (stride * int64_t(elem)) % 16 == 0;
+  };
+  return ok(q, q_stride) && ok(k, k_stride) && ok(v, v_stride) &&
+         ok(g, int64_t{heads} * head_dim) && (head_dim * elem) % 16 == 0;
+}
+
+bool ViewInputsAligned(const LayerView& l, int heads, int head_dim, size_t elem) {
+  return InputsAligned(l.q, l.q_stride, l.k, l.k_stride, l.v, l.v_stride, l.g, heads, head_dim,
+                       elem);
+}
+
 absl::Status CudaStatus(cudaError_t err, absl::string_view op) {
   if (err == cudaSuccess) return absl::OkStatus();
   return absl::InternalError(
@@ -736,7 +812,19 @@ bool DispatchBenchShape(const KdaShape& shape, F&& f) {
   return true;
 }
 
-template <typename Layout, bool kAllShapes>
+// The recurrent kernel of a variant: the pipelined persistent one
+// (production), or one block per work item (the earlier kernel, kept so that
+// the benchmark compares both in one run).
+template <Mode M, typename Act, typename State, int K, typename Layout, bool kPipelined>
+cudaError_t Recurrent(const RecurrentLaunch& p, int num_layers, cudaStream_t stream) {
+  if constexpr (kPipelined) {
+    return LaunchPipelined<M, Act, State, K, Layout>(p, num_layers, stream);
+  } else {
+    return LaunchRecurrent<M, Act, State, K, Layout>(p, num_layers, stream);
+  }
+}
+
+template <typename Layout, bool kAllShapes, bool kPipelined = false>
 class CudaKernels final : public KdaKernels {
  public:
   Backend backend() const override { return Backend::kCuda; }
@@ -759,10 +847,13 @@ class CudaKernels final : public KdaKernels {
     p.max_tokens = internal::StockMaxTokens(a.ssm_state_indices.cols);
     p.status = a.status;
     p.layer = ViewOf(a.q, a.k, a.v, a.g, a.beta, a.out, a.state, a.params);
+    p.async_inputs = ViewInputsAligned(p.layer, a.shape.num_heads, a.shape.head_dim,
+                                       DTypeSize(a.shape.act_dtype));
     cudaError_t err = cudaErrorInvalidValue;
     const bool ok = Dispatch(a.shape, [&](auto act, auto state, auto head_dim) {
-      err = LaunchRecurrent<Mode::kStock, typename decltype(act)::type,
-                            typename decltype(state)::type, decltype(head_dim)::value, Layout>(
+      err = Recurrent<Mode::kStock, typename decltype(act)::type,
+                      typename decltype(state)::type, decltype(head_dim)::value, Layout,
+                      kPipelined>(
           p, 1, s);
     });
     return ok ? CudaStatus(err, "Stock") : Unsupported("Stock");
@@ -779,6 +870,9 @@ class CudaKernels final : public KdaKernels {
     p.num_heads = a.shape.num_heads;
     p.lower_bound = a.shape.lower_bound;
     // The snapshot the checks validated, never the caller's indices.
+    p.early_loads = a.expected_query_start_loc != nullptr;
+    p.num_tokens = a.num_tokens;
+    p.num_blocks = a.state.num_blocks;
     p.qsl = internal::VerifiedQueryStartLoc(a);
     p.indices = internal::VerifiedStateIndices(a);
     p.indices_stride = 1;
@@ -789,10 +883,13 @@ class CudaKernels final : public KdaKernels {
     p.layer.rec_kv = a.records.kv;
     p.layer.rec_g = a.records.g;
     p.layer.rec_beta = a.records.beta;
+    p.async_inputs = ViewInputsAligned(p.layer, a.shape.num_heads, a.shape.head_dim,
+                                       DTypeSize(a.shape.act_dtype));
     cudaError_t err = cudaErrorInvalidValue;
     const bool ok = Dispatch(a.shape, [&](auto act, auto state, auto head_dim) {
-      err = LaunchRecurrent<Mode::kVerify, typename decltype(act)::type,
-                            typename decltype(state)::type, decltype(head_dim)::value, Layout>(
+      err = Recurrent<Mode::kVerify, typename decltype(act)::type,
+                      typename decltype(state)::type, decltype(head_dim)::value, Layout,
+                      kPipelined>(
           p, 1, s);
     });
     return ok ? CudaStatus(err, "Verify") : Unsupported("Verify");
@@ -808,13 +905,15 @@ class CudaKernels final : public KdaKernels {
     }
 
     const int dim_blocks = (a.layers[0].conv.dim + kConvThreads - 1) / kConvThreads;
+    cudaError_t conv_err = cudaSuccess;
     const int64_t conv_blocks = int64_t{dim_blocks} * a.num_rows * a.num_layers;
     internal::DispatchAct(a.shape.act_dtype, [&](auto act) {
-      ConvCompactKernel<typename decltype(act)::type>
-          <<<static_cast<unsigned>(conv_blocks), kConvThreads, 0, s>>>(a, num_blocks, dim_blocks,
-                                                                      history_len);
+      conv_err = LaunchDependent(ConvCompactKernel<typename decltype(act)::type>,
+                                 static_cast<unsigned>(conv_blocks), kConvThreads, 0, s, a,
+                                 num_blocks, dim_blocks, history_len);
     });
-    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    if (const cudaError_t err = conv_err != cudaSuccess ? conv_err : cudaGetLastError();
+        err != cudaSuccess) {
       return CudaStatus(err, "Commit");
     }
 
@@ -829,10 +928,21 @@ class CudaKernels final : public KdaKernels {
     p.max_tokens = a.spec_query_len;
     p.status = a.status;
     p.replay_layers = a.device_layers;
+    // The replay reads the records: q = k = kv[:, 0], v = kv[:, 1], g.
+    p.async_inputs = true;
+    const int64_t hk = int64_t{a.shape.num_heads} * a.shape.head_dim;
+    const size_t elem = DTypeSize(a.shape.act_dtype);
+    for (int l = 0; l < a.num_layers; ++l) {
+      const Records& r = a.layers[l].records;
+      p.async_inputs = p.async_inputs &&
+                       InputsAligned(r.kv, 2 * hk, r.kv, 2 * hk, static_cast<char*>(r.kv) + hk * elem,
+                                     2 * hk, r.g, a.shape.num_heads, a.shape.head_dim, elem);
+    }
     cudaError_t err = cudaErrorInvalidValue;
     const bool ok = Dispatch(a.shape, [&](auto act, auto state, auto head_dim) {
-      err = LaunchRecurrent<Mode::kReplay, typename decltype(act)::type,
-                            typename decltype(state)::type, decltype(head_dim)::value, Layout>(
+      err = Recurrent<Mode::kReplay, typename decltype(act)::type,
+                      typename decltype(state)::type, decltype(head_dim)::value, Layout,
+                      kPipelined>(
           p, a.num_layers, s);
     });
     return ok ? CudaStatus(err, "Commit") : Unsupported("Commit");
@@ -883,7 +993,10 @@ struct LayoutVariant {
 
 const std::vector<LayoutVariant>& LayoutVariants() {
   static const std::vector<LayoutVariant>* const variants = new std::vector<LayoutVariant>{
-      {"4 lanes x 32 rows, <= 80 regs (production)", new CudaKernels<ProductionLayout, true>()},
+      {"pipelined persistent, 4 lanes x 32 rows (production)",
+       new CudaKernels<PipelinedLayout, true, true>()},
+      {"one block per item, 4 lanes x 32 rows, <= 80 regs (before)",
+       new CudaKernels<ProductionLayout, true>()},
       {"4 lanes x 32 rows, uncapped", new CudaKernels<ThreadLayout<4, 128, 1>, false>()},
       {"4 lanes x 16 rows", new CudaKernels<ThreadLayout<4, 64, 1>, false>()},
       {"4 lanes x 64 rows", new CudaKernels<ThreadLayout<4, 256, 1>, false>()},

@@ -1,7 +1,7 @@
 // kda_bench: times the CUDA RecoverSSM kernels against the device-to-device
 // copy bandwidth measured in the same run, and prints markdown tables.
 //
-//   kda_bench [--shapes=kimi_linear,kimi_k3] [--iters=30] [--sweep]
+//   kda_bench [--shapes=kimi_linear,kimi_k3] [--iters=30] [--sweep] [--before] [--cold]
 //
 // For each shape and N requests: the stock spec-path kernel on one layer,
 // verify on one layer, and the commit of every layer (mode none, and one row
@@ -20,6 +20,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "kernels/kda_kernels.h"
@@ -30,6 +31,10 @@ ABSL_FLAG(std::string, shapes, "kimi_linear,kimi_k3", "shapes to run");
 ABSL_FLAG(int, iters, 30, "timed runs per measurement");
 ABSL_FLAG(bool, sweep, true, "also sweep the recurrent kernel's thread layouts (kimi_linear, N=256)");
 ABSL_FLAG(std::string, ns, "1,16,64,256", "request counts");
+ABSL_FLAG(bool, before, true,
+          "also time the kernel before the pipelined one (layout variant 1), side by side");
+ABSL_FLAG(bool, cold, true,
+          "also time with a cold L2 (a buffer larger than L2 written before every run)");
 
 namespace specstate {
 namespace {
@@ -97,9 +102,25 @@ void FillRandomF32(void* dst, size_t count, float lo, float hi, std::mt19937& rn
 struct Timing {
   double launched_us;
   double graph_us;
+  double best() const { return std::min(launched_us, graph_us); }
 };
 
-Timing Time(cudaStream_t stream, int iters, const std::function<void()>& fn) {
+// In a decode step the model's weights pass through L2 between two calls of
+// a layer: a cold-L2 run writes this buffer (larger than the H200's 60 MiB L2)
+// first, outside the timed window.
+void* L2Flush() {
+  static void* const buffer = [] {
+    void* p = nullptr;
+    CHECK_CUDA(cudaMalloc(&p, size_t{256} << 20));
+    return p;
+  }();
+  return buffer;
+}
+
+Timing Time(cudaStream_t stream, int iters, const std::function<void()>& fn, bool cold = false) {
+  const auto flush = [&] {
+    if (cold) CHECK_CUDA(cudaMemsetAsync(L2Flush(), 0x3f, size_t{256} << 20, stream));
+  };
   cudaEvent_t a, b;
   CHECK_CUDA(cudaEventCreate(&a));
   CHECK_CUDA(cudaEventCreate(&b));
@@ -107,6 +128,7 @@ Timing Time(cudaStream_t stream, int iters, const std::function<void()>& fn) {
   CHECK_CUDA(cudaStreamSynchronize(stream));
   std::vector<float> ms;
   for (int i = 0; i < iters; ++i) {
+    flush();
     CHECK_CUDA(cudaEventRecord(a, stream));
     fn();
     CHECK_CUDA(cudaEventRecord(b, stream));
@@ -127,6 +149,7 @@ Timing Time(cudaStream_t stream, int iters, const std::function<void()>& fn) {
   for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
   ms.clear();
   for (int i = 0; i < iters; ++i) {
+    flush();
     CHECK_CUDA(cudaEventRecord(a, stream));
     CHECK_CUDA(cudaGraphLaunch(exec, stream));
     CHECK_CUDA(cudaEventRecord(b, stream));
@@ -381,24 +404,86 @@ double CommitBytes(const Bench& b, bool align) {
 struct Row {
   std::string what;
   int N;
-  Timing t;
+  Timing t;       // warm L2
+  Timing cold;    // cold L2 (0: not measured)
+  Timing before;  // the kernel before the pipelined one (0: not measured)
   double bytes;
+  double per_layer_of = 1;  // layers the row covers (the ratio to stock is per layer)
+  double stock_us = 0;      // the stock kernel at this N, 1 layer, warm
 };
 
 void PrintRows(const std::vector<Row>& rows, double copy_bps) {
-  std::printf("| kernel | N | time (us) | CUDA graph (us) | bytes moved (MB) | GB/s | %% of copy |\n");
-  std::printf("|---|---:|---:|---:|---:|---:|---:|\n");
+  std::printf("| kernel | N | time (us) | CUDA graph (us) | cold L2, graph (us) | before, graph "
+              "(us) | bytes moved (MB) | GB/s | %% of copy | per layer / stock |\n");
+  std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Row& r : rows) {
-    const double best = std::min(r.t.launched_us, r.t.graph_us);
-    const double bps = r.bytes / (best * 1e-6);
-    std::printf("| %s | %d | %.1f | %.1f | %.1f | %.0f | %.0f%% |\n", r.what.c_str(), r.N,
-                r.t.launched_us, r.t.graph_us, r.bytes / 1e6, bps / 1e9, 100.0 * bps / copy_bps);
+    const double bps = r.bytes / (r.t.best() * 1e-6);
+    const auto opt = [](double us) { return us > 0 ? absl::StrFormat("%.1f", us) : std::string("-"); };
+    std::printf("| %s | %d | %.1f | %.1f | %s | %s | %.1f | %.0f | %.0f%% | %.2fx |\n",
+                r.what.c_str(), r.N, r.t.launched_us, r.t.graph_us, opt(r.cold.graph_us).c_str(),
+                opt(r.before.graph_us).c_str(), r.bytes / 1e6, bps / 1e9, 100.0 * bps / copy_bps,
+                r.t.best() / r.per_layer_of / r.stock_us);
+  }
+}
+
+// One measurement of `call(kernels)`: warm, cold L2, and the kernel before.
+Row Measure(const std::string& what, int N, double bytes, int iters, cudaStream_t stream,
+            const std::function<void(const KdaKernels&)>& call) {
+  const KdaKernels& now = *kernels::CudaKdaKernels().value();
+  Row r{what, N, Time(stream, iters, [&] { call(now); }), {}, {}, bytes};
+  if (absl::GetFlag(FLAGS_cold)) r.cold = Time(stream, iters, [&] { call(now); }, /*cold=*/true);
+  if (absl::GetFlag(FLAGS_before)) {
+    const KdaKernels& before = *kernels::CudaKdaKernelsWithLayout(1).value().second;
+    r.before = Time(stream, iters, [&] { call(before); });
+  }
+  return r;
+}
+
+// The targets of the kernels' issue, by shape, N and row: at most this many
+// microseconds (CUDA graph, warm L2), or at least this share of copy.
+struct Target {
+  const char* shape;
+  const char* what;  // prefix of the row
+  int N;
+  double max_us;     // 0: none
+  double min_copy;   // 0: none
+};
+constexpr Target kTargets[] = {
+    {"Kimi-Linear-48B-A3B", "verify", 256, 165, 0.80},
+    {"Kimi-Linear-48B-A3B", "verify", 64, 45, 0},
+    {"Kimi-Linear-48B-A3B", "verify", 1, 6, 0},
+    {"Kimi-Linear-48B-A3B", "commit, 20 layers", 256, 6600, 0.80},
+    {"Kimi-Linear-48B-A3B", "commit, 20 layers", 1, 30, 0},
+    {"Kimi-K3 (TP8)", "commit, 69 layers", 1, 38, 0},
+    {"Kimi-K3 (TP8)", "verify", 256, 0, 0.70},
+};
+
+void PrintTargets(const Shape& s, const std::vector<Row>& rows, double copy_bps) {
+  std::printf("\n| target (%s) | N | wanted | measured (graph, warm) | cold L2 | %% of copy | |\n"
+              "|---|---:|---:|---:|---:|---:|---|\n",
+              s.name.c_str());
+  for (const Target& t : kTargets) {
+    if (s.name != t.shape) continue;
+    for (const Row& r : rows) {
+      if (r.N != t.N || r.what.rfind(t.what, 0) != 0 || absl::StrContains(r.what, "align")) continue;
+      const double us = r.t.graph_us;
+      const double share = r.bytes / (r.t.best() * 1e-6) / copy_bps;
+      const bool met = (t.max_us == 0 || us <= t.max_us) && (t.min_copy == 0 || share >= t.min_copy);
+      std::string wanted;
+      if (t.max_us > 0) wanted = absl::StrFormat("<= %.0f us", t.max_us);
+      if (t.min_copy > 0) {
+        wanted += absl::StrFormat("%s>= %.0f%% of copy", wanted.empty() ? "" : ", ", 100 * t.min_copy);
+      }
+      std::printf("| %s | %d | %s | %.1f us | %s | %.0f%% | %s |\n", r.what.c_str(), r.N,
+                  wanted.c_str(), us,
+                  r.cold.graph_us > 0 ? absl::StrFormat("%.1f us", r.cold.graph_us).c_str() : "-",
+                  100 * share, met ? "met" : "missed");
+    }
   }
 }
 
 void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_t stream,
               double copy_bps) {
-  const KdaKernels& k = *kernels::CudaKdaKernels().value();
   std::printf("\n### %s: H=%d, K=V=%d, Q=%d, fp32 state, bf16 activations, conv dim %d, "
               "conv kernel %d, commit over %d layers\n\n",
               s.name.c_str(), s.H, s.K, s.Q, s.conv_dim, s.conv_kernel, s.L);
@@ -410,15 +495,18 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
     const kernels::VerifyArgs verify = VerifyOf(b);
     const kernels::CommitArgs commit = CommitOf(b, false);
     const kernels::CommitArgs commit_align = CommitOf(b, true);
-    rows.push_back({"stock spec path, 1 layer", N,
-                    Time(stream, iters, [&] { CheckOk(k.Stock(stock, stream), "Stock"); }),
-                    StockBytes(b)});
+    Row stock_row = Measure("stock spec path, 1 layer", N, StockBytes(b), iters, stream,
+                            [&](const KdaKernels& k) { CheckOk(k.Stock(stock, stream), "Stock"); });
     CheckDevice(b, "Stock");
-    rows.push_back({"verify, 1 layer", N,
-                    Time(stream, iters, [&] { CheckOk(k.Verify(verify, stream), "Verify"); }),
-                    VerifyBytes(b)});
+    const double stock_us = stock_row.t.best();
+    stock_row.stock_us = stock_us;
+    rows.push_back(stock_row);
+    rows.push_back(Measure("verify, 1 layer", N, VerifyBytes(b), iters, stream,
+                           [&](const KdaKernels& k) { CheckOk(k.Verify(verify, stream), "Verify"); }));
+    rows.back().stock_us = stock_us;
     CheckDevice(b, "Verify");
     // Every layer's records hold the step (verify writes them).
+    const KdaKernels& k = *kernels::CudaKdaKernels().value();
     for (int l = 0; l < s.L; ++l) {
       kernels::VerifyArgs v = verify;
       v.state = b.layers[l].state;
@@ -426,15 +514,19 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
       v.records = b.layers[l].records;
       CheckOk(k.Verify(v, stream), "Verify");
     }
-    rows.push_back({absl::StrFormat("commit, %d layers", s.L), N,
-                    Time(stream, iters, [&] { CheckOk(k.Commit(commit, stream), "Commit"); }),
-                    CommitBytes(b, false)});
+    rows.push_back(Measure(absl::StrFormat("commit, %d layers", s.L), N, CommitBytes(b, false),
+                           iters, stream,
+                           [&](const KdaKernels& k) { CheckOk(k.Commit(commit, stream), "Commit"); }));
+    rows.back().per_layer_of = s.L;
+    rows.back().stock_us = stock_us;
     CheckDevice(b, "Commit");
     if (N == ns.back()) {
-      rows.push_back({absl::StrFormat("commit, %d layers, align mode", s.L), N,
-                      Time(stream, iters,
-                           [&] { CheckOk(k.Commit(commit_align, stream), "Commit (align)"); }),
-                      CommitBytes(b, true)});
+      rows.push_back(Measure(absl::StrFormat("commit, %d layers, align mode", s.L), N,
+                             CommitBytes(b, true), iters, stream, [&](const KdaKernels& k) {
+                               CheckOk(k.Commit(commit_align, stream), "Commit (align)");
+                             }));
+      rows.back().per_layer_of = s.L;
+      rows.back().stock_us = stock_us;
       CheckDevice(b, "Commit (align)");
     }
     CHECK_CUDA(cudaStreamSynchronize(stream));
@@ -446,12 +538,13 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
   std::printf("\n| N | stock, 1 layer (us) | verify + commit/layer (us) | ratio |\n|---:|---:|---:|---:|\n");
   for (size_t i = 0; i + 2 < rows.size(); ++i) {
     if (rows[i].what.rfind("stock", 0) != 0) continue;
-    const double stock_us = std::min(rows[i].t.launched_us, rows[i].t.graph_us);
-    const double verify_us = std::min(rows[i + 1].t.launched_us, rows[i + 1].t.graph_us);
-    const double commit_us = std::min(rows[i + 2].t.launched_us, rows[i + 2].t.graph_us) / s.L;
+    const double stock_us = rows[i].t.best();
+    const double verify_us = rows[i + 1].t.best();
+    const double commit_us = rows[i + 2].t.best() / s.L;
     std::printf("| %d | %.1f | %.1f | %.2fx |\n", rows[i].N, stock_us, verify_us + commit_us,
                 (verify_us + commit_us) / stock_us);
   }
+  PrintTargets(s, rows, copy_bps);
 }
 
 void Sweep(cudaStream_t stream, int iters, double copy_bps) {
