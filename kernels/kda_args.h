@@ -12,6 +12,7 @@
 
 #include "kernels/device_status.h"
 #include "kernels/dtype.h"
+#include "kernels/numeric.h"
 
 namespace specstate {
 namespace kernels {
@@ -22,14 +23,47 @@ inline constexpr int kMaxSpecQueryLen = 16;
 // The conv history (conv_kernel - 1 columns) a commit moves per channel.
 inline constexpr int kMaxConvHistory = 16;
 
+// The two layer kinds: Kimi's KDA (a gate per column, g [T, H, K], and
+// sigmoid(beta)) and Qwen3-Next's Gated DeltaNet (a scalar log-decay per
+// value head, g [T, HV], and beta as given).
+enum class LayerKind : int32_t { kKda = 0, kGdn = 1 };
+// KDA's gate: `kSafe` lower_bound / (1 + exp(-exp(A_log) (g + dt_bias)))
+// (Kimi-Linear), or `kPlain` -exp(A_log) softplus(g + dt_bias) (vLLM's
+// plain KDA gate).
+enum class KdaGate : int32_t { kSafe = 0, kPlain = 1 };
+
 // What all layers of a layer group share.
 struct KdaShape {
-  int num_heads = 0;                     // H
+  int num_heads = 0;                     // H: key heads (q, k; KDA's g)
   int head_dim = 0;                      // K = V: 64, 128 or 256
   DType act_dtype = DType::kBFloat16;    // q, k, v, g, beta, o, records, conv state
   DType state_dtype = DType::kFloat32;   // the recurrent state: fp32 or bf16
-  float lower_bound = -5.0f;             // the KDA gate's lower bound (negative)
+  float lower_bound = -5.0f;             // KDA's safe gate: its lower bound (negative)
+  LayerKind kind = LayerKind::kKda;
+  int num_value_heads = 0;               // HV: v, beta, o, the state (GDN's g); 0: = H
+  KdaGate gate = KdaGate::kSafe;         // KDA only
 };
+
+// The tensors' widths per token, by kind (elements):
+//   q, k [T, H, K];  v, o [T, HV, V];  g: KDA [T, H, K], GDN [T, HV];
+//   beta [T, HV];  state [blocks, HV, V, K];
+//   records: kv [rows * Q, H * K + HV * V] (a token's raw k, then its raw v),
+//   g as g, beta [rows * Q, HV].
+SPECSTATE_HD int ValueHeads(const KdaShape& s) {
+  return s.num_value_heads > 0 ? s.num_value_heads : s.num_heads;
+}
+SPECSTATE_HD int64_t KeyWidth(const KdaShape& s) { return int64_t{s.num_heads} * s.head_dim; }
+SPECSTATE_HD int64_t ValueWidth(const KdaShape& s) {
+  return int64_t{ValueHeads(s)} * s.head_dim;
+}
+SPECSTATE_HD int64_t GateWidth(const KdaShape& s) {
+  return s.kind == LayerKind::kGdn ? int64_t{ValueHeads(s)} : KeyWidth(s);
+}
+SPECSTATE_HD int64_t RecordTokenWidth(const KdaShape& s) { return KeyWidth(s) + ValueWidth(s); }
+// The key head (q, k) a value head reads: HV is a multiple of H.
+SPECSTATE_HD int KeyHeadOf(const KdaShape& s, int value_head) {
+  return value_head / (ValueHeads(s) / s.num_heads);
+}
 
 // A token-major activation: element (t, h, d) of a [T, H, D] tensor (or
 // (t, h) of a [T, H] one) is at data + t * token_stride + h * D + d. Each

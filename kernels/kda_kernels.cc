@@ -61,8 +61,25 @@ absl::Status CheckShape(absl::string_view op, const KdaShape& s) {
     return Invalid(op, absl::StrCat("state dtype ", DTypeName(s.state_dtype),
                                     " is not supported (fp32 or bf16)"));
   }
-  if (!std::isfinite(s.lower_bound) || s.lower_bound >= 0.0f) {
-    return Invalid(op, absl::StrCat("lower_bound = ", s.lower_bound, " must be negative"));
+  if (s.kind != LayerKind::kKda && s.kind != LayerKind::kGdn) {
+    return Invalid(op, absl::StrCat("layer kind ", static_cast<int>(s.kind), " is not KDA or GDN"));
+  }
+  const int hv = ValueHeads(s);
+  if (s.num_value_heads < 0 || hv % s.num_heads != 0) {
+    return Invalid(op, absl::StrCat("num_value_heads = ", s.num_value_heads,
+                                    " must be a multiple of num_heads = ", s.num_heads));
+  }
+  if (s.kind == LayerKind::kKda) {
+    if (hv != s.num_heads) {
+      return Invalid(op, absl::StrCat("KDA layers have as many value heads as heads: ",
+                                      "num_value_heads = ", hv, ", num_heads = ", s.num_heads));
+    }
+    if (s.gate != KdaGate::kSafe && s.gate != KdaGate::kPlain) {
+      return Invalid(op, absl::StrCat("KDA gate ", static_cast<int>(s.gate), " is not safe or plain"));
+    }
+    if (s.gate == KdaGate::kSafe && (!std::isfinite(s.lower_bound) || s.lower_bound >= 0.0f)) {
+      return Invalid(op, absl::StrCat("lower_bound = ", s.lower_bound, " must be negative"));
+    }
   }
   return absl::OkStatus();
 }
@@ -86,12 +103,12 @@ absl::Status CheckActivations(absl::string_view op, const KdaShape& s, const Act
                               const Activation& k, const Activation& v, const Activation& g,
                               const Activation& beta, int64_t num_tokens, const void* out) {
   if (num_tokens < 0) return Invalid(op, absl::StrCat("num_tokens = ", num_tokens, " is negative"));
-  const int64_t hk = int64_t{s.num_heads} * s.head_dim;
+  const int64_t hk = KeyWidth(s);
   absl::Status st = CheckActivation(op, "q", q, hk, num_tokens, false);
   if (st.ok()) st = CheckActivation(op, "k", k, hk, num_tokens, false);
-  if (st.ok()) st = CheckActivation(op, "v", v, hk, num_tokens, false);
-  if (st.ok()) st = CheckActivation(op, "g", g, hk, num_tokens, true);
-  if (st.ok()) st = CheckActivation(op, "beta", beta, s.num_heads, num_tokens, false);
+  if (st.ok()) st = CheckActivation(op, "v", v, ValueWidth(s), num_tokens, false);
+  if (st.ok()) st = CheckActivation(op, "g", g, GateWidth(s), num_tokens, true);
+  if (st.ok()) st = CheckActivation(op, "beta", beta, ValueHeads(s), num_tokens, false);
   if (st.ok() && num_tokens > 0 && out == nullptr) st = Invalid(op, "out is null");
   return st;
 }
@@ -100,7 +117,7 @@ absl::Status CheckStatePool(absl::string_view op, const KdaShape& s, const State
                             absl::string_view name) {
   if (p.data == nullptr) return Invalid(op, absl::StrCat(name, " is null"));
   if (p.num_blocks < 1) return Invalid(op, absl::StrCat(name, " has no blocks"));
-  const int64_t per_block = int64_t{s.num_heads} * s.head_dim * s.head_dim;
+  const int64_t per_block = ValueWidth(s) * s.head_dim;
   if (p.block_stride < per_block) {
     return Invalid(op, absl::StrCat(name, " block stride ", p.block_stride,
                                     " is less than one block's ", per_block, " elements"));
@@ -111,8 +128,10 @@ absl::Status CheckStatePool(absl::string_view op, const KdaShape& s, const State
   return absl::OkStatus();
 }
 
-absl::Status CheckParams(absl::string_view op, const LayerParams& p, absl::string_view layer) {
-  if (p.a_log == nullptr || p.dt_bias == nullptr) {
+// KDA's gates need A_log and dt_bias; GDN's inputs are gated already.
+absl::Status CheckParams(absl::string_view op, const KdaShape& s, const LayerParams& p,
+                         absl::string_view layer) {
+  if (s.kind == LayerKind::kKda && (p.a_log == nullptr || p.dt_bias == nullptr)) {
     return Invalid(op, absl::StrCat(layer, "A_log and dt_bias must be set"));
   }
   return absl::OkStatus();
@@ -181,7 +200,7 @@ absl::Status ValidateStockArgs(const StockArgs& a) {
   absl::Status st = CheckShape(op, a.shape);
   if (st.ok()) st = CheckActivations(op, a.shape, a.q, a.k, a.v, a.g, a.beta, a.num_tokens, a.out);
   if (st.ok()) st = CheckStatePool(op, a.shape, a.state, "state pool");
-  if (st.ok()) st = CheckParams(op, a.params, "");
+  if (st.ok()) st = CheckParams(op, a.shape, a.params, "");
   if (st.ok()) st = CheckRows(op, a.num_rows, a.query_start_loc);
   if (st.ok()) st = CheckIndexMatrix(op, "ssm_state_indices", a.ssm_state_indices, a.num_rows, 1);
   if (st.ok()) {
@@ -196,7 +215,7 @@ absl::Status ValidateVerifyArgs(const VerifyArgs& a) {
   absl::Status st = CheckShape(op, a.shape);
   if (st.ok()) st = CheckActivations(op, a.shape, a.q, a.k, a.v, a.g, a.beta, a.num_tokens, a.out);
   if (st.ok()) st = CheckStatePool(op, a.shape, a.state, "state pool");
-  if (st.ok()) st = CheckParams(op, a.params, "");
+  if (st.ok()) st = CheckParams(op, a.shape, a.params, "");
   if (st.ok()) st = CheckRows(op, a.num_rows, a.query_start_loc);
   if (st.ok()) st = CheckRecords(op, a.records, a.num_rows, "");
   if (st.ok()) st = CheckIndexMatrix(op, "state_indices", a.state_indices, a.num_rows, 1);
@@ -265,7 +284,7 @@ absl::Status ValidateCommitArgs(const CommitArgs& a) {
     if (c.block_stride < 1 || c.dim_stride < 1 || c.token_stride < 1) {
       return Invalid(op, absl::StrCat(name, "conv pool strides must be positive"));
     }
-    st = CheckParams(op, layer.params, name);
+    st = CheckParams(op, a.shape, layer.params, name);
     if (!st.ok()) return st;
     st = CheckRecords(op, layer.records, a.num_rows, name);
     if (!st.ok()) return st;

@@ -1865,45 +1865,6 @@ TEST_P(KdaKernelsTest, CommitAlignModeRandomRows) {
 // Instantiated for the CUDA backend only: a GPU suite skips nothing.
 class CudaAgreementTest : public KdaKernelsTest {};
 
-#if defined(SPECSTATE_TEST_CUDA)
-// The pipelined persistent kernel (production) and the one-block-per-item
-// kernel before it run the same per-token math with the same layout and
-// reductions: the same bits for verify's outputs and the committed states.
-TEST_P(CudaAgreementTest, PipelinedKernelEqualsTheOneBlockPerItemKernel) {
-  StepSpec spec;
-  spec.head_dim = 128;
-  spec.heads = 3;
-  spec.num_layers = 3;
-  for (int n = 0; n < 40; ++n) {
-    spec.tokens.push_back(rng().Int(0, spec.q));
-    spec.sources.push_back(n % 7 == 3 ? 0 : 1);
-    spec.num_accepted.push_back(rng().Int(0, spec.q + 1));
-  }
-  Step s = MakeStep(spec);
-  auto before = CudaKdaKernelsWithLayout(1);
-  ASSERT_TRUE(before.ok()) << before.status();
-  ASSERT_THAT(before->first, HasSubstr("one block per item"));
-  const KdaKernels* pipelined = kernels_;
-  std::vector<std::vector<uint8_t>> initial;
-  for (const Layer& L : s.layers) initial.push_back(L.pool.Read());
-  std::vector<std::vector<uint8_t>> outputs[2], pools[2];
-  for (int variant = 0; variant < 2; ++variant) {
-    kernels_ = variant == 0 ? pipelined : before->second;
-    for (int l = 0; l < spec.num_layers; ++l) {
-      s.layers[l].pool.Write(initial[l]);
-      ASSERT_TRUE(CallOk(RunVerify(s, l))) << "variant " << variant << ", layer " << l;
-      outputs[variant].push_back(s.layers[l].verify_out.Read());
-    }
-    ASSERT_TRUE(CallOk(RunCommit(s))) << "variant " << variant;
-    for (const Layer& L : s.layers) pools[variant].push_back(L.pool.Read());
-  }
-  kernels_ = pipelined;
-  for (int l = 0; l < spec.num_layers; ++l) {
-    EXPECT_EQ(FirstDifference(outputs[0][l], outputs[1][l]), -1) << "outputs, layer " << l;
-    EXPECT_EQ(FirstDifference(pools[0][l], pools[1][l]), -1) << "pool, layer " << l;
-  }
-}
-#endif
 
 TEST_P(CudaAgreementTest, CudaAgreesWithCpu) {
   for (const Config& c : {kConfigs[0], kConfigs[4], kConfigs[6], kConfigs[7]}) {

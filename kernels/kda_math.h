@@ -4,15 +4,18 @@
 // The state of one head is S[V][K] (fp32 while computing). A "lane" owns a
 // share of one state row: the row's columns are split in quads of 4
 // consecutive columns and lane l of kLanes owns quads l, l + kLanes, ...
-// (the CUDA kernels use kLanes = 4 so that the lanes of a warp read shared
-// memory without bank conflicts; the CPU kernels use kLanes = 1, a whole row).
-// For one token and one state row:
+// (the CUDA kernel uses 8 lanes a row, 16 for K = 256, each lane owning that
+// share of two rows: every input it loads from shared memory serves both;
+// the CPU kernels use kLanes = 1, a whole row). For one token and one state
+// row:
 //
-//   float kdot = lane_sum(DecayAndDotK<kSeg, kLanes>(s, lane, tok.decay, tok.k));
+//   LoadSegment<kSeg, kLanes>(tok.decay, lane, decay);  // and k, q: this lane's columns
+//   float kdot = lane_sum(DecayAndDotK<kSeg>(s, decay, k));
 //   float u = DeltaCoefficient(v, kdot, tok.beta);
-//   float o = lane_sum(UpdateAndDotQ<kSeg, kLanes>(s, lane, u, tok.k, tok.q));
+//   float o = lane_sum(UpdateAndDotQ<kSeg>(s, u, k, q));
 //
-// TokenStep() is exactly that. Bit identity between the stock kernel, verify
+// TokenStep() is exactly that, for one or several rows of a lane (their
+// inputs loaded once). Bit identity between the stock kernel, verify
 // and replay (SEMANTICS.md) holds because all three run these functions with
 // the same lane layout and reduction; never duplicate this arithmetic.
 #ifndef SPECSTATE_KERNELS_KDA_MATH_H_
@@ -20,6 +23,7 @@
 
 #include <math.h>
 
+#include "kernels/kda_args.h"
 #include "kernels/numeric.h"
 
 #if defined(__CUDACC__)
@@ -52,6 +56,39 @@ SPECSTATE_HD float GateDecay(float g, float dt_bias, float a, float lower_bound)
 }
 
 SPECSTATE_HD float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// softplus(x) = log(1 + exp(x)), linear past 20 (torch's threshold).
+SPECSTATE_HD float Softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// KDA's plain gate as the decay factor of one column:
+// exp(-a * softplus(g + dt_bias)), with a = exp(A_log[h]).
+SPECSTATE_HD float PlainGateDecay(float g, float dt_bias, float a) {
+  return expf(-(a * Softplus(g + dt_bias)));
+}
+
+// Gated DeltaNet: the log-decay g of a value head, as the model computed it.
+SPECSTATE_HD float ScalarGateDecay(float g) { return expf(g); }
+
+// How a layer turns its gate input and beta into the per-token inputs; the
+// one place the kinds differ (TokenStep is the same for all).
+struct GateRule {
+  kernels::LayerKind kind;
+  kernels::KdaGate gate;
+  float a;  // exp(A_log[h]) (KDA)
+  float lower_bound;
+
+  // The decay factor of column j for gate input `g` (KDA: g[t, h, j]; GDN:
+  // g[t, hv], the same for every column).
+  SPECSTATE_HD float Decay(float g, float dt_bias_j) const {
+    if (kind == kernels::LayerKind::kGdn) return ScalarGateDecay(g);
+    if (gate == kernels::KdaGate::kPlain) return PlainGateDecay(g, dt_bias_j, a);
+    return GateDecay(g, dt_bias_j, a, lower_bound);
+  }
+  // KDA's beta is a logit (sigmoid here); GDN's is the strength itself.
+  SPECSTATE_HD float Beta(float beta) const {
+    return kind == kernels::LayerKind::kGdn ? beta : Sigmoid(beta);
+  }
+};
 
 // K^-0.5, rounded once to fp32 (as the reference passes K ** -0.5).
 SPECSTATE_HD float QueryScale(int head_dim) {
@@ -98,21 +135,31 @@ SPECSTATE_HD int QuadColumn(int lane, int i) {
   return 4 * (lane + kLanes * i);
 }
 
-// S[v, :] *= decay over this lane's columns; returns this lane's share of
-// sum_j S[v, j] * k[j] (after the decay).
+// This lane's share of a row of one of the token's inputs, in registers:
+// its quads, in order (seg[4 * i + c] is column QuadColumn(lane, i) + c).
 template <int kSeg, int kLanes>
-SPECSTATE_HD float DecayAndDotK(float* s, int lane, const float* decay, const float* k) {
+SPECSTATE_HD void LoadSegment(const float* row, int lane, float* seg) {
   static_assert(kSeg % 4 == 0, "a lane owns whole quads");
+  SPECSTATE_UNROLL
+  for (int i = 0; i < kSeg / 4; ++i) {
+    const Quad q = LoadQuad(row + QuadColumn<kLanes>(lane, i));
+    SPECSTATE_UNROLL
+    for (int c = 0; c < 4; ++c) seg[4 * i + c] = q.x[c];
+  }
+}
+
+// S[v, :] *= decay over this lane's columns; returns this lane's share of
+// sum_j S[v, j] * k[j] (after the decay). `decay` and `k` are the lane's
+// segments (LoadSegment).
+template <int kSeg>
+SPECSTATE_HD float DecayAndDotK(float* s, const float* decay, const float* k) {
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   SPECSTATE_UNROLL
   for (int i = 0; i < kSeg / 4; ++i) {
-    const int col = QuadColumn<kLanes>(lane, i);
-    const Quad d = LoadQuad(decay + col);
-    const Quad kq = LoadQuad(k + col);
     SPECSTATE_UNROLL
     for (int c = 0; c < 4; ++c) {
-      s[4 * i + c] = s[4 * i + c] * d.x[c];
-      acc[c] = MulAdd(s[4 * i + c], kq.x[c], acc[c]);
+      s[4 * i + c] = s[4 * i + c] * decay[4 * i + c];
+      acc[c] = MulAdd(s[4 * i + c], k[4 * i + c], acc[c]);
     }
   }
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
@@ -120,37 +167,55 @@ SPECSTATE_HD float DecayAndDotK(float* s, int lane, const float* decay, const fl
 
 // S[v, :] += u * k over this lane's columns; returns this lane's share of
 // sum_j S[v, j] * q[j] (after the update), or 0 when no output is wanted.
-template <int kSeg, int kLanes>
-SPECSTATE_HD float UpdateAndDotQ(float* s, int lane, float u, const float* k, const float* q,
+template <int kSeg>
+SPECSTATE_HD float UpdateAndDotQ(float* s, float u, const float* k, const float* q,
                                  bool want_output) {
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   SPECSTATE_UNROLL
   for (int i = 0; i < kSeg / 4; ++i) {
-    const int col = QuadColumn<kLanes>(lane, i);
-    const Quad kq = LoadQuad(k + col);
     SPECSTATE_UNROLL
-    for (int c = 0; c < 4; ++c) s[4 * i + c] = MulAdd(u, kq.x[c], s[4 * i + c]);
+    for (int c = 0; c < 4; ++c) s[4 * i + c] = MulAdd(u, k[4 * i + c], s[4 * i + c]);
     if (want_output) {
-      const Quad qq = LoadQuad(q + col);
       SPECSTATE_UNROLL
-      for (int c = 0; c < 4; ++c) acc[c] = MulAdd(s[4 * i + c], qq.x[c], acc[c]);
+      for (int c = 0; c < 4; ++c) acc[c] = MulAdd(s[4 * i + c], q[4 * i + c], acc[c]);
     }
   }
   return (acc[0] + acc[1]) + (acc[2] + acc[3]);
 }
 
-// One token for this lane's share `s` (kSeg floats) of state row v.
-// `lane_sum` adds a value over the kLanes lanes of the row, in a fixed order,
-// and returns the total to every lane. Returns the row's output o_v (every
-// lane gets it), or 0 when `want_output` is false (replay discards outputs:
-// the state it computes is the same either way).
+// One token for kRowsPer state rows of this lane: `s` holds kRowsPer
+// segments of kSeg floats (row r at s + r * kSeg), `v` their values of v.
+// The token's inputs are loaded once for all the rows. `lane_sum` adds a
+// value over the kLanes lanes of a row, in a fixed order, and returns the
+// total to every lane. Writes each row's output o_v to `out[r]` (every lane
+// gets it; 0 when `want_output` is false: replay discards outputs, and the
+// state it computes is the same either way).
+template <int kSeg, int kLanes, int kRowsPer, typename LaneSum>
+SPECSTATE_HD void TokenStep(float* s, int lane, const TokenInputs& tok, const float* v,
+                            LaneSum lane_sum, bool want_output, float* out) {
+  float decay[kSeg], k[kSeg], q[kSeg];
+  LoadSegment<kSeg, kLanes>(tok.decay, lane, decay);
+  LoadSegment<kSeg, kLanes>(tok.k, lane, k);
+  if (want_output) LoadSegment<kSeg, kLanes>(tok.q, lane, q);
+  float partial[kRowsPer];
+  SPECSTATE_UNROLL
+  for (int r = 0; r < kRowsPer; ++r) partial[r] = DecayAndDotK<kSeg>(s + r * kSeg, decay, k);
+  SPECSTATE_UNROLL
+  for (int r = 0; r < kRowsPer; ++r) {
+    const float u = DeltaCoefficient(v[r], lane_sum(partial[r]), tok.beta);
+    partial[r] = UpdateAndDotQ<kSeg>(s + r * kSeg, u, k, q, want_output);
+  }
+  SPECSTATE_UNROLL
+  for (int r = 0; r < kRowsPer; ++r) out[r] = want_output ? lane_sum(partial[r]) : 0.0f;
+}
+
+// One token for one state row (kRowsPer = 1).
 template <int kSeg, int kLanes, typename LaneSum>
 SPECSTATE_HD float TokenStep(float* s, int lane, const TokenInputs& tok, float v, LaneSum lane_sum,
                              bool want_output) {
-  const float kdot = lane_sum(DecayAndDotK<kSeg, kLanes>(s, lane, tok.decay, tok.k));
-  const float u = DeltaCoefficient(v, kdot, tok.beta);
-  const float partial = UpdateAndDotQ<kSeg, kLanes>(s, lane, u, tok.k, tok.q, want_output);
-  return want_output ? lane_sum(partial) : 0.0f;
+  float o = 0.0f;
+  TokenStep<kSeg, kLanes, 1>(s, lane, tok, &v, lane_sum, want_output, &o);
+  return o;
 }
 
 }  // namespace kda

@@ -107,25 +107,37 @@ struct PreparedHead {
   std::vector<float> q, k, decay, v, beta;
 };
 
+// The gate rule of value head `hv` (its key head's parameters for KDA).
+kda::GateRule RuleOf(const KdaShape& shape, const LayerParams& params, int hv) {
+  const bool kda = shape.kind == LayerKind::kKda;
+  const int h = KeyHeadOf(shape, hv);
+  return kda::GateRule{shape.kind, shape.gate, kda ? expf(params.a_log[h]) : 0.0f,
+                       shape.lower_bound};
+}
+
+// Value head hv's prepared inputs (q and k of its key head).
 template <typename Act, int K>
 void PrepareHead(const KdaShape& shape, const Activation& q, const Activation& k,
                  const Activation& v, const Activation& g, const Activation& beta,
-                 const LayerParams& params, int h, int64_t bos, int tokens, PreparedHead* out) {
+                 const LayerParams& params, int hv, int64_t bos, int tokens, PreparedHead* out) {
   out->q.resize(size_t(tokens) * K);
   out->k.resize(size_t(tokens) * K);
   out->decay.resize(size_t(tokens) * K);
   out->v.resize(size_t(tokens) * K);
   out->beta.resize(tokens);
   const float scale = kda::QueryScale(K);
-  const float a = expf(params.a_log[h]);
-  const float* bias = params.dt_bias + int64_t{h} * K;
+  const int h = KeyHeadOf(shape, hv);
+  const bool gdn = shape.kind == LayerKind::kGdn;
+  const kda::GateRule rule = RuleOf(shape, params, hv);
+  const float* bias = gdn ? nullptr : params.dt_bias + int64_t{h} * K;
   for (int t = 0; t < tokens; ++t) {
     const int64_t tok = bos + t;
     const Act* qt = static_cast<const Act*>(q.data) + tok * q.token_stride + int64_t{h} * K;
     const Act* kt = static_cast<const Act*>(k.data) + tok * k.token_stride + int64_t{h} * K;
-    const Act* vt = static_cast<const Act*>(v.data) + tok * v.token_stride + int64_t{h} * K;
-    const Act* gt = static_cast<const Act*>(g.data) + tok * g.token_stride + int64_t{h} * K;
-    const Act* bt = static_cast<const Act*>(beta.data) + tok * beta.token_stride + h;
+    const Act* vt = static_cast<const Act*>(v.data) + tok * v.token_stride + int64_t{hv} * K;
+    const Act* gt = static_cast<const Act*>(g.data) + tok * g.token_stride +
+                    (gdn ? int64_t{hv} : int64_t{h} * K);
+    const Act* bt = static_cast<const Act*>(beta.data) + tok * beta.token_stride + hv;
     float* qo = &out->q[size_t(t) * K];
     float* ko = &out->k[size_t(t) * K];
     float q_sum = 0.0f, k_sum = 0.0f;
@@ -141,10 +153,10 @@ void PrepareHead(const KdaShape& shape, const Activation& q, const Activation& k
       qo[j] = kda::Normalize(qo[j], q_norm, scale);
       ko[j] = kda::Normalize(ko[j], k_norm, 1.0f);
       out->decay[size_t(t) * K + j] =
-          kda::GateDecay(ToFloat(gt[j]), bias[j], a, shape.lower_bound);
+          rule.Decay(ToFloat(gt[gdn ? 0 : j]), gdn ? 0.0f : bias[j]);
       out->v[size_t(t) * K + j] = ToFloat(vt[j]);
     }
-    out->beta[t] = kda::Sigmoid(ToFloat(bt[0]));
+    out->beta[t] = rule.Beta(ToFloat(bt[0]));
   }
 }
 
@@ -194,7 +206,7 @@ struct StockLayerWork {
 
 template <typename Act, typename State, int K, typename RowOf>
 void RunStockLayer(const StockLayerWork& w, int num_rows, RowOf row_of) {
-  const int H = w.shape.num_heads;
+  const int H = ValueHeads(w.shape);
   PreparedHead prep;
   for (int n = 0; n < num_rows; ++n) {
     int64_t bos = 0;
@@ -257,15 +269,15 @@ void CompactConvRow(const ConvPool& c, int history_len, const CommitPlanRow& p, 
 
 // The stock kernel reads the records as its q/k/v/g/beta (q = k = recorded k).
 StockLayerWork ReplayWork(const KdaShape& shape, const CommitLayer& layer) {
-  const int64_t hk = int64_t{shape.num_heads} * shape.head_dim;
   const size_t es = DTypeSize(shape.act_dtype);
+  const int64_t width = RecordTokenWidth(shape);
   StockLayerWork w;
   w.shape = shape;
-  w.k = Activation{layer.records.kv, 2 * hk};
+  w.k = Activation{layer.records.kv, width};
   w.q = w.k;
-  w.v = Activation{static_cast<const char*>(layer.records.kv) + hk * es, 2 * hk};
-  w.g = Activation{layer.records.g, hk};
-  w.beta = Activation{layer.records.beta, shape.num_heads};
+  w.v = Activation{static_cast<const char*>(layer.records.kv) + KeyWidth(shape) * es, width};
+  w.g = Activation{layer.records.g, GateWidth(shape)};
+  w.beta = Activation{layer.records.beta, ValueHeads(shape)};
   w.out = nullptr;
   w.state = layer.state;
   w.params = layer.params;
@@ -333,7 +345,7 @@ class CpuKernels final : public KdaKernels {
       using Act = typename decltype(act)::type;
       using State = typename decltype(state)::type;
       constexpr int K = decltype(head_dim)::value;
-      const int H = a.shape.num_heads;
+      const int H = ValueHeads(a.shape);
       PreparedHead prep;
       Act* out = static_cast<Act*>(a.out);
       for (int n = 0; n < a.num_rows; ++n) {
@@ -474,30 +486,37 @@ class CpuKernels final : public KdaKernels {
   }
 
  private:
-  // Copies row n's raw k, v, g and beta, bit for bit, to record tokens
-  // [n * Q, n * Q + tokens).
+  // Copies row n's raw k (per key head), v and beta (per value head) and g
+  // (KDA: per key head, [K]; GDN: per value head, a scalar), bit for bit, to
+  // record tokens [n * Q, n * Q + tokens).
   template <typename Act, int K>
   static void RecordRow(const VerifyArgs& a, int n, int64_t bos, int tokens) {
-    const int H = a.shape.num_heads;
+    const KdaShape& s = a.shape;
+    const int H = s.num_heads;
+    const int HV = ValueHeads(s);
+    const int64_t width = RecordTokenWidth(s);
+    const int64_t gate_width = GateWidth(s);
     const size_t head_bytes = size_t(K) * sizeof(Act);
     Act* kv = static_cast<Act*>(a.records.kv);
     Act* g = static_cast<Act*>(a.records.g);
     Act* beta = static_cast<Act*>(a.records.beta);
+    const Act* gin = static_cast<const Act*>(a.g.data);
     for (int t = 0; t < tokens; ++t) {
       const int64_t tok = bos + t;
       const int64_t rec = int64_t{n} * a.records.q + t;
       for (int h = 0; h < H; ++h) {
-        std::memcpy(kv + ((rec * 2 + 0) * H + h) * K,
+        std::memcpy(kv + rec * width + int64_t{h} * K,
                     static_cast<const Act*>(a.k.data) + tok * a.k.token_stride + int64_t{h} * K,
                     head_bytes);
-        std::memcpy(kv + ((rec * 2 + 1) * H + h) * K,
-                    static_cast<const Act*>(a.v.data) + tok * a.v.token_stride + int64_t{h} * K,
-                    head_bytes);
-        std::memcpy(g + (rec * H + h) * K,
-                    static_cast<const Act*>(a.g.data) + tok * a.g.token_stride + int64_t{h} * K,
-                    head_bytes);
-        beta[rec * H + h] = static_cast<const Act*>(a.beta.data)[tok * a.beta.token_stride + h];
       }
+      for (int hv = 0; hv < HV; ++hv) {
+        std::memcpy(kv + rec * width + KeyWidth(s) + int64_t{hv} * K,
+                    static_cast<const Act*>(a.v.data) + tok * a.v.token_stride + int64_t{hv} * K,
+                    head_bytes);
+        beta[rec * HV + hv] = static_cast<const Act*>(a.beta.data)[tok * a.beta.token_stride + hv];
+      }
+      std::memcpy(g + rec * gate_width, gin + tok * a.g.token_stride,
+                  size_t(gate_width) * sizeof(Act));
     }
   }
 };

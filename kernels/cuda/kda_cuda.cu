@@ -125,7 +125,10 @@ struct LayerView {
 
 struct RecurrentLaunch {
   int num_rows;
-  int num_heads;
+  int num_heads;      // value heads (HV): the work items' heads
+  int num_key_heads;  // H: q and k (KDA's g)
+  LayerKind kind;
+  KdaGate gate;
   int num_layers;
   // The pipelined kernel copies a head's q, k, v and g asynchronously when
   // every token's head slice starts on a 16-byte boundary (else it loads them).
@@ -150,21 +153,24 @@ struct RecurrentLaunch {
   const CommitLayer* replay_layers;  // replay: the group's layers
 };
 
-// The replay reads the records as the stock kernel's inputs: q = k = kv[:, 0],
-// v = kv[:, 1], g and beta as recorded.
+// The replay reads the records as the stock kernel's inputs: q = k = the
+// recorded k, v = the recorded v (each token's [H * K + HV * V] of kv), g and
+// beta as recorded.
 template <typename Act>
-__device__ __forceinline__ LayerView ReplayView(const CommitLayer& l, int heads, int head_dim) {
-  const int64_t hk = int64_t{heads} * head_dim;
+__device__ __forceinline__ LayerView ReplayView(const CommitLayer& l, const RecurrentLaunch& p,
+                                                int head_dim) {
+  const int64_t hk = int64_t{p.num_key_heads} * head_dim;
+  const int64_t width = hk + int64_t{p.num_heads} * head_dim;
   LayerView view;
   view.k = l.records.kv;
   view.q = l.records.kv;
   view.v = static_cast<const Act*>(l.records.kv) + hk;
   view.g = l.records.g;
   view.beta = l.records.beta;
-  view.q_stride = 2 * hk;
-  view.k_stride = 2 * hk;
-  view.v_stride = 2 * hk;
-  view.beta_stride = heads;
+  view.q_stride = width;
+  view.k_stride = width;
+  view.v_stride = width;
+  view.beta_stride = p.num_heads;
   view.out = nullptr;
   view.state = l.state.data;
   view.block_stride = l.state.block_stride;
@@ -251,7 +257,7 @@ __global__ void __launch_bounds__(Layout::kThreads, Layout::kMinBlocks)
   }
   if (tokens == 0 || !IsBlock(source)) return;
   const LayerView L =
-      M == Mode::kReplay ? ReplayView<Act>(p.replay_layers[layer], H, K) : p.layer;
+      M == Mode::kReplay ? ReplayView<Act>(p.replay_layers[layer], p, K) : p.layer;
 
   const int tid = threadIdx.x;
   const int row = tid / kLanes;
@@ -748,20 +754,29 @@ __global__ void __launch_bounds__(kCheckThreads) LoadParamsKernel(const LoadPara
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+void SetHeads(const KdaShape& shape, RecurrentLaunch* p) {
+  p->num_heads = ValueHeads(shape);
+  p->num_key_heads = shape.num_heads;
+  p->kind = shape.kind;
+  p->gate = shape.gate;
+  p->lower_bound = shape.lower_bound;
+}
+
 // Whether every token's head slice of q, k, g and v starts on a 16-byte
 // boundary (the pipelined kernel then copies them asynchronously).
+// (GDN's g is a scalar per head, loaded, never copied.)
 bool InputsAligned(const void* q, int64_t q_stride, const void* k, int64_t k_stride, const void* v,
-                   int64_t v_stride, const void* g, int heads, int head_dim, size_t elem) {
+                   int64_t v_stride, const void* g, const KdaShape& shape, size_t elem) {
   const auto ok = [&](const void* p, int64_t stride) {
     return Aligned16(p) && (stride * int64_t(elem)) % 16 == 0;
   };
   return ok(q, q_stride) && ok(k, k_stride) && ok(v, v_stride) &&
-         ok(g, int64_t{heads} * head_dim) && (head_dim * elem) % 16 == 0;
+         (shape.kind == LayerKind::kGdn || ok(g, GateWidth(shape))) &&
+         (shape.head_dim * elem) % 16 == 0;
 }
 
-bool ViewInputsAligned(const LayerView& l, int heads, int head_dim, size_t elem) {
-  return InputsAligned(l.q, l.q_stride, l.k, l.k_stride, l.v, l.v_stride, l.g, heads, head_dim,
-                       elem);
+bool ViewInputsAligned(const LayerView& l, const KdaShape& shape, size_t elem) {
+  return InputsAligned(l.q, l.q_stride, l.k, l.k_stride, l.v, l.v_stride, l.g, shape, elem);
 }
 
 absl::Status CudaStatus(cudaError_t err, absl::string_view op) {
@@ -820,6 +835,10 @@ cudaError_t Recurrent(const RecurrentLaunch& p, int num_layers, cudaStream_t str
   if constexpr (kPipelined) {
     return LaunchPipelined<M, Act, State, K, Layout>(p, num_layers, stream);
   } else {
+    // The kernel before the pipelined one knows KDA with its safe gate only.
+    if (p.kind != LayerKind::kKda || p.gate != KdaGate::kSafe || p.num_key_heads != p.num_heads) {
+      return cudaErrorNotSupported;
+    }
     return LaunchRecurrent<M, Act, State, K, Layout>(p, num_layers, stream);
   }
 }
@@ -838,8 +857,7 @@ class CudaKernels final : public KdaKernels {
     }
     RecurrentLaunch p{};
     p.num_rows = a.num_rows;
-    p.num_heads = a.shape.num_heads;
-    p.lower_bound = a.shape.lower_bound;
+    SetHeads(a.shape, &p);
     p.qsl = a.query_start_loc;
     p.indices = a.ssm_state_indices.data;
     p.indices_stride = a.ssm_state_indices.row_stride;
@@ -847,8 +865,7 @@ class CudaKernels final : public KdaKernels {
     p.max_tokens = internal::StockMaxTokens(a.ssm_state_indices.cols);
     p.status = a.status;
     p.layer = ViewOf(a.q, a.k, a.v, a.g, a.beta, a.out, a.state, a.params);
-    p.async_inputs = ViewInputsAligned(p.layer, a.shape.num_heads, a.shape.head_dim,
-                                       DTypeSize(a.shape.act_dtype));
+    p.async_inputs = ViewInputsAligned(p.layer, a.shape, DTypeSize(a.shape.act_dtype));
     cudaError_t err = cudaErrorInvalidValue;
     const bool ok = Dispatch(a.shape, [&](auto act, auto state, auto head_dim) {
       err = Recurrent<Mode::kStock, typename decltype(act)::type,
@@ -867,8 +884,7 @@ class CudaKernels final : public KdaKernels {
     }
     RecurrentLaunch p{};
     p.num_rows = a.num_rows;
-    p.num_heads = a.shape.num_heads;
-    p.lower_bound = a.shape.lower_bound;
+    SetHeads(a.shape, &p);
     // The snapshot the checks validated, never the caller's indices.
     p.early_loads = a.expected_query_start_loc != nullptr;
     p.num_tokens = a.num_tokens;
@@ -883,8 +899,7 @@ class CudaKernels final : public KdaKernels {
     p.layer.rec_kv = a.records.kv;
     p.layer.rec_g = a.records.g;
     p.layer.rec_beta = a.records.beta;
-    p.async_inputs = ViewInputsAligned(p.layer, a.shape.num_heads, a.shape.head_dim,
-                                       DTypeSize(a.shape.act_dtype));
+    p.async_inputs = ViewInputsAligned(p.layer, a.shape, DTypeSize(a.shape.act_dtype));
     cudaError_t err = cudaErrorInvalidValue;
     const bool ok = Dispatch(a.shape, [&](auto act, auto state, auto head_dim) {
       err = Recurrent<Mode::kVerify, typename decltype(act)::type,
@@ -919,9 +934,8 @@ class CudaKernels final : public KdaKernels {
 
     RecurrentLaunch p{};
     p.num_rows = a.num_rows;
-    p.num_heads = a.shape.num_heads;
+    SetHeads(a.shape, &p);
     p.num_layers = a.num_layers;
-    p.lower_bound = a.shape.lower_bound;
     p.indices = internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks).replay_indices;
     p.indices_stride = a.spec_query_len + 1;
     p.window = a.spec_query_len;
@@ -930,13 +944,14 @@ class CudaKernels final : public KdaKernels {
     p.replay_layers = a.device_layers;
     // The replay reads the records: q = k = kv[:, 0], v = kv[:, 1], g.
     p.async_inputs = true;
-    const int64_t hk = int64_t{a.shape.num_heads} * a.shape.head_dim;
+    const int64_t hk = KeyWidth(a.shape);
+    const int64_t width = RecordTokenWidth(a.shape);
     const size_t elem = DTypeSize(a.shape.act_dtype);
     for (int l = 0; l < a.num_layers; ++l) {
       const Records& r = a.layers[l].records;
       p.async_inputs = p.async_inputs &&
-                       InputsAligned(r.kv, 2 * hk, r.kv, 2 * hk, static_cast<char*>(r.kv) + hk * elem,
-                                     2 * hk, r.g, a.shape.num_heads, a.shape.head_dim, elem);
+                       InputsAligned(r.kv, width, r.kv, width, static_cast<char*>(r.kv) + hk * elem,
+                                     width, r.g, a.shape, elem);
     }
     cudaError_t err = cudaErrorInvalidValue;
     const bool ok = Dispatch(a.shape, [&](auto act, auto state, auto head_dim) {

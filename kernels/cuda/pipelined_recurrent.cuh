@@ -11,11 +11,11 @@
 // large as the GPU holds at once (occupancy x SMs), or the item count when
 // smaller, so at N=1 every item has an SM of its own.
 //
-// The per-token math is kda_math.h's TokenStep with the thread layout,
-// reduction order and input preparation of the one-block-per-item kernel,
-// so both produce the same bits; stock, verify and replay share this
-// template, so verify's outputs and the replayed states equal the stock
-// kernel's bit for bit.
+// The per-token math is kda_math.h's TokenStep, two state rows a lane
+// (PipelinedTraits); stock, verify and replay share this template, so
+// verify's outputs and the replayed states equal the stock kernel's bit for
+// bit. (Its reduction order over K differs from the one-block-per-item
+// kernel's, which has 4 lanes a row: the two agree to rounding, not bits.)
 #ifndef SPECSTATE_KERNELS_CUDA_PIPELINED_RECURRENT_CUH_
 #define SPECSTATE_KERNELS_CUDA_PIPELINED_RECURRENT_CUH_
 
@@ -64,8 +64,26 @@ struct StageIo<BFloat16> {
   }
 };
 
-// A stage buffer row holds K state elements and 16 of padding: with a row
-// stride of K + 16 the two rows a quarter-warp reads lie in disjoint banks.
+// The thread layout: 128 threads an item; kLanes lanes share a state row
+// (8, or 16 for K = 256, so that a lane's share stays 16 columns), and each
+// lane holds its share of kRowsPer = 2 rows, rows g and g + kThreads / kLanes
+// of the item for lane group g. A token input a lane loads from shared
+// memory serves both rows: half the shared-memory traffic of one row a lane
+// (which bounded the kernel: Nsight Compute, docs/benchmarks.md).
+template <int K>
+struct PipelinedTraits {
+  static constexpr int kThreads = 128;
+  static constexpr int kLanes = K >= 256 ? 16 : 8;
+  static constexpr int kRowsPer = 2;
+  static constexpr int kGroups = kThreads / kLanes;  // lane groups
+  static constexpr int kRows = kGroups * kRowsPer;   // state rows an item
+  static constexpr int kChunks = K / kRows;          // items a head
+  static constexpr int kSeg = K / kLanes;            // columns a lane owns
+  static_assert(K % kRows == 0 && kSeg % 4 == 0, "the layout does not tile the head");
+};
+
+// A stage buffer row holds K state elements and 16 of padding (rows then
+// start in different banks).
 template <int K>
 __host__ __device__ constexpr int StageRowStride() {
   return K + 16;
@@ -76,10 +94,11 @@ __host__ __device__ constexpr int StageRowStride() {
 //   two input buffers (a head's raw q, k, g [T][K] and v [T][V], activation
 //   dtype): the next head's arrive while the current one's are in use;
 //   the prepared inputs q, k, decay [T][K], v [T][V], beta [T] and the partial
-//   squares [2][T][K / 32] (floats); the raw beta [T] for verify's records.
+//   squares [2][T][K / 32], GDN's gate g [T] (floats); the raw beta [T] and
+//   GDN's raw g [T] for verify's records.
 template <Mode M, typename Act, typename State, int K, typename Layout>
 struct PipelinedSmem {
-  static constexpr size_t kStage = sizeof(State) * Layout::kRows * StageRowStride<K>();
+  static constexpr size_t kStage = sizeof(State) * PipelinedTraits<K>::kRows * StageRowStride<K>();
   static __host__ __device__ constexpr size_t Inputs(int t) {  // one buffer, bytes, 16-aligned
     return ((sizeof(Act) * size_t(t) * 4 * K + 15) / 16) * 16;
   }
@@ -87,7 +106,8 @@ struct PipelinedSmem {
     return size_t(t) * (3 * K + K + 1 + 2 * (K / 32));
   }
   static __host__ __device__ constexpr size_t Bytes(int t) {
-    return 2 * kStage + 2 * Inputs(t) + sizeof(float) * Floats(t) + sizeof(Act) * size_t(t) + 16;
+    return 2 * kStage + 2 * Inputs(t) + sizeof(float) * (Floats(t) + t) +
+           2 * sizeof(Act) * size_t(t) + 16;
   }
 };
 
@@ -135,17 +155,19 @@ constexpr int PipelinedMinBlocks() {
 }
 
 template <Mode M, typename Act, typename State, int K, typename Layout>
-__global__ void __launch_bounds__(Layout::kThreads, (PipelinedMinBlocks<K, Layout>()))
+__global__ void __launch_bounds__(PipelinedTraits<K>::kThreads, (PipelinedMinBlocks<K, Layout>()))
     PipelinedRecurrentKernel(const RecurrentLaunch p, int64_t num_items) {
-  constexpr int kLanes = Layout::kLanes;
-  constexpr int kThreads = Layout::kThreads;
-  constexpr int kRows = Layout::kRows;
+  using Traits = PipelinedTraits<K>;
+  constexpr int kLanes = Traits::kLanes;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr int kRows = Traits::kRows;
+  constexpr int kRowsPer = Traits::kRowsPer;
+  constexpr int kGroups = Traits::kGroups;
   constexpr int V = K;
-  constexpr int kSeg = K / kLanes;
-  constexpr int kChunks = V / kRows;
+  constexpr int kSeg = Traits::kSeg;
+  constexpr int kChunks = Traits::kChunks;
   constexpr int kStride = StageRowStride<K>();
   constexpr int kPerCopy = 16 / sizeof(Act);  // elements of one 16-byte copy
-  static_assert(V % kRows == 0 && kSeg % 4 == 0, "layout does not tile the head");
   static_assert(K % kPerCopy == 0, "a head slice is whole 16-byte copies");
   constexpr bool kWantOutput = M != Mode::kReplay;
   using Smem = PipelinedSmem<M, Act, State, K, Layout>;
@@ -161,10 +183,13 @@ __global__ void __launch_bounds__(Layout::kThreads, (PipelinedMinBlocks<K, Layou
   if (first >= last) return;
 
   const int tid = threadIdx.x;
-  const int row = tid / kLanes;
+  const int group = tid / kLanes;  // this thread's rows: group + r * kGroups
   const int lane = tid % kLanes;
   const int T = p.max_tokens;
-  const int H = p.num_heads;
+  const int H = p.num_heads;          // value heads: the items'
+  const int Hk = p.num_key_heads;     // key heads: q, k (and KDA's g)
+  const int per_key = H / Hk;         // value heads per key head
+  const bool gdn = p.kind == LayerKind::kGdn;
 
   extern __shared__ float4 smem_raw[];
   char* const base = reinterpret_cast<char*>(smem_raw);
@@ -180,7 +205,9 @@ __global__ void __launch_bounds__(Layout::kThreads, (PipelinedMinBlocks<K, Layou
   float* const sbeta = sv + T * V;
   float* const spart_q = sbeta + T;
   float* const spart_k = spart_q + T * (K / 32);
-  Act* const raw_beta = reinterpret_cast<Act*>(spart_k + T * (K / 32));  // verify's records
+  float* const sg = spart_k + T * (K / 32);              // GDN's g
+  Act* const raw_beta = reinterpret_cast<Act*>(sg + T);  // verify's records
+  Act* const raw_g = raw_beta + T;                       // GDN's, for the records
 
   // The layer's view: stock and verify have one (in the launch's
   // parameters); replay reads its layer's when the layer changes.
@@ -189,7 +216,7 @@ __global__ void __launch_bounds__(Layout::kThreads, (PipelinedMinBlocks<K, Layou
   const auto view_of = [&](int layer) -> const LayerView& {
     if constexpr (M == Mode::kReplay) {
       if (layer != view_layer) {
-        replay_view = ReplayView<Act>(p.replay_layers[layer], p.num_heads, K);
+        replay_view = ReplayView<Act>(p.replay_layers[layer], p, K);
         view_layer = layer;
       }
       return replay_view;
@@ -201,7 +228,7 @@ __global__ void __launch_bounds__(Layout::kThreads, (PipelinedMinBlocks<K, Layou
   // its layer's, by value, so that the current item's view stays).
   const auto fetch_view = [&](int layer) -> LayerView {
     if constexpr (M == Mode::kReplay) {
-      return ReplayView<Act>(p.replay_layers[layer], p.num_heads, K);
+      return ReplayView<Act>(p.replay_layers[layer], p, K);
     } else {
       return p.layer;
     }
@@ -210,15 +237,20 @@ __global__ void __launch_bounds__(Layout::kThreads, (PipelinedMinBlocks<K, Layou
     return (int64_t{it.layer} * p.num_rows + it.n) * H + it.h;
   };
 
-  // Starts the copy of item `it`'s state slice (this thread's quads) into `dst`.
+  // Starts the copy of item `it`'s state slice (this thread's quads of its
+  // rows) into `dst`.
   const auto fetch_state = [&](const PipelinedItem& it, const LayerView& view, State* dst) {
-    const int v = it.chunk * kRows + row;
-    const State* src = static_cast<const State*>(view.state) +
-                       int64_t{it.source} * view.block_stride + (int64_t{it.h} * V + v) * K;
 #pragma unroll
-    for (int i = 0; i < kSeg / 4; ++i) {
-      const int col = kda::QuadColumn<kLanes>(lane, i);
-      StageIo<State>::Copy(dst + row * kStride + col, src + col);
+    for (int r = 0; r < kRowsPer; ++r) {
+      const int row = group + r * kGroups;
+      const int v = it.chunk * kRows + row;
+      const State* src = static_cast<const State*>(view.state) +
+                         int64_t{it.source} * view.block_stride + (int64_t{it.h} * V + v) * K;
+#pragma unroll
+      for (int i = 0; i < kSeg / 4; ++i) {
+        const int col = kda::QuadColumn<kLanes>(lane, i);
+        StageIo<State>::Copy(dst + row * kStride + col, src + col);
+      }
     }
   };
   // Starts the copy of item `it`'s head's raw q, k, g and v into `dst`
@@ -229,15 +261,17 @@ __global__ void __launch_bounds__(Layout::kThreads, (PipelinedMinBlocks<K, Layou
     const Act* const g = static_cast<const Act*>(view.g);
     const Act* const v = static_cast<const Act*>(view.v);
     const int pieces = it.tokens * (K / kPerCopy);
+    const int64_t kh = it.h / per_key;
     for (int x = tid; x < 4 * pieces; x += kThreads) {
-      const int which = x / pieces;  // 0 q, 1 k, 2 g, 3 v
+      const int which = x / pieces;  // 0 q, 1 k, 2 g (KDA), 3 v
+      if (which == 2 && gdn) continue;
       const int y = x % pieces;
       const int t = y / (K / kPerCopy);
       const int j = (y % (K / kPerCopy)) * kPerCopy;
       const int64_t tok = it.bos + t;
-      const Act* src = which == 0   ? q + tok * view.q_stride + int64_t{it.h} * K + j
-                       : which == 1 ? k + tok * view.k_stride + int64_t{it.h} * K + j
-                       : which == 2 ? g + (tok * H + it.h) * K + j
+      const Act* src = which == 0   ? q + tok * view.q_stride + kh * K + j
+                       : which == 1 ? k + tok * view.k_stride + kh * K + j
+                       : which == 2 ? g + (tok * Hk + kh) * K + j
                                     : v + tok * view.v_stride + int64_t{it.h} * V + j;
       Act* out = dst + (which * T + t) * K + j;
       if (p.async_inputs) {
@@ -296,12 +330,25 @@ __global__ void __launch_bounds__(Layout::kThreads, (PipelinedMinBlocks<K, Layou
     const int64_t bos = cur.bos;
     const int64_t rec0 = int64_t{cur.n} * p.window;
     const Act* const raw = inputs[cur.inputs];
+    const int kh = h / per_key;
     if (cur.active() && head_key(cur) != prepared) {
       // Everything this block copied for this item has landed, and every
       // thread is done with the previous head.
       CpAsyncWait<0>();
       __syncthreads();
-      const float a = expf(view.a_log[h]);
+      const kda::GateRule rule{p.kind, p.gate, gdn ? 0.0f : expf(view.a_log[kh]), p.lower_bound};
+      // Per token: beta, and GDN's scalar gate.
+      for (int t = tid; t < tokens; t += kThreads) {
+        const Act b_raw = static_cast<const Act*>(view.beta)[(bos + t) * view.beta_stride + h];
+        sbeta[t] = rule.Beta(ToFloat(b_raw));
+        if (M == Mode::kVerify) raw_beta[t] = b_raw;
+        if (gdn) {
+          const Act g_raw = static_cast<const Act*>(view.g)[(bos + t) * H + h];
+          sg[t] = ToFloat(g_raw);
+          if (M == Mode::kVerify) raw_g[t] = g_raw;
+        }
+      }
+      if (gdn) __syncthreads();
       // The decay factors and per-warp partial sums of squares (K is a
       // multiple of 32: the 32 items of a warp share one token).
       for (int x = tid; x < tokens * K; x += kThreads) {
@@ -311,8 +358,8 @@ __global__ void __launch_bounds__(Layout::kThreads, (PipelinedMinBlocks<K, Layou
         const float xk = ToFloat(raw[(1 * T + t) * K + j]);
         sq[x] = xq;
         sk[x] = xk;
-        sdecay[x] = kda::GateDecay(ToFloat(raw[(2 * T + t) * K + j]), view.dt_bias[h * K + j], a,
-                                   p.lower_bound);
+        sdecay[x] = gdn ? rule.Decay(sg[t], 0.0f)
+                        : rule.Decay(ToFloat(raw[(2 * T + t) * K + j]), view.dt_bias[kh * K + j]);
         const float sum_q = WarpSum(xq * xq);
         const float sum_k = WarpSum(xk * xk);
         if ((tid & 31) == 0) {
@@ -322,11 +369,6 @@ __global__ void __launch_bounds__(Layout::kThreads, (PipelinedMinBlocks<K, Layou
       }
       for (int x = tid; x < tokens * V; x += kThreads) {
         sv[x] = ToFloat(raw[(3 * T + x / V) * K + x % V]);
-      }
-      for (int t = tid; t < tokens; t += kThreads) {
-        const Act b_raw = static_cast<const Act*>(view.beta)[(bos + t) * view.beta_stride + h];
-        sbeta[t] = kda::Sigmoid(ToFloat(b_raw));
-        if (M == Mode::kVerify) raw_beta[t] = b_raw;
       }
       __syncthreads();
       const float scale = kda::QueryScale(K);
@@ -360,55 +402,76 @@ __global__ void __launch_bounds__(Layout::kThreads, (PipelinedMinBlocks<K, Layou
       continue;
     }
 
-    // Records (verify): the row's raw inputs, bit for bit; k, g and beta once
-    // per head (by its chunk 0), v by each chunk for its rows.
+    // Records (verify): the row's raw inputs, bit for bit, each token's
+    // [H * K + HV * V] of kv: k (and KDA's g) once per key head (by chunk 0
+    // of its first value head), beta (and GDN's g) by chunk 0 of each value
+    // head, v by each chunk for its rows.
     if (M == Mode::kVerify) {
       Act* const rec_kv = static_cast<Act*>(view.rec_kv);
-      if (cur.chunk == 0) {
-        Act* const rec_g = static_cast<Act*>(view.rec_g);
+      Act* const rec_g = static_cast<Act*>(view.rec_g);
+      const int64_t width = int64_t{Hk} * K + int64_t{H} * V;
+      if (cur.chunk == 0 && h % per_key == 0) {
         for (int x = tid; x < tokens * K; x += kThreads) {
           const int t = x / K;
-          rec_kv[((rec0 + t) * 2) * H * K + int64_t{h} * K + x % K] = raw[(1 * T + t) * K + x % K];
-          rec_g[((rec0 + t) * H + h) * K + x % K] = raw[(2 * T + t) * K + x % K];
+          rec_kv[(rec0 + t) * width + int64_t{kh} * K + x % K] = raw[(1 * T + t) * K + x % K];
+          if (!gdn) rec_g[((rec0 + t) * Hk + kh) * K + x % K] = raw[(2 * T + t) * K + x % K];
         }
+      }
+      if (cur.chunk == 0) {
         for (int t = tid; t < tokens; t += kThreads) {
           static_cast<Act*>(view.rec_beta)[(rec0 + t) * H + h] = raw_beta[t];
+          if (gdn) rec_g[(rec0 + t) * H + h] = raw_g[t];
         }
       }
       for (int x = tid; x < tokens * kRows; x += kThreads) {
         const int t = x / kRows;
         const int v = cur.chunk * kRows + x % kRows;
-        rec_kv[((rec0 + t) * 2 + 1) * H * K + int64_t{h} * V + v] = raw[(3 * T + t) * K + v];
+        rec_kv[(rec0 + t) * width + int64_t{Hk} * K + int64_t{h} * V + v] =
+            raw[(3 * T + t) * K + v];
       }
     }
 
     // The state slice, once this thread's copies of it have landed.
     CpAsyncWait<1>();
-    float st[kSeg];
-    const State* const mine = stage[s] + row * kStride;
+    float st[kRowsPer * kSeg];
 #pragma unroll
-    for (int i = 0; i < kSeg / 4; ++i) {
-      const kda::Quad quad = StageIo<State>::Load(mine + kda::QuadColumn<kLanes>(lane, i));
+    for (int r = 0; r < kRowsPer; ++r) {
+      const State* const mine = stage[s] + (group + r * kGroups) * kStride;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) st[4 * i + c] = quad.x[c];
+      for (int i = 0; i < kSeg / 4; ++i) {
+        const kda::Quad quad = StageIo<State>::Load(mine + kda::QuadColumn<kLanes>(lane, i));
+#pragma unroll
+        for (int c = 0; c < 4; ++c) st[r * kSeg + 4 * i + c] = quad.x[c];
+      }
     }
 
-    const int v = cur.chunk * kRows + row;
+    const int v0 = cur.chunk * kRows + group;  // row r is v0 + r * kGroups
     State* const state = static_cast<State*>(view.state);
-    const int64_t row_offset = (int64_t{h} * V + v) * K;
     Act* const out = static_cast<Act*>(view.out);
     for (int t = 0; t < tokens; ++t) {
       const kda::TokenInputs tok{sq + t * K, sk + t * K, sdecay + t * K, sbeta[t]};
-      const float o = kda::TokenStep<kSeg, kLanes>(
-          st, lane, tok, sv[t * V + v], [](float x) { return LaneSum<kLanes>(x); }, kWantOutput);
-      if (kWantOutput && lane == 0) out[((bos + t) * H + h) * V + v] = FromFloat<Act>(o);
+      float vin[kRowsPer], o[kRowsPer];
+#pragma unroll
+      for (int r = 0; r < kRowsPer; ++r) vin[r] = sv[t * V + v0 + r * kGroups];
+      kda::TokenStep<kSeg, kLanes, kRowsPer>(
+          st, lane, tok, vin, [](float x) { return LaneSum<kLanes>(x); }, kWantOutput, o);
+      if (kWantOutput && lane == 0) {
+#pragma unroll
+        for (int r = 0; r < kRowsPer; ++r) {
+          out[((bos + t) * H + h) * V + v0 + r * kGroups] = FromFloat<Act>(o[r]);
+        }
+      }
       if (M != Mode::kVerify) {
         const int32_t dst = cur.idx[t];
         if (internal::IsBlock(dst)) {
-          State* d = state + int64_t{dst} * view.block_stride + row_offset;
 #pragma unroll
-          for (int i = 0; i < kSeg / 4; ++i) {
-            StateIo<State>::Store(d + kda::QuadColumn<kLanes>(lane, i), st + 4 * i);
+          for (int r = 0; r < kRowsPer; ++r) {
+            State* d = state + int64_t{dst} * view.block_stride +
+                       (int64_t{h} * V + v0 + r * kGroups) * K;
+#pragma unroll
+            for (int i = 0; i < kSeg / 4; ++i) {
+              StateIo<State>::Store(d + kda::QuadColumn<kLanes>(lane, i), st + r * kSeg + 4 * i);
+            }
           }
         }
       }
@@ -423,7 +486,7 @@ __global__ void __launch_bounds__(Layout::kThreads, (PipelinedMinBlocks<K, Layou
 // with as many blocks as the GPU runs at once (or one per item).
 template <Mode M, typename Act, typename State, int K, typename Layout>
 cudaError_t LaunchPipelined(const RecurrentLaunch& p, int num_layers, cudaStream_t stream) {
-  constexpr int kChunks = K / Layout::kRows;
+  constexpr int kChunks = PipelinedTraits<K>::kChunks;
   const int64_t items = int64_t{num_layers} * p.num_rows * p.num_heads * kChunks;
   if (items == 0) return cudaSuccess;
   const size_t smem = PipelinedSmem<M, Act, State, K, Layout>::Bytes(p.max_tokens);
@@ -438,23 +501,36 @@ cudaError_t LaunchPipelined(const RecurrentLaunch& p, int num_layers, cudaStream
   }
   int blocks_at_once = resident[device][p.max_tokens].load(std::memory_order_relaxed);
   if (blocks_at_once == 0) {
+    // A failed query must not linger as the thread's last error (the next
+    // launch's check would report it).
+    const auto failed = [](cudaError_t e) {
+      cudaGetLastError();
+      return e;
+    };
     // The attribute is the most any launch of the kernel may use: set for the
-    // longest window, so that no window's launch exceeds another's setting.
+    // longest window the device's shared memory holds, so that no window's
+    // launch exceeds another's setting.
+    int optin = 0, sms = 0;
+    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (err != cudaSuccess) return failed(err);
     const size_t most = PipelinedSmem<M, Act, State, K, Layout>::Bytes(kMaxSpecQueryLen);
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(most));
-    if (err != cudaSuccess) return err;
-    int per_sm = 0, sms = 0;
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Layout::kThreads, smem);
-    if (err != cudaSuccess) return err;
+    if (smem > size_t(optin)) return cudaErrorInvalidValue;  // this window does not fit
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               int(most < size_t(optin) ? most : size_t(optin)));
+    if (err != cudaSuccess) return failed(err);
+    int per_sm = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
+                                                        PipelinedTraits<K>::kThreads, smem);
+    if (err != cudaSuccess) return failed(err);
     err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err != cudaSuccess) return err;
+    if (err != cudaSuccess) return failed(err);
     if (per_sm < 1) return cudaErrorInvalidConfiguration;
     blocks_at_once = per_sm * sms;
     resident[device][p.max_tokens].store(blocks_at_once, std::memory_order_relaxed);
   }
   const int64_t blocks = items < blocks_at_once ? items : blocks_at_once;
-  err = LaunchDependent(kernel, static_cast<unsigned>(blocks), Layout::kThreads, smem, stream, p,
-                        items);
+  err = LaunchDependent(kernel, static_cast<unsigned>(blocks), PipelinedTraits<K>::kThreads, smem,
+                        stream, p, items);
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
