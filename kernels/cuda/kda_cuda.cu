@@ -61,9 +61,6 @@ struct ThreadLayout {
 // registers at 80 (6 blocks of 128 threads per SM) hides more of the memory
 // latency than the uncapped kernel does.
 using ProductionLayout = ThreadLayout<4, 128, 6>;
-// The pipelined kernel: 4 blocks of 128 threads per SM (shared memory holds
-// two stage buffers each; 128 registers a thread).
-using PipelinedLayout = ThreadLayout<4, 128, 4>;
 
 constexpr int kCheckThreads = 1024;
 constexpr int kConvThreads = 256;
@@ -414,6 +411,11 @@ cudaError_t LaunchRecurrent(const RecurrentLaunch& p, int num_layers, cudaStream
 namespace specstate {
 namespace kernels {
 namespace {
+
+// The pipelined kernel: 8 lanes a row, 2 rows a lane, 4 blocks of 128
+// threads per SM (shared memory holds two stage buffers each; 128
+// registers a thread).
+using PipelinedLayout = PipelineLayout<8, 2, 4>;
 
 // ---------------------------------------------------------------------------
 // Single-block checks.
@@ -1008,7 +1010,7 @@ struct LayoutVariant {
 
 const std::vector<LayoutVariant>& LayoutVariants() {
   static const std::vector<LayoutVariant>* const variants = new std::vector<LayoutVariant>{
-      {"pipelined persistent, 4 lanes x 32 rows (production)",
+      {"pipelined persistent, 8 lanes a row, 2 rows a lane (production)",
        new CudaKernels<PipelinedLayout, true, true>()},
       {"one block per item, 4 lanes x 32 rows, <= 80 regs (before)",
        new CudaKernels<ProductionLayout, true>()},
@@ -1018,6 +1020,8 @@ const std::vector<LayoutVariant>& LayoutVariants() {
       {"8 lanes x 16 rows", new CudaKernels<ThreadLayout<8, 128, 1>, false>()},
       {"2 lanes x 64 rows", new CudaKernels<ThreadLayout<2, 128, 1>, false>()},
       {"4 lanes x 32 rows, <= 64 regs", new CudaKernels<ThreadLayout<4, 128, 8>, false>()},
+      {"pipelined, 8 lanes a row, 4 rows a lane",
+       new CudaKernels<PipelineLayout<8, 4, 3>, false, true>()},
   };
   return *variants;
 }

@@ -64,17 +64,25 @@ struct StageIo<BFloat16> {
   }
 };
 
-// The thread layout: 128 threads an item; kLanes lanes share a state row
-// (8, or 16 for K = 256, so that a lane's share stays 16 columns), and each
-// lane holds its share of kRowsPer = 2 rows, rows g and g + kThreads / kLanes
-// of the item for lane group g. A token input a lane loads from shared
-// memory serves both rows: half the shared-memory traffic of one row a lane
-// (which bounded the kernel: Nsight Compute, docs/benchmarks.md).
-template <int K>
+// The pipelined kernel's thread layout: 128 threads an item; kLanes128
+// lanes share a state row at K <= 128 (twice as many at K = 256, so that a
+// lane's share of a row is no larger than at K = 128), and each lane
+// holds its share of kRowsPer rows, rows g + r * (128 / kLanes) of the item
+// for lane group g. A token input a lane loads from shared memory serves all
+// its rows, and a row's sums take log2(kLanes) shuffles: more rows a lane
+// means fewer shared-memory loads and fewer items (docs/benchmarks.md).
+template <int kLanes128_, int kRowsPer_, int kMinBlocks_>
+struct PipelineLayout {
+  static constexpr int kLanes128 = kLanes128_;
+  static constexpr int kRowsPer = kRowsPer_;
+  static constexpr int kMinBlocks = kMinBlocks_;
+};
+
+template <int K, typename Layout>
 struct PipelinedTraits {
   static constexpr int kThreads = 128;
-  static constexpr int kLanes = K >= 256 ? 16 : 8;
-  static constexpr int kRowsPer = 2;
+  static constexpr int kLanes = K >= 256 ? 2 * Layout::kLanes128 : Layout::kLanes128;
+  static constexpr int kRowsPer = Layout::kRowsPer;
   static constexpr int kGroups = kThreads / kLanes;  // lane groups
   static constexpr int kRows = kGroups * kRowsPer;   // state rows an item
   static constexpr int kChunks = K / kRows;          // items a head
@@ -93,17 +101,17 @@ __host__ __device__ constexpr int StageRowStride() {
 //   two stage buffers [kRows][K + 16] State (an item's state slice);
 //   two input buffers (a head's raw q, k, g [T][K] and v [T][V], activation
 //   dtype): the next head's arrive while the current one's are in use;
-//   the prepared inputs q, k, decay [T][K], v [T][V], beta [T] and the partial
-//   squares [2][T][K / 32], GDN's gate g [T] (floats); the raw beta [T] and
+//   the prepared inputs q, k, decay [T][K], v [T][V], beta [T] and GDN's
+//   gate g [T] (floats); the raw beta [T] and
 //   GDN's raw g [T] for verify's records.
 template <Mode M, typename Act, typename State, int K, typename Layout>
 struct PipelinedSmem {
-  static constexpr size_t kStage = sizeof(State) * PipelinedTraits<K>::kRows * StageRowStride<K>();
+  static constexpr size_t kStage = sizeof(State) * PipelinedTraits<K, Layout>::kRows * StageRowStride<K>();
   static __host__ __device__ constexpr size_t Inputs(int t) {  // one buffer, bytes, 16-aligned
     return ((sizeof(Act) * size_t(t) * 4 * K + 15) / 16) * 16;
   }
   static __host__ __device__ constexpr size_t Floats(int t) {
-    return size_t(t) * (3 * K + K + 1 + 2 * (K / 32));
+    return size_t(t) * (3 * K + K + 1);
   }
   static __host__ __device__ constexpr size_t Bytes(int t) {
     return 2 * kStage + 2 * Inputs(t) + sizeof(float) * (Floats(t) + t) +
@@ -111,7 +119,10 @@ struct PipelinedSmem {
   }
 };
 
-// What one item is: where its row's tokens and blocks are.
+// What one item is: its coordinates, and where its row's tokens and blocks
+// are. A block walks its items in order, so the coordinates advance by
+// carries (Advance) instead of being divided out of the item number again:
+// 64-bit divisions per item cost more instructions than a token step.
 struct PipelinedItem {
   int layer, n, h, chunk;
   int64_t bos;
@@ -119,18 +130,14 @@ struct PipelinedItem {
   int32_t source;
   const int32_t* idx;  // the row's indices (stock and replay store by them)
   int inputs;          // the input buffer holding its head
+  int head;            // (layer, n, h) as one number: items of a head share its inputs
   __host__ __device__ bool active() const { return tokens > 0 && internal::IsBlock(source); }
 };
 
-template <Mode M, int kChunks>
-__device__ __forceinline__ PipelinedItem ItemOf(const RecurrentLaunch& p, int64_t item) {
-  PipelinedItem it;
-  it.chunk = static_cast<int>(item % kChunks);
-  item /= kChunks;
-  it.h = static_cast<int>(item % p.num_heads);
-  item /= p.num_heads;
-  it.n = static_cast<int>(item % p.num_rows);
-  it.layer = static_cast<int>(item / p.num_rows);
+// Fills the row-dependent fields of `it` from its coordinates.
+template <Mode M>
+__device__ __forceinline__ void LocateRow(const RecurrentLaunch& p, PipelinedItem& it) {
+  it.head = (it.layer * p.num_rows + it.n) * p.num_heads + it.h;
   it.idx = p.indices + it.n * p.indices_stride;
   it.inputs = 0;
   if (M == Mode::kReplay) {
@@ -144,6 +151,38 @@ __device__ __forceinline__ PipelinedItem ItemOf(const RecurrentLaunch& p, int64_
         (M == Mode::kStock && p.num_accepted != nullptr) ? p.num_accepted[it.n] - 1 : 0;
     it.source = it.tokens > 0 ? it.idx[first_col] : kNullBlock;
   }
+}
+
+// Item number `item` (fewer than 2^31 items: the launcher checks).
+template <Mode M, int kChunks>
+__device__ __forceinline__ PipelinedItem ItemOf(const RecurrentLaunch& p, int item) {
+  PipelinedItem it;
+  it.chunk = item % kChunks;
+  item /= kChunks;
+  it.h = item % p.num_heads;
+  item /= p.num_heads;
+  it.n = item % p.num_rows;
+  it.layer = item / p.num_rows;
+  LocateRow<M>(p, it);
+  return it;
+}
+
+// The item after `it`.
+template <Mode M, int kChunks>
+__device__ __forceinline__ PipelinedItem Advance(const RecurrentLaunch& p, PipelinedItem it) {
+  if (++it.chunk < kChunks) {
+    it.inputs = 0;
+    return it;
+  }
+  it.chunk = 0;
+  if (++it.h == p.num_heads) {
+    it.h = 0;
+    if (++it.n == p.num_rows) {
+      it.n = 0;
+      ++it.layer;
+    }
+  }
+  LocateRow<M>(p, it);
   return it;
 }
 
@@ -155,9 +194,9 @@ constexpr int PipelinedMinBlocks() {
 }
 
 template <Mode M, typename Act, typename State, int K, typename Layout>
-__global__ void __launch_bounds__(PipelinedTraits<K>::kThreads, (PipelinedMinBlocks<K, Layout>()))
-    PipelinedRecurrentKernel(const RecurrentLaunch p, int64_t num_items) {
-  using Traits = PipelinedTraits<K>;
+__global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (PipelinedMinBlocks<K, Layout>()))
+    PipelinedRecurrentKernel(const RecurrentLaunch p, int num_items) {
+  using Traits = PipelinedTraits<K, Layout>;
   constexpr int kLanes = Traits::kLanes;
   constexpr int kThreads = Traits::kThreads;
   constexpr int kRows = Traits::kRows;
@@ -177,9 +216,9 @@ __global__ void __launch_bounds__(PipelinedTraits<K>::kThreads, (PipelinedMinBlo
   if (!(M == Mode::kVerify && p.early_loads)) WaitForPrerequisiteGrid();
 
   // This block's items: a contiguous range.
-  const int64_t per_block = (num_items + gridDim.x - 1) / gridDim.x;
-  const int64_t first = int64_t{blockIdx.x} * per_block;
-  const int64_t last = first + per_block < num_items ? first + per_block : num_items;
+  const int per_block = (num_items + gridDim.x - 1) / gridDim.x;
+  const int first = blockIdx.x * per_block;
+  const int last = first + per_block < num_items ? first + per_block : num_items;
   if (first >= last) return;
 
   const int tid = threadIdx.x;
@@ -190,22 +229,28 @@ __global__ void __launch_bounds__(PipelinedTraits<K>::kThreads, (PipelinedMinBlo
   const int Hk = p.num_key_heads;     // key heads: q, k (and KDA's g)
   const int per_key = H / Hk;         // value heads per key head
   const bool gdn = p.kind == LayerKind::kGdn;
+  const bool records_aligned =
+      M == Mode::kVerify &&
+      ((reinterpret_cast<uintptr_t>(p.layer.rec_kv) | reinterpret_cast<uintptr_t>(p.layer.rec_g)) %
+       16) == 0;
 
   extern __shared__ float4 smem_raw[];
   char* const base = reinterpret_cast<char*>(smem_raw);
-  State* const stage[2] = {reinterpret_cast<State*>(base),
-                           reinterpret_cast<State*>(base + Smem::kStage)};
-  // Input buffer b: q, k, g [T][K] then v [T][V], raw.
-  Act* const inputs[2] = {reinterpret_cast<Act*>(base + 2 * Smem::kStage),
-                          reinterpret_cast<Act*>(base + 2 * Smem::kStage + Smem::Inputs(T))};
+  // Stage buffer b, and input buffer b (q, k, g [T][K] then v [T][V], raw),
+  // as offsets from `base` (not an array of pointers, which the compiler
+  // turns into generic loads: slower than shared-memory ones).
+  const auto stage = [&](int b) {
+    return reinterpret_cast<State*>(base + (b ? Smem::kStage : 0));
+  };
+  const auto inputs = [&](int b) {
+    return reinterpret_cast<Act*>(base + 2 * Smem::kStage + (b ? Smem::Inputs(T) : 0));
+  };
   float* const sq = reinterpret_cast<float*>(base + 2 * Smem::kStage + 2 * Smem::Inputs(T));
   float* const sk = sq + T * K;
   float* const sdecay = sk + T * K;
   float* const sv = sdecay + T * K;  // [T][V]
   float* const sbeta = sv + T * V;
-  float* const spart_q = sbeta + T;
-  float* const spart_k = spart_q + T * (K / 32);
-  float* const sg = spart_k + T * (K / 32);              // GDN's g
+  float* const sg = sbeta + T;                           // GDN's g
   Act* const raw_beta = reinterpret_cast<Act*>(sg + T);  // verify's records
   Act* const raw_g = raw_beta + T;                       // GDN's, for the records
 
@@ -233,9 +278,6 @@ __global__ void __launch_bounds__(PipelinedTraits<K>::kThreads, (PipelinedMinBlo
       return p.layer;
     }
   };
-  const auto head_key = [&](const PipelinedItem& it) {
-    return (int64_t{it.layer} * p.num_rows + it.n) * H + it.h;
-  };
 
   // Starts the copy of item `it`'s state slice (this thread's quads of its
   // rows) into `dst`.
@@ -262,46 +304,66 @@ __global__ void __launch_bounds__(PipelinedTraits<K>::kThreads, (PipelinedMinBlo
     const Act* const v = static_cast<const Act*>(view.v);
     const int pieces = it.tokens * (K / kPerCopy);
     const int64_t kh = it.h / per_key;
-    for (int x = tid; x < 4 * pieces; x += kThreads) {
-      const int which = x / pieces;  // 0 q, 1 k, 2 g (KDA), 3 v
-      if (which == 2 && gdn) continue;
-      const int y = x % pieces;
-      const int t = y / (K / kPerCopy);
-      const int j = (y % (K / kPerCopy)) * kPerCopy;
-      const int64_t tok = it.bos + t;
-      const Act* src = which == 0   ? q + tok * view.q_stride + kh * K + j
-                       : which == 1 ? k + tok * view.k_stride + kh * K + j
-                       : which == 2 ? g + (tok * Hk + kh) * K + j
-                                    : v + tok * view.v_stride + int64_t{it.h} * V + j;
-      Act* out = dst + (which * T + t) * K + j;
-      if (p.async_inputs) {
-        CpAsync16(out, src);
-      } else {
 #pragma unroll
-        for (int e = 0; e < kPerCopy; ++e) out[e] = src[e];
+    for (int which = 0; which < 4; ++which) {  // 0 q, 1 k, 2 g (KDA), 3 v
+      if (which == 2 && gdn) continue;
+      for (int y = tid; y < pieces; y += kThreads) {
+        const int t = y / (K / kPerCopy);
+        const int j = (y % (K / kPerCopy)) * kPerCopy;
+        const int64_t tok = it.bos + t;
+        const Act* src = which == 0   ? q + tok * view.q_stride + kh * K + j
+                         : which == 1 ? k + tok * view.k_stride + kh * K + j
+                         : which == 2 ? g + (tok * Hk + kh) * K + j
+                                      : v + tok * view.v_stride + int64_t{it.h} * V + j;
+        Act* out = dst + (which * T + t) * K + j;
+        if (p.async_inputs) {
+          CpAsync16(out, src);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kPerCopy; ++e) out[e] = src[e];
+        }
       }
     }
   };
 
+  static_assert(kMaxSpecQueryLen <= kThreads, "a thread holds each token's beta");
+  Act held_beta[2] = {}, held_g[2] = {};  // per input buffer (indexed by constants only)
   PipelinedItem cur = ItemOf<M, kChunks>(p, first);
-  int64_t fetched_key = -1;  // the head whose inputs were copied last, into fetched_buf
+  int fetched_key = -1;  // the head whose inputs were copied last, into fetched_buf
   int fetched_buf = 1;
   const auto fetch = [&](PipelinedItem& it, int stage_index) {
     if (!it.active()) return;
     const LayerView view = fetch_view(it.layer);
-    fetch_state(it, view, stage[stage_index]);
-    if (head_key(it) != fetched_key) {
+    fetch_state(it, view, stage(stage_index));
+    if (it.head != fetched_key) {
       // The other buffer: its head's last reader passed the barrier of the
       // prepared head's set-up (see below) before this is issued.
       fetched_buf ^= 1;
-      fetched_key = head_key(it);
-      fetch_inputs(it, view, inputs[fetched_buf]);
+      fetched_key = it.head;
+      fetch_inputs(it, view, inputs(fetched_buf));
+      // Token t's beta (and GDN's g) into thread t's registers, an item
+      // ahead of their use like the copies.
+      if (tid < it.tokens) {
+        const int64_t tok = it.bos + tid;
+        const Act b = static_cast<const Act*>(view.beta)[tok * view.beta_stride + it.h];
+        const Act gg = gdn ? static_cast<const Act*>(view.g)[tok * H + it.h] : Act{};
+        if (fetched_buf) {
+          held_beta[1] = b;
+          held_g[1] = gg;
+        } else {
+          held_beta[0] = b;
+          held_g[0] = gg;
+        }
+      }
     }
     it.inputs = fetched_buf;
   };
-  // Early loads (before the check kernel is done) stay inside the call's
-  // tensors whatever the indices say: bounded here, decided by the check.
+  // Without early loads the checks have finished (the wait above): a failed
+  // call loads nothing. Early loads (Verify against the step's snapshot,
+  // before the check kernel is done) stay inside the call's tensors whatever
+  // the indices say: bounded here, decided by the check after the wait.
   const bool early = M == Mode::kVerify && p.early_loads;
+  if (!early && p.status->failed) return;
   if (!early || (cur.tokens <= p.window && cur.bos >= 0 && cur.bos + cur.tokens <= p.num_tokens &&
                  cur.source < p.num_blocks)) {
     fetch(cur, 0);
@@ -311,80 +373,76 @@ __global__ void __launch_bounds__(PipelinedTraits<K>::kThreads, (PipelinedMinBlo
   CpAsyncCommit();
   if (early) {
     WaitForPrerequisiteGrid();
-    if (cur.tokens == 0) cur = ItemOf<M, kChunks>(p, first);  // let the checks decide
+    if (p.status->failed) {
+      CpAsyncWait<0>();
+      return;
+    }
+    if (cur.tokens == 0) {
+      cur = ItemOf<M, kChunks>(p, first);  // the checks passed: these values are valid
+      if (cur.active()) fetch(cur, 0);
+      CpAsyncCommit();
+    }
   }
-  if (p.status->failed) {
-    CpAsyncWait<0>();
-    return;
-  }
-  if (early && cur.active() && fetched_key < 0) {
-    fetch(cur, 0);  // its early loads were out of bounds, yet it passed the checks
-    CpAsyncCommit();
-  }
-  int64_t prepared = -1;  // the head whose inputs are prepared in shared memory
+  int prepared = -1;  // the head whose inputs are prepared in shared memory
   int s = 0;
-  for (int64_t item = first; item < last; ++item) {
+  for (int item = first; item < last; ++item) {
     const LayerView& view = view_of(cur.layer);
     const int h = cur.h;
     const int tokens = cur.tokens;
     const int64_t bos = cur.bos;
     const int64_t rec0 = int64_t{cur.n} * p.window;
-    const Act* const raw = inputs[cur.inputs];
+    const Act* const raw = inputs(cur.inputs);
     const int kh = h / per_key;
-    if (cur.active() && head_key(cur) != prepared) {
+    if (cur.active() && cur.head != prepared) {
       // Everything this block copied for this item has landed, and every
       // thread is done with the previous head.
       CpAsyncWait<0>();
       __syncthreads();
       const kda::GateRule rule{p.kind, p.gate, gdn ? 0.0f : expf(view.a_log[kh]), p.lower_bound};
       // Per token: beta, and GDN's scalar gate.
-      for (int t = tid; t < tokens; t += kThreads) {
-        const Act b_raw = static_cast<const Act*>(view.beta)[(bos + t) * view.beta_stride + h];
+      if (tid < tokens) {
+        const int t = tid;
+        const Act b_raw = cur.inputs ? held_beta[1] : held_beta[0];
         sbeta[t] = rule.Beta(ToFloat(b_raw));
         if (M == Mode::kVerify) raw_beta[t] = b_raw;
         if (gdn) {
-          const Act g_raw = static_cast<const Act*>(view.g)[(bos + t) * H + h];
+          const Act g_raw = cur.inputs ? held_g[1] : held_g[0];
           sg[t] = ToFloat(g_raw);
           if (M == Mode::kVerify) raw_g[t] = g_raw;
         }
       }
       if (gdn) __syncthreads();
-      // The decay factors and per-warp partial sums of squares (K is a
-      // multiple of 32: the 32 items of a warp share one token).
-      for (int x = tid; x < tokens * K; x += kThreads) {
-        const int t = x / K;
-        const int j = x % K;
-        const float xq = ToFloat(raw[(0 * T + t) * K + j]);
-        const float xk = ToFloat(raw[(1 * T + t) * K + j]);
-        sq[x] = xq;
-        sk[x] = xk;
-        sdecay[x] = gdn ? rule.Decay(sg[t], 0.0f)
-                        : rule.Decay(ToFloat(raw[(2 * T + t) * K + j]), view.dt_bias[kh * K + j]);
-        const float sum_q = WarpSum(xq * xq);
-        const float sum_k = WarpSum(xk * xk);
-        if ((tid & 31) == 0) {
-          spart_q[t * (K / 32) + j / 32] = sum_q;
-          spart_k[t * (K / 32) + j / 32] = sum_k;
-        }
-      }
-      for (int x = tid; x < tokens * V; x += kThreads) {
-        sv[x] = ToFloat(raw[(3 * T + x / V) * K + x % V]);
-      }
-      __syncthreads();
+      // Warp w prepares tokens w, w + 4, ...: lane l holds columns
+      // l + 32 c, sums their squares and adds the sums over the warp, then
+      // writes the normalized q and k, the decay factors and v.
       const float scale = kda::QueryScale(K);
-      for (int x = tid; x < tokens * K; x += kThreads) {
-        const int t = x / K;
+      for (int t = tid / 32; t < tokens; t += kThreads / 32) {
+        constexpr int kPerLane = K / 32;
+        float xq[kPerLane], xk[kPerLane];
         float sum_q = 0.0f, sum_k = 0.0f;
 #pragma unroll
-        for (int c = 0; c < K / 32; ++c) {
-          sum_q += spart_q[t * (K / 32) + c];
-          sum_k += spart_k[t * (K / 32) + c];
+        for (int c = 0; c < kPerLane; ++c) {
+          const int j = (tid & 31) + 32 * c;
+          xq[c] = ToFloat(raw[(0 * T + t) * K + j]);
+          xk[c] = ToFloat(raw[(1 * T + t) * K + j]);
+          sum_q = kda::MulAdd(xq[c], xq[c], sum_q);
+          sum_k = kda::MulAdd(xk[c], xk[c], sum_k);
         }
-        sq[x] = kda::Normalize(sq[x], kda::L2Norm(sum_q), scale);
-        sk[x] = kda::Normalize(sk[x], kda::L2Norm(sum_k), 1.0f);
+        const float norm_q = kda::L2Norm(WarpSum(sum_q));
+        const float norm_k = kda::L2Norm(WarpSum(sum_k));
+#pragma unroll
+        for (int c = 0; c < kPerLane; ++c) {
+          const int j = (tid & 31) + 32 * c;
+          sq[t * K + j] = kda::Normalize(xq[c], norm_q, scale);
+          sk[t * K + j] = kda::Normalize(xk[c], norm_k, 1.0f);
+          sdecay[t * K + j] =
+              gdn ? rule.Decay(sg[t], 0.0f)
+                  : rule.Decay(ToFloat(raw[(2 * T + t) * K + j]), view.dt_bias[kh * K + j]);
+          sv[t * V + j] = ToFloat(raw[(3 * T + t) * K + j]);  // V = K
+        }
       }
       __syncthreads();
-      prepared = head_key(cur);
+      prepared = cur.head;
     }
 
     // The next item's state (and its head's inputs when it starts a head)
@@ -392,7 +450,7 @@ __global__ void __launch_bounds__(PipelinedTraits<K>::kThreads, (PipelinedMinBlo
     PipelinedItem next{};
     next.tokens = 0;
     if (item + 1 < last) {
-      next = ItemOf<M, kChunks>(p, item + 1);
+      next = Advance<M, kChunks>(p, cur);
       fetch(next, s ^ 1);
     }
     CpAsyncCommit();
@@ -410,11 +468,26 @@ __global__ void __launch_bounds__(PipelinedTraits<K>::kThreads, (PipelinedMinBlo
       Act* const rec_kv = static_cast<Act*>(view.rec_kv);
       Act* const rec_g = static_cast<Act*>(view.rec_g);
       const int64_t width = int64_t{Hk} * K + int64_t{H} * V;
+      // 16 bytes at a time where the records allow (service-owned records
+      // are 256-byte aligned; the shared-memory side always is).
+      constexpr int kPer = 16 / sizeof(Act);
+      const auto copy16 = [](Act* dst, const Act* src) {
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+      };
       if (cur.chunk == 0 && h % per_key == 0) {
-        for (int x = tid; x < tokens * K; x += kThreads) {
-          const int t = x / K;
-          rec_kv[(rec0 + t) * width + int64_t{kh} * K + x % K] = raw[(1 * T + t) * K + x % K];
-          if (!gdn) rec_g[((rec0 + t) * Hk + kh) * K + x % K] = raw[(2 * T + t) * K + x % K];
+        if (records_aligned) {
+          for (int x = tid; x < tokens * (K / kPer); x += kThreads) {
+            const int t = x / (K / kPer);
+            const int j = (x % (K / kPer)) * kPer;
+            copy16(rec_kv + (rec0 + t) * width + int64_t{kh} * K + j, raw + (1 * T + t) * K + j);
+            if (!gdn) copy16(rec_g + ((rec0 + t) * Hk + kh) * K + j, raw + (2 * T + t) * K + j);
+          }
+        } else {
+          for (int x = tid; x < tokens * K; x += kThreads) {
+            const int t = x / K;
+            rec_kv[(rec0 + t) * width + int64_t{kh} * K + x % K] = raw[(1 * T + t) * K + x % K];
+            if (!gdn) rec_g[((rec0 + t) * Hk + kh) * K + x % K] = raw[(2 * T + t) * K + x % K];
+          }
         }
       }
       if (cur.chunk == 0) {
@@ -423,11 +496,19 @@ __global__ void __launch_bounds__(PipelinedTraits<K>::kThreads, (PipelinedMinBlo
           if (gdn) rec_g[(rec0 + t) * H + h] = raw_g[t];
         }
       }
-      for (int x = tid; x < tokens * kRows; x += kThreads) {
-        const int t = x / kRows;
-        const int v = cur.chunk * kRows + x % kRows;
-        rec_kv[(rec0 + t) * width + int64_t{Hk} * K + int64_t{h} * V + v] =
-            raw[(3 * T + t) * K + v];
+      Act* const rec_v = rec_kv + int64_t{Hk} * K + int64_t{h} * V + cur.chunk * kRows;
+      const Act* const raw_v = raw + 3 * T * K + cur.chunk * kRows;
+      if (records_aligned) {
+        for (int x = tid; x < tokens * (kRows / kPer); x += kThreads) {
+          const int t = x / (kRows / kPer);
+          const int v = (x % (kRows / kPer)) * kPer;
+          copy16(rec_v + (rec0 + t) * width + v, raw_v + t * K + v);
+        }
+      } else {
+        for (int x = tid; x < tokens * kRows; x += kThreads) {
+          const int t = x / kRows;
+          rec_v[(rec0 + t) * width + x % kRows] = raw_v[t * K + x % kRows];
+        }
       }
     }
 
@@ -436,7 +517,7 @@ __global__ void __launch_bounds__(PipelinedTraits<K>::kThreads, (PipelinedMinBlo
     float st[kRowsPer * kSeg];
 #pragma unroll
     for (int r = 0; r < kRowsPer; ++r) {
-      const State* const mine = stage[s] + (group + r * kGroups) * kStride;
+      const State* const mine = stage(s) + (group + r * kGroups) * kStride;
 #pragma unroll
       for (int i = 0; i < kSeg / 4; ++i) {
         const kda::Quad quad = StageIo<State>::Load(mine + kda::QuadColumn<kLanes>(lane, i));
@@ -447,7 +528,8 @@ __global__ void __launch_bounds__(PipelinedTraits<K>::kThreads, (PipelinedMinBlo
 
     const int v0 = cur.chunk * kRows + group;  // row r is v0 + r * kGroups
     State* const state = static_cast<State*>(view.state);
-    Act* const out = static_cast<Act*>(view.out);
+    // This item's outputs of token t: out_item[t * H * V + r * kGroups].
+    Act* const out_item = static_cast<Act*>(view.out) + (bos * H + h) * V + v0;
     for (int t = 0; t < tokens; ++t) {
       const kda::TokenInputs tok{sq + t * K, sk + t * K, sdecay + t * K, sbeta[t]};
       float vin[kRowsPer], o[kRowsPer];
@@ -458,7 +540,7 @@ __global__ void __launch_bounds__(PipelinedTraits<K>::kThreads, (PipelinedMinBlo
       if (kWantOutput && lane == 0) {
 #pragma unroll
         for (int r = 0; r < kRowsPer; ++r) {
-          out[((bos + t) * H + h) * V + v0 + r * kGroups] = FromFloat<Act>(o[r]);
+          out_item[int64_t{t} * H * V + r * kGroups] = FromFloat<Act>(o[r]);
         }
       }
       if (M != Mode::kVerify) {
@@ -486,9 +568,10 @@ __global__ void __launch_bounds__(PipelinedTraits<K>::kThreads, (PipelinedMinBlo
 // with as many blocks as the GPU runs at once (or one per item).
 template <Mode M, typename Act, typename State, int K, typename Layout>
 cudaError_t LaunchPipelined(const RecurrentLaunch& p, int num_layers, cudaStream_t stream) {
-  constexpr int kChunks = PipelinedTraits<K>::kChunks;
+  constexpr int kChunks = PipelinedTraits<K, Layout>::kChunks;
   const int64_t items = int64_t{num_layers} * p.num_rows * p.num_heads * kChunks;
   if (items == 0) return cudaSuccess;
+  if (items > INT_MAX) return cudaErrorInvalidValue;  // int item numbers
   const size_t smem = PipelinedSmem<M, Act, State, K, Layout>::Bytes(p.max_tokens);
   auto kernel = PipelinedRecurrentKernel<M, Act, State, K, Layout>;
   // Per (device, token window): the attribute and the occupancy, once.
@@ -520,7 +603,7 @@ cudaError_t LaunchPipelined(const RecurrentLaunch& p, int num_layers, cudaStream
     if (err != cudaSuccess) return failed(err);
     int per_sm = 0;
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
-                                                        PipelinedTraits<K>::kThreads, smem);
+                                                        PipelinedTraits<K, Layout>::kThreads, smem);
     if (err != cudaSuccess) return failed(err);
     err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     if (err != cudaSuccess) return failed(err);
@@ -529,8 +612,8 @@ cudaError_t LaunchPipelined(const RecurrentLaunch& p, int num_layers, cudaStream
     resident[device][p.max_tokens].store(blocks_at_once, std::memory_order_relaxed);
   }
   const int64_t blocks = items < blocks_at_once ? items : blocks_at_once;
-  err = LaunchDependent(kernel, static_cast<unsigned>(blocks), PipelinedTraits<K>::kThreads, smem,
-                        stream, p, items);
+  err = LaunchDependent(kernel, static_cast<unsigned>(blocks), PipelinedTraits<K, Layout>::kThreads, smem,
+                        stream, p, static_cast<int>(items));
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 

@@ -31,6 +31,7 @@ ABSL_FLAG(std::string, shapes, "kimi_linear,kimi_k3", "shapes to run");
 ABSL_FLAG(int, iters, 30, "timed runs per measurement");
 ABSL_FLAG(bool, sweep, true, "also sweep the recurrent kernel's thread layouts (kimi_linear, N=256)");
 ABSL_FLAG(std::string, ns, "1,16,64,256", "request counts");
+ABSL_FLAG(std::string, sweep_ns, "256", "request counts of the layout sweep");
 ABSL_FLAG(bool, before, true,
           "also time the kernel before the pipelined one (layout variant 1), side by side");
 ABSL_FLAG(bool, cold, true,
@@ -549,11 +550,12 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
 
 void Sweep(cudaStream_t stream, int iters, double copy_bps) {
   const Shape& s = kKimiLinear;
-  const int N = 256;
-  std::printf("\n### Thread layouts of the recurrent kernel (%s, N=%d)\n\n", s.name.c_str(), N);
-  std::printf("| layout | verify (us) | %% of copy | stock (us) | commit %d layers (us) |\n",
+  std::printf("\n### Thread layouts of the recurrent kernel (%s)\n\n", s.name.c_str());
+  std::printf("| layout | N | verify (us) | %% of copy | stock (us) | commit %d layers (us) |\n",
               s.L);
-  std::printf("|---|---:|---:|---:|---:|\n");
+  std::printf("|---|---:|---:|---:|---:|---:|\n");
+  for (absl::string_view n : absl::StrSplit(absl::GetFlag(FLAGS_sweep_ns), ',')) {
+  const int N = std::stoi(std::string(n));
   std::mt19937 rng(11);
   Bench b = Make(s, N, rng);
   for (int variant = 0; variant < kernels::NumCudaLayoutVariants(); ++variant) {
@@ -574,11 +576,12 @@ void Sweep(cudaStream_t stream, int iters, double copy_bps) {
         Time(stream, iters, [&] { CheckOk(kernels->Commit(commit, stream), "Commit"); });
     CheckDevice(b, "sweep");
     const double v_us = std::min(tv.launched_us, tv.graph_us);
-    std::printf("| %s | %.1f | %.0f%% | %.1f | %.1f |\n", name.c_str(), v_us,
+    std::printf("| %s | %d | %.1f | %.0f%% | %.1f | %.1f |\n", name.c_str(), N, v_us,
                 100.0 * VerifyBytes(b) / (v_us * 1e-6) / copy_bps,
                 std::min(ts.launched_us, ts.graph_us), std::min(tc.launched_us, tc.graph_us));
   }
   Free(b);
+  }
 }
 
 int Main() {
