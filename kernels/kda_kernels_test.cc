@@ -251,6 +251,9 @@ struct StepSpec {
   DType state = DType::kFloat32;
   int heads = 2;
   int head_dim = 64;
+  LayerKind kind = LayerKind::kKda;
+  int value_heads = 0;  // HV; 0: = heads
+  KdaGate gate = KdaGate::kSafe;
   int q = 4;        // Q = num_spec + 1
   int history = 3;  // conv history_len = conv_kernel - 1
   int conv_dim = 20;
@@ -271,7 +274,7 @@ struct StepSpec {
 struct Layer {
   // Activations: q, k, v at element offsets of one buffer, then g, beta.
   Tensor proj, g, beta, a_log, dt_bias;
-  int64_t q_off = 0, k_off = 0, v_off = 0, proj_stride = 0;
+  int64_t q_off = 0, k_off = 0, v_off = 0, proj_stride = 0, v_stride = 0;
   int64_t beta_off = 0, beta_stride = 0;
   ref::Tokens tokens;  // the values the kernels read, dense
   ref::LayerParams params;
@@ -316,8 +319,11 @@ struct Step {
 
   size_t act_size() const { return DTypeSize(shape.act_dtype); }
   size_t state_size() const { return DTypeSize(shape.state_dtype); }
-  int64_t hk() const { return int64_t{shape.num_heads} * shape.head_dim; }
-  int64_t state_elems() const { return hk() * shape.head_dim; }  // one block's [H, V, K]
+  int hv() const { return ValueHeads(shape); }
+  int64_t hk() const { return KeyWidth(shape); }    // q, k per token
+  int64_t vw() const { return ValueWidth(shape); }  // v, o per token
+  int64_t gw() const { return GateWidth(shape); }   // g per token
+  int64_t state_elems() const { return vw() * shape.head_dim; }  // one block's [HV, V, K]
   int history() const { return spec.history; }
 };
 
@@ -482,7 +488,11 @@ ref::ConvPool RefConv(const Step& s, const std::vector<uint8_t>& conv) {
 
 // The reference's view of a step's calls.
 ref::Shape RefShape(const Step& s) {
-  return ref::Shape{s.shape.num_heads, s.shape.head_dim, s.shape.lower_bound};
+  ref::Shape shape{s.shape.num_heads, s.shape.head_dim, s.shape.lower_bound};
+  shape.kind = s.shape.kind == LayerKind::kGdn ? ref::Kind::kGdn : ref::Kind::kKda;
+  shape.value_heads = s.hv();
+  shape.plain_gate = s.shape.gate == KdaGate::kPlain;
+  return shape;
 }
 
 ref::StockCall RefStockCall(const Step& s) {
@@ -506,10 +516,13 @@ ref::CommitCall RefCommitCall(const Step& s) {
 }
 
 std::string Describe(const StepSpec& spec) {
-  return absl::StrCat("act ", DTypeName(spec.act), ", state ", DTypeName(spec.state), ", H ",
-                      spec.heads, ", K ", spec.head_dim, ", Q ", spec.q,
-                      spec.strided ? ", strided" : ", dense", ", ", spec.num_layers, " layer(s)",
-                      spec.align ? ", align" : "");
+  return absl::StrCat(
+      "act ", DTypeName(spec.act), ", state ", DTypeName(spec.state),
+      spec.kind == LayerKind::kGdn ? ", GDN" : ", KDA",
+      spec.gate == KdaGate::kPlain ? " (plain gate)" : "", ", H ", spec.heads,
+      spec.value_heads > 0 ? absl::StrCat(", HV ", spec.value_heads) : "", ", K ",
+      spec.head_dim, ", Q ", spec.q, spec.strided ? ", strided" : ", dense", ", ",
+      spec.num_layers, " layer(s)", spec.align ? ", align" : "");
 }
 
 // Does the reference plan commit anything for this row?
@@ -635,6 +648,7 @@ class KdaKernelsTest : public ::testing::TestWithParam<Backend> {
       n.k_off = L.k_off;
       n.v_off = L.v_off;
       n.proj_stride = L.proj_stride;
+      n.v_stride = L.v_stride;
       n.beta_off = L.beta_off;
       n.beta_stride = L.beta_stride;
       n.tokens = L.tokens;
@@ -752,6 +766,9 @@ Step KdaKernelsTest::MakeStep(const StepSpec& spec) {
   s.spec = spec;
   s.shape.num_heads = spec.heads;
   s.shape.head_dim = spec.head_dim;
+  s.shape.kind = spec.kind;
+  s.shape.num_value_heads = spec.value_heads;
+  s.shape.gate = spec.gate;
   s.shape.act_dtype = spec.act;
   s.shape.state_dtype = spec.state;
   s.shape.lower_bound = rng().Uniform(-6.0f, -3.0f);
@@ -828,9 +845,10 @@ void KdaKernelsTest::MakeLayer(Step* sp) {
   Layer L;
   const DType act = s.shape.act_dtype;
   const size_t es = s.act_size();
-  const int64_t hk = s.hk();
+  const int64_t hk = s.hk(), vw = s.vw(), gw = s.gw();
   const int64_t T = s.num_tokens;
   const int H = s.shape.num_heads;
+  const int HV = s.hv();
 
   // q, k, v: column slices of one wide projection buffer (in an odd order,
   // at odd offsets), or three dense tensors one after the other.
@@ -838,22 +856,32 @@ void KdaKernelsTest::MakeLayer(Step* sp) {
   if (s.spec.strided) {
     L.k_off = 5;
     L.v_off = L.k_off + hk + 3;
-    L.q_off = L.v_off + hk + 7;
+    L.q_off = L.v_off + vw + 7;
     L.proj_stride = L.q_off + hk + 9;
+    L.v_stride = L.proj_stride;
     proj_elems = T * L.proj_stride;
     L.beta_off = 1;
-    L.beta_stride = H + 3;
+    L.beta_stride = HV + 3;
   } else {
+    // Dense q [T, H, K], k, then v [T, HV, V]: q and k have stride hk, v vw.
     L.q_off = 0;
     L.k_off = T * hk;
     L.v_off = 2 * T * hk;
     L.proj_stride = hk;
-    proj_elems = 3 * T * hk;
+    L.v_stride = vw;
+    proj_elems = 2 * T * hk + T * vw;
     L.beta_off = 0;
-    L.beta_stride = H;
+    L.beta_stride = HV;
   }
   L.proj = Upload(RandomElements(act, proj_elems, 1.0f));
-  L.g = Upload(RandomElements(act, T * hk, 1.5f));
+  // GDN's g is a log-decay (negative): -|x|.
+  std::vector<uint8_t> g_bytes = RandomElements(act, T * gw, 1.5f);
+  if (s.shape.kind == LayerKind::kGdn) {
+    for (int64_t i = 0; i < T * gw; ++i) {
+      ref::StoreElement(RefDtype(act), -std::fabs(rng().Normal(0.5f)), &g_bytes[i * es]);
+    }
+  }
+  L.g = Upload(g_bytes);
   L.beta = Upload(RandomElements(act, T * L.beta_stride, 1.5f));
 
   const ref::Dtype rd = RefDtype(act);
@@ -864,11 +892,14 @@ void KdaKernelsTest::MakeLayer(Step* sp) {
           ref::LoadElement(rd, &L.proj.host[(L.q_off + t * L.proj_stride + i) * es]));
       L.tokens.k.push_back(
           ref::LoadElement(rd, &L.proj.host[(L.k_off + t * L.proj_stride + i) * es]));
-      L.tokens.v.push_back(
-          ref::LoadElement(rd, &L.proj.host[(L.v_off + t * L.proj_stride + i) * es]));
-      L.tokens.g.push_back(ref::LoadElement(rd, &L.g.host[(t * hk + i) * es]));
     }
-    for (int h = 0; h < H; ++h) {
+    for (int64_t i = 0; i < vw; ++i) {
+      L.tokens.v.push_back(ref::LoadElement(rd, &L.proj.host[(L.v_off + t * L.v_stride + i) * es]));
+    }
+    for (int64_t i = 0; i < gw; ++i) {
+      L.tokens.g.push_back(ref::LoadElement(rd, &L.g.host[(t * gw + i) * es]));
+    }
+    for (int h = 0; h < HV; ++h) {
       L.tokens.beta.push_back(
           ref::LoadElement(rd, &L.beta.host[(L.beta_off + t * L.beta_stride + h) * es]));
     }
@@ -919,11 +950,11 @@ void KdaKernelsTest::MakeLayer(Step* sp) {
   L.conv = Upload(conv);
 
   const size_t rec_tokens = static_cast<size_t>(s.record_rows) * s.spec.q;
-  L.rec_kv = Upload(Poisoned(act, rec_tokens * 2 * hk));
-  L.rec_g = Upload(Poisoned(act, rec_tokens * hk));
-  L.rec_beta = Upload(Poisoned(act, rec_tokens * H));
-  L.stock_out = Upload(Poisoned(act, T * hk));
-  L.verify_out = Upload(Poisoned(act, T * hk));
+  L.rec_kv = Upload(Poisoned(act, rec_tokens * (hk + vw)));
+  L.rec_g = Upload(Poisoned(act, rec_tokens * gw));
+  L.rec_beta = Upload(Poisoned(act, rec_tokens * HV));
+  L.stock_out = Upload(Poisoned(act, T * vw));
+  L.verify_out = Upload(Poisoned(act, T * vw));
   s.layers.push_back(std::move(L));
 }
 
@@ -938,8 +969,8 @@ StockArgs KdaKernelsTest::StockArgsFor(Step& s, int l, CallData* cd) {
   a.shape = s.shape;
   a.q = ActivationOf(L.proj, L.q_off, L.proj_stride, es);
   a.k = ActivationOf(L.proj, L.k_off, L.proj_stride, es);
-  a.v = ActivationOf(L.proj, L.v_off, L.proj_stride, es);
-  a.g = ActivationOf(L.g, 0, s.hk(), es);
+  a.v = ActivationOf(L.proj, L.v_off, L.v_stride, es);
+  a.g = ActivationOf(L.g, 0, s.gw(), es);
   a.beta = ActivationOf(L.beta, L.beta_off, L.beta_stride, es);
   a.num_tokens = s.num_tokens_arg;
   a.out = L.stock_out.data();
@@ -962,8 +993,8 @@ VerifyArgs KdaKernelsTest::VerifyArgsFor(Step& s, int l, CallData* cd) {
   a.shape = s.shape;
   a.q = ActivationOf(L.proj, L.q_off, L.proj_stride, es);
   a.k = ActivationOf(L.proj, L.k_off, L.proj_stride, es);
-  a.v = ActivationOf(L.proj, L.v_off, L.proj_stride, es);
-  a.g = ActivationOf(L.g, 0, s.hk(), es);
+  a.v = ActivationOf(L.proj, L.v_off, L.v_stride, es);
+  a.g = ActivationOf(L.g, 0, s.gw(), es);
   a.beta = ActivationOf(L.beta, L.beta_off, L.beta_stride, es);
   a.num_tokens = s.num_tokens_arg;
   a.out = L.verify_out.data();
@@ -1115,7 +1146,7 @@ void KdaKernelsTest::ExpectConvMatchesScheduler(const Step& s,
 // one tensor; tokens the reference leaves alone still poisoned.
 void ExpectOutputs(const Step& s, const std::vector<uint8_t>& out, const std::vector<double>& want,
                    const std::vector<bool>& written) {
-  const size_t per_token = static_cast<size_t>(s.hk());
+  const size_t per_token = static_cast<size_t>(s.vw());
   const size_t es = s.act_size();
   std::vector<double> got_values, want_values;
   for (int64_t t = 0; t < s.num_tokens; ++t) {
@@ -1145,6 +1176,9 @@ struct Config {
   int heads;
   int head_dim;
   bool strided;
+  LayerKind kind = LayerKind::kKda;
+  int value_heads = 0;
+  KdaGate gate = KdaGate::kSafe;
 };
 
 const Config kConfigs[] = {
@@ -1156,6 +1190,12 @@ const Config kConfigs[] = {
     {DType::kFloat32, DType::kBFloat16, 1, 64, false},
     {DType::kBFloat16, DType::kFloat32, 3, 128, true},
     {DType::kFloat32, DType::kFloat32, 2, 256, true},
+    // KDA with vLLM's plain gate; Gated DeltaNet with grouped value heads.
+    {DType::kBFloat16, DType::kFloat32, 2, 64, true, LayerKind::kKda, 0, KdaGate::kPlain},
+    {DType::kBFloat16, DType::kFloat32, 2, 64, true, LayerKind::kGdn, 4},
+    {DType::kFloat32, DType::kBFloat16, 1, 64, false, LayerKind::kGdn, 3},
+    {DType::kFloat16, DType::kFloat32, 2, 128, true, LayerKind::kGdn, 2},
+    {DType::kBFloat16, DType::kFloat32, 1, 256, false, LayerKind::kGdn, 1},
 };
 
 StepSpec SpecOf(const Config& c) {
@@ -1165,6 +1205,9 @@ StepSpec SpecOf(const Config& c) {
   spec.heads = c.heads;
   spec.head_dim = c.head_dim;
   spec.strided = c.strided;
+  spec.kind = c.kind;
+  spec.value_heads = c.value_heads;
+  spec.gate = c.gate;
   return spec;
 }
 
@@ -1279,26 +1322,26 @@ TEST_P(KdaKernelsTest, VerifyMatchesReference) {
     const std::vector<uint8_t> g = L.rec_g.Read();
     const std::vector<uint8_t> beta = L.rec_beta.Read();
     const size_t es = s.act_size();
-    const size_t hk_bytes = s.hk() * es;
-    const size_t h_bytes = s.shape.num_heads * es;
+    const size_t hk_bytes = s.hk() * es, vw_bytes = s.vw() * es, gw_bytes = s.gw() * es;
+    const size_t h_bytes = s.hv() * es;
     for (size_t r = 0; r < records.source_token.size(); ++r) {
       const int64_t src = records.source_token[r];
-      const uint8_t* rk = &kv[(2 * r) * hk_bytes];
-      const uint8_t* rv = &kv[(2 * r + 1) * hk_bytes];
-      const uint8_t* rg = &g[r * hk_bytes];
+      const uint8_t* rk = &kv[r * (hk_bytes + vw_bytes)];
+      const uint8_t* rv = rk + hk_bytes;
+      const uint8_t* rg = &g[r * gw_bytes];
       const uint8_t* rb = &beta[r * h_bytes];
       if (src < 0) {
         const DType act = s.shape.act_dtype;
-        EXPECT_TRUE(IsPoison(act, rk, 2 * s.hk()) && IsPoison(act, rg, s.hk()) &&
-                    IsPoison(act, rb, s.shape.num_heads))
+        EXPECT_TRUE(IsPoison(act, rk, s.hk() + s.vw()) && IsPoison(act, rg, s.gw()) &&
+                    IsPoison(act, rb, s.hv()))
             << "record token " << r << " was written";
         continue;
       }
       EXPECT_EQ(std::memcmp(rk, &L.proj.host[(L.k_off + src * L.proj_stride) * es], hk_bytes), 0)
           << "record token " << r << ": k";
-      EXPECT_EQ(std::memcmp(rv, &L.proj.host[(L.v_off + src * L.proj_stride) * es], hk_bytes), 0)
+      EXPECT_EQ(std::memcmp(rv, &L.proj.host[(L.v_off + src * L.v_stride) * es], vw_bytes), 0)
           << "record token " << r << ": v";
-      EXPECT_EQ(std::memcmp(rg, &L.g.host[src * hk_bytes], hk_bytes), 0)
+      EXPECT_EQ(std::memcmp(rg, &L.g.host[src * gw_bytes], gw_bytes), 0)
           << "record token " << r << ": g";
       EXPECT_EQ(std::memcmp(rb, &L.beta.host[(L.beta_off + src * L.beta_stride) * es], h_bytes), 0)
           << "record token " << r << ": beta";
@@ -1530,7 +1573,7 @@ TEST_P(KdaKernelsTest, ARowComputesTheSameAloneAndInABatchOf256) {
   s.num_accepted = {s.num_accepted[0]};
   ASSERT_TRUE(CallOk(RunVerify(s, 0)));
   ASSERT_TRUE(CallOk(RunCommit(s)));
-  const size_t out_bytes = size_t(s.qsl[1]) * s.hk() * s.act_size();
+  const size_t out_bytes = size_t(s.qsl[1]) * s.vw() * s.act_size();
   const std::vector<uint8_t> alone_out = L.verify_out.Read();
   EXPECT_EQ(FirstDifference(std::vector<uint8_t>(batch_out.begin(), batch_out.begin() + out_bytes),
                             std::vector<uint8_t>(alone_out.begin(), alone_out.begin() + out_bytes)),
@@ -1867,7 +1910,8 @@ class CudaAgreementTest : public KdaKernelsTest {};
 
 
 TEST_P(CudaAgreementTest, CudaAgreesWithCpu) {
-  for (const Config& c : {kConfigs[0], kConfigs[4], kConfigs[6], kConfigs[7]}) {
+  for (const Config& c : {kConfigs[0], kConfigs[4], kConfigs[6], kConfigs[7], kConfigs[8],
+                          kConfigs[9], kConfigs[11]}) {
     StepSpec spec = SpecOf(c);
     spec.num_layers = 2;
     spec.tokens = {4, 1, 3, 2, 4};
@@ -1882,7 +1926,7 @@ TEST_P(CudaAgreementTest, CudaAgreesWithCpu) {
       const std::vector<uint8_t> b = cpu.layers[l].verify_out.Read();
       std::vector<double> va, vb;
       const size_t es = cuda.act_size();
-      for (int64_t t = 0; t < cuda.qsl.back() * cuda.hk(); ++t) {
+      for (int64_t t = 0; t < cuda.qsl.back() * cuda.vw(); ++t) {
         va.push_back(ref::LoadElement(RefDtype(spec.act), &a[t * es]));
         vb.push_back(ref::LoadElement(RefDtype(spec.act), &b[t * es]));
       }
@@ -2482,9 +2526,14 @@ class DeviceCheckTest : public KdaKernelsTest {
                 const std::function<void(Step&)>& prepare,
                 const std::function<CallResult(Step&)>& call,
                 const std::function<const Tensor&(const Step&)>& workspace) {
+    // Every case on a KDA layer and on a Gated DeltaNet one (grouped heads).
+    StepSpec gdn = spec;
+    gdn.kind = LayerKind::kGdn;
+    gdn.value_heads = 2 * spec.heads;
+    for (const StepSpec& kind_spec : {spec, gdn})
     for (const DeviceCheckCase& c : cases) {
-      SCOPED_TRACE(c.what);
-      Step s = MakeStep(spec);
+      SCOPED_TRACE(absl::StrCat(c.what, ", ", Describe(kind_spec)));
+      Step s = MakeStep(kind_spec);
       prepare(s);
       if (HasFatalFailure()) return;
       const Metadata good = Metadata::Of(s);

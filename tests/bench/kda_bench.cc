@@ -27,7 +27,7 @@
 #include "kernels/numeric.h"
 #include "tests/bench/cuda_check.h"
 
-ABSL_FLAG(std::string, shapes, "kimi_linear,kimi_k3", "shapes to run");
+ABSL_FLAG(std::string, shapes, "kimi_linear,kimi_k3,qwen3_next", "shapes to run");
 ABSL_FLAG(int, iters, 30, "timed runs per measurement");
 ABSL_FLAG(bool, sweep, true, "also sweep the recurrent kernel's thread layouts (kimi_linear, N=256)");
 ABSL_FLAG(std::string, ns, "1,16,64,256", "request counts");
@@ -52,10 +52,16 @@ void CheckOk(const absl::Status& s, const char* what) {
 struct Shape {
   std::string name;
   int H, K, Q, L, conv_dim, conv_kernel;
+  kernels::LayerKind kind = kernels::LayerKind::kKda;
+  int HV = 0;  // value heads (GDN); 0: = H
+  int value_heads() const { return HV > 0 ? HV : H; }
+  bool gdn() const { return kind == kernels::LayerKind::kGdn; }
 };
 
 const Shape kKimiLinear{"Kimi-Linear-48B-A3B", 32, 128, 4, 20, 12288, 4};
 const Shape kKimiK3{"Kimi-K3 (TP8)", 12, 128, 8, 69, 4608, 4};
+// Gated DeltaNet: 16 key heads, 32 value heads, conv dim 2 H K + HV V.
+const Shape kQwen3Next{"Qwen3-Next-80B-A3B", 16, 128, 4, 36, 8192, 4, kernels::LayerKind::kGdn, 32};
 
 void* DeviceAlloc(size_t bytes) {
   void* p = nullptr;
@@ -189,7 +195,8 @@ struct Bench {
   Shape shape;
   int N;
   int64_t T;
-  int64_t HK;
+  int64_t HK;  // key width (q, k per token)
+  int64_t VW, GW, HV;  // value width (v, o), gate width (g), value heads (beta)
   int64_t state_bytes;  // one block
   int64_t num_blocks;
   int conv_width;
@@ -212,15 +219,18 @@ Bench Make(const Shape& s, int N, std::mt19937& rng) {
   b.N = N;
   b.T = int64_t{N} * s.Q;
   b.HK = int64_t{s.H} * s.K;
-  b.state_bytes = b.HK * s.K * 4;
+  b.VW = int64_t{s.value_heads()} * s.K;
+  b.GW = s.gdn() ? s.value_heads() : b.HK;
+  b.HV = s.value_heads();
+  b.state_bytes = b.VW * s.K * 4;
   b.num_blocks = 1 + 2 * int64_t{N};
   b.conv_width = s.conv_kernel - 1 + s.Q - 1;
-  b.kda = kernels::KdaShape{s.H, s.K, DType::kBFloat16, DType::kFloat32, -5.0f};
+  b.kda = kernels::KdaShape{s.H, s.K, DType::kBFloat16, DType::kFloat32, -5.0f, s.kind, b.HV};
   for (int l = 0; l < s.L; ++l) {
     kernels::CommitLayer layer;
     layer.state = kernels::StatePool{DeviceAlloc(b.num_blocks * b.state_bytes), b.num_blocks,
-                                     b.HK * s.K};
-    FillRandomF32(layer.state.data, b.num_blocks * b.HK * s.K, -0.5f, 0.5f, rng);
+                                     b.VW * s.K};
+    FillRandomF32(layer.state.data, b.num_blocks * b.VW * s.K, -0.5f, 0.5f, rng);
     const int64_t conv_block = int64_t{s.conv_dim} * b.conv_width;
     layer.conv = kernels::ConvPool{DeviceAlloc(b.num_blocks * conv_block * 2), b.num_blocks,
                                    conv_block, b.conv_width, 1, s.conv_dim, b.conv_width};
@@ -230,19 +240,27 @@ Bench Make(const Shape& s, int N, std::mt19937& rng) {
     FillRandomF32(params + s.H, b.HK, -1, 1, rng);
     layer.params = kernels::LayerParams{params, params + s.H};
     const int64_t tokens = b.T;
-    layer.records = kernels::Records{DeviceAlloc(tokens * 2 * b.HK * 2), DeviceAlloc(tokens * b.HK * 2),
-                                     DeviceAlloc(tokens * s.H * 2 + 16), N, s.Q};
+    layer.records = kernels::Records{DeviceAlloc(tokens * (b.HK + b.VW) * 2),
+                                     DeviceAlloc(tokens * b.GW * 2 + 16),
+                                     DeviceAlloc(tokens * b.HV * 2 + 16), N, s.Q};
     b.layers.push_back(layer);
   }
   b.device_layers = Upload(b.layers);
-  for (void** p : {&b.q, &b.k, &b.v, &b.g, &b.out}) {
+  for (void** p : {&b.q, &b.k}) {
     *p = DeviceAlloc(b.T * b.HK * 2);
     FillRandomBf16(*p, b.T * b.HK, -1, 1, rng);
   }
-  b.beta = DeviceAlloc(b.T * s.H * 2 + 16);
-  FillRandomBf16(b.beta, b.T * s.H, -3, 3, rng);
+  for (void** p : {&b.v, &b.out}) {
+    *p = DeviceAlloc(b.T * b.VW * 2);
+    FillRandomBf16(*p, b.T * b.VW, -1, 1, rng);
+  }
+  b.g = DeviceAlloc(b.T * b.GW * 2 + 16);
+  // GDN's g is a log-decay: negative.
+  FillRandomBf16(b.g, b.T * b.GW, s.gdn() ? -0.5f : -1.0f, s.gdn() ? -0.01f : 1.0f, rng);
+  b.beta = DeviceAlloc(b.T * b.HV * 2 + 16);
+  FillRandomBf16(b.beta, b.T * b.HV, s.gdn() ? 0.0f : -3.0f, s.gdn() ? 1.0f : 3.0f, rng);
   b.stock_pool = DeviceAlloc((1 + int64_t{N} * s.Q) * b.state_bytes);
-  FillRandomF32(b.stock_pool, (1 + int64_t{N} * s.Q) * b.HK * s.K, -0.5f, 0.5f, rng);
+  FillRandomF32(b.stock_pool, (1 + int64_t{N} * s.Q) * b.VW * s.K, -0.5f, 0.5f, rng);
 
   std::vector<int32_t> qsl(N + 1), checkpoints(N), stock_indices(int64_t{N} * s.Q), stock_acc(N),
       accepted(N), table(int64_t{N} * 2), computed(N);
@@ -300,9 +318,9 @@ kernels::VerifyArgs VerifyOf(const Bench& b) {
   a.shape = b.kda;
   a.q = {b.q, b.HK};
   a.k = {b.k, b.HK};
-  a.v = {b.v, b.HK};
-  a.g = {b.g, b.HK};
-  a.beta = {b.beta, b.shape.H};
+  a.v = {b.v, b.VW};
+  a.g = {b.g, b.GW};
+  a.beta = {b.beta, b.HV};
   a.num_tokens = b.T;
   a.out = b.out;
   a.state = b.layers[0].state;
@@ -323,12 +341,12 @@ kernels::StockArgs StockOf(const Bench& b) {
   a.shape = b.kda;
   a.q = {b.q, b.HK};
   a.k = {b.k, b.HK};
-  a.v = {b.v, b.HK};
-  a.g = {b.g, b.HK};
-  a.beta = {b.beta, b.shape.H};
+  a.v = {b.v, b.VW};
+  a.g = {b.g, b.GW};
+  a.beta = {b.beta, b.HV};
   a.num_tokens = b.T;
   a.out = b.out;
-  a.state = kernels::StatePool{b.stock_pool, 1 + int64_t{b.N} * b.shape.Q, b.HK * b.shape.K};
+  a.state = kernels::StatePool{b.stock_pool, 1 + int64_t{b.N} * b.shape.Q, b.VW * b.shape.K};
   a.params = b.layers[0].params;
   a.num_rows = b.N;
   a.query_start_loc = b.qsl;
@@ -370,20 +388,21 @@ void CheckDevice(const Bench& b, const char* what) {
 }
 
 // Bytes each kernel must move (every state, input and output once).
+// A token's k, v, g and beta (what a record token holds), and its q (bytes).
+double RecordTokenBytes(const Bench& b) { return 2.0 * (b.HK + b.VW + b.GW + b.HV); }
+double QueryBytes(const Bench& b) { return 2.0 * b.HK; }
+double OutputBytes(const Bench& b) { return 2.0 * b.VW; }
+
 double VerifyBytes(const Bench& b) {
-  const double act = 2.0;
-  const double tokens_hk = double(b.T) * b.HK * act;
-  return double(b.N) * b.state_bytes          // checkpoint states read
-         + 4 * tokens_hk + b.T * b.shape.H * act  // q, k, v, g, beta read
-         + tokens_hk                              // o written
-         + 3 * tokens_hk + b.T * b.shape.H * act;  // records k, v, g, beta written
+  return double(b.N) * b.state_bytes                                    // checkpoint states read
+         + double(b.T) * (QueryBytes(b) + RecordTokenBytes(b))          // q, k, v, g, beta read
+         + double(b.T) * OutputBytes(b)                                 // o written
+         + double(b.T) * RecordTokenBytes(b);                           // records written
 }
 
 double StockBytes(const Bench& b) {
-  const double act = 2.0;
-  const double tokens_hk = double(b.T) * b.HK * act;
   return double(b.N) * b.state_bytes + double(b.T) * b.state_bytes  // read 1, write T states
-         + 4 * tokens_hk + b.T * b.shape.H * act + tokens_hk;
+         + double(b.T) * (QueryBytes(b) + RecordTokenBytes(b) + OutputBytes(b));
 }
 
 double CommitBytes(const Bench& b, bool align) {
@@ -393,7 +412,7 @@ double CommitBytes(const Bench& b, bool align) {
   for (int i = 0; i < b.N; ++i) {
     const int c = b.accepted_host[i];
     per_layer += 2.0 * b.state_bytes;                                         // read + write
-    per_layer += double(c) * (3 * b.HK + b.shape.H) * act;                    // records k, v, g, beta
+    per_layer += double(c) * RecordTokenBytes(b);                             // records k, v, g, beta
     per_layer += 2.0 * hl * b.shape.conv_dim * act;                           // conv window moved
     if (align && i % 2 == 0 && c > b.shape.Q / 2) {  // crosses before its last token
       per_layer += b.state_bytes + hl * b.shape.conv_dim * act;               // boundary state
@@ -428,12 +447,12 @@ void PrintRows(const std::vector<Row>& rows, double copy_bps) {
 }
 
 // One measurement of `call(kernels)`: warm, cold L2, and the kernel before.
-Row Measure(const std::string& what, int N, double bytes, int iters, cudaStream_t stream,
+Row Measure(const std::string& what, int N, double bytes, int iters, cudaStream_t stream, bool gdn,
             const std::function<void(const KdaKernels&)>& call) {
   const KdaKernels& now = *kernels::CudaKdaKernels().value();
   Row r{what, N, Time(stream, iters, [&] { call(now); }), {}, {}, bytes};
   if (absl::GetFlag(FLAGS_cold)) r.cold = Time(stream, iters, [&] { call(now); }, /*cold=*/true);
-  if (absl::GetFlag(FLAGS_before)) {
+  if (absl::GetFlag(FLAGS_before) && !gdn) {  // the kernel before runs KDA only
     const KdaKernels& before = *kernels::CudaKdaKernelsWithLayout(1).value().second;
     r.before = Time(stream, iters, [&] { call(before); });
   }
@@ -457,6 +476,8 @@ constexpr Target kTargets[] = {
     {"Kimi-Linear-48B-A3B", "commit, 20 layers", 1, 30, 0},
     {"Kimi-K3 (TP8)", "commit, 69 layers", 1, 38, 0},
     {"Kimi-K3 (TP8)", "verify", 256, 0, 0.70},
+    {"Qwen3-Next-80B-A3B", "verify", 256, 0, 0.80},
+    {"Qwen3-Next-80B-A3B", "commit, 36 layers", 256, 0, 0.80},
 };
 
 void PrintTargets(const Shape& s, const std::vector<Row>& rows, double copy_bps) {
@@ -485,9 +506,10 @@ void PrintTargets(const Shape& s, const std::vector<Row>& rows, double copy_bps)
 
 void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_t stream,
               double copy_bps) {
-  std::printf("\n### %s: H=%d, K=V=%d, Q=%d, fp32 state, bf16 activations, conv dim %d, "
-              "conv kernel %d, commit over %d layers\n\n",
-              s.name.c_str(), s.H, s.K, s.Q, s.conv_dim, s.conv_kernel, s.L);
+  std::printf("\n### %s: %s, H=%d, HV=%d, K=V=%d, Q=%d, fp32 state, bf16 activations, conv "
+              "dim %d, conv kernel %d, commit over %d layers\n\n",
+              s.name.c_str(), s.gdn() ? "Gated DeltaNet" : "KDA", s.H, s.value_heads(), s.K, s.Q,
+              s.conv_dim, s.conv_kernel, s.L);
   std::vector<Row> rows;
   std::mt19937 rng(7);
   for (int N : ns) {
@@ -496,13 +518,13 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
     const kernels::VerifyArgs verify = VerifyOf(b);
     const kernels::CommitArgs commit = CommitOf(b, false);
     const kernels::CommitArgs commit_align = CommitOf(b, true);
-    Row stock_row = Measure("stock spec path, 1 layer", N, StockBytes(b), iters, stream,
+    Row stock_row = Measure("stock spec path, 1 layer", N, StockBytes(b), iters, stream, s.gdn(),
                             [&](const KdaKernels& k) { CheckOk(k.Stock(stock, stream), "Stock"); });
     CheckDevice(b, "Stock");
     const double stock_us = stock_row.t.best();
     stock_row.stock_us = stock_us;
     rows.push_back(stock_row);
-    rows.push_back(Measure("verify, 1 layer", N, VerifyBytes(b), iters, stream,
+    rows.push_back(Measure("verify, 1 layer", N, VerifyBytes(b), iters, stream, s.gdn(),
                            [&](const KdaKernels& k) { CheckOk(k.Verify(verify, stream), "Verify"); }));
     rows.back().stock_us = stock_us;
     CheckDevice(b, "Verify");
@@ -516,14 +538,14 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
       CheckOk(k.Verify(v, stream), "Verify");
     }
     rows.push_back(Measure(absl::StrFormat("commit, %d layers", s.L), N, CommitBytes(b, false),
-                           iters, stream,
+                           iters, stream, s.gdn(),
                            [&](const KdaKernels& k) { CheckOk(k.Commit(commit, stream), "Commit"); }));
     rows.back().per_layer_of = s.L;
     rows.back().stock_us = stock_us;
     CheckDevice(b, "Commit");
     if (N == ns.back()) {
       rows.push_back(Measure(absl::StrFormat("commit, %d layers, align mode", s.L), N,
-                             CommitBytes(b, true), iters, stream, [&](const KdaKernels& k) {
+                             CommitBytes(b, true), iters, stream, s.gdn(), [&](const KdaKernels& k) {
                                CheckOk(k.Commit(commit_align, stream), "Commit (align)");
                              }));
       rows.back().per_layer_of = s.L;
@@ -602,6 +624,7 @@ int Main() {
   for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_shapes), ',')) {
     if (name == "kimi_linear") RunShape(kKimiLinear, ns, iters, stream, copy_bps);
     if (name == "kimi_k3") RunShape(kKimiK3, ns, iters, stream, copy_bps);
+    if (name == "qwen3_next") RunShape(kQwen3Next, ns, iters, stream, copy_bps);
   }
   if (absl::GetFlag(FLAGS_sweep)) Sweep(stream, iters, copy_bps);
   return 0;

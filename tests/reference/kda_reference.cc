@@ -160,12 +160,14 @@ double UnitRoundoff(Dtype dtype) {
 
 namespace {
 
-// One token of one head: the per-token step of SEMANTICS.md on `s` ([V, K]),
-// writing o[v] to `o`.
-void TokenStep(const Shape& shape, const LayerParams& params, int h, const double* q_raw,
+// One token of value head `hv` (key head h = hv / (HV / H)): the per-token
+// step of SEMANTICS.md on `s` ([V, K]), writing o[v] to `o`. `g` is the
+// token's gate input (KDA: K columns of key head h; GDN: one value).
+void TokenStep(const Shape& shape, const LayerParams& params, int hv, const double* q_raw,
                const double* k_raw, const double* v, const double* g, double beta, double* s,
                double* o) {
   const int K = shape.head_dim;
+  const int h = hv / (shape.hv() / shape.heads);
   double q_sum = 0.0, k_sum = 0.0;
   for (int j = 0; j < K; ++j) {
     q_sum += q_raw[j] * q_raw[j];
@@ -175,15 +177,23 @@ void TokenStep(const Shape& shape, const LayerParams& params, int h, const doubl
   const double k_norm = std::sqrt(k_sum + 1e-6);
   const double scale = 1.0 / std::sqrt(static_cast<double>(K));
   std::vector<double> q(K), k(K), decay(K);
-  const double a = std::exp(params.a_log[h]);
   for (int j = 0; j < K; ++j) {
     q[j] = q_raw[j] / q_norm * scale;
     k[j] = k_raw[j] / k_norm;
-    const double gamma =
-        shape.lower_bound / (1.0 + std::exp(-(a * (g[j] + params.dt_bias[h * K + j]))));
-    decay[j] = std::exp(gamma);
+    if (shape.kind == Kind::kGdn) {
+      decay[j] = std::exp(g[0]);
+      continue;
+    }
+    const double a = std::exp(params.a_log[h]);
+    const double x = g[j] + params.dt_bias[h * K + j];
+    if (shape.plain_gate) {
+      const double softplus = x > 20.0 ? x : std::log1p(std::exp(x));
+      decay[j] = std::exp(-a * softplus);
+    } else {
+      decay[j] = std::exp(shape.lower_bound / (1.0 + std::exp(-(a * x))));
+    }
   }
-  const double beta_sigmoid = 1.0 / (1.0 + std::exp(-beta));
+  const double strength = shape.kind == Kind::kGdn ? beta : 1.0 / (1.0 + std::exp(-beta));
   for (int row = 0; row < K; ++row) {  // V = K state rows
     double* sv = s + static_cast<size_t>(row) * K;
     double kdot = 0.0;
@@ -191,7 +201,7 @@ void TokenStep(const Shape& shape, const LayerParams& params, int h, const doubl
       sv[j] *= decay[j];
       kdot += sv[j] * k[j];
     }
-    const double u = (v[row] - kdot) * beta_sigmoid;
+    const double u = (v[row] - kdot) * strength;
     double out = 0.0;
     for (int j = 0; j < K; ++j) {
       sv[j] += u * k[j];
@@ -201,26 +211,30 @@ void TokenStep(const Shape& shape, const LayerParams& params, int h, const doubl
   }
 }
 
-// Runs `tokens` tokens of a row from `initial` (all heads), starting at
-// activation token `bos`. after(t, state, o) sees the state and the outputs
-// ([H, V]) after each token.
+// Runs `tokens` tokens of a row from `initial` (all value heads), starting
+// at activation token `bos`. after(t, state, o) sees the state and the
+// outputs ([HV, V]) after each token.
 template <typename After>
 void RunRow(const Shape& shape, const LayerParams& params, const Tokens& x, int64_t bos, int tokens,
             const State& initial, After after) {
   const int H = shape.heads;
+  const int HV = shape.hv();
   const int K = shape.head_dim;
+  REF_CHECK(H > 0 && HV % H == 0);
   const size_t head = static_cast<size_t>(K) * K;
-  REF_CHECK(initial.size() == head * H);
+  REF_CHECK(initial.size() == head * HV);
   REF_CHECK(bos >= 0 && bos + tokens <= x.count);
   State s = initial;
-  std::vector<double> o(static_cast<size_t>(H) * K);
+  std::vector<double> o(shape.value_width());
+  const bool gdn = shape.kind == Kind::kGdn;
   for (int t = 0; t < tokens; ++t) {
-    const int64_t tok = bos + t;
-    for (int h = 0; h < H; ++h) {
-      const size_t at = (static_cast<size_t>(tok) * H + h) * K;
-      TokenStep(shape, params, h, &x.q[at], &x.k[at], &x.v[at], &x.g[at],
-                x.beta[static_cast<size_t>(tok) * H + h], &s[head * h],
-                &o[static_cast<size_t>(h) * K]);
+    const size_t tok = static_cast<size_t>(bos + t);
+    for (int hv = 0; hv < HV; ++hv) {
+      const size_t key = (tok * H + hv / (HV / H)) * K;
+      const size_t value = (tok * HV + hv) * K;
+      const double* g = gdn ? &x.g[tok * HV + hv] : &x.g[key];
+      TokenStep(shape, params, hv, &x.q[key], &x.k[key], &x.v[value], g, x.beta[tok * HV + hv],
+                &s[head * hv], &o[static_cast<size_t>(hv) * K]);
     }
     after(t, s, o);
   }
@@ -234,7 +248,7 @@ const State& Lookup(const StatePool& pool, int32_t block) {
 
 void WriteOutputs(const Shape& shape, int64_t tok, const std::vector<double>& o,
                   std::vector<double>* out, std::vector<bool>* written) {
-  const size_t per_token = static_cast<size_t>(shape.heads) * shape.head_dim;
+  const size_t per_token = shape.value_width();
   std::copy(o.begin(), o.end(), out->begin() + tok * per_token);
   (*written)[tok] = true;
 }
@@ -246,7 +260,7 @@ StockResult Stock(const Shape& shape, const LayerParams& params, const Tokens& t
   const int num_rows = static_cast<int>(call.query_start_loc.size()) - 1;
   REF_CHECK(num_rows >= 0 && static_cast<int>(call.ssm_state_indices.size()) >= num_rows);
   StockResult result;
-  result.out.assign(static_cast<size_t>(tokens.count) * shape.heads * shape.head_dim, 0.0);
+  result.out.assign(static_cast<size_t>(tokens.count) * shape.value_width(), 0.0);
   result.written.assign(tokens.count, false);
   result.states.resize(num_rows);
   for (int n = 0; n < num_rows; ++n) {
@@ -275,11 +289,10 @@ Records MakeRecords(const Shape& shape, int rows, int q) {
   r.rows = rows;
   r.q = q;
   const size_t tokens = static_cast<size_t>(rows) * q;
-  const size_t hk = static_cast<size_t>(shape.heads) * shape.head_dim;
-  r.k.assign(tokens * hk, 0.0);
-  r.v.assign(tokens * hk, 0.0);
-  r.g.assign(tokens * hk, 0.0);
-  r.beta.assign(tokens * shape.heads, 0.0);
+  r.k.assign(tokens * shape.key_width(), 0.0);
+  r.v.assign(tokens * shape.value_width(), 0.0);
+  r.g.assign(tokens * shape.gate_width(), 0.0);
+  r.beta.assign(tokens * shape.hv(), 0.0);
   r.source_token.assign(tokens, -1);
   return r;
 }
@@ -289,9 +302,10 @@ VerifyResult Verify(const Shape& shape, const LayerParams& params, const Tokens&
   const int num_rows = static_cast<int>(call.query_start_loc.size()) - 1;
   REF_CHECK(num_rows >= 0 && num_rows <= records->rows);
   REF_CHECK(static_cast<int>(call.state_indices.size()) >= num_rows);
-  const size_t hk = static_cast<size_t>(shape.heads) * shape.head_dim;
+  const size_t hk = shape.key_width(), vw = shape.value_width(), gw = shape.gate_width();
+  const size_t hv = shape.hv();
   VerifyResult result;
-  result.out.assign(static_cast<size_t>(tokens.count) * hk, 0.0);
+  result.out.assign(static_cast<size_t>(tokens.count) * vw, 0.0);
   result.written.assign(tokens.count, false);
   std::fill(records->source_token.begin(), records->source_token.end(), -1);
   for (int n = 0; n < num_rows; ++n) {
@@ -308,9 +322,9 @@ VerifyResult Verify(const Shape& shape, const LayerParams& params, const Tokens&
       const size_t rec = static_cast<size_t>(n) * records->q + t;
       const size_t tok = static_cast<size_t>(bos + t);
       std::copy_n(&tokens.k[tok * hk], hk, &records->k[rec * hk]);
-      std::copy_n(&tokens.v[tok * hk], hk, &records->v[rec * hk]);
-      std::copy_n(&tokens.g[tok * hk], hk, &records->g[rec * hk]);
-      std::copy_n(&tokens.beta[tok * shape.heads], shape.heads, &records->beta[rec * shape.heads]);
+      std::copy_n(&tokens.v[tok * vw], vw, &records->v[rec * vw]);
+      std::copy_n(&tokens.g[tok * gw], gw, &records->g[rec * gw]);
+      std::copy_n(&tokens.beta[tok * hv], hv, &records->beta[rec * hv]);
       records->source_token[rec] = bos + t;
     }
   }
@@ -427,12 +441,11 @@ std::vector<PlanRow> Commit(const Shape& shape, const CommitCall& call, int hist
     // The stock kernel over the records: q = k = recorded k.
     Tokens x;
     x.count = static_cast<int64_t>(num_rows) * q;
-    const size_t hk = static_cast<size_t>(shape.heads) * shape.head_dim;
-    x.k.assign(rec.k.begin(), rec.k.begin() + x.count * hk);
+    x.k.assign(rec.k.begin(), rec.k.begin() + x.count * shape.key_width());
     x.q = x.k;
-    x.v.assign(rec.v.begin(), rec.v.begin() + x.count * hk);
-    x.g.assign(rec.g.begin(), rec.g.begin() + x.count * hk);
-    x.beta.assign(rec.beta.begin(), rec.beta.begin() + x.count * shape.heads);
+    x.v.assign(rec.v.begin(), rec.v.begin() + x.count * shape.value_width());
+    x.g.assign(rec.g.begin(), rec.g.begin() + x.count * shape.gate_width());
+    x.beta.assign(rec.beta.begin(), rec.beta.begin() + x.count * shape.hv());
     Stock(shape, layer.params, x, replay, layer.states);  // outputs discarded
   }
   return plan;

@@ -53,25 +53,40 @@ double UnitRoundoff(Dtype dtype);
 // ---------------------------------------------------------------------------
 // Data.
 
+// KDA (a gate per column) or Gated DeltaNet (a scalar log-decay per value
+// head, beta as given).
+enum class Kind { kKda, kGdn };
+
 struct Shape {
-  int heads = 0;
+  int heads = 0;     // H: key heads (q, k; KDA's g)
   int head_dim = 0;  // K = V
   double lower_bound = -5.0;
+  Kind kind = Kind::kKda;
+  int value_heads = 0;      // HV (v, beta, o, the state; GDN's g); 0: = heads
+  bool plain_gate = false;  // KDA: exp(-exp(A_log) softplus(g + dt_bias))
+
+  int hv() const { return value_heads > 0 ? value_heads : heads; }
+  // Per token: q, k; v and o; g; beta.
+  size_t key_width() const { return static_cast<size_t>(heads) * head_dim; }
+  size_t value_width() const { return static_cast<size_t>(hv()) * head_dim; }
+  size_t gate_width() const { return kind == Kind::kGdn ? hv() : key_width(); }
 };
 
-// One head-block of recurrent state per head: [H, V, K], K innermost.
+// One head-block of recurrent state per value head: [HV, V, K], K innermost.
 using State = std::vector<double>;
 
 // The recurrent-state blocks the reference knows about, by block index.
 // Reading a block that is not there aborts (the test did not set it up).
 using StatePool = std::map<int32_t, State>;
 
+// KDA's gate parameters (GDN's g arrives as the model computed it).
 struct LayerParams {
   std::vector<double> a_log;    // [H]
   std::vector<double> dt_bias;  // [H * K]
 };
 
-// Token-major activations, dense: q, k, v, g [T, H, K]; beta [T, H].
+// Token-major activations, dense: q, k [T, H, K]; v [T, HV, K]; g KDA
+// [T, H, K], GDN [T, HV]; beta [T, HV].
 struct Tokens {
   int64_t count = 0;
   std::vector<double> q, k, v, g, beta;
@@ -89,7 +104,7 @@ struct StockCall {
 };
 
 struct StockResult {
-  std::vector<double> out;    // [T, H, V]
+  std::vector<double> out;    // [T, HV, V]
   std::vector<bool> written;  // [T]: whether o[t] was written
   // states[n][t]: row n's state after its token t (empty for idle rows),
   // whether or not a block receives it.
@@ -107,8 +122,8 @@ StockResult Stock(const Shape& shape, const LayerParams& params, const Tokens& t
 struct Records {
   int rows = 0;
   int q = 0;
-  std::vector<double> k, v, g;  // [rows * q, H, K]
-  std::vector<double> beta;     // [rows * q, H]
+  std::vector<double> k, v, g;  // [rows * q] of k, v, g as in Tokens
+  std::vector<double> beta;     // [rows * q, HV]
   // The activation token each record token was copied from in the last
   // Verify, or -1 where Verify left it alone.
   std::vector<int64_t> source_token;
