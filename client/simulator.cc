@@ -172,7 +172,11 @@ class Simulator {
     as_ = DTypeSize(act_);
     ss_ = DTypeSize(state_);
     HK_ = int64_t{H_} * K_;
-    state_block_bytes_ = HK_ * K_ * ss_;
+    gdn_ = layout_.layer_kind() == v1::GDN;
+    HV_ = layout_.num_value_heads() > 0 ? layout_.num_value_heads() : H_;
+    VW_ = int64_t{HV_} * K_;
+    GW_ = gdn_ ? HV_ : HK_;
+    state_block_bytes_ = VW_ * K_ * ss_;
     report_.backend = layout_.backend() == v1::CUDA ? "cuda" : "cpu";
     report_.layers = L_;
     if (R_ < 1 || R_ > layout_.max_rows()) {
@@ -223,10 +227,10 @@ class Simulator {
     // v and beta are column slices with a token stride larger than a token),
     // g and o; and one int32 buffer for the step's metadata and doorbells.
     tmax_ = int64_t{R_} * Q_;
-    proj_stride_ = 3 * HK_ + H_;
+    proj_stride_ = 2 * HK_ + VW_ + HV_;
     for (int l = 0; l < L_; ++l) {
       for (auto* list : {&proj_, &g_, &o_}) {
-        const int64_t per_token = list == &proj_ ? proj_stride_ : HK_;
+        const int64_t per_token = list == &proj_ ? proj_stride_ : list == &g_ ? GW_ : VW_;
         absl::StatusOr<std::unique_ptr<SharedBuffer>> buf =
             memory_->Allocate(tmax_ * per_token * as_);
         if (!buf.ok()) return buf.status();
@@ -248,7 +252,7 @@ class Simulator {
     for (int l = 0; l < L_; ++l) {
       for (auto* list : {&stock_pool_, &stock_out_}) {
         const uint64_t bytes = list == &stock_pool_ ? stock_blocks_ * state_block_bytes_
-                                                    : tmax_ * HK_ * as_;
+                                                    : tmax_ * VW_ * as_;
         absl::StatusOr<std::unique_ptr<SharedBuffer>> buf = memory_->Allocate(bytes);
         if (!buf.ok()) return buf.status();
         list->push_back(*std::move(buf));
@@ -261,8 +265,9 @@ class Simulator {
     if (!sm.ok()) return sm.status();
     stock_meta_ = *std::move(sm);
 
-    // Layer parameters: random, loaded into the service and kept for the stock path.
-    for (int l = 0; l < L_; ++l) {
+    // Layer parameters (KDA): random, loaded into the service and kept for the
+    // stock path. GDN layers have none (g arrives as the log-decay).
+    for (int l = 0; l < L_ && !gdn_; ++l) {
       std::vector<char> a_log, dt_bias;
       FillRandom(&a_log, H_, DType::kFloat32, -2.0f, 0.5f, rng_);
       FillRandom(&dt_bias, HK_, DType::kFloat32, -1.0f, 1.0f, rng_);
@@ -301,11 +306,11 @@ class Simulator {
         *bind.mutable_k() =
             session_->Tensor(proj + HK_ * as_, act_, {tmax_, H_, K_}, strides).value();
         *bind.mutable_v() =
-            session_->Tensor(proj + 2 * HK_ * as_, act_, {tmax_, H_, K_}, strides).value();
+            session_->Tensor(proj + 2 * HK_ * as_, act_, {tmax_, HV_, K_}, strides).value();
         *bind.mutable_beta() =
-            session_->Tensor(proj + 3 * HK_ * as_, act_, {tmax_, H_}, {proj_stride_, 1}).value();
-        *bind.mutable_g() = session_->Tensor(g_[l]->data(), act_, {tmax_, H_, K_}).value();
-        *bind.mutable_o() = session_->Tensor(o_[l]->data(), act_, {tmax_, H_, K_}).value();
+            session_->Tensor(proj + (2 * HK_ + VW_) * as_, act_, {tmax_, HV_}, {proj_stride_, 1}).value();
+        *bind.mutable_g() = session_->Tensor(g_[l]->data(), act_, GateShape(tmax_)).value();
+        *bind.mutable_o() = session_->Tensor(o_[l]->data(), act_, {tmax_, HV_, K_}).value();
         if (l % 2 == 0) {
           *bind.mutable_query_start_loc() = session_->Index(Meta(0), {R_ + 1}).value();
           *bind.mutable_state_indices() = session_->Index(Meta(R_ + 1), {R_}).value();
@@ -448,7 +453,7 @@ class Simulator {
     r.window.resize(L_);
     for (int l = 0; l < L_; ++l) {
       std::vector<char> state;
-      FillRandom(&state, HK_ * K_, state_, -0.5f, 0.5f, rng_);
+      FillRandom(&state, VW_ * K_, state_, -0.5f, 0.5f, rng_);
       absl::Status st = memory_->CopyIn(StateBlock(l, *block), state.data(), state.size());
       if (st.ok()) st = memory_->CopyIn(StockBlock(l, slot, 0), state.data(), state.size());
       if (!st.ok()) return st;
@@ -620,11 +625,11 @@ class Simulator {
         *v.mutable_q() = session_->Tensor(proj, act_, {T, H_, K_}, strides).value();
         *v.mutable_k() = session_->Tensor(proj + HK_ * as_, act_, {T, H_, K_}, strides).value();
         *v.mutable_v() =
-            session_->Tensor(proj + 2 * HK_ * as_, act_, {T, H_, K_}, strides).value();
+            session_->Tensor(proj + 2 * HK_ * as_, act_, {T, HV_, K_}, strides).value();
         *v.mutable_beta() =
-            session_->Tensor(proj + 3 * HK_ * as_, act_, {T, H_}, {proj_stride_, 1}).value();
-        *v.mutable_g() = session_->Tensor(g_[l]->data(), act_, {T, H_, K_}).value();
-        *v.mutable_o() = session_->Tensor(o_[l]->data(), act_, {T, H_, K_}).value();
+            session_->Tensor(proj + (2 * HK_ + VW_) * as_, act_, {T, HV_}, {proj_stride_, 1}).value();
+        *v.mutable_g() = session_->Tensor(g_[l]->data(), act_, GateShape(T)).value();
+        *v.mutable_o() = session_->Tensor(o_[l]->data(), act_, {T, HV_, K_}).value();
       }
       if (options_.async && options_.events) {
         v.set_ordering(v1::ASYNC);
@@ -663,18 +668,20 @@ class Simulator {
     // The inputs: metadata, activations, poisoned outputs, the conv update.
     st = memory_->CopyIn(meta_->data(), meta.data(), door_ * 4);
     if (!st.ok()) return st;
-    std::vector<char> poison(tmax_ * HK_ * as_, static_cast<char>(0xff));
+    std::vector<char> poison(tmax_ * VW_ * as_, static_cast<char>(0xff));
     for (int l = 0; l < L_; ++l) {
       std::vector<char> proj, g;
       FillRandom(&proj, tmax_ * proj_stride_, act_, -1.0f, 1.0f, rng_);
-      // beta (the last H columns of each token) as logits in [-3, 3].
+      // beta (the last HV columns of each token): KDA's as logits in [-3, 3],
+      // GDN's as write strengths in [0, 1].
       std::vector<char> beta;
-      FillRandom(&beta, tmax_ * H_, act_, -3.0f, 3.0f, rng_);
+      FillRandom(&beta, tmax_ * HV_, act_, gdn_ ? 0.0f : -3.0f, gdn_ ? 1.0f : 3.0f, rng_);
       for (int64_t t = 0; t < tmax_; ++t) {
-        std::memcpy(proj.data() + (t * proj_stride_ + 3 * HK_) * as_, beta.data() + t * H_ * as_,
-                    H_ * as_);
+        std::memcpy(proj.data() + (t * proj_stride_ + 2 * HK_ + VW_) * as_,
+                    beta.data() + t * HV_ * as_, HV_ * as_);
       }
-      FillRandom(&g, tmax_ * HK_, act_, -3.0f, 1.0f, rng_);
+      // g: KDA's gate input, or GDN's log-decay (negative).
+      FillRandom(&g, tmax_ * GW_, act_, gdn_ ? -1.0f : -3.0f, gdn_ ? -0.01f : 1.0f, rng_);
       st = memory_->CopyIn(proj_[l]->data(), proj.data(), proj.size());
       if (st.ok()) st = memory_->CopyIn(g_[l]->data(), g.data(), g.size());
       if (st.ok()) st = memory_->CopyIn(o_[l]->data(), poison.data(), poison.size());
@@ -741,7 +748,7 @@ class Simulator {
     TracePhase(s, "Verify done");
     if (s == options_.crash_after_verify_step) Crash();
     for (int l = 0; l < L_; ++l) {
-      std::vector<char> service(T * HK_ * as_), stock(T * HK_ * as_);
+      std::vector<char> service(T * VW_ * as_), stock(T * VW_ * as_);
       st = memory_->CopyOut(service.data(), o_[l]->data(), service.size());
       if (st.ok()) st = memory_->CopyOut(stock.data(), stock_out_[l]->data(), stock.size());
       if (!st.ok()) return st;
@@ -752,7 +759,7 @@ class Simulator {
         Mismatch(absl::StrFormat(
             "step %d, layer %d: Verify's output differs from the stock kernel's at token %d, "
             "head %d, column %d: %.9g vs %.9g",
-            s, l, e / HK_, (e / K_) % H_, e % K_, ElementAsFloat(service.data() + e * as_, act_),
+            s, l, e / VW_, (e / K_) % HV_, e % K_, ElementAsFloat(service.data() + e * as_, act_),
             ElementAsFloat(stock.data() + e * as_, act_)));
       }
     }
@@ -937,17 +944,23 @@ class Simulator {
       a.shape.act_dtype = act_;
       a.shape.state_dtype = state_;
       a.shape.lower_bound = layout_.lower_bound();
+      a.shape.kind = gdn_ ? kernels::LayerKind::kGdn : kernels::LayerKind::kKda;
+      a.shape.num_value_heads = HV_;
+      a.shape.gate = layout_.kda_gate() == v1::PLAIN_GATE ? kernels::KdaGate::kPlain
+                                                           : kernels::KdaGate::kSafe;
       const char* proj = static_cast<const char*>(proj_[l]->data());
       a.q = kernels::Activation{proj, proj_stride_};
       a.k = kernels::Activation{proj + HK_ * as_, proj_stride_};
       a.v = kernels::Activation{proj + 2 * HK_ * as_, proj_stride_};
-      a.beta = kernels::Activation{proj + 3 * HK_ * as_, proj_stride_};
-      a.g = kernels::Activation{g_[l]->data(), HK_};
+      a.beta = kernels::Activation{proj + (2 * HK_ + VW_) * as_, proj_stride_};
+      a.g = kernels::Activation{g_[l]->data(), GW_};
       a.num_tokens = T;
       a.out = stock_out_[l]->data();
-      a.state = kernels::StatePool{stock_pool_[l]->data(), stock_blocks_, HK_ * K_};
-      const float* params = static_cast<const float*>(stock_params_[l]->data());
-      a.params = kernels::LayerParams{params, params + H_};
+      a.state = kernels::StatePool{stock_pool_[l]->data(), stock_blocks_, VW_ * K_};
+      if (!gdn_) {
+        const float* params = static_cast<const float*>(stock_params_[l]->data());
+        a.params = kernels::LayerParams{params, params + H_};
+      }
       a.num_rows = R_;
       a.query_start_loc = d_qsl;
       a.ssm_state_indices = kernels::IndexMatrix{d_indices, Q_, Q_};
@@ -977,6 +990,14 @@ class Simulator {
   bool align_ = false;
   DType act_ = DType::kBFloat16, state_ = DType::kFloat32;
   int64_t as_ = 2, ss_ = 4, HK_ = 0, state_block_bytes_ = 0;
+  // Gated DeltaNet: HV value heads, g a log-decay per value head.
+  bool gdn_ = false;
+  int HV_ = 0;
+  int64_t VW_ = 0, GW_ = 0;  // v and o, and g, per token (elements)
+  // g's shape for T tokens: KDA [T, H, K], GDN [T, HV].
+  std::vector<int64_t> GateShape(int64_t t) const {
+    return gdn_ ? std::vector<int64_t>{t, HV_} : std::vector<int64_t>{t, H_, K_};
+  }
   int64_t conv_block_stride_ = 0, conv_dim_stride_ = 0, conv_token_stride_ = 0;
   int width_ = 1;
   int64_t tmax_ = 0, proj_stride_ = 0;

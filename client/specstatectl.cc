@@ -100,8 +100,8 @@ int Layout(Client& c) {
   }
   absl::PrintF(
       "backend          %s (device %d)\n"
-      "layers           %d\n"
-      "heads x dim      %d x %d\n"
+      "layers           %d %s%s\n"
+      "heads x dim      %d x %d (value heads %d)\n"
       "conv             dim %d, kernel %d, window %d\n"
       "num_spec         %d (Q = %d)\n"
       "blocks           %d (block 0 is null)\n"
@@ -110,8 +110,11 @@ int Layout(Client& c) {
       "cache mode       %s%s\n"
       "lower_bound      %g\n"
       "bytes            state block %d, conv block %d, pools %d, records %d\n",
-      v1::Backend_Name(l->backend()).c_str(), l->device(), l->num_layers(), l->num_heads(),
-      l->head_dim(), l->conv_dim(), l->conv_kernel(), l->conv_width(), l->num_spec(),
+      v1::Backend_Name(l->backend()).c_str(), l->device(), l->num_layers(),
+      l->layer_kind() == v1::GDN ? "GDN" : "KDA",
+      l->layer_kind() == v1::KDA && l->kda_gate() == v1::PLAIN_GATE ? " (plain gate)" : "",
+      l->num_heads(), l->head_dim(),
+      l->num_value_heads() > 0 ? l->num_value_heads() : l->num_heads(), l->conv_dim(), l->conv_kernel(), l->conv_width(), l->num_spec(),
       l->num_spec() + 1, l->num_blocks(), l->max_rows(),
       v1::DType_Name(l->activation_dtype()).c_str(), v1::DType_Name(l->state_dtype()).c_str(),
       v1::CacheMode_Name(l->cache_mode()).c_str(),

@@ -117,8 +117,27 @@ absl::Status ValidateLayout(const v1::Layout& l) {
                                                 " must cover one speculative window of ", q,
                                                 " tokens in ALIGN mode"));
   }
-  if (!(l.lower_bound() < 0.0f)) {
-    return Bad("lower_bound", absl::StrCat("= ", l.lower_bound(), " must be negative"));
+  if (l.layer_kind() != v1::KDA && l.layer_kind() != v1::GDN) {
+    return Bad("layer_kind", "must be KDA or GDN");
+  }
+  const int hv = ValueHeadsOf(l);
+  if (l.num_value_heads() < 0 || l.num_value_heads() > 4096 || hv % l.num_heads() != 0) {
+    return Bad("num_value_heads", absl::StrCat("= ", l.num_value_heads(),
+                                               " must be a multiple of num_heads = ",
+                                               l.num_heads(), " in [0, 4096] (0: num_heads)"));
+  }
+  if (l.layer_kind() == v1::KDA) {
+    if (hv != l.num_heads()) {
+      return Bad("num_value_heads", absl::StrCat("= ", l.num_value_heads(),
+                                                 ": KDA layers have as many value heads as "
+                                                 "heads (", l.num_heads(), ")"));
+    }
+    if (l.kda_gate() != v1::SAFE_GATE && l.kda_gate() != v1::PLAIN_GATE) {
+      return Bad("kda_gate", "must be SAFE_GATE or PLAIN_GATE");
+    }
+    if (l.kda_gate() == v1::SAFE_GATE && !(l.lower_bound() < 0.0f)) {
+      return Bad("lower_bound", absl::StrCat("= ", l.lower_bound(), " must be negative"));
+    }
   }
   if (l.device() < 0) return Bad("device", "must not be negative");
   return absl::OkStatus();
@@ -136,15 +155,18 @@ LayoutSizes ComputeLayoutSizes(const v1::Layout& l) {
   s.conv_width = l.conv_kernel() - 1 + l.num_spec();
   const int64_t act = DTypeSize(FromProto(l.activation_dtype()).value_or(DType::kFloat32));
   const int64_t st = DTypeSize(FromProto(l.state_dtype()).value_or(DType::kFloat32));
-  const int64_t hk = int64_t{l.num_heads()} * l.head_dim();
-  s.state_block_bytes = hk * l.head_dim() * st;
+  const kernels::KdaShape shape = ShapeOf(l);
+  const int64_t hk = kernels::KeyWidth(shape), vw = kernels::ValueWidth(shape);
+  s.state_block_bytes = vw * l.head_dim() * st;
   s.conv_block_bytes = int64_t{l.conv_dim()} * s.conv_width * act;
   s.state_pool_bytes = Align256(s.state_block_bytes * l.num_blocks());
   s.conv_pool_bytes = Align256(s.conv_block_bytes * l.num_blocks());
   s.pool_bytes = (s.state_pool_bytes + s.conv_pool_bytes) * l.num_layers();
   const int64_t tokens = int64_t{l.max_rows()} * s.spec_query_len;
-  s.records_per_layer_bytes =
-      Align256(tokens * 2 * hk * act) + Align256(tokens * hk * act) + Align256(tokens * l.num_heads() * act);
+  // kv [tokens, H K + HV V], g [tokens, gate width], beta [tokens, HV].
+  s.records_per_layer_bytes = Align256(tokens * (hk + vw) * act) +
+                              Align256(tokens * kernels::GateWidth(shape) * act) +
+                              Align256(tokens * kernels::ValueHeads(shape) * act);
   s.record_bytes = s.records_per_layer_bytes * l.num_layers();
   s.workspace_bytes =
       int64_t(kernels::CommitWorkspaceBytes(l.max_rows(), s.spec_query_len, l.num_blocks()));
@@ -196,7 +218,14 @@ kernels::KdaShape ShapeOf(const v1::Layout& l) {
   shape.act_dtype = FromProto(l.activation_dtype()).value_or(DType::kBFloat16);
   shape.state_dtype = FromProto(l.state_dtype()).value_or(DType::kFloat32);
   shape.lower_bound = l.lower_bound();
+  shape.kind = l.layer_kind() == v1::GDN ? kernels::LayerKind::kGdn : kernels::LayerKind::kKda;
+  shape.num_value_heads = ValueHeadsOf(l);
+  shape.gate = l.kda_gate() == v1::PLAIN_GATE ? kernels::KdaGate::kPlain : kernels::KdaGate::kSafe;
   return shape;
+}
+
+int ValueHeadsOf(const v1::Layout& l) {
+  return l.num_value_heads() > 0 ? l.num_value_heads() : l.num_heads();
 }
 
 }  // namespace server

@@ -61,6 +61,8 @@ v1::DType ToProto(DType dtype);
 
 // The shape every kernel call of this layout uses.
 kernels::KdaShape ShapeOf(const v1::Layout& layout);
+// HV: num_value_heads, or num_heads where it is 0.
+int ValueHeadsOf(const v1::Layout& layout);
 
 }  // namespace server
 }  // namespace specstate

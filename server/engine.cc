@@ -259,7 +259,7 @@ absl::Status Engine::Allocate() {
   if (!pools.ok()) return pools.status();
   pools_ = static_cast<char*>(*pools);
 
-  const int64_t hk = int64_t{H} * K;
+  const int64_t hk = kernels::KeyWidth(shape_), vw = kernels::ValueWidth(shape_);
   const int64_t act_size = DTypeSize(shape_.act_dtype);
   const int64_t tokens = int64_t{rows} * Q;
   layers_.resize(L);
@@ -272,7 +272,7 @@ absl::Status Engine::Allocate() {
     LayerState& layer = layers_[l];
     layer.state.data = pools_ + StatePoolOffset(sizes_, l);
     layer.state.num_blocks = layout_.num_blocks();
-    layer.state.block_stride = hk * K;
+    layer.state.block_stride = vw * K;
     layer.conv.data = pools_ + ConvPoolOffset(sizes_, l);
     layer.conv.num_blocks = layout_.num_blocks();
     layer.conv.dim = layout_.conv_dim();
@@ -286,14 +286,16 @@ absl::Status Engine::Allocate() {
     if (!dt_bias.ok()) return dt_bias.status();
     layer.a_log = static_cast<float*>(*a_log);
     layer.dt_bias = static_cast<float*>(*dt_bias);
+    // GDN's gate arrives computed (g is the log-decay): nothing to load.
+    layer.params_loaded = shape_.kind == kernels::LayerKind::kGdn;
     absl::StatusOr<void*> rec = device_->AllocateDevice(sizes_.records_per_layer_bytes);
     if (!rec.ok()) return rec.status();
     char* r = static_cast<char*>(*rec);
     const auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
     layer.records.kv = r;
-    layer.records.g = r + align(tokens * 2 * hk * act_size);
-    layer.records.beta =
-        static_cast<char*>(layer.records.g) + align(tokens * hk * act_size);
+    layer.records.g = r + align(tokens * (hk + vw) * act_size);
+    layer.records.beta = static_cast<char*>(layer.records.g) +
+                         align(tokens * kernels::GateWidth(shape_) * act_size);
     layer.records.rows = rows;
     layer.records.q = Q;
     kernels::CommitLayer& entry = host_layer_table_[l];
@@ -364,12 +366,13 @@ v1::ExportPoolsResponse Engine::ExportPools() const {
     s->set_layer(l);
     s->set_kind("recurrent");
     s->set_dtype(layout_.state_dtype());
-    for (int64_t d : {int64_t{layout_.num_blocks()}, int64_t{layout_.num_heads()},
-                      int64_t{layout_.head_dim()}, int64_t{layout_.head_dim()}}) {
+    const int64_t hv = kernels::ValueHeads(shape_);  // [blocks, HV, V, K]
+    for (int64_t d : {int64_t{layout_.num_blocks()}, hv, int64_t{layout_.head_dim()},
+                      int64_t{layout_.head_dim()}}) {
       s->add_shape(d);
     }
     const int64_t k = layout_.head_dim();
-    for (int64_t d : {int64_t{layout_.num_heads()} * k * k, k * k, k, int64_t{1}}) s->add_strides(d);
+    for (int64_t d : {hv * k * k, k * k, k, int64_t{1}}) s->add_strides(d);
     s->set_offset_bytes(StatePoolOffset(sizes_, l));
     s->set_byte_size(sizes_.state_block_bytes * layout_.num_blocks());
     v1::PoolView* c = out.add_pools();
@@ -490,7 +493,7 @@ void Engine::ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateR
       WithDType(FromProto(layout.state_dtype()).value(), [&](auto tag) {
         using T = decltype(tag);
         Summarize(reinterpret_cast<const T*>(buffer), state_bytes / sizeof(T), values,
-                  {layout.num_heads(), k, k}, out.mutable_recurrent());
+                  {ValueHeadsOf(layout), k, k}, out.mutable_recurrent());
       });
       WithDType(FromProto(layout.activation_dtype()).value(), [&](auto tag) {
         using T = decltype(tag);
@@ -766,6 +769,13 @@ void Engine::LoadLayerParams(const std::string& session, const v1::LoadLayerPara
           {});
     return;
   }
+  if (shape_.kind == kernels::LayerKind::kGdn) {
+    reply(absl::FailedPreconditionError(
+              "the layout's layers are GDN: they take no gate parameters (g is the log-decay "
+              "the model computed, beta the write strength)"),
+          {});
+    return;
+  }
   if (req.has_lower_bound() && req.lower_bound() != layout_.lower_bound()) {
     reply(absl::InvalidArgumentError(absl::StrCat(
               "lower_bound = ", req.lower_bound(), " differs from the layout's ",
@@ -892,8 +902,9 @@ void Engine::LoadLayerParams(const std::string& session, const v1::LoadLayerPara
 namespace {
 
 // The checks a Verify's tensors and a binding's share: activations q, k, v
-// [T, H, K] with dense tokens, g and o dense, beta [T, H], T being q's first
-// dimension. The lookup holds their regions.
+// q, k [T, H, K] and v [T, HV, V] with dense tokens, o [T, HV, V] and g (KDA
+// [T, H, K], GDN [T, HV]) dense, beta [T, HV], T being q's first dimension.
+// The lookup holds their regions.
 struct ActivationViews {
   TensorView q, k, v, g, beta, o;
 };
@@ -906,6 +917,7 @@ absl::StatusOr<ActivationViews> ResolveActivations(RegionLookup& lookup, const v
                                                    const v1::RegionTensor& o,
                                                    const kernels::KdaShape& shape) {
   ActivationViews out;
+  const int hv = kernels::ValueHeads(shape);
   TensorSpec act;
   act.dtype = shape.act_dtype;
   act.shape = {-1, shape.num_heads, shape.head_dim};
@@ -915,23 +927,32 @@ absl::StatusOr<ActivationViews> ResolveActivations(RegionLookup& lookup, const v
   out.q = *std::move(view);
   const int64_t T = out.q.shape[0];
   act.shape[0] = T;
-  for (auto [tensor, field, target] :
-       {std::make_tuple(&k, "k", &out.k), std::make_tuple(&v, "v", &out.v)}) {
-    view = lookup.ResolveTensor(*tensor, field, act);
-    if (!view.ok()) return view.status();
-    *target = *std::move(view);
+  view = lookup.ResolveTensor(k, "k", act);
+  if (!view.ok()) return view.status();
+  out.k = *std::move(view);
+  TensorSpec value = act;  // v [T, HV, V], o dense
+  value.shape = {T, hv, shape.head_dim};
+  view = lookup.ResolveTensor(v, "v", value);
+  if (!view.ok()) return view.status();
+  out.v = *std::move(view);
+  value.dense_inner = 3;
+  view = lookup.ResolveTensor(o, "o", value);
+  if (!view.ok()) return view.status();
+  out.o = *std::move(view);
+  // g: KDA [T, H, K], GDN [T, HV]; dense.
+  TensorSpec gate = act;
+  if (shape.kind == kernels::LayerKind::kGdn) {
+    gate.shape = {T, hv};
+    gate.dense_inner = 2;
+  } else {
+    gate.dense_inner = 3;
   }
-  TensorSpec dense = act;
-  dense.dense_inner = 3;
-  for (auto [tensor, field, target] :
-       {std::make_tuple(&g, "g", &out.g), std::make_tuple(&o, "o", &out.o)}) {
-    view = lookup.ResolveTensor(*tensor, field, dense);
-    if (!view.ok()) return view.status();
-    *target = *std::move(view);
-  }
+  view = lookup.ResolveTensor(g, "g", gate);
+  if (!view.ok()) return view.status();
+  out.g = *std::move(view);
   TensorSpec beta_spec;
   beta_spec.dtype = shape.act_dtype;
-  beta_spec.shape = {T, shape.num_heads};
+  beta_spec.shape = {T, hv};
   beta_spec.dense_inner = 1;
   view = lookup.ResolveTensor(beta, "beta", beta_spec);
   if (!view.ok()) return view.status();

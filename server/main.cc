@@ -47,8 +47,15 @@ ABSL_FLAG(std::string, listen, "unix:///tmp/specstate.sock", "unix:///PATH or HO
 ABSL_FLAG(std::string, backend, "auto",
           "auto (CUDA when a GPU is usable, else CPU), cpu or cuda");
 ABSL_FLAG(int, device, 0, "CUDA device ordinal");
-ABSL_FLAG(int, layers, 4, "KDA layers");
-ABSL_FLAG(int, heads, 4, "heads per layer (H)");
+ABSL_FLAG(int, layers, 4, "layers (all of --kind)");
+ABSL_FLAG(std::string, kind, "kda", "the layers' recurrence: kda (Kimi) or gdn (Gated DeltaNet)");
+ABSL_FLAG(int, heads, 4, "key heads per layer (H: q, k)");
+ABSL_FLAG(int, value_heads, 0,
+          "value heads per layer (HV: v, beta, o, the state; GDN's g): a multiple of --heads; "
+          "0: --heads");
+ABSL_FLAG(std::string, kda_gate, "safe",
+          "KDA's gate: safe (lower_bound / (1 + exp(-exp(A_log) (g + dt_bias)))) or plain "
+          "(-exp(A_log) softplus(g + dt_bias))");
 ABSL_FLAG(int, head_dim, 64, "head dim K = V: 64, 128 or 256");
 ABSL_FLAG(int, conv_dim, 768, "conv-state channels (D)");
 ABSL_FLAG(int, conv_kernel, 4, "conv kernel width");
@@ -94,6 +101,9 @@ absl::Status CheckFlagDefaults() {
   check(differs(FLAGS_device, absl::StrCat(l.device())), "device");
   check(differs(FLAGS_layers, absl::StrCat(l.num_layers())), "layers");
   check(differs(FLAGS_heads, absl::StrCat(l.num_heads())), "heads");
+  check(differs(FLAGS_value_heads, absl::StrCat(l.num_value_heads())), "value_heads");
+  check(differs(FLAGS_kind, l.layer_kind() == v1::GDN ? "gdn" : "kda"), "kind");
+  check(differs(FLAGS_kda_gate, l.kda_gate() == v1::PLAIN_GATE ? "plain" : "safe"), "kda_gate");
   check(differs(FLAGS_head_dim, absl::StrCat(l.head_dim())), "head_dim");
   check(differs(FLAGS_conv_dim, absl::StrCat(l.conv_dim())), "conv_dim");
   check(differs(FLAGS_conv_kernel, absl::StrCat(l.conv_kernel())), "conv_kernel");
@@ -143,6 +153,28 @@ absl::StatusOr<v1::ServiceConfig> BuildConfig() {
   if (Given(FLAGS_device)) l->set_device(absl::GetFlag(FLAGS_device));
   if (Given(FLAGS_layers)) l->set_num_layers(absl::GetFlag(FLAGS_layers));
   if (Given(FLAGS_heads)) l->set_num_heads(absl::GetFlag(FLAGS_heads));
+  if (Given(FLAGS_value_heads)) l->set_num_value_heads(absl::GetFlag(FLAGS_value_heads));
+  if (Given(FLAGS_kind)) {
+    const std::string kind = absl::GetFlag(FLAGS_kind);
+    if (kind == "kda") {
+      l->set_layer_kind(v1::KDA);
+    } else if (kind == "gdn") {
+      l->set_layer_kind(v1::GDN);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("--kind=", kind, ": expected kda or gdn"));
+    }
+  }
+  if (Given(FLAGS_kda_gate)) {
+    const std::string gate = absl::GetFlag(FLAGS_kda_gate);
+    if (gate == "safe") {
+      l->set_kda_gate(v1::SAFE_GATE);
+    } else if (gate == "plain") {
+      l->set_kda_gate(v1::PLAIN_GATE);
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kda_gate=", gate, ": expected safe or plain"));
+    }
+  }
   if (Given(FLAGS_head_dim)) l->set_head_dim(absl::GetFlag(FLAGS_head_dim));
   if (Given(FLAGS_conv_dim)) l->set_conv_dim(absl::GetFlag(FLAGS_conv_dim));
   if (Given(FLAGS_conv_kernel)) l->set_conv_kernel(absl::GetFlag(FLAGS_conv_kernel));
@@ -321,10 +353,10 @@ int Run() {
 
   const v1::Layout& l = (*engine)->layout();
   std::printf(
-      "specstated: serving on %s (backend %s, %d layers, %d heads x %d, %d blocks, %d rows, "
-      "Q=%d, %s activations, %s state, cache mode %s)\n",
-      listen.c_str(), l.backend() == v1::CUDA ? "cuda" : "cpu", l.num_layers(), l.num_heads(),
-      l.head_dim(), l.num_blocks(), l.max_rows(), l.num_spec() + 1,
+      "specstated: serving on %s (backend %s, %d %s layers, %d heads (%d value heads) x %d, "
+      "%d blocks, %d rows, Q=%d, %s activations, %s state, cache mode %s)\n",
+      listen.c_str(), l.backend() == v1::CUDA ? "cuda" : "cpu", l.num_layers(),
+      l.layer_kind() == v1::GDN ? "GDN" : "KDA", l.num_heads(), ValueHeadsOf(l), l.head_dim(), l.num_blocks(), l.max_rows(), l.num_spec() + 1,
       v1::DType_Name(l.activation_dtype()).c_str(), v1::DType_Name(l.state_dtype()).c_str(),
       v1::CacheMode_Name(l.cache_mode()).c_str());
   std::fflush(stdout);

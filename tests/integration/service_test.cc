@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "client/client.h"
 #include "client/shared_memory.h"
 #include "client/simulator.h"
@@ -95,6 +96,61 @@ TEST_F(ServiceTest, SimulationWithSubmitStep) {
     const client::SimulationReport r = ValueOrDie(client::RunSimulation(*client_, o));
     EXPECT_TRUE(r.passed()) << client::FormatReport(r);
     EXPECT_EQ(r.latency.count(async ? "SubmitStep (Verify (async))" : "SubmitStep (Verify)"), 1u);
+  }
+}
+
+// Gated DeltaNet layers (grouped value heads), through the whole service:
+// sync and async Verify, SubmitStep, align mode; bit for bit against the
+// simulator's stock path, which runs the GDN stock kernel.
+TEST_F(ServiceTest, SimulationGatedDeltaNet) {
+  Start({"--kind=gdn", "--heads=4", "--value_heads=8", "--cache_mode=align",
+         "--mamba_block_size=4", "--blocks=300"});
+  const v1::Layout layout = ValueOrDie(client_->GetLayout());
+  EXPECT_EQ(layout.layer_kind(), v1::GDN);
+  EXPECT_EQ(layout.num_value_heads(), 8);
+  EXPECT_EQ(layout.state_block_bytes(), int64_t{8} * 64 * 64 * 4);  // [HV, V, K] fp32
+  for (bool async : {false, true}) {
+    for (bool batch : {false, true}) {
+      client::SimulationOptions o;
+      o.steps = 8;
+      o.requests = 4;
+      o.async = async;
+      o.batch = batch;
+      o.seed = std::random_device()();
+      SCOPED_TRACE(absl::StrCat("async ", async, ", batch ", batch, ", seed ", o.seed));
+      const client::SimulationReport r = ValueOrDie(client::RunSimulation(*client_, o));
+      EXPECT_TRUE(r.passed()) << client::FormatReport(r);
+      EXPECT_GT(r.comparisons, 100u);
+    }
+  }
+}
+
+TEST_F(ServiceTest, GatedDeltaNetLayout) {
+  Start({"--kind=gdn", "--heads=2", "--value_heads=6", "--head_dim=128"});
+  // The recurrent pools are [blocks, HV, V, K].
+  const v1::ExportPoolsResponse pools = ValueOrDie(client_->ExportPools());
+  ASSERT_GT(pools.pools_size(), 0);
+  EXPECT_EQ(pools.pools(0).kind(), "recurrent");
+  EXPECT_THAT(std::vector<int64_t>(pools.pools(0).shape().begin(), pools.pools(0).shape().end()),
+              ::testing::ElementsAre(64, 6, 128, 128));
+  // GDN layers take no gate parameters.
+  Scheduler s(*client_);
+  ExpectError(s.LoadParams(0), absl::StatusCode::kFailedPrecondition,
+              "GDN: they take no gate parameters");
+  // Value heads that do not group the key heads, and KDA with grouped heads,
+  // are refused at start, naming the field.
+  for (const std::vector<std::string>& bad :
+       {std::vector<std::string>{"--kind=gdn", "--heads=4", "--value_heads=6"},
+        std::vector<std::string>{"--kind=kda", "--heads=2", "--value_heads=4"},
+        std::vector<std::string>{"--kind=mamba"}}) {
+    std::vector<std::string> argv = {testing::RunfilePath("server/specstated"),
+                                     "--backend=cpu", "--listen=unix:///tmp/specstate-unused.sock"};
+    argv.insert(argv.end(), bad.begin(), bad.end());
+    const testing::ProcessResult r = ValueOrDie(testing::RunProcess(argv));
+    SCOPED_TRACE(absl::StrJoin(bad, " "));
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_THAT(r.output, ::testing::AnyOf(HasSubstr("layout.num_value_heads"),
+                                           HasSubstr("--kind=mamba: expected kda or gdn")));
   }
 }
 

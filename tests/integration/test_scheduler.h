@@ -78,7 +78,7 @@ class Scheduler {
     }
     std::memcpy(acts_->data(), random.data(), random.size() * 2);
     ValueOrDie(session_->RegisterBuffer(*acts_, "acts"));
-    if (drive) {
+    if (drive && layout_.layer_kind() == v1::KDA) {  // GDN layers have no parameters
       for (int l = 0; l < layout_.num_layers(); ++l) EXPECT_TRUE(LoadParams(l).ok());
     }
   }
