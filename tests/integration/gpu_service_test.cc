@@ -81,6 +81,29 @@ TEST_F(GpuServiceTest, SimulationAlignModeBf16State) {
   EXPECT_THAT(r.output, HasSubstr("verdict: PASS"));
 }
 
+// Gated DeltaNet on the CUDA backend, the Qwen3-Next head grouping at TP4
+// (4 key heads, 8 value heads, K = 128), align mode; and KDA's plain gate.
+TEST_F(GpuServiceTest, SimulationGatedDeltaNetAndPlainGate) {
+  for (const std::vector<std::string>& layout :
+       {std::vector<std::string>{"--kind=gdn", "--heads=4", "--value_heads=8", "--head_dim=128",
+                                 "--conv_dim=2048", "--cache_mode=align", "--mamba_block_size=8",
+                                 "--blocks=600"},
+        std::vector<std::string>{"--kda_gate=plain", "--heads=4", "--head_dim=128"}}) {
+    Start(layout);
+    for (const std::vector<std::string>& mode :
+         {std::vector<std::string>{}, std::vector<std::string>{"--async", "--batch"}}) {
+      std::vector<std::string> flags = {"--steps=20", "--requests=8"};
+      flags.insert(flags.end(), mode.begin(), mode.end());
+      const testing::ProcessResult r = Simulate(flags);
+      SCOPED_TRACE(absl::StrCat(absl::StrJoin(layout, " "), ": simulate ",
+                                absl::StrJoin(mode, " "), "\n", r.output));
+      EXPECT_EQ(r.exit_code, 0);
+      EXPECT_THAT(r.output, HasSubstr("on the cuda backend"));
+      EXPECT_THAT(r.output, HasSubstr("verdict: PASS"));
+    }
+  }
+}
+
 TEST_F(GpuServiceTest, PlantedCorruptionFailsTheVerdict) {
   Start({});
   const testing::ProcessResult r = Simulate({"--steps=6", "--corrupt_after_step=2"});
