@@ -531,7 +531,9 @@ TEST_F(ReliabilityTest, HelpListsEveryFlagWithItsRealDefault) {
       ValueOrDie(RunProcess({RunfilePath("server/specstated"), "--help"}));
   EXPECT_THAT(help.output, Not(HasSubstr("No flags matched")));
   for (const char* flag :
-       {"--layers (KDA layers); default: 4;", "--heads (heads per layer (H)); default: 4;",
+       {"--layers (layers (all of --kind)); default: 4;",
+        "--heads (key heads per layer (H: q, k)); default: 4;", "--kind", "--value_heads",
+        "--kda_gate",
         "--max_rows (rows a step may verify); default: 16;", "default: \"unix:///tmp/specstate.sock\"",
         "--stuck_stream_ms", "--backend", "--config", "--num_spec", "--lower_bound"}) {
     EXPECT_THAT(help.output, HasSubstr(flag));
