@@ -228,5 +228,38 @@ int ValueHeadsOf(const v1::Layout& l) {
   return l.num_value_heads() > 0 ? l.num_value_heads() : l.num_heads();
 }
 
+void AddPoolViews(const v1::Layout& layout, const LayoutSizes& sizes,
+                  v1::ExportPoolsResponse* out) {
+  for (int l = 0; l < layout.num_layers(); ++l) {
+    v1::PoolView* s = out->add_pools();
+    s->set_layer(l);
+    s->set_kind("recurrent");
+    s->set_dtype(layout.state_dtype());
+    const int64_t hv = int64_t{ValueHeadsOf(layout)};  // [blocks, HV, V, K]
+    for (int64_t d : {int64_t{layout.num_blocks()}, hv, int64_t{layout.head_dim()},
+                      int64_t{layout.head_dim()}}) {
+      s->add_shape(d);
+    }
+    const int64_t k = layout.head_dim();
+    for (int64_t d : {hv * k * k, k * k, k, int64_t{1}}) s->add_strides(d);
+    s->set_offset_bytes(StatePoolOffset(sizes, l));
+    s->set_byte_size(sizes.state_block_bytes * layout.num_blocks());
+    v1::PoolView* c = out->add_pools();
+    c->set_layer(l);
+    c->set_kind("conv");
+    c->set_dtype(layout.activation_dtype());
+    for (int64_t d : {int64_t{layout.num_blocks()}, int64_t{layout.conv_dim()},
+                      int64_t{sizes.conv_width}}) {
+      c->add_shape(d);
+    }
+    for (int64_t d : {int64_t{layout.conv_dim()} * sizes.conv_width, int64_t{sizes.conv_width},
+                      int64_t{1}}) {
+      c->add_strides(d);
+    }
+    c->set_offset_bytes(ConvPoolOffset(sizes, l));
+    c->set_byte_size(sizes.conv_block_bytes * layout.num_blocks());
+  }
+}
+
 }  // namespace server
 }  // namespace specstate

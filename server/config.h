@@ -55,6 +55,11 @@ LayoutSizes ComputeLayoutSizes(const v1::Layout& layout);
 int64_t StatePoolOffset(const LayoutSizes& sizes, int layer);
 int64_t ConvPoolOffset(const LayoutSizes& sizes, int layer);
 
+// Each layer's recurrent pool [blocks, HV, V, K] and conv pool [blocks, D, W]
+// as views into the pool allocation (ExportPools).
+void AddPoolViews(const v1::Layout& layout, const LayoutSizes& sizes,
+                  v1::ExportPoolsResponse* out);
+
 // Conversions between the wire enum and the kernels' dtype.
 absl::StatusOr<DType> FromProto(v1::DType dtype);
 v1::DType ToProto(DType dtype);

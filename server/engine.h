@@ -12,12 +12,10 @@
 #define SPECSTATE_SERVER_ENGINE_H_
 
 #include <cstdint>
-#include <deque>
 #include <functional>
-#include <map>
-#include <set>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -27,7 +25,10 @@
 #include "specstate/v1/specstate.pb.h"
 #include "server/config.h"
 #include "server/device.h"
+#include "server/phase_profile.h"
 #include "server/regions.h"
+#include "server/request_tensors.h"
+#include "server/step_table.h"
 
 namespace specstate {
 namespace server {
@@ -111,54 +112,49 @@ class Engine {
     float* dt_bias = nullptr;  // device [H * K]
     bool params_loaded = false;
     kernels::Records records;
-    std::string records_session;  // the session and step whose Verify last wrote the records
-    uint64_t records_step = 0;
-    bool records_valid = false;
   };
 
-  // Device memory of one step in flight (a ring of these).
-  struct StepSlot {
-    kernels::DeviceStatus* status_device = nullptr;  // [layers + 2]
-    // Where the service reads them: pinned host memory the check kernels
-    // write (the status mirror); status_device itself on the CPU backend.
-    kernels::DeviceStatus* status_host = nullptr;
-    kernels::DeviceStatus* StatusMirror(int index) const {
-      return status_host == status_device ? nullptr : status_host + index;
-    }
-    // The cancellation word of the steps in this slot (kernels::Prerequisites).
-    uint32_t* cancelled = nullptr;
-    int32_t* query_start_loc = nullptr;  // [max_rows + 1], the step's snapshot
-    int32_t* state_indices = nullptr;    // [max_rows]
-    int32_t* qsl_host = nullptr;         // readback of the snapshot
-    kernels::CommitPlanRow* plan_host = nullptr;  // readback of the commit plan
-    int in_flight = 0;                   // submitted work not yet done
+  struct Ordering {
+    std::vector<WaitOp> waits;
+    std::vector<SignalOp> signals;
+    std::vector<std::pair<std::string, ByteSpan>> doorbells;  // by field
+    std::vector<RegionPin> pins;
+    bool async = false;
   };
 
-  // What the service knows of one step.
-  struct Step {
-    std::string session;  // the driving session whose step it is
-    uint64_t id = 0;
-    int slot = 0;
-    uint32_t generation = 0;  // unique, nonzero: its value of the slot's cancellation word
-    int num_rows = 0;
-    std::vector<bool> verified;
-    int verified_count = 0;
-    bool failed = false;
-    absl::Status failure;
-    // Commit / RecordStateBlocks: at most once, answered from here on retry.
-    struct Once {
-      bool started = false;
-      bool finished = false;
-      uint64_t fingerprint = 0;
-      absl::Status status;
-      std::vector<std::function<void(absl::Status)>> waiters;
-    };
-    Once commit;
-    Once record;
-  };
+  // One driving call of a step once its host checks passed: what its verb
+  // states (engine.cc); Drive() runs the step protocol around it.
+  template <typename Response>
+  struct StepCall;
 
   Engine(const v1::ServiceConfig& config, std::unique_ptr<Device> device);
   absl::Status Allocate();
+  absl::Status AllocateLayers();
+  absl::StatusOr<std::vector<StepSlot>> AllocateSlots();
+
+  // The step protocol of every Verify, Commit and RecordStateBlocks, in one
+  // place: under the lock, a retry of an at-most-once call is answered from
+  // the first; the session's pending asynchronous error is reported; the
+  // verb finds (or prepares) and checks its step, then builds and checks
+  // its work, and only then does anything change (the step starts, the call
+  // is marked in it, its work is submitted). The reply comes at once in
+  // ASYNC mode (and for every error), when the work is done in SYNC mode.
+  template <typename Response>
+  void Drive(StepCall<Response>& call, const Reply<Response>& reply,
+             PhaseProfile::Timer* timer = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+  // The `done` of a call's work: the device's verdict on the call (lost
+  // regions, the call's status), the step failed or the verb's counters,
+  // an at-most-once call finished (its waiting retries answered), and
+  // `reply` (empty for an ASYNC call, answered when enqueued).
+  template <typename Response>
+  std::function<void(absl::Status)> Completion(StepCall<Response>& call, Reply<Response> reply,
+                                               Response response,
+                                               std::shared_ptr<std::vector<RegionPin>> pins,
+                                               bool first, int num_rows, int slot_index);
+  // The work that zeroes a fresh step's statuses (later calls of the step
+  // read them as prerequisites), ahead of the wait for the caller's inputs
+  // so that it runs while the caller's GPU work does.
+  Work StatusReset(const Step& step, bool async) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // A call's prerequisites: the first `count` statuses of its step's slot and
   // the step's cancellation. Its waits, with the cancellation word they set
@@ -168,17 +164,7 @@ class Engine {
   static std::vector<WaitOp> StepWaits(const StepSlot& slot, const Step& step,
                                        std::vector<WaitOp> waits);
 
-  // The current step `id` of `session`, or, when it is new, a Step in
-  // `fresh` (with a free slot) that is not started yet: nothing changes
-  // until StartStep(), so a call that fails its checks starts no step.
-  // Steps are the driving session's: a new driver starts its own numbering.
-  absl::StatusOr<Step*> FindOrPrepareStep(const std::string& session, uint64_t id, int num_rows,
-                                          std::unique_ptr<Step>* fresh)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Step* StartStep(std::unique_ptr<Step> fresh) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  Step* FindStep(const std::string& session, uint64_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The first asynchronous error of the session, once (then cleared).
-  absl::Status TakeSessionError(const std::string& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkFailed(uint64_t step, const std::string& session, absl::Status status, bool async)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Submits `work` of a step in `slot`, counted in the slot's in-flight work
@@ -198,24 +184,35 @@ class Engine {
                    absl::ReleasableMutexLock& lock, const Reply<Response>& reply)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // A Verify's tensors, from its request or from its layer's binding.
-  struct VerifyInputs;
-  struct BoundInputs;
-  absl::StatusOr<VerifyInputs> RequestInputs(const std::string& session,
-                                             const v1::VerifyRequest& request, int num_rows);
-  absl::StatusOr<VerifyInputs> BoundInputsOf(const std::string& session,
-                                             const v1::VerifyRequest& request, int num_rows);
+  // Each verb's kernel arguments for its step, checked on the host (inline
+  // index tensors get their device address only when the work is enqueued).
+  absl::StatusOr<kernels::VerifyArgs> VerifyArgsFor(const VerifyInputs& inputs, int layer,
+                                                    const Step& step, const StepSlot& slot,
+                                                    bool first) const;
+  absl::StatusOr<kernels::CommitArgs> CommitArgsFor(const CommitIndices& indices,
+                                                    const Step& step, const StepSlot& slot) const;
+  absl::StatusOr<kernels::RecordStateBlocksArgs> RecordArgsFor(
+      const RecordIndices& indices, const v1::RecordStateBlocksRequest& request,
+      const Step& step, const StepSlot& slot) const;
 
-  struct Ordering {
-    std::vector<WaitOp> waits;
-    std::vector<SignalOp> signals;
-    std::vector<std::pair<std::string, ByteSpan>> doorbells;  // by field
-    std::vector<RegionPin> pins;
-    bool async = false;
-  };
+  // A Verify's tensors, from its request or from its layer's binding.
+  absl::StatusOr<VerifyInputs> VerifyInputsOf(const std::string& session,
+                                              const v1::VerifyRequest& request);
+  // The checked parameters of a LoadLayerParams (`lookup` holds their regions).
+  absl::StatusOr<std::shared_ptr<std::pair<FloatSource, FloatSource>>> LayerParamsOf(
+      RegionLookup& lookup, const v1::LoadLayerParamsRequest& request);
+
+  // The waits and signals of a call: `request`'s ordering, wait and signal.
+  template <typename Request>
+  absl::StatusOr<Ordering> ResolveOrdering(const std::string& session, const Request& request) {
+    return ResolveOrdering(session, request.ordering(), request.wait(), request.signal(),
+                           request.has_wait(), request.has_signal());
+  }
   absl::StatusOr<Ordering> ResolveOrdering(const std::string& session, v1::Ordering ordering,
                                            const v1::Signal& wait, const v1::Signal& signal,
                                            bool has_wait, bool has_signal);
+  absl::StatusOr<SyncPoint> ResolveSyncPoint(const std::string& session, const v1::Signal& sync,
+                                             absl::string_view field, Ordering& out);
 
   const v1::ServiceConfig config_;
   v1::Layout layout_;
@@ -235,18 +232,9 @@ class Engine {
   float* params_staging_ = nullptr;                  // LoadLayerParams: [H + H * K]
   kernels::DeviceStatus* params_status_ = nullptr;  // LoadLayerParams' device status
 
-  static constexpr int kStepSlots = 8;
-  static constexpr int kStepHistory = 64;
-
   mutable absl::Mutex mu_;
-  std::vector<StepSlot> slots_ ABSL_GUARDED_BY(mu_);
-  int next_slot_ ABSL_GUARDED_BY(mu_) = 0;
-  uint32_t next_generation_ ABSL_GUARDED_BY(mu_) = 0;
-  // Recent steps, oldest first; the last is the current one.
-  std::deque<std::unique_ptr<Step>> steps_ ABSL_GUARDED_BY(mu_);
-  std::set<std::string> open_sessions_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, absl::Status> session_errors_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::shared_ptr<WaitCancellation>> session_waits_ ABSL_GUARDED_BY(mu_);
+  // The steps, their slots, the sessions' errors and waits (set by Allocate).
+  std::unique_ptr<StepTable> steps_ ABSL_PT_GUARDED_BY(mu_);
   EngineCounters counters_ ABSL_GUARDED_BY(mu_);
   std::vector<char*> read_buffers_ ABSL_GUARDED_BY(mu_);  // ReadState's host buffers
   std::vector<kernels::DeviceStatus*> param_mirrors_ ABSL_GUARDED_BY(mu_);  // LoadLayerParams'

@@ -11,28 +11,13 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/host_region_for_test.h"
 
 namespace specstate {
 namespace server {
 namespace {
 
 using ::testing::HasSubstr;
-
-// Host memory standing in for a mapped shared-memory segment.
-class HostRegion final : public MappedRegion {
- public:
-  explicit HostRegion(uint64_t bytes) : bytes_(bytes) {}
-  void* data() const override { return const_cast<uint8_t*>(bytes_.data()); }
-  uint64_t byte_size() const override { return bytes_.size(); }
-  absl::string_view kind() const override { return "shm"; }
-  MemoryObject object() const override {
-    return MemoryObject{MemoryObject::kHost, reinterpret_cast<uint64_t>(bytes_.data()), 0};
-  }
-  uint64_t object_offset() const override { return 0; }
-
- private:
-  std::vector<uint8_t> bytes_;
-};
 
 v1::RegionTensor Tensor(const std::string& region, uint64_t offset,
                         const std::vector<int64_t>& shape) {

@@ -320,113 +320,59 @@ grpc::ServerUnaryReactor* SpecStateService::ListRegions(grpc::CallbackServerCont
 // ---------------------------------------------------------------------------
 // Driving calls.
 
-grpc::ServerUnaryReactor* SpecStateService::LoadLayerParams(
-    grpc::CallbackServerContext* ctx, const v1::LoadLayerParamsRequest* request,
-    v1::LoadLayerParamsResponse*) {
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* SpecStateService::Drive(grpc::CallbackServerContext* ctx,
+                                                  const char* method, const Request* request,
+                                                  Response* response, EngineVerb<Request, Response> verb) {
   const absl::Time start = absl::Now();
   auto* reactor = ctx->DefaultReactor();
   absl::Status st = sessions_->CheckDriver(request->session_id());
   if (!st.ok()) {
-    Finish(reactor, "LoadLayerParams", start, st);
+    Finish(reactor, method, start, st);
     return reactor;
   }
-  engine_->LoadLayerParams(request->session_id(), *request,
-                           [this, reactor, start](absl::Status s, v1::LoadLayerParamsResponse) {
-                             Finish(reactor, "LoadLayerParams", start, s);
-                           });
+  (engine_->*verb)(request->session_id(), *request,
+                   [this, reactor, response, method, start](absl::Status s, Response r) {
+                     *response = std::move(r);
+                     Finish(reactor, method, start, s);
+                   });
   return reactor;
+}
+
+grpc::ServerUnaryReactor* SpecStateService::LoadLayerParams(
+    grpc::CallbackServerContext* ctx, const v1::LoadLayerParamsRequest* request,
+    v1::LoadLayerParamsResponse* response) {
+  return Drive(ctx, "LoadLayerParams", request, response, &Engine::LoadLayerParams);
 }
 
 grpc::ServerUnaryReactor* SpecStateService::Verify(grpc::CallbackServerContext* ctx,
                                                    const v1::VerifyRequest* request,
                                                    v1::VerifyResponse* response) {
-  const absl::Time start = absl::Now();
-  auto* reactor = ctx->DefaultReactor();
-  absl::Status st = sessions_->CheckDriver(request->session_id());
-  if (!st.ok()) {
-    Finish(reactor, "Verify", start, st);
-    return reactor;
-  }
-  engine_->Verify(request->session_id(), *request,
-                  [this, reactor, response, start](absl::Status s, v1::VerifyResponse r) {
-                    *response = std::move(r);
-                    Finish(reactor, "Verify", start, s);
-                  });
-  return reactor;
+  return Drive(ctx, "Verify", request, response, &Engine::Verify);
 }
 
 grpc::ServerUnaryReactor* SpecStateService::BindVerifyInputs(
     grpc::CallbackServerContext* ctx, const v1::BindVerifyInputsRequest* request,
     v1::BindVerifyInputsResponse* response) {
-  const absl::Time start = absl::Now();
-  auto* reactor = ctx->DefaultReactor();
-  absl::Status st = sessions_->CheckDriver(request->session_id());
-  if (!st.ok()) {
-    Finish(reactor, "BindVerifyInputs", start, st);
-    return reactor;
-  }
-  engine_->BindVerifyInputs(
-      request->session_id(), *request,
-      [this, reactor, response, start](absl::Status s, v1::BindVerifyInputsResponse r) {
-        *response = std::move(r);
-        Finish(reactor, "BindVerifyInputs", start, s);
-      });
-  return reactor;
+  return Drive(ctx, "BindVerifyInputs", request, response, &Engine::BindVerifyInputs);
 }
 
 grpc::ServerUnaryReactor* SpecStateService::Commit(grpc::CallbackServerContext* ctx,
                                                    const v1::CommitRequest* request,
                                                    v1::CommitResponse* response) {
-  const absl::Time start = absl::Now();
-  auto* reactor = ctx->DefaultReactor();
-  absl::Status st = sessions_->CheckDriver(request->session_id());
-  if (!st.ok()) {
-    Finish(reactor, "Commit", start, st);
-    return reactor;
-  }
-  engine_->Commit(request->session_id(), *request,
-                  [this, reactor, response, start](absl::Status s, v1::CommitResponse r) {
-                    *response = std::move(r);
-                    Finish(reactor, "Commit", start, s);
-                  });
-  return reactor;
+  return Drive(ctx, "Commit", request, response, &Engine::Commit);
 }
 
 grpc::ServerUnaryReactor* SpecStateService::RecordStateBlocks(
     grpc::CallbackServerContext* ctx, const v1::RecordStateBlocksRequest* request,
     v1::RecordStateBlocksResponse* response) {
-  const absl::Time start = absl::Now();
-  auto* reactor = ctx->DefaultReactor();
-  absl::Status st = sessions_->CheckDriver(request->session_id());
-  if (!st.ok()) {
-    Finish(reactor, "RecordStateBlocks", start, st);
-    return reactor;
-  }
-  engine_->RecordStateBlocks(
-      request->session_id(), *request,
-      [this, reactor, response, start](absl::Status s, v1::RecordStateBlocksResponse r) {
-        *response = std::move(r);
-        Finish(reactor, "RecordStateBlocks", start, s);
-      });
-  return reactor;
+  return Drive(ctx, "RecordStateBlocks", request, response, &Engine::RecordStateBlocks);
 }
 
 grpc::ServerUnaryReactor* SpecStateService::SubmitStep(grpc::CallbackServerContext* ctx,
                                                        const v1::SubmitStepRequest* request,
                                                        v1::SubmitStepResponse* response) {
-  const absl::Time start = absl::Now();
-  auto* reactor = ctx->DefaultReactor();
-  absl::Status st = sessions_->CheckDriver(request->session_id());
-  if (!st.ok()) {
-    Finish(reactor, "SubmitStep", start, st);
-    return reactor;
-  }
-  engine_->SubmitStep(request->session_id(), *request,
-                      [this, reactor, response, start](absl::Status s, v1::SubmitStepResponse r) {
-                        *response = std::move(r);
-                        Finish(reactor, "SubmitStep", start, s);
-                      });
-  return reactor;
+  return Drive(ctx, "SubmitStep", request, response, &Engine::SubmitStep);
 }
 
 }  // namespace server

@@ -81,6 +81,15 @@ class SpecStateService final : public v1::SpecState::CallbackService {
  private:
   class SessionReactor;
 
+  template <typename Request, typename Response>
+  using EngineVerb = void (Engine::*)(const std::string&, const Request&, Reply<Response>);
+  // The unary driving RPCs, one path: the caller must be the session's
+  // driver; the engine's verb answers (Finish), exactly once.
+  template <typename Request, typename Response>
+  grpc::ServerUnaryReactor* Drive(grpc::CallbackServerContext* ctx, const char* method,
+                                  const Request* request, Response* response,
+                                  EngineVerb<Request, Response> verb);
+
   // Finishes `reactor` with `status` and records the call's latency.
   void Finish(grpc::ServerUnaryReactor* reactor, const std::string& method, absl::Time start,
               const absl::Status& status);

@@ -19,6 +19,7 @@
 #include "client/shared_memory.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/fnv1a.h"
 
 namespace specstate {
 namespace testing {
@@ -44,14 +45,7 @@ inline void ExpectError(const absl::Status& s, absl::StatusCode code, const std:
   EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr(substring));
 }
 
-inline uint64_t Fnv1a(const std::string& bytes) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : bytes) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
+using ::specstate::server::Fnv1a;
 
 // A driving scheduler with small, valid requests: N rows of 2 tokens from
 // checkpoints 1..N, every layer's parameters loaded.

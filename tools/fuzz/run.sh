@@ -36,7 +36,9 @@ flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -ffp-contract=off
        -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined
        -I. -I"$out/gen" $(pkg-config --cflags protobuf))
 sources=(
-  server/engine.cc server/regions.cc server/config.cc server/cpu_device.cc
+  server/engine.cc server/submit_step.cc server/request_tensors.cc server/step_table.cc server/tensor_summary.cc
+  server/regions.cc
+  server/config.cc server/cpu_device.cc
   server/truncation_guard.cc server/no_cuda_device.cc server/log.cc server/phase_profile.cc
   kernels/cpu/kda_cpu.cc kernels/kda_kernels.cc kernels/no_cuda.cc kernels/device_status.cc
   kernels/dtype.cc "$out/gen/specstate/v1/specstate.pb.cc" tools/fuzz/engine_fuzzer.cc
