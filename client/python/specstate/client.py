@@ -410,8 +410,10 @@ class Session:
 
     def load_layer_params(self, layer: int, a_log: Any, dt_bias: Any,
                           lower_bound: Optional[float] = None) -> None:
-        """Loads one layer's gate parameters: `a_log` [H] and `dt_bias` [H*K], fp32
-        (lists or arrays travel inline; fp32 arrays in a registered buffer by reference)."""
+        """Loads one KDA layer's gate parameters: `a_log` [H] and `dt_bias` [H*K], fp32
+        (lists or arrays travel inline; fp32 arrays in a registered buffer by reference).
+        FAILED_PRECONDITION on a GDN layout (``layout().layer_kind == GDN``): its g
+        is the log-decay as the model computed it, and there is nothing to load."""
         request = pb.LoadLayerParamsRequest(session_id=self.id, layer=layer,
                                             a_log=self.regions.floats(a_log),
                                             dt_bias=self.regions.floats(dt_bias))
@@ -425,9 +427,11 @@ class Session:
                wait: Any = None, signal: Any = None) -> pb.VerifyResponse:
         """Verifies one layer's speculative window of every row (Verify).
 
-        q, k, v [T, H, K], g [T, H, K] (dense), beta [T, H], o [T, H, V]
+        q, k [T, H, K], v [T, HV, V], g (dense), beta [T, HV], o [T, HV, V]
         (dense, written): arrays/tensors in registered buffers, in the layout's
-        activation dtype (numpy: float32, float16, or uint16 bf16 bits).
+        activation dtype (numpy: float32, float16, or uint16 bf16 bits). H is
+        ``layout().num_heads``, HV ``num_value_heads`` (0: H; KDA always has
+        HV = H); g is [T, H, K] on KDA layouts and [T, HV] on GDN ones.
         `query_start_loc` [N+1] and `state_indices` [N] (or [N, C]) are
         required on the step's first Verify and may be omitted after;
         `num_rows` defaults to len(state_indices), then to the step's first
@@ -464,8 +468,9 @@ class Session:
         For a scheduler whose buffers stay at fixed addresses (as under CUDA
         graphs): :meth:`verify_bound` then sends only the counts, and the
         service uses the first `num_tokens` tokens and `num_rows` rows of these.
-        q, k, v [max_tokens, H, K], g [max_tokens, H, K] (dense), beta
-        [max_tokens, H], o [max_tokens, H, V] (dense): as in :meth:`verify`.
+        q, k [max_tokens, H, K], v [max_tokens, HV, V], g (dense; KDA
+        [max_tokens, H, K], GDN [max_tokens, HV]), beta [max_tokens, HV], o
+        [max_tokens, HV, V] (dense): as in :meth:`verify`.
         `query_start_loc` [max_rows+1] and `state_indices` [max_rows] (or
         [max_rows, C]) are optional, together, and must be int32 arrays in a
         registered buffer: their values change every step, so inline values

@@ -337,9 +337,9 @@ class CudaBuffer:
 class CudaPools:
     """The service's exported pools (CUDA backend) as torch tensors, opened by IPC handle.
 
-    ``recurrent(layer)`` is ``[blocks, H, V, K]`` in the state dtype and
-    ``conv(layer)`` ``[blocks, D, W]`` in the activation dtype; both alias the
-    service's memory (the conv update runs in place on them).
+    ``recurrent(layer)`` is ``[blocks, HV, V, K]`` (HV value heads) in the
+    state dtype and ``conv(layer)`` ``[blocks, D, W]`` in the activation dtype;
+    both alias the service's memory (the conv update runs in place on them).
     """
 
     def __init__(self, export: pb.ExportPoolsResponse, device: Optional[int] = None) -> None:

@@ -159,9 +159,9 @@ class SharedBuffer:
 class MappedPools:
     """The service's exported pools (CPU backend), mapped as numpy views.
 
-    ``recurrent(layer)`` is ``[blocks, H, V, K]`` in the state dtype and
-    ``conv(layer)`` is ``[blocks, D, W]`` in the activation dtype, both
-    writable in place (bf16 as uint16 bits). The views alias the service's
+    ``recurrent(layer)`` is ``[blocks, HV, V, K]`` (HV value heads) in the
+    state dtype and ``conv(layer)`` is ``[blocks, D, W]`` in the activation
+    dtype, both writable in place (bf16 as uint16 bits). The views alias the service's
     memory: read them only when no call that writes them is in flight.
     """
 
@@ -202,7 +202,7 @@ class MappedPools:
                                  f"the service exports no {kind} pool for layer {layer}") from None
 
     def recurrent(self, layer: int) -> np.ndarray:
-        """``[blocks, H, V, K]`` recurrent states of `layer`."""
+        """``[blocks, HV, V, K]`` recurrent states of `layer` (one per value head)."""
         return self.view(layer, "recurrent")
 
     def conv(self, layer: int) -> np.ndarray:

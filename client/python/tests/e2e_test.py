@@ -1,5 +1,7 @@
 """End to end: a numpy scheduler loop against a real specstated (CPU backend),
-checked against the independent float64 reference in kda_reference.py.
+checked against the independent float64 reference in kda_reference.py. The
+same loop runs KDA (the safe and the plain gate) and Gated DeltaNet layouts:
+the Harness reads the shapes from GetLayout.
 
 Tolerances (per tensor, ||got - want|| / ||want||):
 - The service computes in fp32 from the very activation values the reference
@@ -34,6 +36,8 @@ OUT_TOL = {pb.FP32: 1e-5, pb.BF16: 1e-2, pb.FP16: 2e-3}
 
 SMALL = dict(layers=2, heads=2, head_dim=64, conv_dim=32, conv_kernel=4, num_spec=3,
              blocks=24, max_rows=6)
+# Gated DeltaNet: two value heads per key head, so a wrong key-head mapping shows.
+GDN = dict(kind="gdn", heads=2, value_heads=4)
 
 
 def act_values(x: np.ndarray, dtype: int) -> np.ndarray:
@@ -57,8 +61,14 @@ def poison(a: np.ndarray) -> None:
 class Harness:
     """A scheduler over R request slots: its buffers, the pools and the reference.
 
+    The layout decides the shapes. KDA: H value heads, g [T, H, K], gate
+    parameters loaded here. GDN: HV value heads, g and beta [T, HV], no gate
+    parameters. Each token's q | k | v | beta are column slices of one
+    projection row (q, k H*K each, v HV*V, beta HV), as a model's fused
+    projection writes them, so beta's token stride is not its width.
+
     Each request slot i has a block table (none mode: one block, i + 1) and,
-    per layer, its reference state (float64) and conv window (raw values).
+    per layer, its reference state (float64 [HV, V, K]) and conv window (raw values).
     """
 
     def __init__(self, test: unittest.TestCase, client: specstate.Client,
@@ -76,26 +86,34 @@ class Harness:
         self.align = lo.cache_mode == pb.ALIGN
         self.bs = lo.mamba_block_size
         self.R = requests
-        self.HK = self.H * self.K
+        self.gdn = lo.layer_kind == pb.GDN
+        self.plain_gate = lo.kda_gate == pb.PLAIN_GATE
+        self.HV = lo.num_value_heads or self.H
+        self.HK, self.HVK = self.H * self.K, self.HV * self.K
+        self.g_shape = (self.HV,) if self.gdn else (self.H, self.K)
         self.pools = client.map_pools()
         self.np_act = specstate.dtypes.numpy_dtype(self.act)
         tmax = self.R * self.Q
-        self.proj_stride = 3 * self.HK + self.H
+        self.proj_stride = 2 * self.HK + self.HVK + self.HV
         item = self.np_act.itemsize
-        nbytes = self.L * tmax * (self.proj_stride + 2 * self.HK) * item + (1 << 16)
+        g_width = int(np.prod(self.g_shape))
+        nbytes = self.L * tmax * (self.proj_stride + g_width + self.HVK) * item + (1 << 16)
         self.buf = specstate.SharedBuffer(nbytes)
         session.register(self.buf, "acts")
         self.proj = [self.buf.zeros((tmax, self.proj_stride), self.np_act) for _ in range(self.L)]
-        self.g = [self.buf.zeros((tmax, self.H, self.K), self.np_act) for _ in range(self.L)]
-        self.o = [self.buf.zeros((tmax, self.H, self.K), self.np_act) for _ in range(self.L)]
+        self.g = [self.buf.zeros((tmax,) + self.g_shape, self.np_act) for _ in range(self.L)]
+        self.o = [self.buf.zeros((tmax, self.HV, self.K), self.np_act) for _ in range(self.L)]
         self.meta = specstate.SharedBuffer(1 << 16)
         session.register(self.meta, "meta")
-        self.a_log = [self.rng.uniform(-2.0, 0.5, self.H).astype(np.float32)
-                      for _ in range(self.L)]
-        self.dt_bias = [self.rng.uniform(-1.0, 1.0, self.HK).astype(np.float32)
-                        for _ in range(self.L)]
-        for layer in range(self.L):
-            session.load_layer_params(layer, self.a_log[layer], self.dt_bias[layer])
+        self.a_log: List[Optional[np.ndarray]] = [None] * self.L
+        self.dt_bias: List[Optional[np.ndarray]] = [None] * self.L
+        if not self.gdn:  # GDN's g arrives as the model computed it: nothing to load
+            self.a_log = [self.rng.uniform(-2.0, 0.5, self.H).astype(np.float32)
+                          for _ in range(self.L)]
+            self.dt_bias = [self.rng.uniform(-1.0, 1.0, self.HK).astype(np.float32)
+                            for _ in range(self.L)]
+            for layer in range(self.L):
+                session.load_layer_params(layer, self.a_log[layer], self.dt_bias[layer])
         self.width = 3 + (2 * self.bs + 8 * self.Q) // self.bs if self.align else 1
         self.free = list(range(lo.num_blocks - 1, 0, -1))
         self.tables: List[List[int]] = []
@@ -107,6 +125,45 @@ class Harness:
         for i in range(self.R):
             self.start_request(i)
 
+    # ---- activations and the reference ----
+
+    def split(self, proj: np.ndarray) -> Dict[str, np.ndarray]:
+        """q, k [T, H, K], v [T, HV, V] and beta [T, HV]: views of projection rows [T, stride]."""
+        T, H, HV, K, HK, HVK = proj.shape[0], self.H, self.HV, self.K, self.HK, self.HVK
+        return dict(q=proj[:, :HK].reshape(T, H, K), k=proj[:, HK:2 * HK].reshape(T, H, K),
+                    v=proj[:, 2 * HK:2 * HK + HVK].reshape(T, HV, K), beta=proj[:, 2 * HK + HVK:])
+
+    def inputs(self, layer: int, a: int, b: int) -> Dict[str, np.ndarray]:
+        """Views of layer `layer`'s Verify inputs (q, k, v, beta, g) for tokens [a, b)."""
+        x = self.split(self.proj[layer][a:b])
+        x["g"] = self.g[layer][a:b]
+        return x
+
+    def fill_inputs(self, layer: int, T: int) -> None:
+        """Fresh random inputs (never zeros) for the first T tokens of `layer`: q, k,
+        v in [-1, 1]; KDA's beta a logit in [-3, 3] and g in [-3, 1]; GDN's beta a
+        write strength in (0, 1) and g a log-decay in (-2, 0), as its gating gives them."""
+        proj = self.rng.uniform(-1, 1, (T, self.proj_stride))
+        beta = proj[:, 2 * self.HK + self.HVK:]
+        if self.gdn:
+            beta[...] = self.rng.uniform(0.05, 0.95, beta.shape)
+            g = self.rng.uniform(-2.0, -0.05, (T,) + self.g_shape)
+        else:
+            beta[...] = self.rng.uniform(-3, 3, beta.shape)
+            g = self.rng.uniform(-3, 1, (T,) + self.g_shape)
+        self.proj[layer][:T] = act_values(proj, self.act)
+        self.g[layer][:T] = act_values(g, self.act)
+
+    def reference(self, layer: int, state: np.ndarray, x: Dict[str, np.ndarray]):
+        """(outputs [T, HV, V], state after the tokens) of inputs `x` (as inputs()
+        gives them, decoded here) from `state`, by the float64 reference."""
+        f = {n: act_float(a, self.act) for n, a in x.items()}
+        if self.gdn:
+            return ref.gdn_tokens(state, f["q"], f["k"], f["v"], f["g"], f["beta"])
+        return ref.kda_tokens(state, f["q"], f["k"], f["v"], f["g"], f["beta"], self.a_log[layer],
+                              self.dt_bias[layer], self.lo.lower_bound,
+                              plain_gate=self.plain_gate)
+
     # ---- bound inputs ----
 
     def bind(self) -> None:
@@ -117,7 +174,7 @@ class Harness:
         without (their bound Verify uses the step's copy)."""
         if self.bound_qsl is not None:
             return
-        H, K, HK, tmax, rows = self.H, self.K, self.HK, self.R * self.Q, self.lo.max_rows
+        tmax, rows = self.R * self.Q, self.lo.max_rows
         self.t.assertLessEqual(self.R, rows)
         self.bound_qsl = self.meta.ndarray((rows + 1,), np.int32, 40960)
         self.bound_idx = self.meta.ndarray((rows, 2), np.int32, 45056)
@@ -125,13 +182,9 @@ class Harness:
         self.bound_qsl[...] = -9
         self.bound_idx[...] = -9
         for layer in range(self.L):
-            proj = self.proj[layer]
             indices = layer % 2 == 0
             r = self.session.bind_verify_inputs(
-                layer, q=proj[:, :HK].reshape(tmax, H, K),
-                k=proj[:, HK:2 * HK].reshape(tmax, H, K),
-                v=proj[:, 2 * HK:3 * HK].reshape(tmax, H, K), beta=proj[:, 3 * HK:],
-                g=self.g[layer], o=self.o[layer],
+                layer, **self.inputs(layer, 0, tmax), o=self.o[layer],
                 query_start_loc=self.bound_qsl if indices else None,
                 state_indices=self.bound_idx if indices else None)
             self.t.assertEqual(r.max_tokens, tmax)
@@ -155,7 +208,7 @@ class Harness:
             self.windows.append([None] * self.L)
         block = self.checkpoint(i)
         for layer in range(self.L):
-            s = self.rng.uniform(-0.5, 0.5, (self.H, self.K, self.K)).astype(np.float32)
+            s = self.rng.uniform(-0.5, 0.5, (self.HV, self.K, self.K)).astype(np.float32)
             self.pools.recurrent(layer)[block] = s
             self.states[i][layer] = s.astype(np.float64)
             hist = act_values(self.rng.uniform(-1, 1, (self.D, self.hl)), self.act)
@@ -171,7 +224,7 @@ class Harness:
              bound: bool = False) -> Dict[str, object]:
         """One decode step; `full`: every row verifies Q tokens and accepts them all;
         `bound`: Verify through the layers' bindings (bind() on the first such step)."""
-        R, Q, H, K, HK = self.R, self.Q, self.H, self.K, self.HK
+        R, Q = self.R, self.Q
         tokens = [Q if full else int(self.rng.integers(1, Q + 1)) for _ in range(R)]
         accepted = [t if full else int(self.rng.integers(1, t + 1)) for t in tokens]
         qsl = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int32)
@@ -187,10 +240,7 @@ class Harness:
 
         # Activations (q | k | v | beta per token: column slices of one projection), g, o.
         for layer in range(self.L):
-            proj = self.rng.uniform(-1, 1, (T, self.proj_stride))
-            proj[:, 3 * HK:] = self.rng.uniform(-3, 3, (T, H))
-            self.proj[layer][:T] = act_values(proj, self.act)
-            self.g[layer][:T] = act_values(self.rng.uniform(-3, 1, (T, H, K)), self.act)
+            self.fill_inputs(layer, T)
             poison(self.o[layer])
 
         # The conv update on the exported pool (SEMANTICS.md, the contract):
@@ -227,14 +277,10 @@ class Harness:
                 self.session.verify_bound(step, layer, num_tokens=T,
                                           num_rows=R if layer == 0 or s % 2 == 0 else None)
                 continue
-            proj = self.proj[layer][:T]
             # Later layers may rely on the step's copy.
             give = not bound and (layer == 0 or s % 2 == 0)
             self.session.verify(
-                step, layer,
-                q=proj[:, :HK].reshape(T, H, K), k=proj[:, HK:2 * HK].reshape(T, H, K),
-                v=proj[:, 2 * HK:3 * HK].reshape(T, H, K), beta=proj[:, 3 * HK:],
-                g=self.g[layer][:T], o=self.o[layer][:T],
+                step, layer, **self.inputs(layer, 0, T), o=self.o[layer][:T],
                 query_start_loc=qsl_arg if give else None,
                 state_indices=idx_arg if give else None,
                 num_rows=None if give or bound else R)
@@ -245,8 +291,6 @@ class Harness:
             # Tokens past T keep the poison (a binding's capacity is not written).
             self.t.assertTrue(np.all(self.o[layer][T:].view(np.uint8) == 0xFF),
                               f"step {s}, layer {layer}: outputs past token {T}")
-            proj = act_float(self.proj[layer][:T], self.act)
-            g = act_float(self.g[layer][:T], self.act)
             o = act_float(self.o[layer][:T], self.act)
             for i in range(R):
                 a, b = int(qsl[i]), int(qsl[i + 1])
@@ -254,11 +298,7 @@ class Harness:
                     self.t.assertTrue(np.all(self.o[layer][a:b].view(np.uint8) == 0xFF),
                                       f"step {s}: null row {i} got outputs")
                     continue
-                want, _ = ref.kda_tokens(
-                    self.states[i][layer], proj[a:b, :HK].reshape(-1, H, K),
-                    proj[a:b, HK:2 * HK].reshape(-1, H, K),
-                    proj[a:b, 2 * HK:3 * HK].reshape(-1, H, K), g[a:b], proj[a:b, 3 * HK:],
-                    self.a_log[layer], self.dt_bias[layer], self.lo.lower_bound)
+                want, _ = self.reference(layer, self.states[i][layer], self.inputs(layer, a, b))
                 err = ref.rel_err(o[a:b], want)
                 out_errors.append(err)
                 self.t.assertLess(err, OUT_TOL[self.act],
@@ -321,15 +361,9 @@ class Harness:
             else:
                 commit_len, final, boundary, boundary_len = acc, checkpoint[i], None, 0
             for layer in range(self.L):
-                proj = act_float(self.proj[layer][a:a + tokens[i]], self.act)
-                g = act_float(self.g[layer][a:a + tokens[i]], self.act)
-
                 def run(n: int) -> np.ndarray:
-                    _, st = ref.kda_tokens(
-                        self.states[i][layer], proj[:n, :HK].reshape(-1, H, K),
-                        proj[:n, HK:2 * HK].reshape(-1, H, K),
-                        proj[:n, 2 * HK:3 * HK].reshape(-1, H, K), g[:n], proj[:n, 3 * HK:],
-                        self.a_log[layer], self.dt_bias[layer], self.lo.lower_bound)
+                    _, st = self.reference(layer, self.states[i][layer],
+                                           self.inputs(layer, a, a + n))
                     return st
 
                 want = run(commit_len)
@@ -388,7 +422,7 @@ class NoneModeBf16Test(_ServerTest):
             stats = client.stats()
             self.assertEqual(stats.steps_committed, 5)
             self.assertEqual(stats.steps_failed, 0)
-            print(f"bf16 none: {report}", file=sys.stderr)
+            print(f"bf16 none, {pb.LayerKind.Name(h.lo.layer_kind)}: {report}", file=sys.stderr)
 
 
 class NoneModeFp32Test(_ServerTest):
@@ -412,47 +446,33 @@ class NoneModeFp32Test(_ServerTest):
             h = Harness(self, client, session, requests=2, seed=3)
             bells = h.meta.ndarray((4,), np.uint32, 32768)
             bells[...] = 0
-            R, Q, H, K, HK = h.R, h.Q, h.H, h.K, h.HK
+            R, Q = h.R, h.Q
             tokens = [Q, 2]
             qsl = [0, tokens[0], tokens[0] + tokens[1]]
             T = qsl[-1]
             step = session.next_step()
             for layer in range(h.L):
-                proj = h.proj[layer][:T]
                 r = session.verify(
-                    step, layer, q=proj[:, :HK].reshape(T, H, K),
-                    k=proj[:, HK:2 * HK].reshape(T, H, K), v=proj[:, 2 * HK:3 * HK].reshape(T, H, K),
-                    beta=proj[:, 3 * HK:], g=h.g[layer][:T], o=h.o[layer][:T],
+                    step, layer, **h.inputs(layer, 0, T), o=h.o[layer][:T],
                     query_start_loc=qsl, state_indices=[h.checkpoint(0), h.checkpoint(1)],
                     wait=session.doorbell(bells[0:1], 1),
                     signal=session.doorbell(bells[1:2], 7) if layer == h.L - 1 else None)
                 self.assertTrue(r.enqueued)
             # The inputs appear only now; then the doorbell rings.
             for layer in range(h.L):
-                h.proj[layer][:T] = act_values(h.rng.uniform(-1, 1, (T, h.proj_stride)), h.act)
-                h.g[layer][:T] = act_values(h.rng.uniform(-3, 1, (T, H, K)), h.act)
+                h.fill_inputs(layer, T)
             specstate.ring(bells[0:1], 1)
             specstate.wait_counter(bells[1:2], 7, timeout=30)
             for layer in range(h.L):
-                proj = h.proj[layer][:T].astype(np.float64)
                 for i in range(R):
                     a, b = qsl[i], qsl[i + 1]
-                    want, _ = ref.kda_tokens(
-                        h.states[i][layer], proj[a:b, :HK].reshape(-1, H, K),
-                        proj[a:b, HK:2 * HK].reshape(-1, H, K),
-                        proj[a:b, 2 * HK:3 * HK].reshape(-1, H, K), h.g[layer][a:b],
-                        proj[a:b, 3 * HK:], h.a_log[layer], h.dt_bias[layer], h.lo.lower_bound)
+                    want, _ = h.reference(layer, h.states[i][layer], h.inputs(layer, a, b))
                     self.assertLess(ref.rel_err(h.o[layer][a:b], want), 1e-5)
             r = session.commit(step, [2, 1], signal=session.doorbell(bells[2:3], 9))
             self.assertTrue(r.enqueued)
             specstate.wait_counter(bells[2:3], 9, timeout=30)
             for layer in range(h.L):
-                proj = h.proj[layer][:T].astype(np.float64)
-                _, want = ref.kda_tokens(
-                    h.states[0][layer], proj[:2, :HK].reshape(-1, H, K),
-                    proj[:2, HK:2 * HK].reshape(-1, H, K), proj[:2, 2 * HK:3 * HK].reshape(-1, H, K),
-                    h.g[layer][:2], proj[:2, 3 * HK:], h.a_log[layer], h.dt_bias[layer],
-                    h.lo.lower_bound)
+                _, want = h.reference(layer, h.states[0][layer], h.inputs(layer, 0, 2))
                 self.assertLess(ref.rel_err(h.pools.recurrent(layer)[h.checkpoint(0)], want), 1e-5)
             h.close()
 
@@ -479,14 +499,9 @@ class NoneModeFp32Test(_ServerTest):
             self.assertEqual(cm.exception.code, grpc.StatusCode.OUT_OF_RANGE,
                              cm.exception.message)
             # Index values inline: refused before the call (they could not change).
-            tmax, HK = h.R * h.Q, h.HK
             with self.assertRaises(specstate.SpecStateError) as cm:
-                session.bind_verify_inputs(
-                    0, q=h.proj[0][:, :HK].reshape(tmax, h.H, h.K),
-                    k=h.proj[0][:, HK:2 * HK].reshape(tmax, h.H, h.K),
-                    v=h.proj[0][:, 2 * HK:3 * HK].reshape(tmax, h.H, h.K),
-                    beta=h.proj[0][:, 3 * HK:], g=h.g[0], o=h.o[0],
-                    query_start_loc=[0, 1], state_indices=[1])
+                session.bind_verify_inputs(0, **h.inputs(0, 0, h.R * h.Q), o=h.o[0],
+                                           query_start_loc=[0, 1], state_indices=[1])
             self.assertEqual(cm.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
             # A binding does not keep its regions.
             session.unregister("meta")
@@ -512,6 +527,68 @@ class AlignModeTest(_ServerTest):
             h.close()
             # mamba_block_size = Q: most steps cross a block boundary before their last token.
             self.assertGreater(boundaries, 0)
+
+
+# The same loops on the other layer kinds. Each class starts its own server;
+# the tests, seeds and tolerances are the KDA classes' (fp32 rounding is the
+# same per operation, and GDN has fewer operations per element).
+
+
+class PlainGateFp32Test(NoneModeFp32Test):
+    """KDA with vLLM's plain gate, exp(-exp(A_log) softplus(g + dt_bias))."""
+
+    FLAGS = dict(NoneModeFp32Test.FLAGS, kda_gate="plain")
+
+    def test_layout_reports_the_plain_gate(self) -> None:
+        with self.server.client() as client:
+            lo = client.layout()
+            self.assertEqual((lo.layer_kind, lo.kda_gate), (pb.KDA, pb.PLAIN_GATE))
+
+
+class GatedDeltaNetFp32Test(NoneModeFp32Test):
+    """Gated DeltaNet, 2 key heads and 4 value heads: the fp32 loop, async
+    doorbells and bound inputs (inherited), and what the layout says."""
+
+    FLAGS = dict(NoneModeFp32Test.FLAGS, **GDN)
+
+    def test_layout_and_pool_shapes(self) -> None:
+        with self.server.client() as client:
+            lo = client.layout()
+            self.assertEqual(lo.layer_kind, pb.GDN)
+            self.assertEqual((lo.num_heads, lo.num_value_heads, lo.head_dim), (2, 4, 64))
+            HV, K = lo.num_value_heads, lo.head_dim
+            self.assertEqual(lo.state_block_bytes, HV * K * K * 4)  # fp32 [HV, V, K]
+            pools = client.map_pools()
+            try:
+                for layer in range(lo.num_layers):
+                    self.assertEqual(pools.recurrent(layer).shape, (lo.num_blocks, HV, K, K))
+                    self.assertEqual(pools.conv(layer).shape,
+                                     (lo.num_blocks, lo.conv_dim, lo.conv_width))
+            finally:
+                pools.close()
+
+    def test_gate_parameters_are_refused(self) -> None:
+        """GDN's g is the log-decay as the model computed it: no A_log or dt_bias."""
+        rng = np.random.default_rng(6)
+        with self.server.client() as client, client.session("e2e-gdn", drive=True) as session:
+            lo = client.layout()
+            with self.assertRaises(specstate.SpecStateError) as cm:
+                session.load_layer_params(
+                    0, rng.uniform(-2.0, 0.5, lo.num_heads).astype(np.float32),
+                    rng.uniform(-1.0, 1.0, lo.num_heads * lo.head_dim).astype(np.float32))
+            self.assertEqual(cm.exception.code, grpc.StatusCode.FAILED_PRECONDITION,
+                             cm.exception.message)
+            self.assertIn("no gate parameters", cm.exception.message)
+
+
+class GatedDeltaNetBf16Test(NoneModeBf16Test):
+    FLAGS = dict(NoneModeBf16Test.FLAGS, **GDN)
+
+
+class GatedDeltaNetAlignModeTest(AlignModeTest):
+    """Align mode (boundary states, RecordStateBlocks) on Gated DeltaNet."""
+
+    FLAGS = dict(AlignModeTest.FLAGS, **GDN)
 
 
 if __name__ == "__main__":

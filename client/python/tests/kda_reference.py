@@ -1,6 +1,7 @@
-"""An independent float64 reference of the KDA recurrence and the commit rules,
-written plainly from SEMANTICS.md (shared/reference/SEMANTICS.md). It uses no
-code of the package or the service.
+"""An independent float64 reference of the KDA and Gated DeltaNet recurrences
+and the commit rules, written plainly from SEMANTICS.md
+(shared/reference/SEMANTICS.md) and docs/semantics.md (GDN, KDA's plain
+gate). It uses no code of the package or the service.
 """
 from __future__ import annotations
 
@@ -15,12 +16,35 @@ def bf16_bits_to_float(bits: np.ndarray) -> np.ndarray:
         np.float64)
 
 
+def delta_step(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, decay,
+               strength: float) -> np.ndarray:
+    """One token of one value head, the step both kinds share (docs/semantics.md).
+
+    S [V, K] float64, updated in place; q, k [K] raw (normalized here); v [V];
+    `decay` [K] (KDA, per column) or a scalar (GDN, the whole row); `strength`
+    the write strength (sigmoid(beta) for KDA, beta as given for GDN).
+    Returns o [V].
+    """
+    K = q.shape[0]
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    q = q / np.sqrt(np.sum(q * q) + 1e-6) * K ** -0.5
+    k = k / np.sqrt(np.sum(k * k) + 1e-6)
+    S *= np.broadcast_to(np.asarray(decay, dtype=np.float64), (K,))[None, :]
+    u = (np.asarray(v, dtype=np.float64) - S @ k) * strength
+    S += np.outer(u, k)
+    return S @ q
+
+
 def kda_tokens(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
                beta: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray,
-               lower_bound: float) -> Tuple[np.ndarray, np.ndarray]:
-    """Runs tokens through the per-token step of SEMANTICS.md.
+               lower_bound: float, plain_gate: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+    """Runs KDA tokens through the per-token step of SEMANTICS.md.
 
     state [H, V, K]; q, k, v, g [T, H, K]; beta [T, H]; a_log [H]; dt_bias [H*K].
+    The safe gate: decay = exp(lower_bound * sigmoid(exp(a_log) (g + dt_bias)));
+    `plain_gate` (vLLM's): decay = exp(-exp(a_log) softplus(g + dt_bias)),
+    softplus linear past 20.
     Returns (outputs [T, H, V], state after the last token), float64.
     """
     S = np.array(state, dtype=np.float64)
@@ -28,19 +52,38 @@ def kda_tokens(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g
     out = np.zeros((T, H, K), dtype=np.float64)
     for t in range(T):
         for h in range(H):
-            qt = np.asarray(q[t, h], dtype=np.float64)
-            kt = np.asarray(k[t, h], dtype=np.float64)
-            qt = qt / np.sqrt(np.sum(qt * qt) + 1e-6)
-            kt = kt / np.sqrt(np.sum(kt * kt) + 1e-6)
-            qt = qt * K ** -0.5
             a = np.exp(float(a_log[h]))
-            gate_in = a * (np.asarray(g[t, h], dtype=np.float64) + dt_bias[h * K:(h + 1) * K])
-            gamma = lower_bound / (1.0 + np.exp(-gate_in))
-            S[h] = S[h] * np.exp(gamma)[None, :]
+            x = np.asarray(g[t, h], dtype=np.float64) + dt_bias[h * K:(h + 1) * K]
+            if plain_gate:
+                softplus = np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+                decay = np.exp(-a * softplus)
+            else:
+                decay = np.exp(lower_bound / (1.0 + np.exp(-(a * x))))
             sig_beta = 1.0 / (1.0 + np.exp(-float(beta[t, h])))
-            u = (np.asarray(v[t, h], dtype=np.float64) - S[h] @ kt) * sig_beta
-            S[h] = S[h] + np.outer(u, kt)
-            out[t, h] = S[h] @ qt
+            out[t, h] = delta_step(S[h], q[t, h], k[t, h], v[t, h], decay, sig_beta)
+    return out, S
+
+
+def gdn_tokens(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+               beta: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Runs Gated DeltaNet tokens (Qwen3-Next) through the per-token step.
+
+    state [HV, V, K]; q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV] as the
+    model computed them (log-decay and write strength). Value head hv reads
+    key head hv // (HV // H) and decays its whole state by exp(g[hv]).
+    Returns (outputs [T, HV, V], state after the last token), float64.
+    """
+    S = np.array(state, dtype=np.float64)
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    assert HV % H == 0 and S.shape == (HV, V, K), (S.shape, q.shape, v.shape)
+    assert g.shape == (T, HV) and beta.shape == (T, HV), (g.shape, beta.shape)
+    out = np.zeros((T, HV, V), dtype=np.float64)
+    for t in range(T):
+        for hv in range(HV):
+            h = hv // (HV // H)
+            out[t, hv] = delta_step(S[hv], q[t, h], k[t, h], v[t, hv], np.exp(float(g[t, hv])),
+                                    float(beta[t, hv]))
     return out, S
 
 
