@@ -88,6 +88,9 @@ int Health(Client& c) {
   if (!service.ok()) return Fail(service.status());
   std::printf("%s: %s (specstate.v1.SpecState: %s)\n", c.address().c_str(), all->c_str(),
               service->c_str());
+  if (absl::StatusOr<v1::Stats> s = c.GetStats(); s.ok()) {
+    for (const std::string& warning : s->warnings()) std::printf("WARNING: %s\n", warning.c_str());
+  }
   return *all == "SERVING" ? 0 : 1;
 }
 
@@ -122,6 +125,9 @@ int Layout(Client& c) {
                                    : "",
       l->lower_bound(), l->state_block_bytes(), l->conv_block_bytes(), l->pool_bytes(),
       l->record_bytes());
+  if (l->backend() == v1::CUDA) {
+    std::printf("mps client       %s\n", l->mps_client() ? "yes" : "NO (see `stats`)");
+  }
   return 0;
 }
 
@@ -190,6 +196,8 @@ int Stats(Client& c) {
       static_cast<unsigned long long>(s->tokens_verified()),
       static_cast<unsigned long long>(s->tokens_committed()),
       static_cast<unsigned long long>(s->state_bytes_saved()));
+  std::printf("health: %s\n", s->health().c_str());
+  for (const std::string& warning : s->warnings()) std::printf("WARNING: %s\n", warning.c_str());
   std::printf("%-20s %8s %8s %10s %10s\n", "rpc", "calls", "errors", "p50 us", "p99 us");
   for (const v1::RpcStats& r : s->rpcs()) {
     uint64_t errors = 0;

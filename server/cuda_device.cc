@@ -171,6 +171,7 @@ class CudaDevice final : public Device {
   }
 
   kernels::Backend kind() const override { return kernels::Backend::kCuda; }
+  bool mps_client() const override { return mps_client_; }
   int ordinal() const override { return ordinal_; }
   const kernels::KdaKernels& kernels() const override { return kernels_; }
 
@@ -588,6 +589,10 @@ class CudaDevice final : public Device {
           "(specstated sets it itself; an embedding process must call "
           "kernels::UseEagerCudaModuleLoading() before its first CUDA call)");
     }
+    int mps = 0;
+    SPECSTATE_CUDA_RETURN(cudaDeviceGetAttribute(&mps, cudaDevAttrMpsEnabled, ordinal_),
+                          "cudaDeviceGetAttribute(cudaDevAttrMpsEnabled)");
+    mps_client_ = mps != 0;
     reaper_ = std::thread([this] { Reap(); });
     submitter_ = std::thread([this] { SubmitLoop(); });
     return absl::OkStatus();
@@ -728,6 +733,7 @@ class CudaDevice final : public Device {
   }
 
   const int ordinal_;
+  bool mps_client_ = false;  // set by Init()
   const kernels::KdaKernels& kernels_;
   cudaStream_t stream_ = nullptr;
   cudaStream_t side_stream_ = nullptr;

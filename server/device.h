@@ -130,6 +130,8 @@ class Device {
   virtual ~Device() = default;
 
   virtual kernels::Backend kind() const = 0;
+  // Whether the device's contexts are shared through MPS (CUDA; false on the CPU).
+  virtual bool mps_client() const { return false; }
   virtual int ordinal() const = 0;
   virtual const kernels::KdaKernels& kernels() const = 0;
 

@@ -45,6 +45,7 @@ absl::Status Engine::Allocate() {
 
   layout_.set_backend(device_->kind() == kernels::Backend::kCuda ? v1::CUDA : v1::CPU);
   layout_.set_device(device_->ordinal());
+  layout_.set_mps_client(device_->mps_client());
   layout_.set_conv_width(sizes_.conv_width);
   layout_.set_state_block_bytes(sizes_.state_block_bytes);
   layout_.set_conv_block_bytes(sizes_.conv_block_bytes);
@@ -1079,6 +1080,17 @@ std::string Engine::HealthProblem() const {
                         absl::FormatDuration(limit), " (stuck_stream_ms)");
   }
   return "";
+}
+
+std::vector<std::string> Engine::Warnings() const {
+  std::vector<std::string> warnings;
+  if (device_->kind() == kernels::Backend::kCuda && !device_->mps_client()) {
+    warnings.push_back(
+        "not an MPS client: the GPU time-slices this service's and the scheduler's contexts "
+        "(5.3x the in-process step time at N=1); run both under one MPS server "
+        "(nvidia-cuda-mps-control -d, the same CUDA_MPS_PIPE_DIRECTORY in both)");
+  }
+  return warnings;
 }
 
 EngineCounters Engine::counters() const {

@@ -99,6 +99,9 @@ class Engine {
   // sticky device error, or the device's queue stuck on one piece of work
   // for longer than ServiceConfig.stuck_stream_ms.
   std::string HealthProblem() const;
+  // What should be fixed though the service serves (Stats.warnings): on
+  // CUDA, not running as an MPS client.
+  std::vector<std::string> Warnings() const;
 
   // The most Verify calls one SubmitStep may carry: 4 per layer (a step
   // verifies each layer once; the rest is room for retries).

@@ -360,6 +360,15 @@ int Run() {
       v1::DType_Name(l.activation_dtype()).c_str(), v1::DType_Name(l.state_dtype()).c_str(),
       v1::CacheMode_Name(l.cache_mode()).c_str());
   std::fflush(stdout);
+  if (l.backend() == v1::CUDA) {
+    if (l.mps_client()) {
+      LogInfo(absl::StrCat("device ", l.device(), ": an MPS client (its context is shared through "
+                           "the MPS server; the scheduler must be a client of the same server)"));
+    }
+    for (const std::string& warning : (*engine)->Warnings()) {
+      LogError(absl::StrCat("WARNING: device ", l.device(), ": ", warning));
+    }
+  }
 
   // Health that means something: NOT_SERVING on a sticky device error or a
   // stuck queue (Engine::HealthProblem), polled a few times a second.

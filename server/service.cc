@@ -111,6 +111,7 @@ grpc::ServerUnaryReactor* SpecStateService::GetStats(grpc::CallbackServerContext
   response->set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
   const std::string problem = engine_->HealthProblem();
   response->set_health(problem.empty() ? "SERVING" : absl::StrCat("NOT_SERVING: ", problem));
+  for (std::string& warning : engine_->Warnings()) response->add_warnings(std::move(warning));
   stats_.ToProto(response);
   Finish(reactor, "GetStats", start, absl::OkStatus());
   return reactor;

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <csignal>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -150,6 +151,29 @@ TEST_F(GpuServiceTest, KilledSchedulersWaitingCommitNeverRuns) {
   const testing::ProcessResult after = Simulate({"--steps=4", "--requests=3", "--seed=9"});
   EXPECT_EQ(after.exit_code, 0) << after.output;
   EXPECT_THAT(after.output, HasSubstr("verdict: PASS"));
+}
+
+// Whether the service is an MPS client is in the layout, in the log at start
+// and, when it is not, as a warning in GetStats. (run_suite.sh runs this
+// without MPS, tools/gpu/diagnose.sh ... mps under it.)
+TEST_F(GpuServiceTest, MpsClientIsReportedAndItsAbsenceWarnedAbout) {
+  Start({});
+  auto c = client::Client::Connect(server_->address()).value();
+  const v1::Layout layout = c->GetLayout().value();
+  const v1::Stats stats = c->GetStats().value();
+  EXPECT_EQ(stats.health(), "SERVING");  // slow is not broken
+  const bool under_mps = std::getenv("CUDA_MPS_PIPE_DIRECTORY") != nullptr &&
+                         std::getenv("SPECSTATE_EXPECT_MPS") != nullptr;
+  if (under_mps) EXPECT_TRUE(layout.mps_client());
+  if (layout.mps_client()) {
+    EXPECT_EQ(stats.warnings_size(), 0);
+    EXPECT_THAT(server_->Log(), HasSubstr("an MPS client"));
+  } else {
+    ASSERT_EQ(stats.warnings_size(), 1);
+    EXPECT_THAT(stats.warnings(0), HasSubstr("not an MPS client"));
+    EXPECT_THAT(server_->Log(), HasSubstr("WARNING: device 0: not an MPS client"));
+  }
+  std::printf("mps_client: %s\n", layout.mps_client() ? "yes" : "no");
 }
 
 // Health on the CUDA backend: a stream stuck on a doorbell for longer than

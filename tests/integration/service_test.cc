@@ -967,6 +967,9 @@ TEST_F(ServiceTest, StatsCountTheSteps) {
   EXPECT_EQ(stats.tokens_verified(), 6u);
   EXPECT_EQ(stats.tokens_committed(), 3u);
   EXPECT_THAT(stats.driver(), HasSubstr("test scheduler"));
+  EXPECT_EQ(stats.health(), "SERVING");
+  EXPECT_EQ(stats.warnings_size(), 0);  // MPS is the CUDA backend's concern
+  EXPECT_FALSE(ValueOrDie(client_->GetLayout()).mps_client());
   bool saw_verify = false;
   for (const v1::RpcStats& r : stats.rpcs()) {
     if (r.method() == "Verify") {
