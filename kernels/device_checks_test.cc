@@ -309,7 +309,7 @@ TEST_P(DeviceCheckTest, Commit) {
                              " while row 0 writes it in the same call");
        },
        absl::StatusCode::kInvalidArgument},
-      // Not in SEMANTICS.md's list: the final column, capped at the table's
+      // Not in docs/semantics.md's list: the final column, capped at the table's
       // width, is the boundary column (the reference would store both
       // states there, the final one last). The kernels reject it.
       {"boundary and final state in one block",

@@ -2,8 +2,7 @@
 //
 // Every pointer is in the backend's memory: device memory for the CUDA
 // backend, host memory for the CPU backend. Strides count elements. See
-// ../shared/reference/SEMANTICS.md (docs/semantics.md in this repository
-// summarizes it) for what each kernel computes.
+// docs/semantics.md for what each kernel computes.
 #ifndef SPECSTATE_KERNELS_KDA_ARGS_H_
 #define SPECSTATE_KERNELS_KDA_ARGS_H_
 
@@ -232,7 +231,7 @@ struct CommitArgs {
   DeviceStatus* status_mirror = nullptr;
 };
 
-// One spec row's commit plan (SEMANTICS.md, Commit step 1), as the commit
+// One spec row's commit plan (docs/semantics.md, Commit step 1), as the commit
 // leaves it in its workspace (see CommitPlanOf()).
 struct CommitPlanRow {
   int32_t source;

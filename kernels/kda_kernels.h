@@ -5,8 +5,8 @@
 // bound before anything runs. Then it enqueues the call on `stream`
 // (cudaStream_t on CUDA; the CPU backend runs on the calling thread) and
 // returns without synchronizing. The first thing each call does on the device
-// is check every value that lives in device memory (SEMANTICS.md, "What the
-// device checks"); if one fails, no kernel of the call writes anything and
+// is check every value that lives in device memory (docs/semantics.md,
+// "Checks before anything is written"); if one fails, no kernel of the call writes anything and
 // `args.status` says which field and row failed. Read it after the stream
 // reaches the call and convert it with DeviceStatusToStatus().
 //

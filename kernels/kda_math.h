@@ -16,7 +16,7 @@
 //
 // TokenStep() is exactly that, for one or several rows of a lane (their
 // inputs loaded once). Bit identity between the stock kernel, verify
-// and replay (SEMANTICS.md) holds because all three run these functions with
+// and replay (docs/semantics.md) holds because all three run these functions with
 // the same lane layout and reduction; never duplicate this arithmetic.
 #ifndef SPECSTATE_KERNELS_KDA_MATH_H_
 #define SPECSTATE_KERNELS_KDA_MATH_H_

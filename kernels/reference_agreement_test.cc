@@ -1,6 +1,6 @@
 // The kernels against the float64 reference in //tests/reference, on every
 // backend, within Tolerance(): fp32 arithmetic, and one rounding of what is
-// stored (SEMANTICS.md). Stock, verify and commit on every layout of
+// stored (docs/semantics.md). Stock, verify and commit on every layout of
 // kConfigs, the reference's own 16-bit conversions against the kernels', and
 // the CUDA backend against the CPU backend on the same inputs.
 #include <cmath>

@@ -233,7 +233,7 @@ void RunStockLayer(const StockLayerWork& w, int num_rows, RowOf row_of) {
 // ---------------------------------------------------------------------------
 // Commit pieces.
 
-// SEMANTICS.md, Commit step 2, for one row of one layer.
+// docs/semantics.md, Commit step 2, for one row of one layer.
 template <typename Act>
 void CompactConvRow(const ConvPool& c, int history_len, const CommitPlanRow& p, bool align,
                     std::vector<Act>* scratch) {

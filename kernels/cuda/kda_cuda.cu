@@ -642,7 +642,7 @@ __global__ void __launch_bounds__(kCheckThreads) CommitPlanKernel(const CommitAr
   PublishStatus(a.status, a.status_mirror);
 }
 
-// SEMANTICS.md, Commit step 2: one thread per (layer, row, conv channel) reads
+// docs/semantics.md, Commit step 2: one thread per (layer, row, conv channel) reads
 // the row's windows into registers before it writes them (the final or
 // boundary block may be the source).
 template <typename Act>

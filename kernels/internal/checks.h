@@ -1,6 +1,6 @@
 // The per-row device checks and the commit plan, shared by the CPU and CUDA
 // backends so that both accept, reject and plan exactly alike
-// (SEMANTICS.md: "What the device checks before anything is written").
+// (docs/semantics.md, "Checks before anything is written").
 //
 // Each Check*/Plan* function looks at one row, reads only what that row
 // uses, and returns the first fault it finds. The backends run them over all
@@ -354,7 +354,7 @@ SPECSTATE_HD RowFault PlanCommitRow(const CommitArgs& a, int64_t num_blocks, int
   return NoFault();
 }
 
-// Column `col` (0..Q) of the row's replay indices (SEMANTICS.md, Commit step 3).
+// Column `col` (0..Q) of the row's replay indices (docs/semantics.md, Commit step 3).
 SPECSTATE_HD int32_t ReplayIndex(const CommitPlanRow& p, int q, int col) {
   if (!CommitsAnything(p)) return kNullBlock;
   if (col == q) return p.source;

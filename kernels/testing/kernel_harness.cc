@@ -582,7 +582,7 @@ void KdaKernelsTest::MakeLayer(Step* sp) {
   L.pool = Upload(pool);
 
   // Conv pool: random everywhere; each checkpoint's block as the scheduler's
-  // conv update leaves it (SEMANTICS.md, Commit step 2): history h_1 .. h_hl
+  // conv update leaves it (docs/semantics.md, Commit step 2): history h_1 .. h_hl
   // and the step's tokens x_0 .. x_{T-1}, from column 0: h_2 .. h_hl, x_0 ...
   const int hl = s.history();
   std::vector<uint8_t> conv = RandomElements(act, s.num_blocks * s.conv_block_stride, 1.0f);
@@ -749,7 +749,7 @@ void KdaKernelsTest::ExpectCommitMatchesStock(const Step& s, const Snapshot& bef
 // The conv window the next step reads, element by element: after a commit
 // of c tokens the final block's columns [0, hl) hold the last hl entries of
 // h_1 .. h_hl, x_0 .. x_{c-1}; that is the window the stock path reads at
-// offset c - 1 (SEMANTICS.md, Commit step 2). A boundary block holds the
+// offset c - 1 (docs/semantics.md, Commit step 2). A boundary block holds the
 // window after boundary_len tokens. Everything else is unchanged.
 void KdaKernelsTest::ExpectConvMatchesScheduler(const Step& s,
                                                 const std::vector<ref::PlanRow>& plan, int l,

@@ -117,7 +117,7 @@ double RelativeError(const std::vector<double>& got, const std::vector<double>& 
 double ElementwiseError(const std::vector<double>& got, const std::vector<double>& want);
 
 // The bound on ||kernel - reference|| / ||reference|| for a tensor stored in
-// `stored` (SEMANTICS.md: fp32 arithmetic throughout, one rounding on store).
+// `stored` (docs/semantics.md: fp32 arithmetic throughout, one rounding on store).
 //  - The kernels compute in fp32, the reference in float64 from the same
 //    (already rounded) inputs: sums over K <= 256 terms, a few transcendental
 //    functions and Q tokens of recurrence stay within a few fp32 ulps

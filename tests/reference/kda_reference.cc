@@ -161,7 +161,7 @@ double UnitRoundoff(Dtype dtype) {
 namespace {
 
 // One token of value head `hv` (key head h = hv / (HV / H)): the per-token
-// step of SEMANTICS.md on `s` ([V, K]), writing o[v] to `o`. `g` is the
+// step of docs/semantics.md on `s` ([V, K]), writing o[v] to `o`. `g` is the
 // token's gate input (KDA: K columns of key head h; GDN: one value).
 void TokenStep(const Shape& shape, const LayerParams& params, int hv, const double* q_raw,
                const double* k_raw, const double* v, const double* g, double beta, double* s,

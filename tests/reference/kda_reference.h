@@ -1,4 +1,4 @@
-// A float64 reference for the RecoverSSM kernels, straight from SEMANTICS.md.
+// A float64 reference for the RecoverSSM kernels, straight from docs/semantics.md.
 //
 // Independent of //kernels on purpose: its own structs, its own 16-bit float
 // conversions, plain loops in double precision. It models the results, not

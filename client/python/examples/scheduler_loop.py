@@ -7,7 +7,7 @@
         --server=unix:///tmp/x.sock
 
 Per step, for every request row: the scheduler's causal-conv1d update runs in
-place on the row's block of the exported conv pool (SEMANTICS.md's contract:
+place on the row's block of the exported conv pool (docs/semantics.md's contract:
 columns [h_1..h_hl] become [h_2..h_hl, x_0..x_{T-1}]), its output gives q, k, v;
 Verify runs every layer; the "sampler" accepts a prefix of each row's tokens;
 Commit folds the accepted tokens into every layer's state. The shapes come

@@ -243,7 +243,7 @@ class Harness:
             self.fill_inputs(layer, T)
             poison(self.o[layer])
 
-        # The conv update on the exported pool (SEMANTICS.md, the contract):
+        # The conv update on the exported pool (docs/semantics.md, the contract):
         # [h_1..h_hl] -> [h_2..h_hl, x_0..x_{T-1}] from column 0.
         updated: List[List[Optional[np.ndarray]]] = [[None] * self.L for _ in range(R)]
         for i in range(R):

@@ -1,7 +1,5 @@
 """An independent float64 reference of the KDA and Gated DeltaNet recurrences
-and the commit rules, written plainly from SEMANTICS.md
-(shared/reference/SEMANTICS.md) and docs/semantics.md (GDN, KDA's plain
-gate). It uses no code of the package or the service.
+and the commit rules, written plainly from docs/semantics.md. It uses no code of the package or the service.
 """
 from __future__ import annotations
 
@@ -39,7 +37,7 @@ def delta_step(S: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, decay
 def kda_tokens(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
                beta: np.ndarray, a_log: np.ndarray, dt_bias: np.ndarray,
                lower_bound: float, plain_gate: bool = False) -> Tuple[np.ndarray, np.ndarray]:
-    """Runs KDA tokens through the per-token step of SEMANTICS.md.
+    """Runs KDA tokens through the per-token step of docs/semantics.md.
 
     state [H, V, K]; q, k, v, g [T, H, K]; beta [T, H]; a_log [H]; dt_bias [H*K].
     The safe gate: decay = exp(lower_bound * sigmoid(exp(a_log) (g + dt_bias)));
@@ -88,7 +86,7 @@ def gdn_tokens(state: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, g
 
 
 def conv_update(block: np.ndarray, x: np.ndarray, history_len: int) -> np.ndarray:
-    """The scheduler's conv update of SEMANTICS.md on a conv block [D, W] (raw values):
+    """The scheduler's conv update of docs/semantics.md on a conv block [D, W] (raw values):
     columns [h_1..h_hl] become [h_2..h_hl, x_0..x_{T-1}] from column 0. x is [T, D]."""
     T = x.shape[0]
     out = block.copy()
