@@ -113,7 +113,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
     say "service_bench, MPS $mps: exit $?"
     stop
     if [ $mps = on ] && [ -x "$bin/gpu_service_test" ]; then
-      timeout -k 2 120 "$bin/gpu_service_test" --gtest_brief=1 > "$logs/gpu_service_mps.log" 2>&1
+      SPECSTATE_EXPECT_MPS=1 timeout -k 2 120 "$bin/gpu_service_test" --gtest_brief=1 > "$logs/gpu_service_mps.log" 2>&1
       say "gpu_service_test under MPS: exit $?, $(grep -E '^\[  (PASSED|FAILED) ' "$logs/gpu_service_mps.log" | tr '\n' ' ')"
     fi
     if [ $mps = on ]; then mps_stop; fi
