@@ -177,7 +177,37 @@ class Simulator {
  private:
   // ---- set-up ----
 
+  // The layout, the pools, the session, the shared buffers, the stock path's
+  // memory and the layer parameters, in this order (the parameters are the
+  // set-up's only random draws).
   absl::Status Setup() {
+    absl::Status st = ReadLayout();
+    if (st.ok()) st = OpenMemoryAndPools();
+    if (!st.ok()) return st;
+    absl::StatusOr<std::unique_ptr<Session>> session =
+        client_.OpenSession("specstatectl simulate", /*drive=*/true);
+    if (!session.ok()) return session.status();
+    session_ = *std::move(session);
+    st = AllocateSharedBuffers();
+    if (st.ok()) st = AllocateStockMemory();
+    if (st.ok()) st = LoadLayerParams();
+    if (st.ok() && options_.bound_inputs) st = BindInputs();
+    if (!st.ok()) return st;
+    if (options_.async && options_.events) {
+      absl::StatusOr<std::unique_ptr<IpcEvent>> e = memory_->CreateIpcEvent();
+      if (!e.ok()) return e.status();
+      inputs_ready_ = *std::move(e);
+      e = memory_->CreateIpcEvent();
+      if (!e.ok()) return e.status();
+      work_done_ = *std::move(e);
+    }
+    requests_.resize(R_);
+    return absl::OkStatus();
+  }
+
+  // The service's layout, the sizes derived from it, and the blocks the
+  // simulation may take.
+  absl::Status ReadLayout() {
     absl::StatusOr<v1::Layout> layout = client_.GetLayout();
     if (!layout.ok()) return layout.status();
     layout_ = *layout;
@@ -220,7 +250,12 @@ class Simulator {
           ": start specstated with more --blocks, or simulate fewer --requests or --steps"));
     }
     for (int b = B_ - 1; b >= 1; --b) free_blocks_.push_back(b);
+    return absl::OkStatus();
+  }
 
+  // The stock kernels and shared memory of the service's backend, and the
+  // service's pools mapped through their exported handle.
+  absl::Status OpenMemoryAndPools() {
     if (layout_.backend() == v1::CUDA) {
       absl::StatusOr<const kernels::KdaKernels*> k = kernels::CudaKdaKernels();
       if (!k.ok()) return k.status();
@@ -244,15 +279,14 @@ class Simulator {
         conv_token_stride_ = p.strides(2);
       }
     }
+    return absl::OkStatus();
+  }
 
-    absl::StatusOr<std::unique_ptr<Session>> session =
-        client_.OpenSession("specstatectl simulate", /*drive=*/true);
-    if (!session.ok()) return session.status();
-    session_ = *std::move(session);
-
-    // Shared buffers: per layer proj = [q | k | v | beta] per token (so q, k,
-    // v and beta are column slices with a token stride larger than a token),
-    // g and o; and one int32 buffer for the step's metadata and doorbells.
+  // Shared buffers, registered with the session: per layer proj = [q | k | v
+  // | beta] per token (so q, k, v and beta are column slices with a token
+  // stride larger than a token), g and o; and one int32 buffer for the step's
+  // metadata and doorbells.
+  absl::Status AllocateSharedBuffers() {
     tmax_ = int64_t{R_} * Q_;
     proj_stride_ = 2 * HK_ + VW_ + HV_;
     for (int l = 0; l < L_; ++l) {
@@ -272,9 +306,12 @@ class Simulator {
     if (!meta.ok()) return meta.status();
     meta_ = *std::move(meta);
     absl::StatusOr<std::string> name = session_->RegisterBuffer(*meta_, "meta");
-    if (!name.ok()) return name.status();
+    return name.status();
+  }
 
-    // The stock path's own memory: Q blocks per request slot and layer.
+  // The stock path's own memory: Q blocks per request slot and layer, its
+  // outputs, and its metadata, workspace and status.
+  absl::Status AllocateStockMemory() {
     stock_blocks_ = 1 + int64_t{R_} * Q_;
     for (int l = 0; l < L_; ++l) {
       for (auto* list : {&stock_pool_, &stock_out_}) {
@@ -291,9 +328,12 @@ class Simulator {
     absl::StatusOr<std::unique_ptr<SharedBuffer>> sm = memory_->Allocate(stock_meta_bytes);
     if (!sm.ok()) return sm.status();
     stock_meta_ = *std::move(sm);
+    return absl::OkStatus();
+  }
 
-    // Layer parameters (KDA): random, loaded into the service and kept for the
-    // stock path. GDN layers have none (g arrives as the log-decay).
+  // Layer parameters (KDA): random, loaded into the service and kept for the
+  // stock path. GDN layers have none (g arrives as the log-decay).
+  absl::Status LoadLayerParams() {
     for (int l = 0; l < L_ && !gdn_; ++l) {
       std::vector<char> a_log, dt_bias;
       FillRandom(&a_log, H_, DType::kFloat32, -2.0f, 0.5f, rng_);
@@ -321,42 +361,37 @@ class Simulator {
       if (!copied.ok()) return copied;
       stock_params_.push_back(*std::move(p));
     }
-    if (options_.bound_inputs) {
-      // The buffers at their capacity; each step uses the first T tokens (and
-      // the R_ rows at the front of the metadata, where every step puts them).
-      for (int l = 0; l < L_; ++l) {
-        v1::BindVerifyInputsRequest bind;
-        bind.set_layer(l);
-        const char* proj = static_cast<const char*>(proj_[l]->data());
-        const std::vector<int64_t> strides = {proj_stride_, K_, 1};
-        *bind.mutable_q() = session_->Tensor(proj, act_, {tmax_, H_, K_}, strides).value();
-        *bind.mutable_k() =
-            session_->Tensor(proj + HK_ * as_, act_, {tmax_, H_, K_}, strides).value();
-        *bind.mutable_v() =
-            session_->Tensor(proj + 2 * HK_ * as_, act_, {tmax_, HV_, K_}, strides).value();
-        *bind.mutable_beta() =
-            session_->Tensor(proj + (2 * HK_ + VW_) * as_, act_, {tmax_, HV_}, {proj_stride_, 1}).value();
-        *bind.mutable_g() = session_->Tensor(g_[l]->data(), act_, GateShape(tmax_)).value();
-        *bind.mutable_o() = session_->Tensor(o_[l]->data(), act_, {tmax_, HV_, K_}).value();
-        if (l % 2 == 0) {
-          *bind.mutable_query_start_loc() = session_->Index(Meta(0), {R_ + 1}).value();
-          *bind.mutable_state_indices() = session_->Index(Meta(R_ + 1), {R_}).value();
-        }
-        const auto t0 = Clock::now();
-        absl::StatusOr<v1::BindVerifyInputsResponse> bound = session_->BindVerifyInputs(bind);
-        latencies_.Add("BindVerifyInputs", Clock::now() - t0);
-        if (!bound.ok()) return bound.status();
+    return absl::OkStatus();
+  }
+
+  // `bound_inputs`: every layer's tensors bound once, the buffers at their
+  // capacity; each step uses the first T tokens (and the R_ rows at the front
+  // of the metadata, where every step puts them). Even layers bind the step's
+  // query_start_loc and state_indices too, odd layers do not.
+  absl::Status BindInputs() {
+    for (int l = 0; l < L_; ++l) {
+      v1::BindVerifyInputsRequest bind;
+      bind.set_layer(l);
+      const char* proj = static_cast<const char*>(proj_[l]->data());
+      const std::vector<int64_t> strides = {proj_stride_, K_, 1};
+      *bind.mutable_q() = session_->Tensor(proj, act_, {tmax_, H_, K_}, strides).value();
+      *bind.mutable_k() =
+          session_->Tensor(proj + HK_ * as_, act_, {tmax_, H_, K_}, strides).value();
+      *bind.mutable_v() =
+          session_->Tensor(proj + 2 * HK_ * as_, act_, {tmax_, HV_, K_}, strides).value();
+      *bind.mutable_beta() =
+          session_->Tensor(proj + (2 * HK_ + VW_) * as_, act_, {tmax_, HV_}, {proj_stride_, 1}).value();
+      *bind.mutable_g() = session_->Tensor(g_[l]->data(), act_, GateShape(tmax_)).value();
+      *bind.mutable_o() = session_->Tensor(o_[l]->data(), act_, {tmax_, HV_, K_}).value();
+      if (l % 2 == 0) {
+        *bind.mutable_query_start_loc() = session_->Index(Meta(0), {R_ + 1}).value();
+        *bind.mutable_state_indices() = session_->Index(Meta(R_ + 1), {R_}).value();
       }
+      const auto t0 = Clock::now();
+      absl::StatusOr<v1::BindVerifyInputsResponse> bound = session_->BindVerifyInputs(bind);
+      latencies_.Add("BindVerifyInputs", Clock::now() - t0);
+      if (!bound.ok()) return bound.status();
     }
-    if (options_.async && options_.events) {
-      absl::StatusOr<std::unique_ptr<IpcEvent>> e = memory_->CreateIpcEvent();
-      if (!e.ok()) return e.status();
-      inputs_ready_ = *std::move(e);
-      e = memory_->CreateIpcEvent();
-      if (!e.ok()) return e.status();
-      work_done_ = *std::move(e);
-    }
-    requests_.resize(R_);
     return absl::OkStatus();
   }
 
