@@ -6,15 +6,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/shared_memory.h"
+#include "kernels/cuda_status.h"
 
 namespace specstate {
 namespace client {
 namespace {
 
-absl::Status Cuda(cudaError_t err, absl::string_view what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
-}
+using kernels::CudaStatus;
 
 class CudaBuffer final : public SharedBuffer {
  public:
@@ -52,9 +50,11 @@ class CudaIpcEvent final : public IpcEvent {
   CudaIpcEvent(cudaEvent_t event, std::string handle) : event_(event), handle_(std::move(handle)) {}
   ~CudaIpcEvent() override { cudaEventDestroy(event_); }
   std::string handle() const override { return handle_; }
-  absl::Status Record() override { return Cuda(cudaEventRecord(event_, nullptr), "cudaEventRecord"); }
+  absl::Status Record() override {
+    return CudaStatus(cudaEventRecord(event_, nullptr), "cudaEventRecord");
+  }
   absl::Status Synchronize() override {
-    return Cuda(cudaEventSynchronize(event_), "cudaEventSynchronize");
+    return CudaStatus(cudaEventSynchronize(event_), "cudaEventSynchronize");
   }
 
  private:
@@ -70,13 +70,13 @@ class CudaSharedMemory final : public SharedMemory {
   absl::StatusOr<std::unique_ptr<SharedBuffer>> Allocate(uint64_t bytes) override {
     cudaSetDevice(device_);
     void* p = nullptr;
-    absl::Status st = Cuda(cudaMalloc(&p, bytes), "cudaMalloc");
+    absl::Status st = CudaStatus(cudaMalloc(&p, bytes), "cudaMalloc");
     if (!st.ok()) return st;
-    st = Cuda(cudaMemset(p, 0, bytes), "cudaMemset");
+    st = CudaStatus(cudaMemset(p, 0, bytes), "cudaMemset");
     // Zeroed before the service can map it and read it.
-    if (st.ok()) st = Cuda(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
+    if (st.ok()) st = CudaStatus(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize");
     cudaIpcMemHandle_t handle;
-    if (st.ok()) st = Cuda(cudaIpcGetMemHandle(&handle, p), "cudaIpcGetMemHandle");
+    if (st.ok()) st = CudaStatus(cudaIpcGetMemHandle(&handle, p), "cudaIpcGetMemHandle");
     if (!st.ok()) {
       cudaFree(p);
       return st;
@@ -94,8 +94,9 @@ class CudaSharedMemory final : public SharedMemory {
     cudaIpcMemHandle_t handle;
     std::memcpy(&handle, d.cuda_ipc_handle().data(), sizeof(handle));
     void* base = nullptr;
-    absl::Status st = Cuda(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
-                           "cudaIpcOpenMemHandle of the pools");
+    absl::Status st =
+        CudaStatus(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
+                   "cudaIpcOpenMemHandle of the pools");
     if (!st.ok()) return st;
     return std::unique_ptr<MappedPools>(new CudaPools(d, base));
   }
@@ -103,12 +104,12 @@ class CudaSharedMemory final : public SharedMemory {
   absl::StatusOr<std::unique_ptr<IpcEvent>> CreateIpcEvent() override {
     cudaSetDevice(device_);
     cudaEvent_t event = nullptr;
-    absl::Status st = Cuda(
+    absl::Status st = CudaStatus(
         cudaEventCreateWithFlags(&event, cudaEventInterprocess | cudaEventDisableTiming),
         "cudaEventCreateWithFlags");
     if (!st.ok()) return st;
     cudaIpcEventHandle_t handle;
-    st = Cuda(cudaIpcGetEventHandle(&handle, event), "cudaIpcGetEventHandle");
+    st = CudaStatus(cudaIpcGetEventHandle(&handle, event), "cudaIpcGetEventHandle");
     if (!st.ok()) {
       cudaEventDestroy(event);
       return st;
@@ -118,13 +119,14 @@ class CudaSharedMemory final : public SharedMemory {
   }
 
   absl::Status CopyIn(void* dst, const void* host, uint64_t bytes) override {
-    absl::Status st = Cuda(cudaMemcpy(dst, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
+    absl::Status st =
+        CudaStatus(cudaMemcpy(dst, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy");
     // From pageable memory cudaMemcpy may return before the DMA lands; another
     // process (the service) must see the bytes once we return.
-    return st.ok() ? Cuda(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize") : st;
+    return st.ok() ? CudaStatus(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize") : st;
   }
   absl::Status CopyOut(void* host, const void* src, uint64_t bytes) override {
-    return Cuda(cudaMemcpy(host, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
+    return CudaStatus(cudaMemcpy(host, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
   }
 
  private:

@@ -123,6 +123,33 @@ struct Request {
   std::vector<std::vector<char>> window;
 };
 
+// Offsets (int32 elements) of a step's tensors in the shared metadata buffer.
+struct MetaOffsets {
+  int qsl = 0, idx = 0, req = 0;  // query_start_loc, state_indices, request_indices
+  int acc = 0, nc = 0;            // num_accepted, num_computed_tokens (per batch row)
+  int map = 0, sampled = 0;       // RecordStateBlocks' idx_mapping, num_sampled
+  int out_idx = 0, out_acc = 0;   // RecordStateBlocks' outputs
+  int table = 0;                  // block table [batch][width]
+  int door = 0;                   // the doorbells (4), after everything else
+};
+
+// What one step drew and built, handed from each of its phases to the next.
+struct StepPlan {
+  int step = 0;  // the simulation's step number
+  uint64_t step_id = 0;  // the session's
+  std::vector<int> tokens, accepted;  // per row
+  std::vector<int32_t> qsl;           // [R + 1]
+  std::vector<int32_t> checkpoint;    // per row: the block its state is read from
+  int64_t num_tokens = 0;             // T
+  bool remap = false;                 // a prefill row leads the batch
+  int batch = 0;                      // batch rows (R, or R + 1 with remap)
+  MetaOffsets at;
+  std::vector<int32_t> meta;  // the metadata buffer's contents, host side
+  std::vector<v1::VerifyRequest> verifies;  // per layer
+  // [row][layer]: the conv columns after the update, [D][hl - 1 + tokens].
+  std::vector<std::vector<std::vector<char>>> updated;
+};
+
 class Simulator {
  public:
   Simulator(Client& client, const SimulationOptions& options)
@@ -150,7 +177,37 @@ class Simulator {
  private:
   // ---- set-up ----
 
+  // The layout, the pools, the session, the shared buffers, the stock path's
+  // memory and the layer parameters, in this order (the parameters are the
+  // set-up's only random draws).
   absl::Status Setup() {
+    absl::Status st = ReadLayout();
+    if (st.ok()) st = OpenMemoryAndPools();
+    if (!st.ok()) return st;
+    absl::StatusOr<std::unique_ptr<Session>> session =
+        client_.OpenSession("specstatectl simulate", /*drive=*/true);
+    if (!session.ok()) return session.status();
+    session_ = *std::move(session);
+    st = AllocateSharedBuffers();
+    if (st.ok()) st = AllocateStockMemory();
+    if (st.ok()) st = LoadLayerParams();
+    if (st.ok() && options_.bound_inputs) st = BindInputs();
+    if (!st.ok()) return st;
+    if (options_.async && options_.events) {
+      absl::StatusOr<std::unique_ptr<IpcEvent>> e = memory_->CreateIpcEvent();
+      if (!e.ok()) return e.status();
+      inputs_ready_ = *std::move(e);
+      e = memory_->CreateIpcEvent();
+      if (!e.ok()) return e.status();
+      work_done_ = *std::move(e);
+    }
+    requests_.resize(R_);
+    return absl::OkStatus();
+  }
+
+  // The service's layout, the sizes derived from it, and the blocks the
+  // simulation may take.
+  absl::Status ReadLayout() {
     absl::StatusOr<v1::Layout> layout = client_.GetLayout();
     if (!layout.ok()) return layout.status();
     layout_ = *layout;
@@ -193,7 +250,12 @@ class Simulator {
           ": start specstated with more --blocks, or simulate fewer --requests or --steps"));
     }
     for (int b = B_ - 1; b >= 1; --b) free_blocks_.push_back(b);
+    return absl::OkStatus();
+  }
 
+  // The stock kernels and shared memory of the service's backend, and the
+  // service's pools mapped through their exported handle.
+  absl::Status OpenMemoryAndPools() {
     if (layout_.backend() == v1::CUDA) {
       absl::StatusOr<const kernels::KdaKernels*> k = kernels::CudaKdaKernels();
       if (!k.ok()) return k.status();
@@ -217,15 +279,14 @@ class Simulator {
         conv_token_stride_ = p.strides(2);
       }
     }
+    return absl::OkStatus();
+  }
 
-    absl::StatusOr<std::unique_ptr<Session>> session =
-        client_.OpenSession("specstatectl simulate", /*drive=*/true);
-    if (!session.ok()) return session.status();
-    session_ = *std::move(session);
-
-    // Shared buffers: per layer proj = [q | k | v | beta] per token (so q, k,
-    // v and beta are column slices with a token stride larger than a token),
-    // g and o; and one int32 buffer for the step's metadata and doorbells.
+  // Shared buffers, registered with the session: per layer proj = [q | k | v
+  // | beta] per token (so q, k, v and beta are column slices with a token
+  // stride larger than a token), g and o; and one int32 buffer for the step's
+  // metadata and doorbells.
+  absl::Status AllocateSharedBuffers() {
     tmax_ = int64_t{R_} * Q_;
     proj_stride_ = 2 * HK_ + VW_ + HV_;
     for (int l = 0; l < L_; ++l) {
@@ -245,9 +306,12 @@ class Simulator {
     if (!meta.ok()) return meta.status();
     meta_ = *std::move(meta);
     absl::StatusOr<std::string> name = session_->RegisterBuffer(*meta_, "meta");
-    if (!name.ok()) return name.status();
+    return name.status();
+  }
 
-    // The stock path's own memory: Q blocks per request slot and layer.
+  // The stock path's own memory: Q blocks per request slot and layer, its
+  // outputs, and its metadata, workspace and status.
+  absl::Status AllocateStockMemory() {
     stock_blocks_ = 1 + int64_t{R_} * Q_;
     for (int l = 0; l < L_; ++l) {
       for (auto* list : {&stock_pool_, &stock_out_}) {
@@ -264,9 +328,12 @@ class Simulator {
     absl::StatusOr<std::unique_ptr<SharedBuffer>> sm = memory_->Allocate(stock_meta_bytes);
     if (!sm.ok()) return sm.status();
     stock_meta_ = *std::move(sm);
+    return absl::OkStatus();
+  }
 
-    // Layer parameters (KDA): random, loaded into the service and kept for the
-    // stock path. GDN layers have none (g arrives as the log-decay).
+  // Layer parameters (KDA): random, loaded into the service and kept for the
+  // stock path. GDN layers have none (g arrives as the log-decay).
+  absl::Status LoadLayerParams() {
     for (int l = 0; l < L_ && !gdn_; ++l) {
       std::vector<char> a_log, dt_bias;
       FillRandom(&a_log, H_, DType::kFloat32, -2.0f, 0.5f, rng_);
@@ -294,42 +361,37 @@ class Simulator {
       if (!copied.ok()) return copied;
       stock_params_.push_back(*std::move(p));
     }
-    if (options_.bound_inputs) {
-      // The buffers at their capacity; each step uses the first T tokens (and
-      // the R_ rows at the front of the metadata, where every step puts them).
-      for (int l = 0; l < L_; ++l) {
-        v1::BindVerifyInputsRequest bind;
-        bind.set_layer(l);
-        const char* proj = static_cast<const char*>(proj_[l]->data());
-        const std::vector<int64_t> strides = {proj_stride_, K_, 1};
-        *bind.mutable_q() = session_->Tensor(proj, act_, {tmax_, H_, K_}, strides).value();
-        *bind.mutable_k() =
-            session_->Tensor(proj + HK_ * as_, act_, {tmax_, H_, K_}, strides).value();
-        *bind.mutable_v() =
-            session_->Tensor(proj + 2 * HK_ * as_, act_, {tmax_, HV_, K_}, strides).value();
-        *bind.mutable_beta() =
-            session_->Tensor(proj + (2 * HK_ + VW_) * as_, act_, {tmax_, HV_}, {proj_stride_, 1}).value();
-        *bind.mutable_g() = session_->Tensor(g_[l]->data(), act_, GateShape(tmax_)).value();
-        *bind.mutable_o() = session_->Tensor(o_[l]->data(), act_, {tmax_, HV_, K_}).value();
-        if (l % 2 == 0) {
-          *bind.mutable_query_start_loc() = session_->Index(Meta(0), {R_ + 1}).value();
-          *bind.mutable_state_indices() = session_->Index(Meta(R_ + 1), {R_}).value();
-        }
-        const auto t0 = Clock::now();
-        absl::StatusOr<v1::BindVerifyInputsResponse> bound = session_->BindVerifyInputs(bind);
-        latencies_.Add("BindVerifyInputs", Clock::now() - t0);
-        if (!bound.ok()) return bound.status();
+    return absl::OkStatus();
+  }
+
+  // `bound_inputs`: every layer's tensors bound once, the buffers at their
+  // capacity; each step uses the first T tokens (and the R_ rows at the front
+  // of the metadata, where every step puts them). Even layers bind the step's
+  // query_start_loc and state_indices too, odd layers do not.
+  absl::Status BindInputs() {
+    for (int l = 0; l < L_; ++l) {
+      v1::BindVerifyInputsRequest bind;
+      bind.set_layer(l);
+      const char* proj = static_cast<const char*>(proj_[l]->data());
+      const std::vector<int64_t> strides = {proj_stride_, K_, 1};
+      *bind.mutable_q() = session_->Tensor(proj, act_, {tmax_, H_, K_}, strides).value();
+      *bind.mutable_k() =
+          session_->Tensor(proj + HK_ * as_, act_, {tmax_, H_, K_}, strides).value();
+      *bind.mutable_v() =
+          session_->Tensor(proj + 2 * HK_ * as_, act_, {tmax_, HV_, K_}, strides).value();
+      *bind.mutable_beta() =
+          session_->Tensor(proj + (2 * HK_ + VW_) * as_, act_, {tmax_, HV_}, {proj_stride_, 1}).value();
+      *bind.mutable_g() = session_->Tensor(g_[l]->data(), act_, GateShape(tmax_)).value();
+      *bind.mutable_o() = session_->Tensor(o_[l]->data(), act_, {tmax_, HV_, K_}).value();
+      if (l % 2 == 0) {
+        *bind.mutable_query_start_loc() = session_->Index(Meta(0), {R_ + 1}).value();
+        *bind.mutable_state_indices() = session_->Index(Meta(R_ + 1), {R_}).value();
       }
+      const auto t0 = Clock::now();
+      absl::StatusOr<v1::BindVerifyInputsResponse> bound = session_->BindVerifyInputs(bind);
+      latencies_.Add("BindVerifyInputs", Clock::now() - t0);
+      if (!bound.ok()) return bound.status();
     }
-    if (options_.async && options_.events) {
-      absl::StatusOr<std::unique_ptr<IpcEvent>> e = memory_->CreateIpcEvent();
-      if (!e.ok()) return e.status();
-      inputs_ready_ = *std::move(e);
-      e = memory_->CreateIpcEvent();
-      if (!e.ok()) return e.status();
-      work_done_ = *std::move(e);
-    }
-    requests_.resize(R_);
     return absl::OkStatus();
   }
 
@@ -506,9 +568,49 @@ class Simulator {
     return d;
   }
 
+  // One decode step, as a scheduler runs it. The order of the phases is the
+  // protocol's (ASYNC Verify calls go out before their inputs exist; with
+  // events they go out after the inputs' event is recorded), and the order
+  // of the random draws is fixed by it: a seed replays the same simulation.
   absl::Status Step(int s) {
-    // Churn: finished requests leave, new ones arrive; sometimes a slot stays
-    // empty for a step (a null row).
+    StepPlan p;
+    p.step = s;
+    absl::Status st = ChurnRequests(s);
+    if (st.ok()) st = DrawRows(p);
+    if (st.ok()) st = LayOutMetadata(p);
+    if (!st.ok()) return st;
+    BuildVerifies(p);
+    if (options_.async && !options_.events) {
+      st = SendVerifies(p, "Verify (async)");
+      if (!st.ok()) return st;
+      TracePhase(s, "Verify calls sent ahead of their inputs");
+    }
+    st = WriteInputs(p);
+    if (st.ok()) st = UpdateConvWindows(p);
+    if (!st.ok()) return st;
+
+    // The stock path, on the simulator's own memory: row i's state blocks are
+    // its Q stock columns, and it reads the state at column acc_prev - 1.
+    TracePhase(s, "inputs and conv update written");
+    st = RunStockPath(p.qsl, p.num_tokens);
+    if (!st.ok()) return st;
+    TracePhase(s, "stock path done");
+
+    st = RunVerifies(p);
+    if (!st.ok()) return st;
+    TracePhase(s, "Verify done");
+    if (s == options_.crash_after_verify_step) Crash();
+    st = CompareOutputs(p);
+    if (st.ok()) st = CommitStep(p);
+    if (st.ok() && align_) st = RecordStateBlocks(p);
+    if (st.ok()) st = CompareCommitted(p);
+    if (st.ok() && s == options_.corrupt_after_step) st = CorruptARunningState();
+    return st;
+  }
+
+  // Churn: finished requests leave, new ones arrive; sometimes a slot stays
+  // empty for a step (a null row).
+  absl::Status ChurnRequests(int s) {
     std::bernoulli_distribution finish(options_.finish_probability);
     for (int i = 0; i < R_; ++i) {
       Request& r = requests_[i];
@@ -523,22 +625,28 @@ class Simulator {
     for (const Request& r : requests_) live += r.live;
     report_.state_bytes_saved = std::max<uint64_t>(
         report_.state_bytes_saved, uint64_t(live) * (Q_ - 1) * state_block_bytes_ * L_);
+    return absl::OkStatus();
+  }
 
-    // The step's rows: tokens, accepted counts, checkpoints.
-    std::vector<int> tokens(R_), accepted(R_);
-    std::vector<int32_t> qsl(R_ + 1, 0), checkpoint(R_, 0);
+  // The step's rows: tokens (drafts + 1), accepted counts, checkpoints, and in
+  // align mode blocks for the columns the step's tokens reach.
+  absl::Status DrawRows(StepPlan& p) {
+    p.tokens.assign(R_, 0);
+    p.accepted.assign(R_, 0);
+    p.qsl.assign(R_ + 1, 0);
+    p.checkpoint.assign(R_, 0);
     for (int i = 0; i < R_; ++i) {
-      tokens[i] = std::uniform_int_distribution<int>(1, Q_)(rng_);
-      accepted[i] = std::uniform_int_distribution<int>(1, tokens[i])(rng_);
-      qsl[i + 1] = qsl[i] + tokens[i];
+      p.tokens[i] = std::uniform_int_distribution<int>(1, Q_)(rng_);
+      p.accepted[i] = std::uniform_int_distribution<int>(1, p.tokens[i])(rng_);
+      p.qsl[i + 1] = p.qsl[i] + p.tokens[i];
       Request& r = requests_[i];
       if (!r.live) {
         ++report_.null_rows;
         continue;
       }
-      checkpoint[i] = r.table[CheckpointColumn(r)];
-      if (align_) {  // blocks for the columns the step's tokens reach
-        const int last = static_cast<int>((r.num_computed + tokens[i] - 1) / bs_);
+      p.checkpoint[i] = r.table[CheckpointColumn(r)];
+      if (align_) {
+        const int last = static_cast<int>((r.num_computed + p.tokens[i] - 1) / bs_);
         for (int c = CheckpointColumn(r); c <= last && c < width_; ++c) {
           if (r.table[c] == 0) {
             absl::StatusOr<int32_t> b = TakeBlock();
@@ -548,88 +656,87 @@ class Simulator {
         }
       }
       ++report_.rows;
-      report_.tokens_verified += tokens[i];
+      report_.tokens_verified += p.tokens[i];
     }
-    const int64_t T = qsl[R_];
+    p.num_tokens = p.qsl[R_];
+    return absl::OkStatus();
+  }
 
-    // Metadata in the shared int32 buffer. Odd steps put a prefill row in
-    // front of the batch and map spec rows to batch rows with request_indices
-    // (when the batch has room for it: the service's batches hold at most
-    // max_rows rows).
-    const bool remap = s % 2 == 1 && R_ < layout_.max_rows();
-    const int batch = remap ? R_ + 1 : R_;
-    const int shift = remap ? 1 : 0;
-    std::vector<int32_t> meta(meta_ints_, 0);
+  // Where each of the step's int32 tensors lies in the shared metadata
+  // buffer (in elements); the doorbells follow them.
+  MetaOffsets MetaLayout() const {
+    MetaOffsets at;
     int off = 0;
-    const int o_qsl = off;
-    off += R_ + 1;
-    const int o_idx = off;
-    off += R_;
-    const int o_req = off;
-    off += R_;
-    const int o_acc = off;
-    off += batch_max_;
-    const int o_nc = off;
-    off += batch_max_;
-    const int o_map = off;
-    off += batch_max_;
-    const int o_sampled = off;
-    off += batch_max_;
-    const int o_out_idx = off;
-    off += batch_max_;
-    const int o_out_acc = off;
-    off += batch_max_;
-    const int o_table = off;
-    off += batch_max_ * width_;
-    door_ = off;
-    for (int i = 0; i <= R_; ++i) meta[o_qsl + i] = qsl[i];
+    const auto take = [&off](int n) {
+      const int start = off;
+      off += n;
+      return start;
+    };
+    at.qsl = take(R_ + 1);
+    at.idx = take(R_);
+    at.req = take(R_);
+    at.acc = take(batch_max_);
+    at.nc = take(batch_max_);
+    at.map = take(batch_max_);
+    at.sampled = take(batch_max_);
+    at.out_idx = take(batch_max_);
+    at.out_acc = take(batch_max_);
+    at.table = take(batch_max_ * width_);
+    at.door = off;
+    return at;
+  }
+
+  // The step's metadata, on the host: odd steps put a prefill row in front of
+  // the batch and map spec rows to batch rows with request_indices (when the
+  // batch has room for it: the service's batches hold at most max_rows rows).
+  absl::Status LayOutMetadata(StepPlan& p) {
+    p.remap = p.step % 2 == 1 && R_ < layout_.max_rows();
+    p.batch = p.remap ? R_ + 1 : R_;
+    const int shift = p.remap ? 1 : 0;
+    p.at = MetaLayout();
+    const MetaOffsets& at = p.at;
+    door_ = at.door;
+    std::vector<int32_t>& meta = p.meta;
+    meta.assign(meta_ints_, 0);
+    for (int i = 0; i <= R_; ++i) meta[at.qsl + i] = p.qsl[i];
     for (int i = 0; i < R_; ++i) {
       const Request& r = requests_[i];
-      meta[o_idx + i] = checkpoint[i];
-      meta[o_req + i] = i + shift;
-      meta[o_acc + i + shift] = accepted[i];
-      meta[o_nc + i + shift] = r.live ? static_cast<int32_t>(r.num_computed) : 0;
-      meta[o_map + i + shift] = r.live ? i : -1;
-      meta[o_sampled + i + shift] = accepted[i];
-      for (int c = 0; c < width_; ++c) meta[o_table + (i + shift) * width_ + c] = r.live ? r.table[c] : 0;
+      meta[at.idx + i] = p.checkpoint[i];
+      meta[at.req + i] = i + shift;
+      meta[at.acc + i + shift] = p.accepted[i];
+      meta[at.nc + i + shift] = r.live ? static_cast<int32_t>(r.num_computed) : 0;
+      meta[at.map + i + shift] = r.live ? i : -1;
+      meta[at.sampled + i + shift] = p.accepted[i];
+      for (int c = 0; c < width_; ++c) {
+        meta[at.table + (i + shift) * width_ + c] = r.live ? r.table[c] : 0;
+      }
     }
-    if (remap) {  // the prefill row: accepts nothing, maps to no request
-      meta[o_map] = -1;
+    if (p.remap) {  // the prefill row: accepts nothing, maps to no request
+      meta[at.map] = -1;
     }
     for (int i = 0; i < batch_max_; ++i) {
-      meta[o_out_idx + i] = -7;  // poison: rows with idx_mapping < 0 keep it
-      meta[o_out_acc + i] = -7;
+      meta[at.out_idx + i] = -7;  // poison: rows with idx_mapping < 0 keep it
+      meta[at.out_acc + i] = -7;
     }
     // Doorbells keep their values across steps.
-    absl::Status st = memory_->CopyOut(meta.data() + door_, Meta(door_), 4 * 4);
-    if (!st.ok()) return st;
+    return memory_->CopyOut(meta.data() + door_, Meta(door_), 4 * 4);
+  }
 
-    // Verify requests (ASYNC: sent before any input exists).
-    std::vector<v1::VerifyRequest> verifies(L_);
-    const uint64_t step_id = session_->NextStep();
+  // Every layer's Verify request (ASYNC: built, and maybe sent, before any
+  // input exists).
+  void BuildVerifies(StepPlan& p) {
+    p.verifies.assign(L_, v1::VerifyRequest());
+    p.step_id = session_->NextStep();
     for (int l = 0; l < L_; ++l) {
-      v1::VerifyRequest& v = verifies[l];
-      v.set_step(step_id);
+      v1::VerifyRequest& v = p.verifies[l];
+      v.set_step(p.step_id);
       v.set_layer(l);
       v.set_num_rows(R_);
       if (options_.bound_inputs) {
         v.set_bound_inputs(true);
-        v.set_num_tokens(T);
+        v.set_num_tokens(p.num_tokens);
       } else {
-        if (l == 0 || s % 3 == 0) {  // later layers may rely on the step's copy
-          *v.mutable_query_start_loc() = session_->Index(Meta(o_qsl), {R_ + 1}).value();
-          *v.mutable_state_indices() = session_->Index(Meta(o_idx), {R_}).value();
-        }
-        const char* proj = static_cast<const char*>(proj_[l]->data());
-        const std::vector<int64_t> strides = {proj_stride_, K_, 1};
-        *v.mutable_q() = session_->Tensor(proj, act_, {T, H_, K_}, strides).value();
-        *v.mutable_k() = session_->Tensor(proj + HK_ * as_, act_, {T, H_, K_}, strides).value();
-        *v.mutable_v() =
-            session_->Tensor(proj + 2 * HK_ * as_, act_, {T, HV_, K_}, strides).value();
-        *v.mutable_beta() =
-            session_->Tensor(proj + (2 * HK_ + VW_) * as_, act_, {T, HV_}, {proj_stride_, 1}).value();
-        *v.mutable_g() = session_->Tensor(g_[l]->data(), act_, GateShape(T)).value();
-        *v.mutable_o() = session_->Tensor(o_[l]->data(), act_, {T, HV_, K_}).value();
+        SetVerifyTensors(p, l, &v);
       }
       if (options_.async && options_.events) {
         v.set_ordering(v1::ASYNC);
@@ -637,36 +744,55 @@ class Simulator {
         if (l == L_ - 1) v.mutable_signal()->mutable_event()->set_handle(work_done_->handle());
       } else if (options_.async) {
         v.set_ordering(v1::ASYNC);
-        *v.mutable_wait()->mutable_doorbell() = Door(0, s + 1);
-        if (l == L_ - 1) *v.mutable_signal()->mutable_doorbell() = Door(1, s + 1);
+        *v.mutable_wait()->mutable_doorbell() = Door(0, p.step + 1);
+        if (l == L_ - 1) *v.mutable_signal()->mutable_doorbell() = Door(1, p.step + 1);
       }
     }
-    // Sends every layer's Verify: one call each, or one SubmitStep.
-    const auto send_verifies = [&](const std::string& name) -> absl::Status {
-      if (options_.batch) {
-        v1::SubmitStepRequest batch;
-        for (const v1::VerifyRequest& v : verifies) *batch.add_verifies() = v;
-        const auto t0 = Clock::now();
-        absl::StatusOr<v1::SubmitStepResponse> r = session_->SubmitStep(batch);
-        latencies_.Add("SubmitStep (" + name + ")", Clock::now() - t0);
-        return r.status();
-      }
-      for (int l = 0; l < L_; ++l) {
-        const auto t0 = Clock::now();
-        absl::StatusOr<v1::VerifyResponse> r = session_->Verify(verifies[l]);
-        latencies_.Add(name, Clock::now() - t0);
-        if (!r.ok()) return r.status();
-      }
-      return absl::OkStatus();
-    };
-    if (options_.async && !options_.events) {
-      absl::Status sent = send_verifies("Verify (async)");
-      if (!sent.ok()) return sent;
-      TracePhase(s, "Verify calls sent ahead of their inputs");
-    }
+  }
 
-    // The inputs: metadata, activations, poisoned outputs, the conv update.
-    st = memory_->CopyIn(meta_->data(), meta.data(), door_ * 4);
+  // Layer `l`'s tensors in its request: q, k, v and beta as column slices of
+  // proj, g and o; the metadata on layer 0 and every third step (later layers
+  // may rely on the step's copy).
+  void SetVerifyTensors(const StepPlan& p, int l, v1::VerifyRequest* v) {
+    const int64_t T = p.num_tokens;
+    if (l == 0 || p.step % 3 == 0) {
+      *v->mutable_query_start_loc() = session_->Index(Meta(p.at.qsl), {R_ + 1}).value();
+      *v->mutable_state_indices() = session_->Index(Meta(p.at.idx), {R_}).value();
+    }
+    const char* proj = static_cast<const char*>(proj_[l]->data());
+    const std::vector<int64_t> strides = {proj_stride_, K_, 1};
+    *v->mutable_q() = session_->Tensor(proj, act_, {T, H_, K_}, strides).value();
+    *v->mutable_k() = session_->Tensor(proj + HK_ * as_, act_, {T, H_, K_}, strides).value();
+    *v->mutable_v() = session_->Tensor(proj + 2 * HK_ * as_, act_, {T, HV_, K_}, strides).value();
+    *v->mutable_beta() =
+        session_->Tensor(proj + (2 * HK_ + VW_) * as_, act_, {T, HV_}, {proj_stride_, 1}).value();
+    *v->mutable_g() = session_->Tensor(g_[l]->data(), act_, GateShape(T)).value();
+    *v->mutable_o() = session_->Tensor(o_[l]->data(), act_, {T, HV_, K_}).value();
+  }
+
+  // Sends every layer's Verify: one call each, or one SubmitStep.
+  absl::Status SendVerifies(const StepPlan& p, const std::string& name) {
+    if (options_.batch) {
+      v1::SubmitStepRequest batch;
+      for (const v1::VerifyRequest& v : p.verifies) *batch.add_verifies() = v;
+      const auto t0 = Clock::now();
+      absl::StatusOr<v1::SubmitStepResponse> r = session_->SubmitStep(batch);
+      latencies_.Add("SubmitStep (" + name + ")", Clock::now() - t0);
+      return r.status();
+    }
+    for (int l = 0; l < L_; ++l) {
+      const auto t0 = Clock::now();
+      absl::StatusOr<v1::VerifyResponse> r = session_->Verify(p.verifies[l]);
+      latencies_.Add(name, Clock::now() - t0);
+      if (!r.ok()) return r.status();
+    }
+    return absl::OkStatus();
+  }
+
+  // The inputs in the shared buffers: metadata, every layer's activations
+  // (at capacity), and poisoned outputs, the service's and the stock path's.
+  absl::Status WriteInputs(const StepPlan& p) {
+    absl::Status st = memory_->CopyIn(meta_->data(), p.meta.data(), door_ * 4);
     if (!st.ok()) return st;
     std::vector<char> poison(tmax_ * VW_ * as_, static_cast<char>(0xff));
     for (int l = 0; l < L_; ++l) {
@@ -688,68 +814,73 @@ class Simulator {
       if (st.ok()) st = memory_->CopyIn(stock_out_[l]->data(), poison.data(), poison.size());
       if (!st.ok()) return st;
     }
-    // The scheduler's conv update (SEMANTICS.md): the block's columns become
-    // [h_2..h_hl, x_0..x_{T-1}]; the window the next step reads is the hl
-    // columns ending at the last accepted token.
-    std::vector<std::vector<std::vector<char>>> updated(R_);  // [row][layer] = [D][hl-1+T]
+    return absl::OkStatus();
+  }
+
+  // The scheduler's conv update (SEMANTICS.md): the block's columns become
+  // [h_2..h_hl, x_0..x_{T-1}]; the window the next step reads is the hl
+  // columns ending at the last accepted token. Keeps each row's updated
+  // columns in `p.updated` for the window checks after Commit.
+  absl::Status UpdateConvWindows(StepPlan& p) {
+    p.updated.assign(R_, {});
     for (int i = 0; i < R_; ++i) {
       Request& r = requests_[i];
       if (!r.live) continue;
-      updated[i].resize(L_);
-      const int cols = hl_ - 1 + tokens[i];
+      p.updated[i].resize(L_);
+      const int tokens = p.tokens[i];
+      const int cols = hl_ - 1 + tokens;
       for (int l = 0; l < L_; ++l) {
         std::vector<char> x;
-        FillRandom(&x, int64_t{D_} * tokens[i], act_, -1.0f, 1.0f, rng_);
-        std::vector<char>& u = updated[i][l];
+        FillRandom(&x, int64_t{D_} * tokens, act_, -1.0f, 1.0f, rng_);
+        std::vector<char>& u = p.updated[i][l];
         u.assign(int64_t{D_} * cols * as_, 0);
         for (int d = 0; d < D_; ++d) {
           std::memcpy(u.data() + int64_t{d} * cols * as_,
                       r.window[l].data() + (int64_t{d} * hl_ + 1) * as_, (hl_ - 1) * as_);
           std::memcpy(u.data() + (int64_t{d} * cols + hl_ - 1) * as_,
-                      x.data() + int64_t{d} * tokens[i] * as_, tokens[i] * as_);
+                      x.data() + int64_t{d} * tokens * as_, tokens * as_);
         }
         std::vector<char> dw;
-        st = ReadConv(l, checkpoint[i], &dw);
+        absl::Status st = ReadConv(l, p.checkpoint[i], &dw);
         if (!st.ok()) return st;
         for (int d = 0; d < D_; ++d) {
           std::memcpy(dw.data() + int64_t{d} * W_ * as_, u.data() + int64_t{d} * cols * as_,
                       cols * as_);
         }
-        st = WriteConv(l, checkpoint[i], dw);
+        st = WriteConv(l, p.checkpoint[i], dw);
         if (!st.ok()) return st;
       }
     }
+    return absl::OkStatus();
+  }
 
-    // The stock path, on the simulator's own memory: row i's state blocks are
-    // its Q stock columns, and it reads the state at column acc_prev - 1.
-    TracePhase(s, "inputs and conv update written");
-    st = RunStockPath(qsl, T);
-    if (!st.ok()) return st;
-    TracePhase(s, "stock path done");
-
-    // Verify.
+  // Verify, once the inputs are written: ASYNC by events (record, send, wait
+  // for the last layer's), ASYNC by doorbells (already sent: ring, wait), or
+  // SYNC (send).
+  absl::Status RunVerifies(const StepPlan& p) {
+    absl::Status st;
     if (options_.async && options_.events) {
       // An event wait applies to the record made before the call: record the
       // inputs' event, then send the Verify calls, then wait for the last one.
       st = inputs_ready_->Record();
-      if (st.ok()) st = send_verifies("Verify (async, events)");
-      if (!st.ok()) return st;
-      st = work_done_->Synchronize();
-      if (!st.ok()) return st;
+      if (st.ok()) st = SendVerifies(p, "Verify (async, events)");
+      if (st.ok()) st = work_done_->Synchronize();
     } else if (options_.async) {
-      uint32_t ring = s + 1;
+      uint32_t ring = p.step + 1;
       st = memory_->CopyIn(Meta(door_ + 0), &ring, 4);
-      if (st.ok()) st = WaitDoorbell(1, s + 1);
-      if (!st.ok()) return st;
+      if (st.ok()) st = WaitDoorbell(1, p.step + 1);
     } else {
-      st = send_verifies("Verify");
-      if (!st.ok()) return st;
+      st = SendVerifies(p, "Verify");
     }
-    TracePhase(s, "Verify done");
-    if (s == options_.crash_after_verify_step) Crash();
+    return st;
+  }
+
+  // Every layer's Verify output against the stock kernel's, bit for bit.
+  absl::Status CompareOutputs(const StepPlan& p) {
+    const int64_t T = p.num_tokens;
     for (int l = 0; l < L_; ++l) {
       std::vector<char> service(T * VW_ * as_), stock(T * VW_ * as_);
-      st = memory_->CopyOut(service.data(), o_[l]->data(), service.size());
+      absl::Status st = memory_->CopyOut(service.data(), o_[l]->data(), service.size());
       if (st.ok()) st = memory_->CopyOut(stock.data(), stock_out_[l]->data(), stock.size());
       if (!st.ok()) return st;
       ++report_.comparisons;
@@ -759,20 +890,26 @@ class Simulator {
         Mismatch(absl::StrFormat(
             "step %d, layer %d: Verify's output differs from the stock kernel's at token %d, "
             "head %d, column %d: %.9g vs %.9g",
-            s, l, e / VW_, (e / K_) % HV_, e % K_, ElementAsFloat(service.data() + e * as_, act_),
+            p.step, l, e / VW_, (e / K_) % HV_, e % K_,
+            ElementAsFloat(service.data() + e * as_, act_),
             ElementAsFloat(stock.data() + e * as_, act_)));
       }
     }
+    return absl::OkStatus();
+  }
 
-    // Commit.
+  // Commit (ASYNC: signals doorbell 2, which this waits for). The crash test
+  // `abandon_commit_at_step` makes it wait on doorbell 3, never rung, and dies.
+  absl::Status CommitStep(const StepPlan& p) {
+    const int s = p.step;
     v1::CommitRequest commit;
-    commit.set_step(step_id);
-    *commit.mutable_num_accepted() = session_->Index(Meta(o_acc), {batch}).value();
-    if (remap) *commit.mutable_request_indices() = session_->Index(Meta(o_req), {R_}).value();
+    commit.set_step(p.step_id);
+    *commit.mutable_num_accepted() = session_->Index(Meta(p.at.acc), {p.batch}).value();
+    if (p.remap) *commit.mutable_request_indices() = session_->Index(Meta(p.at.req), {R_}).value();
     if (align_) {
       *commit.mutable_block_table() =
-          session_->Index(Meta(o_table), {batch, width_}).value();
-      *commit.mutable_num_computed_tokens() = session_->Index(Meta(o_nc), {batch}).value();
+          session_->Index(Meta(p.at.table), {p.batch, width_}).value();
+      *commit.mutable_num_computed_tokens() = session_->Index(Meta(p.at.nc), {p.batch}).value();
     }
     if (options_.async) {
       commit.set_ordering(v1::ASYNC);
@@ -784,119 +921,148 @@ class Simulator {
       *commit.mutable_wait()->mutable_doorbell() = Door(3, s + 1);
     }
     TracePhase(s, "outputs compared; Commit");
-    {
-      const auto t0 = Clock::now();
-      absl::StatusOr<v1::CommitResponse> r = session_->Commit(commit);
-      latencies_.Add(options_.async ? "Commit (async)" : "Commit", Clock::now() - t0);
-      if (!r.ok()) return r.status();
-      if (abandon) Crash();
-      if (options_.async) {
-        st = WaitDoorbell(2, s + 1);
-        if (!st.ok()) return st;
-      }
+    const auto t0 = Clock::now();
+    absl::StatusOr<v1::CommitResponse> r = session_->Commit(commit);
+    latencies_.Add(options_.async ? "Commit (async)" : "Commit", Clock::now() - t0);
+    if (!r.ok()) return r.status();
+    if (abandon) Crash();
+    if (options_.async) {
+      absl::Status st = WaitDoorbell(2, s + 1);
+      if (!st.ok()) return st;
     }
     TracePhase(s, "Commit done");
-    if (align_) {
-      v1::RecordStateBlocksRequest record;
-      record.set_step(step_id);
-      *record.mutable_idx_mapping() = session_->Index(Meta(o_map), {batch}).value();
-      *record.mutable_num_sampled() = session_->Index(Meta(o_sampled), {batch}).value();
-      *record.mutable_num_computed_tokens() = session_->Index(Meta(o_nc), {batch}).value();
-      if (remap) *record.mutable_request_indices() = session_->Index(Meta(o_req), {R_}).value();
-      record.set_block_table_width(width_);
-      *record.mutable_state_idx() = session_->Tensor(Meta(o_out_idx), DType::kInt32, {R_}).value();
-      *record.mutable_num_accepted() =
-          session_->Tensor(Meta(o_out_acc), DType::kInt32, {R_}).value();
-      const auto t0 = Clock::now();
-      absl::StatusOr<v1::RecordStateBlocksResponse> r = session_->RecordStateBlocks(record);
-      latencies_.Add("RecordStateBlocks", Clock::now() - t0);
-      if (!r.ok()) return r.status();
-      TracePhase(s, "RecordStateBlocks done");
-      std::vector<int32_t> out(2 * batch_max_);
-      st = memory_->CopyOut(out.data(), Meta(o_out_idx), out.size() * 4);
-      if (!st.ok()) return st;
-      for (int i = 0; i < R_; ++i) {
-        const Request& r = requests_[i];
-        const int32_t want_idx =
-            r.live ? static_cast<int32_t>(std::min<int64_t>(
-                         (r.num_computed + accepted[i] - 1) / bs_, width_ - 1))
-                   : -7;
-        const int32_t want_acc = r.live ? 1 : -7;
-        ++report_.comparisons;
-        if (out[i] != want_idx || out[batch_max_ + i] != want_acc) {
-          Mismatch(absl::StrFormat(
-              "step %d, row %d: RecordStateBlocks wrote state_idx %d, num_accepted %d; expected "
-              "%d, %d",
-              s, i, out[i], out[batch_max_ + i], want_idx, want_acc));
-        }
+    return absl::OkStatus();
+  }
+
+  // Align mode: RecordStateBlocks into the metadata's poisoned output rows,
+  // then its outputs against what the step's rows imply.
+  absl::Status RecordStateBlocks(const StepPlan& p) {
+    v1::RecordStateBlocksRequest record;
+    record.set_step(p.step_id);
+    *record.mutable_idx_mapping() = session_->Index(Meta(p.at.map), {p.batch}).value();
+    *record.mutable_num_sampled() = session_->Index(Meta(p.at.sampled), {p.batch}).value();
+    *record.mutable_num_computed_tokens() = session_->Index(Meta(p.at.nc), {p.batch}).value();
+    if (p.remap) *record.mutable_request_indices() = session_->Index(Meta(p.at.req), {R_}).value();
+    record.set_block_table_width(width_);
+    *record.mutable_state_idx() =
+        session_->Tensor(Meta(p.at.out_idx), DType::kInt32, {R_}).value();
+    *record.mutable_num_accepted() =
+        session_->Tensor(Meta(p.at.out_acc), DType::kInt32, {R_}).value();
+    const auto t0 = Clock::now();
+    absl::StatusOr<v1::RecordStateBlocksResponse> r = session_->RecordStateBlocks(record);
+    latencies_.Add("RecordStateBlocks", Clock::now() - t0);
+    if (!r.ok()) return r.status();
+    TracePhase(p.step, "RecordStateBlocks done");
+    return CheckRecordedBlocks(p);
+  }
+
+  // RecordStateBlocks' outputs: a live row's state_idx is the column of its
+  // last accepted token and its num_accepted 1; a null row keeps the poison.
+  absl::Status CheckRecordedBlocks(const StepPlan& p) {
+    std::vector<int32_t> out(2 * batch_max_);
+    absl::Status st = memory_->CopyOut(out.data(), Meta(p.at.out_idx), out.size() * 4);
+    if (!st.ok()) return st;
+    for (int i = 0; i < R_; ++i) {
+      const Request& r = requests_[i];
+      const int32_t want_idx =
+          r.live ? static_cast<int32_t>(std::min<int64_t>(
+                       (r.num_computed + p.accepted[i] - 1) / bs_, width_ - 1))
+                 : -7;
+      const int32_t want_acc = r.live ? 1 : -7;
+      ++report_.comparisons;
+      if (out[i] != want_idx || out[batch_max_ + i] != want_acc) {
+        Mismatch(absl::StrFormat(
+            "step %d, row %d: RecordStateBlocks wrote state_idx %d, num_accepted %d; expected "
+            "%d, %d",
+            p.step, i, out[i], out[batch_max_ + i], want_idx, want_acc));
       }
     }
+    return absl::OkStatus();
+  }
 
-    // The committed states and conv windows against the stock path's.
+  // The committed states and conv windows against the stock path's, row by
+  // row; then each live row advances past its accepted tokens.
+  absl::Status CompareCommitted(const StepPlan& p) {
+    for (int i = 0; i < R_; ++i) {
+      if (!requests_[i].live) continue;
+      absl::Status st = CompareCommittedRow(p, i);
+      if (!st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+
+  // Row i: per layer, the committed state (column acc - 1) and the conv
+  // window ending at the last accepted token; in align mode also the state
+  // and window at a mamba-block boundary the accepted tokens crossed.
+  absl::Status CompareCommittedRow(const StepPlan& p, int i) {
+    Request& r = requests_[i];
+    const int acc = p.accepted[i];
+    report_.tokens_accepted += acc;
+    const int64_t nc = r.num_computed;
+    const int64_t fnc = nc + acc;
+    const int32_t final_block =
+        align_ ? r.table[std::min<int64_t>((fnc - 1) / bs_, width_ - 1)] : p.checkpoint[i];
+    int32_t boundary_block = 0;
+    int boundary_len = 0;
+    if (align_) {
+      const int64_t next_boundary = (nc / bs_ + 1) * bs_;
+      if (fnc >= next_boundary) {
+        boundary_block = r.table[next_boundary / bs_ - 1];
+        boundary_len = static_cast<int>(next_boundary - nc);
+      }
+    }
+    const int s = p.step;
+    for (int l = 0; l < L_; ++l) {
+      const std::vector<char>& updated = p.updated[i][l];
+      absl::Status st = CompareState(s, l, i, final_block, acc - 1, "committed state");
+      if (!st.ok()) return st;
+      std::vector<char> window = WindowEndingAt(updated, p.tokens[i], acc);
+      st = CompareWindow(s, l, i, final_block, window, "conv window");
+      if (!st.ok()) return st;
+      if (boundary_block > 0 && boundary_len < acc) {
+        st = CompareState(s, l, i, boundary_block, boundary_len - 1, "boundary state");
+        if (!st.ok()) return st;
+        st = CompareWindow(s, l, i, boundary_block,
+                           WindowEndingAt(updated, p.tokens[i], boundary_len),
+                           "boundary conv window");
+        if (!st.ok()) return st;
+        if (l == 0) ++report_.boundary_states;
+      }
+      r.window[l] = std::move(window);
+    }
+    r.acc_prev = acc;
+    r.num_computed = fnc;
+    return absl::OkStatus();
+  }
+
+  // The [D][hl] conv window after the first `len` of a row's `tokens` tokens,
+  // cut from its updated columns [D][hl - 1 + tokens].
+  std::vector<char> WindowEndingAt(const std::vector<char>& updated, int tokens, int len) const {
+    const int cols = hl_ - 1 + tokens;
+    std::vector<char> window(int64_t{D_} * hl_ * as_);
+    for (int d = 0; d < D_; ++d) {
+      std::memcpy(window.data() + int64_t{d} * hl_ * as_,
+                  updated.data() + (int64_t{d} * cols + len - 1) * as_, hl_ * as_);
+    }
+    return window;
+  }
+
+  // The verdict's own test (`corrupt_after_step`): flips one mantissa bit of
+  // the first element of the first live request's running state, in the
+  // service's pool, through the exported handle; the request never finishes.
+  absl::Status CorruptARunningState() {
     for (int i = 0; i < R_; ++i) {
       Request& r = requests_[i];
       if (!r.live) continue;
-      const int acc = accepted[i];
-      report_.tokens_accepted += acc;
-      const int64_t nc = r.num_computed;
-      const int64_t fnc = nc + acc;
-      const int32_t final_block =
-          align_ ? r.table[std::min<int64_t>((fnc - 1) / bs_, width_ - 1)] : checkpoint[i];
-      int32_t boundary_block = 0;
-      int boundary_len = 0;
-      if (align_) {
-        const int64_t next_boundary = (nc / bs_ + 1) * bs_;
-        if (fnc >= next_boundary) {
-          boundary_block = r.table[next_boundary / bs_ - 1];
-          boundary_len = static_cast<int>(next_boundary - nc);
-        }
-      }
-      const int cols = hl_ - 1 + tokens[i];
-      for (int l = 0; l < L_; ++l) {
-        st = CompareState(s, l, i, final_block, acc - 1, "committed state");
-        if (!st.ok()) return st;
-        std::vector<char> window(int64_t{D_} * hl_ * as_);
-        for (int d = 0; d < D_; ++d) {
-          std::memcpy(window.data() + int64_t{d} * hl_ * as_,
-                      updated[i][l].data() + (int64_t{d} * cols + acc - 1) * as_, hl_ * as_);
-        }
-        st = CompareWindow(s, l, i, final_block, window, "conv window");
-        if (!st.ok()) return st;
-        if (boundary_block > 0 && boundary_len < acc) {
-          st = CompareState(s, l, i, boundary_block, boundary_len - 1, "boundary state");
-          if (!st.ok()) return st;
-          std::vector<char> bwin(int64_t{D_} * hl_ * as_);
-          for (int d = 0; d < D_; ++d) {
-            std::memcpy(bwin.data() + int64_t{d} * hl_ * as_,
-                        updated[i][l].data() + (int64_t{d} * cols + boundary_len - 1) * as_,
-                        hl_ * as_);
-          }
-          st = CompareWindow(s, l, i, boundary_block, bwin, "boundary conv window");
-          if (!st.ok()) return st;
-          if (l == 0) ++report_.boundary_states;
-        }
-        r.window[l] = std::move(window);
-      }
-      r.acc_prev = acc;
-      r.num_computed = fnc;
-    }
-
-    if (s == options_.corrupt_after_step) {
-      for (int i = 0; i < R_; ++i) {
-        Request& r = requests_[i];
-        if (!r.live) continue;
-        // Flip one mantissa bit of the first element of the request's running
-        // state, in the service's pool, through the exported handle.
-        char* p = StateBlock(0, r.table[CheckpointColumn(r)]);
-        uint32_t word = 0;
-        st = memory_->CopyOut(&word, p, ss_);
-        if (!st.ok()) return st;
-        word ^= ss_ == 4 ? (1u << 20) : (1u << 5);
-        st = memory_->CopyIn(p, &word, ss_);
-        if (!st.ok()) return st;
-        r.pinned = true;
-        break;
-      }
+      char* p = StateBlock(0, r.table[CheckpointColumn(r)]);
+      uint32_t word = 0;
+      absl::Status st = memory_->CopyOut(&word, p, ss_);
+      if (!st.ok()) return st;
+      word ^= ss_ == 4 ? (1u << 20) : (1u << 5);
+      st = memory_->CopyIn(p, &word, ss_);
+      if (!st.ok()) return st;
+      r.pinned = true;
+      break;
     }
     return absl::OkStatus();
   }

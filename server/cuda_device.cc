@@ -27,6 +27,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda_status.h"
 #include "server/device.h"
 #include "server/log.h"
 #include "server/phase_profile.h"
@@ -35,21 +36,12 @@ namespace specstate {
 namespace server {
 namespace {
 
-absl::Status CudaError(cudaError_t err, absl::string_view what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  const std::string message = absl::StrCat(what, ": ", cudaGetErrorString(err));
-  if (err == cudaErrorMemoryAllocation) return absl::ResourceExhaustedError(message);
-  if (err == cudaErrorInvalidValue || err == cudaErrorInvalidResourceHandle ||
-      err == cudaErrorMapBufferObjectFailed || err == cudaErrorInvalidDevice) {
-    return absl::InvalidArgumentError(message);
-  }
-  return absl::InternalError(message);
-}
+using kernels::CudaStatus;
 
-#define SPECSTATE_CUDA_RETURN(expr, what)                                 \
-  do {                                                                    \
-    const cudaError_t specstate_err = (expr);                             \
-    if (specstate_err != cudaSuccess) return CudaError(specstate_err, what); \
+#define SPECSTATE_CUDA_RETURN(expr, what)                                     \
+  do {                                                                        \
+    const cudaError_t specstate_err = (expr);                                 \
+    if (specstate_err != cudaSuccess) return CudaStatus(specstate_err, what); \
   } while (0)
 
 using WaitValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
@@ -117,7 +109,7 @@ class StreamScratch final : public Scratch {
                           "cudaMallocAsync for an inline tensor");
     buffers_.push_back(p);
     SPECSTATE_CUDA_RETURN(cudaMemcpyAsync(p, host, bytes, cudaMemcpyHostToDevice, stream_),
-                          "copying an inline tensor");
+                          "cudaMemcpyAsync of an inline tensor");
     return p;
   }
 
@@ -134,7 +126,7 @@ class CudaDevice final : public Device {
     if (err != cudaSuccess || count == 0) {
       return absl::UnavailableError(absl::StrCat(
           "no CUDA device is available (",
-          err != cudaSuccess ? cudaGetErrorString(err) : "0 devices", ")"));
+          err != cudaSuccess ? kernels::DescribeCudaError(err) : "0 devices", ")"));
     }
     if (ordinal < 0 || ordinal >= count) {
       return absl::InvalidArgumentError(
@@ -232,16 +224,16 @@ class CudaDevice final : public Device {
   absl::Status CopyToDevice(void* device, const void* host, uint64_t bytes) override {
     return SubmitAndWait([=](kernels::Stream s) {
       const auto stream = static_cast<cudaStream_t>(s);
-      return CudaError(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream),
-                       "cudaMemcpyAsync");
+      return CudaStatus(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream),
+                        "cudaMemcpyAsync");
     });
   }
 
   absl::Status CopyFromDevice(void* host, const void* device, uint64_t bytes) override {
     return SubmitAndWait([=](kernels::Stream s) {
       const auto stream = static_cast<cudaStream_t>(s);
-      return CudaError(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream),
-                       "cudaMemcpyAsync");
+      return CudaStatus(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream),
+                        "cudaMemcpyAsync");
     });
   }
 
@@ -458,8 +450,9 @@ class CudaDevice final : public Device {
           ReleaseCancelledWaits();
         }
       } else {
-        launched = CudaError(cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(wait.event), 0),
-                             "cudaStreamWaitEvent");
+        launched = CudaStatus(
+            cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(wait.event), 0),
+            "cudaStreamWaitEvent");
         if (!launched.ok()) break;
       }
     }
@@ -509,7 +502,7 @@ class CudaDevice final : public Device {
         // waiting for this thread with the engine's lock held).
         if (completion != nullptr) ReturnEvent(completion);
         completion = nullptr;
-        launched = CudaError(record, "recording a completion event");
+        launched = CudaStatus(record, "recording a completion event");
         LogError(launched.ToString());
       }
     }
@@ -563,7 +556,7 @@ class CudaDevice final : public Device {
   absl::Status Zero(void* p, uint64_t bytes) {
     return SubmitAndWait([=](kernels::Stream s) {
       const auto stream = static_cast<cudaStream_t>(s);
-      return CudaError(cudaMemsetAsync(p, 0, bytes, stream), "cudaMemsetAsync");
+      return CudaStatus(cudaMemsetAsync(p, 0, bytes, stream), "cudaMemsetAsync");
     });
   }
 
@@ -694,7 +687,8 @@ class CudaDevice final : public Device {
         // The device failed while running this work (or earlier work): its
         // statuses were not copied back, so they must not be read as OK.
         const cudaError_t synced = cudaEventSynchronize(last.completion);
-        batch_failure = CudaError(synced, "the device failed while running this call");
+        batch_failure =
+            CudaStatus(synced, "the device failed while running this call (cudaEventSynchronize)");
         // A kernel's fault poisons the context: every later call fails too.
         if (synced != cudaSuccess && cudaPeekAtLastError() != cudaSuccess) {
           std::lock_guard<std::mutex> lock(mu_);

@@ -30,6 +30,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda_status.h"
 #include "kernels/internal/checks.h"
 #include "kernels/internal/dispatch.h"
 #include "kernels/kda_args.h"
@@ -781,10 +782,11 @@ bool ViewInputsAligned(const LayerView& l, const KdaShape& shape, size_t elem) {
   return InputsAligned(l.q, l.q_stride, l.k, l.k_stride, l.v, l.v_stride, l.g, shape, elem);
 }
 
-absl::Status CudaStatus(cudaError_t err, absl::string_view op) {
+// A failed launch (or an earlier fault it reports), named like the kernels'
+// other errors: "In Verify: CUDA kernel launch: <description> (<name>)".
+absl::Status LaunchStatus(cudaError_t err, absl::string_view op) {
   if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(
-      absl::StrCat("In ", op, ": CUDA launch failed: ", cudaGetErrorString(err)));
+  return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
 }
 
 absl::Status Unsupported(absl::string_view op) {
@@ -855,7 +857,7 @@ class CudaKernels final : public KdaKernels {
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     StockCheckKernel<<<1, kCheckThreads, 0, s>>>(a);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.num_rows == 0) {
-      return CudaStatus(err, "Stock");
+      return LaunchStatus(err, "Stock");
     }
     RecurrentLaunch p{};
     p.num_rows = a.num_rows;
@@ -875,14 +877,14 @@ class CudaKernels final : public KdaKernels {
                       kPipelined>(
           p, 1, s);
     });
-    return ok ? CudaStatus(err, "Stock") : Unsupported("Stock");
+    return ok ? LaunchStatus(err, "Stock") : Unsupported("Stock");
   }
 
   absl::Status LaunchVerify(const VerifyArgs& a, Stream stream) const override {
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     VerifyCheckKernel<<<1, kCheckThreads, 0, s>>>(a);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.num_rows == 0) {
-      return CudaStatus(err, "Verify");
+      return LaunchStatus(err, "Verify");
     }
     RecurrentLaunch p{};
     p.num_rows = a.num_rows;
@@ -909,7 +911,7 @@ class CudaKernels final : public KdaKernels {
                       kPipelined>(
           p, 1, s);
     });
-    return ok ? CudaStatus(err, "Verify") : Unsupported("Verify");
+    return ok ? LaunchStatus(err, "Verify") : Unsupported("Verify");
   }
 
   absl::Status LaunchCommit(const CommitArgs& a, Stream stream) const override {
@@ -918,7 +920,7 @@ class CudaKernels final : public KdaKernels {
     const int history_len = a.layers[0].conv.width - a.spec_query_len + 1;
     CommitPlanKernel<<<1, kCheckThreads, 0, s>>>(a, num_blocks);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.num_rows == 0) {
-      return CudaStatus(err, "Commit");
+      return LaunchStatus(err, "Commit");
     }
 
     const int dim_blocks = (a.layers[0].conv.dim + kConvThreads - 1) / kConvThreads;
@@ -931,7 +933,7 @@ class CudaKernels final : public KdaKernels {
     });
     if (const cudaError_t err = conv_err != cudaSuccess ? conv_err : cudaGetLastError();
         err != cudaSuccess) {
-      return CudaStatus(err, "Commit");
+      return LaunchStatus(err, "Commit");
     }
 
     RecurrentLaunch p{};
@@ -962,18 +964,18 @@ class CudaKernels final : public KdaKernels {
                       kPipelined>(
           p, a.num_layers, s);
     });
-    return ok ? CudaStatus(err, "Commit") : Unsupported("Commit");
+    return ok ? LaunchStatus(err, "Commit") : Unsupported("Commit");
   }
 
   absl::Status LaunchRecordStateBlocks(const RecordStateBlocksArgs& a,
                                        Stream stream) const override {
     RecordStateBlocksKernel<<<1, kCheckThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
-    return CudaStatus(cudaGetLastError(), "RecordStateBlocks");
+    return LaunchStatus(cudaGetLastError(), "RecordStateBlocks");
   }
 
   absl::Status LaunchLoadParams(const LoadParamsArgs& a, Stream stream) const override {
     LoadParamsKernel<<<1, kCheckThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
-    return CudaStatus(cudaGetLastError(), "LoadParams");
+    return LaunchStatus(cudaGetLastError(), "LoadParams");
   }
 
  private:
@@ -1037,7 +1039,7 @@ absl::Status CopyToHostOnStream(void* host, const void* device, uint64_t bytes, 
   CopyToHostKernel<<<static_cast<unsigned>(std::max<uint64_t>(blocks, 1)), 256, 0,
                      static_cast<cudaStream_t>(stream)>>>(
       static_cast<char*>(host), static_cast<const char*>(device), bytes);
-  return CudaStatus(cudaGetLastError(), "CopyToHostOnStream");
+  return LaunchStatus(cudaGetLastError(), "CopyToHostOnStream");
 }
 
 absl::StatusOr<const KdaKernels*> CudaKdaKernels() {
@@ -1046,7 +1048,7 @@ absl::StatusOr<const KdaKernels*> CudaKdaKernels() {
   if (err != cudaSuccess || devices == 0) {
     return absl::UnavailableError(absl::StrCat(
         "no CUDA device is available (",
-        err != cudaSuccess ? cudaGetErrorString(err) : "no devices", ")"));
+        err != cudaSuccess ? DescribeCudaError(err) : "no devices", ")"));
   }
   return LayoutVariants()[0].kernels;
 }

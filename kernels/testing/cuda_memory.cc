@@ -5,33 +5,16 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/string_view.h"
+#include "kernels/cuda_status.h"
 
 namespace specstate {
 namespace kernels {
 namespace testing {
 namespace cuda_memory {
-namespace {
-
-absl::Status FromCuda(cudaError_t err, absl::string_view what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  const std::string message = absl::StrCat(what, ": ", cudaGetErrorString(err));
-  switch (err) {
-    case cudaErrorMemoryAllocation:
-      return absl::ResourceExhaustedError(message);
-    case cudaErrorNoDevice:
-    case cudaErrorInsufficientDriver:
-      return absl::UnavailableError(message);
-    default:
-      return absl::InternalError(message);
-  }
-}
-
-}  // namespace
 
 absl::Status AllocateHost(size_t bytes, void** ptr) {
   *ptr = nullptr;
-  return FromCuda(cudaMallocHost(ptr, bytes), absl::StrCat("cudaMallocHost(", bytes, ")"));
+  return CudaStatus(cudaMallocHost(ptr, bytes), absl::StrCat("cudaMallocHost(", bytes, ")"));
 }
 
 void FreeHost(void* ptr) {
@@ -40,9 +23,9 @@ void FreeHost(void* ptr) {
 
 absl::Status Allocate(size_t bytes, void** ptr) {
   *ptr = nullptr;
-  absl::Status s = FromCuda(cudaMalloc(ptr, bytes), absl::StrCat("cudaMalloc(", bytes, ")"));
+  absl::Status s = CudaStatus(cudaMalloc(ptr, bytes), absl::StrCat("cudaMalloc(", bytes, ")"));
   if (!s.ok()) return s;
-  s = FromCuda(cudaMemset(*ptr, 0, bytes), "cudaMemset");
+  s = CudaStatus(cudaMemset(*ptr, 0, bytes), "cudaMemset");
   if (!s.ok()) {
     cudaFree(*ptr);
     *ptr = nullptr;
@@ -53,16 +36,16 @@ absl::Status Allocate(size_t bytes, void** ptr) {
 void Free(void* ptr) { cudaFree(ptr); }
 
 absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) {
-  return FromCuda(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy to device");
+  return CudaStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), "cudaMemcpy to device");
 }
 
 absl::Status CopyToHost(void* dst, const void* src, size_t bytes) {
-  return FromCuda(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy to host");
+  return CudaStatus(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy to host");
 }
 
 absl::Status CreateStream(Stream* stream) {
   cudaStream_t s = nullptr;
-  const absl::Status status = FromCuda(cudaStreamCreate(&s), "cudaStreamCreate");
+  const absl::Status status = CudaStatus(cudaStreamCreate(&s), "cudaStreamCreate");
   *stream = s;
   return status;
 }
@@ -70,7 +53,7 @@ absl::Status CreateStream(Stream* stream) {
 void DestroyStream(Stream stream) { cudaStreamDestroy(static_cast<cudaStream_t>(stream)); }
 
 absl::Status Synchronize(Stream stream) {
-  return FromCuda(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)),
+  return CudaStatus(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)),
                   "cudaStreamSynchronize");
 }
 

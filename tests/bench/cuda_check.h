@@ -11,14 +11,17 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define CHECK_CUDA(expr)                                                        \
-  do {                                                                          \
-    const cudaError_t bench_err = (expr);                                       \
-    if (bench_err != cudaSuccess) {                                             \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,       \
-                   cudaGetErrorString(bench_err));                              \
-      std::exit(1);                                                             \
-    }                                                                           \
+#include "kernels/cuda_status.h"
+
+// Prints "file:line: CODE: expr: description (cudaErrorName)" and exits.
+#define CHECK_CUDA(expr)                                                                   \
+  do {                                                                                     \
+    const cudaError_t bench_err = (expr);                                                  \
+    if (bench_err != cudaSuccess) {                                                        \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__,                              \
+                   ::specstate::kernels::CudaStatus(bench_err, #expr).ToString().c_str()); \
+      std::exit(1);                                                                        \
+    }                                                                                      \
   } while (0)
 
 namespace specstate {
