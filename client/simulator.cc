@@ -817,7 +817,7 @@ class Simulator {
     return absl::OkStatus();
   }
 
-  // The scheduler's conv update (SEMANTICS.md): the block's columns become
+  // The scheduler's conv update (docs/semantics.md): the block's columns become
   // [h_2..h_hl, x_0..x_{T-1}]; the window the next step reads is the hl
   // columns ending at the last accepted token. Keeps each row's updated
   // columns in `p.updated` for the window checks after Commit.

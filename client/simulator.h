@@ -4,7 +4,7 @@
 //
 // Each step, for every request: random drafts (1..Q tokens) and activations
 // for every layer, the scheduler's conv update done on the exported conv
-// pool (SEMANTICS.md's contract), Verify on every layer, random accepted
+// pool (docs/semantics.md's contract), Verify on every layer, random accepted
 // counts, Commit, and in align mode RecordStateBlocks; requests finish and
 // new ones arrive (their initial state written into the pools, as a prefill
 // would). Beside it the simulator runs the stock kernel on its own memory
