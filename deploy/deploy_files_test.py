@@ -22,6 +22,7 @@ SYSUSERS = "deploy/systemd/specstate.sysusers"
 
 SOCKET_DIR = "/run/specstate"
 SOCKET_ADDR = "unix:///run/specstate/specstate.sock"
+METRICS_PATH = "/metrics"  # where specstated's --metrics_listen serves them
 
 SCALARS = {
     "double": float, "float": float, "bool": bool, "string": str, "bytes": str,
@@ -259,6 +260,23 @@ class KubernetesTest(unittest.TestCase):
         self.assertEqual(ProtoJsonChecker(read(PROTO)).errors(config, "ServiceConfig"), [])
         self.assertEqual(config["listen"], SOCKET_ADDR)
 
+    def test_metrics_port_and_scrape_annotations_agree_with_the_flag(self):
+        specstated = self.containers["specstated"]
+        listen = flag(specstated["args"], "metrics_listen")
+        self.assertTrue(listen, "specstated has no --metrics_listen")
+        host, _, port = listen.rpartition(":")
+        # The scraper dials the pod IP, which a loopback address does not serve.
+        self.assertEqual(host, "0.0.0.0")
+        self.assertTrue(port.isdigit() and 0 < int(port) < 65536, port)
+        ports = {p["name"]: p for p in specstated.get("ports", [])}
+        self.assertEqual(ports["metrics"]["containerPort"], int(port))
+        self.assertEqual(ports["metrics"].get("protocol", "TCP"), "TCP")
+        annotations = self.deployment["spec"]["template"]["metadata"]["annotations"]
+        # Annotation values must be strings: an unquoted true or 9464 is not.
+        self.assertEqual(annotations.get("prometheus.io/scrape"), "true")
+        self.assertEqual(annotations.get("prometheus.io/port"), port)
+        self.assertEqual(annotations.get("prometheus.io/path"), METRICS_PATH)
+
     def config(self):
         data = self.by_kind["ConfigMap"]["data"]
         self.assertEqual(len(data), 1)
@@ -336,6 +354,13 @@ class DockerfileTest(unittest.TestCase):
         copied = " ".join(args for word, args in self.instructions if word == "COPY").split()
         self.assertIn("specstated", copied)
         self.assertIn("specstate-health", copied)
+
+    def test_installs_the_metrics_libraries(self):
+        # What `ldd specstated` lists for --metrics_listen (prometheus-cpp's
+        # pull exposer and its HTTP server, civetweb).
+        installed = " ".join(args for word, args in self.instructions if word == "RUN").split()
+        for package in ("libprometheus-cpp-core1.0", "libprometheus-cpp-pull1.0", "libcivetweb1"):
+            self.assertIn(package, installed)
 
     def test_health_check_uses_the_socket(self):
         command = json.loads(self.last("HEALTHCHECK").split("CMD", 1)[1])

@@ -562,6 +562,7 @@ std::function<void(absl::Status)> Engine::Completion(
       --s.in_flight;
       const kernels::DeviceStatus& status = s.status_host[status_index];
       if (result.ok() && status.failed != 0) {  // the message only then
+        ++counters_.device_check_failures;
         const int L = layout_.num_layers();
         result = kernels::DeviceStatusToStatus(
             status, status_index < L    ? absl::StrCat("Verify of layer ", status_index)
@@ -688,12 +689,14 @@ void Engine::LoadLayerParams(const std::string& session, const v1::LoadLayerPara
     absl::Status result = launched;
     if (absl::Status lost = LostRegions(*pins); !lost.ok()) result = lost;
     pins->clear();  // the regions may go now
+    const bool check_failed = result.ok() && mirror->failed != 0;
     if (result.ok()) {
       result = kernels::DeviceStatusToStatus(
           *mirror, absl::StrCat("LoadLayerParams of layer ", layer_index));
     }
     {
       absl::MutexLock lock(&mu_);
+      if (check_failed) ++counters_.device_check_failures;
       if (result.ok()) layers_[layer_index].params_loaded = true;
       param_mirrors_.push_back(mirror);
     }

@@ -46,6 +46,10 @@ struct EngineCounters {
   uint64_t tokens_verified = 0;
   uint64_t tokens_committed = 0;
   uint64_t state_bytes_saved = 0;
+  // Calls answered with the error of a device-side check of their inputs
+  // (kernels::DeviceStatus): Verify, Commit, RecordStateBlocks and
+  // LoadLayerParams.
+  uint64_t device_check_failures = 0;
 };
 
 class Engine {

@@ -37,6 +37,7 @@
 #include "server/config.h"
 #include "server/engine.h"
 #include "server/log.h"
+#include "server/metrics.h"
 #include "server/service.h"
 
 // Every flag's default is the default configuration's value (config.cc's
@@ -73,6 +74,11 @@ ABSL_FLAG(int, stuck_stream_ms, 30000,
           "(ms)");
 ABSL_FLAG(int, submit_spin_us, 200,
           "CUDA: how long the submitting thread polls before it sleeps (us, <= 100000)");
+// Not a ServiceConfig field: where metrics are served is the deployment's
+// choice, not the layout's.
+ABSL_FLAG(std::string, metrics_listen, "",
+          "serve Prometheus metrics over HTTP at http://HOST:PORT/metrics (e.g. 0.0.0.0:9464; "
+          "port 0 picks a free one, logged at start); off when empty");
 
 namespace specstate {
 namespace server {
@@ -299,6 +305,13 @@ int Run() {
     LogError(config.status().ToString());
     return 2;
   }
+  const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  if (!metrics_listen.empty()) {
+    if (absl::Status st = Metrics::CheckListen(metrics_listen); !st.ok()) {
+      LogError(st.ToString());
+      return 2;
+    }
+  }
   absl::StatusOr<std::unique_ptr<Device>> device = OpenDevice(*config);
   if (!device.ok()) {
     LogError(absl::StrCat("cannot open the device: ", device.status().ToString()));
@@ -324,6 +337,21 @@ int Run() {
       LogError(absl::StrCat("cannot listen on ", listen, ": ", ready.message()));
       return 1;
     }
+  }
+
+  // Before the gRPC server: a port that cannot be had stops the start
+  // before the socket exists. Scrapes read the service's stats; nothing is
+  // recorded for them.
+  std::unique_ptr<Metrics> metrics;
+  if (!metrics_listen.empty()) {
+    absl::StatusOr<std::unique_ptr<Metrics>> served =
+        Metrics::Serve(metrics_listen, [&service] { return service.CollectStats(); });
+    if (!served.ok()) {
+      LogError(served.status().ToString());
+      return 1;
+    }
+    metrics = *std::move(served);
+    LogInfo(absl::StrCat("metrics: serving on ", metrics->url()));
   }
 
   // Referenced so the linker keeps grpc.health.v1's descriptor, which server
@@ -405,6 +433,9 @@ int Run() {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   server->Wait();
   if (!socket_path.empty()) unlink(socket_path.c_str());
+  // Stops its HTTP server (up to 2 s: civetweb's poll interval) before the
+  // service goes.
+  metrics.reset();
   return 0;
 }
 
@@ -441,7 +472,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "the SpecState speculative-decoding state service.\n"
       "  specstated [--config=FILE] [--listen=unix:///PATH|HOST:PORT] [--backend=auto|cpu|cuda] "
-      "[layout flags]");
+      "[--metrics_listen=HOST:PORT] [layout flags]");
   absl::ParseCommandLine(argc, argv);
   return specstate::server::Run();
 }

@@ -91,28 +91,35 @@ grpc::ServerUnaryReactor* SpecStateService::Ping(grpc::CallbackServerContext* ct
   return reactor;
 }
 
+v1::Stats SpecStateService::CollectStats() const {
+  v1::Stats stats;
+  const EngineCounters c = engine_->counters();
+  stats.set_steps_verified(c.steps_verified);
+  stats.set_steps_committed(c.steps_committed);
+  stats.set_steps_failed(c.steps_failed);
+  stats.set_rows_verified(c.rows_verified);
+  stats.set_rows_committed(c.rows_committed);
+  stats.set_tokens_verified(c.tokens_verified);
+  stats.set_tokens_committed(c.tokens_committed);
+  stats.set_state_bytes_saved(c.state_bytes_saved);
+  stats.set_device_check_failures(c.device_check_failures);
+  stats.set_sessions(sessions_->Count());
+  stats.set_regions(engine_->regions().Count());
+  stats.set_driver(sessions_->DriverDescription());
+  stats.set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
+  const std::string problem = engine_->HealthProblem();
+  stats.set_health(problem.empty() ? "SERVING" : absl::StrCat("NOT_SERVING: ", problem));
+  for (std::string& warning : engine_->Warnings()) stats.add_warnings(std::move(warning));
+  stats_.ToProto(&stats);
+  return stats;
+}
+
 grpc::ServerUnaryReactor* SpecStateService::GetStats(grpc::CallbackServerContext* ctx,
                                                      const v1::GetStatsRequest*,
                                                      v1::Stats* response) {
   const absl::Time start = absl::Now();
   auto* reactor = ctx->DefaultReactor();
-  const EngineCounters c = engine_->counters();
-  response->set_steps_verified(c.steps_verified);
-  response->set_steps_committed(c.steps_committed);
-  response->set_steps_failed(c.steps_failed);
-  response->set_rows_verified(c.rows_verified);
-  response->set_rows_committed(c.rows_committed);
-  response->set_tokens_verified(c.tokens_verified);
-  response->set_tokens_committed(c.tokens_committed);
-  response->set_state_bytes_saved(c.state_bytes_saved);
-  response->set_sessions(sessions_->Count());
-  response->set_regions(engine_->regions().Count());
-  response->set_driver(sessions_->DriverDescription());
-  response->set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
-  const std::string problem = engine_->HealthProblem();
-  response->set_health(problem.empty() ? "SERVING" : absl::StrCat("NOT_SERVING: ", problem));
-  for (std::string& warning : engine_->Warnings()) response->add_warnings(std::move(warning));
-  stats_.ToProto(response);
+  *response = CollectStats();
   Finish(reactor, "GetStats", start, absl::OkStatus());
   return reactor;
 }

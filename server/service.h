@@ -31,6 +31,11 @@ class SpecStateService final : public v1::SpecState::CallbackService {
 
   SessionManager& sessions() { return *sessions_; }
 
+  // What GetStats answers: the engine's counters, sessions, regions, health
+  // and the per-RPC stats, each read under its own lock. Safe from any
+  // thread (the metrics exposer calls it on each scrape).
+  v1::Stats CollectStats() const;
+
   // Finishes every session stream (UNAVAILABLE), before the server shuts down.
   void EndAllSessions();
 

@@ -1,4 +1,5 @@
-"""Exposes Debian's gRPC, protobuf, Abseil and GoogleTest to Bazel, offline.
+"""Exposes Debian's gRPC, protobuf, Abseil, GoogleTest and prometheus-cpp to
+Bazel, offline.
 
 A repository rule runs `pkg-config` once at fetch time and writes one
 `cc_library` per library with the link flags it reports. The targets carry no
@@ -31,6 +32,9 @@ _LIBS = {
     "grpc_reflection": ([], ["-Wl,--no-as-needed", "-lgrpc++_reflection", "-Wl,--as-needed"]),
     "gtest": (["gtest", "gmock"], []),
     "gtest_main": (["gtest_main"], []),
+    # prometheus-cpp (prometheus-cpp-dev): the registry types and the pull
+    # exposer (an HTTP server, civetweb) that serves /metrics.
+    "prometheus": (["prometheus-cpp-pull", "prometheus-cpp-core"], []),
 }
 
 _TOOLS = {

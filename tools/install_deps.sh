@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages SpecState builds and tests with (offline
-# Bazel, gRPC, protobuf, Abseil, GoogleTest, Python's grpcio and numpy).
+# Bazel, gRPC, protobuf, Abseil, GoogleTest, prometheus-cpp, Python's grpcio
+# and numpy).
 # Safe to run again: apt-get skips what is there.
 set -euo pipefail
 packages=(
   bazel-bootstrap bazel-rules-java
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libabsl-dev libgtest-dev pkg-config g++
+  libabsl-dev libgtest-dev prometheus-cpp-dev pkg-config g++
   python3 python3-grpcio python3-protobuf python3-numpy python3-yaml
 )
 missing=()
