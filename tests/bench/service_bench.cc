@@ -297,6 +297,10 @@ struct InProcess {
   kernels::DeviceStatus* status;
   kernels::DeviceStatus* statuses;       // [L + 2], zero: the step's earlier calls passed
   kernels::DeviceStatus* mirror;         // pinned host memory
+  // The step's copy of its indices, as the service keeps one per step: the
+  // first layer's Verify writes it, the later ones compare against it.
+  int32_t* snapshot_query_start_loc;     // [max_rows + 1]
+  int32_t* snapshot_state_indices;       // [max_rows]
   cudaEvent_t completion;
 };
 
@@ -338,6 +342,8 @@ InProcess MakeInProcess(const Scheduler& s, std::mt19937& rng) {
   CHECK_CUDA(cudaMalloc(&p.statuses, (s.L + 2) * sizeof(kernels::DeviceStatus)));
   CHECK_CUDA(cudaMemset(p.statuses, 0, (s.L + 2) * sizeof(kernels::DeviceStatus)));
   CHECK_CUDA(cudaHostAlloc(&p.mirror, sizeof(kernels::DeviceStatus), cudaHostAllocDefault));
+  CHECK_CUDA(cudaMalloc(&p.snapshot_query_start_loc, (s.layout.max_rows() + 1) * sizeof(int32_t)));
+  CHECK_CUDA(cudaMalloc(&p.snapshot_state_indices, s.layout.max_rows() * sizeof(int32_t)));
   CHECK_CUDA(cudaEventCreateWithFlags(&p.completion, cudaEventDisableTiming));
   return p;
 }
@@ -364,6 +370,13 @@ kernels::VerifyArgs InProcessVerifyArgs(const Scheduler& s, const InProcess& p, 
   a.query_start_loc = s.qsl;
   a.state_indices = {s.checkpoints, 1, 1};
   a.status = p.status;
+  if (l == 0) {
+    a.snapshot_query_start_loc = p.snapshot_query_start_loc;
+    a.snapshot_state_indices = p.snapshot_state_indices;
+  } else {
+    a.expected_query_start_loc = p.snapshot_query_start_loc;
+    a.expected_state_indices = p.snapshot_state_indices;
+  }
   return a;
 }
 
