@@ -29,15 +29,18 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
-#include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
-#include "grpc/health/v1/health.pb.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpc/reflection/v1/reflection.grpc.pb.h"
+#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/kda_kernels.h"
+#include "proto/served_descriptor_set.h"
 #include "server/config.h"
 #include "server/engine.h"
 #include "server/log.h"
 #include "server/metrics.h"
+#include "server/reflection.h"
 #include "server/service.h"
 
 // Every flag's default is the default configuration's value (config.cc's
@@ -354,14 +357,23 @@ int Run() {
     LogInfo(absl::StrCat("metrics: serving on ", metrics->url()));
   }
 
-  // Referenced so the linker keeps grpc.health.v1's descriptor, which server
-  // reflection hands to grpcurl.
-  (void)grpc::health::v1::HealthCheckRequest::descriptor();
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  // Server reflection from the embedded descriptor set, which keeps the
+  // .proto files' comments (grpcurl describe shows them); list_services
+  // names every service registered here.
+  absl::StatusOr<std::unique_ptr<ReflectionService>> reflection = ReflectionService::Create(
+      proto::ServedDescriptorSet(),
+      {v1::SpecState::service_full_name(), grpc::health::v1::Health::service_full_name(),
+       grpc::reflection::v1::ServerReflection::service_full_name(),
+       grpc::reflection::v1alpha::ServerReflection::service_full_name()});
+  if (!reflection.ok()) {
+    LogError(absl::StrCat("cannot serve reflection: ", reflection.status().ToString()));
+    return 1;
+  }
+  grpc::EnableDefaultHealthCheckService(true);  // grpc.health.v1.Health
   grpc::ServerBuilder builder;
   builder.AddListeningPort(listen, grpc::InsecureServerCredentials());
   builder.RegisterService(&service);
+  for (grpc::Service* s : (*reflection)->services()) builder.RegisterService(s);
   builder.SetMaxReceiveMessageSize(64 << 20);
   builder.SetMaxSendMessageSize(512 << 20);  // ReadState with values of a large block
   // The socket is created owner-only: only this user's processes may drive it.

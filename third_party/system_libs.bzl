@@ -28,8 +28,9 @@ _LIBS = {
     ], []),
     "protobuf": (["protobuf"], []),
     "grpc": (["grpc++", "protobuf"], []),
-    # Debian ships no grpc++_reflection.pc.
-    "grpc_reflection": ([], ["-Wl,--no-as-needed", "-lgrpc++_reflection", "-Wl,--as-needed"]),
+    # No grpc_reflection (-lgrpc++_reflection): specstated serves reflection
+    # itself (server/reflection.h), and gRPC's library would register the
+    # same v1alpha messages a second time (protobuf aborts at start).
     "gtest": (["gtest", "gmock"], []),
     "gtest_main": (["gtest_main"], []),
     # prometheus-cpp (prometheus-cpp-dev): the registry types and the pull
