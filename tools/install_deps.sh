@@ -7,7 +7,7 @@ set -euo pipefail
 packages=(
   bazel-bootstrap bazel-rules-java
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
-  libabsl-dev libgtest-dev prometheus-cpp-dev pkg-config g++
+  libabsl-dev libgtest-dev libgmock-dev prometheus-cpp-dev pkg-config g++
   python3 python3-grpcio python3-protobuf python3-numpy python3-yaml
 )
 missing=()

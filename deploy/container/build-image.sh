@@ -1,61 +1,76 @@
 #!/usr/bin/env bash
-# Builds the specstated container image on this machine, with no Docker engine
-# and no registry, and prints its name:
+# Builds the specstated image from deploy/container/Dockerfile with Debian's
+# buildah (no Docker engine, no registry), then checks it with check-image.sh:
 #
-#   deploy/container/build-image.sh [IMAGE]      # default localhost/specstated:latest
+#   sudo deploy/container/build-image.sh [IMAGE]
 #
-# 1. bazel build //server:specstated //deploy/health:specstate-health
-#    (SPECSTATE_CUDA=0 in the environment gives a CPU-only binary);
-# 2. the Debian 12 base image, localhost/specstate-base:bookworm: made once with
+# IMAGE defaults to localhost/specstated:latest (CPU-only binaries), or
+# localhost/specstated:cuda with SPECSTATE_CUDA=1, which builds the CUDA
+# backend with the host's toolkit ($CUDA_PATH, default /usr/local/cuda)
+# mounted read-only into the build stage's RUN steps.
+#
+# 1. The Debian 12 base, localhost/specstate-base:bookworm: made once with
 #    debootstrap (minbase) from $DEBIAN_MIRROR and kept as a tarball at
 #    $SPECSTATE_BASE_TAR (default /var/cache/specstate/debian12-minbase.tar),
-#    then imported into buildah's storage whenever it is missing there;
-# 3. buildah bud --isolation=chroot on deploy/container/Dockerfile.
+#    imported into buildah's storage (with bookworm-updates and -security
+#    applied) whenever it is missing there. Both stages start from it.
+# 2. buildah bud --isolation=chroot: the build stage installs the packages of
+#    tools/install_deps.sh and runs Bazel on the repository; the runtime stage
+#    takes the binaries and the libraries they link.
+# 3. check-image.sh IMAGE (skipped with SPECSTATE_IMAGE_CHECK=0): runs
+#    specstated from the image's root file system and checks health,
+#    reflection, the HEALTHCHECK and a short `specstatectl simulate`.
 #
 # Needs root, `apt-get install buildah debootstrap`, and Debian's mirror (the
-# base, and the Dockerfile's apt-get step). To refresh the base, delete the
-# tarball and run `buildah rmi localhost/specstate-base:bookworm`.
+# base and both stages' apt-get). To refresh the base, delete the tarball and
+# run `buildah rmi localhost/specstate-base:bookworm`.
 set -euo pipefail
 
-image=${1:-localhost/specstated:latest}
+cuda=${SPECSTATE_CUDA:-0}
+case "$cuda" in
+  0) default_image=localhost/specstated:latest ;;
+  1) default_image=localhost/specstated:cuda ;;
+  *) echo "build-image: SPECSTATE_CUDA must be 0 or 1" >&2; exit 2 ;;
+esac
+image=${1:-$default_image}
 base_image=localhost/specstate-base:bookworm
 base_tar=${SPECSTATE_BASE_TAR:-/var/cache/specstate/debian12-minbase.tar}
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 security_mirror=${DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
+cuda_path=${CUDA_PATH:-/usr/local/cuda}
 
 log() { echo "build-image: $*" >&2; }
 [ "$(id -u)" = 0 ] || { log "run as root (buildah, debootstrap)"; exit 1; }
-for tool in bazel buildah debootstrap; do
+for tool in buildah debootstrap; do
   command -v "$tool" >/dev/null || { log "$tool not found: apt-get install buildah debootstrap"; exit 1; }
 done
+if [ "$cuda" = 1 ] && [ ! -x "$cuda_path/bin/nvcc" ]; then
+  log "SPECSTATE_CUDA=1 but no nvcc at $cuda_path/bin/nvcc (set CUDA_PATH)"; exit 1
+fi
 
-cd "$(dirname "$0")/../.."
+here=$(cd "$(dirname "$0")" && pwd)
+cd "$here/../.."
 tmp=$(mktemp -d /var/tmp/specstate-image.XXXXXX)
 ctr=
 cleanup() {
-  [ -n "$ctr" ] && buildah rm "$ctr" >/dev/null 2>&1
+  if [ -n "$ctr" ]; then buildah rm "$ctr" >/dev/null 2>&1 || true; fi
   rm -rf "$tmp"
 }
 trap cleanup EXIT
-
-log "bazel build"
-bazel build //server:specstated //deploy/health:specstate-health >&2
-mkdir "$tmp/context"
-cp deploy/container/Dockerfile "$tmp/context/"
-install -m 0755 bazel-bin/server/specstated bazel-bin/deploy/health/specstate-health "$tmp/context/"
+start=$SECONDS
 
 if [ ! -s "$base_tar" ]; then
   log "debootstrap Debian 12 (minbase) from $mirror"
   rootfs="$tmp/rootfs"
   debootstrap --variant=minbase bookworm "$rootfs" "$mirror" >&2
-  # Security and point-release updates for the image's apt-get step.
+  # Security and point-release updates for the stages' apt-get steps.
   cat >"$rootfs/etc/apt/sources.list" <<SOURCES
 deb $mirror bookworm main
 deb $mirror bookworm-updates main
 deb $security_mirror bookworm-security main
 SOURCES
   # Like Debian's -slim images: no manuals, documentation (copyright kept) or
-  # translations, neither now nor from the Dockerfile's apt-get step.
+  # translations, neither now nor from the stages' apt-get steps.
   cat >"$rootfs/etc/dpkg/dpkg.cfg.d/specstate-slim" <<'SLIM'
 path-exclude /usr/share/doc/*
 path-include /usr/share/doc/*/copyright
@@ -88,9 +103,23 @@ if ! buildah inspect --type image "$base_image" >/dev/null 2>&1; then
   buildah rm "$ctr" >/dev/null
   ctr=
 fi
+base_done=$SECONDS
 
-log "buildah bud"
+build_args=(--build-arg BASE="$base_image" --build-arg BUILD_BASE="$base_image" --build-arg CUDA="$cuda")
+if [ "$cuda" = 1 ]; then
+  # Only the build stage's RUN steps see it; nothing of it lands in a layer.
+  build_args+=(--volume "$(readlink -f "$cuda_path"):/usr/local/cuda:ro")
+fi
+log "buildah bud (CUDA=$cuda) -> $image"
 # Docker format keeps the HEALTHCHECK (the OCI format has no such field).
-buildah bud --isolation=chroot --format=docker --pull=never \
-  --build-arg BASE="$base_image" --tag "$image" "$tmp/context" >&2
+# --layers keeps the build stage's package layer for the next build.
+buildah bud --isolation=chroot --format=docker --pull=never --layers \
+  "${build_args[@]}" -f deploy/container/Dockerfile --tag "$image" . >&2
+build_done=$SECONDS
+size=$(buildah images --format '{{.Size}}' "$image" | head -n1)
+log "built $image: $size; base $((base_done - start)) s, bud $((build_done - base_done)) s"
+
+if [ "${SPECSTATE_IMAGE_CHECK:-1}" != 0 ]; then
+  "$here/check-image.sh" "$image"
+fi
 echo "$image"
