@@ -322,20 +322,6 @@ Step* Engine::StartStep(std::unique_ptr<Step> fresh) {
   return steps_->Start(std::move(fresh));
 }
 
-absl::Status Engine::LostRegions(const std::vector<RegionPin>& pins) {
-  absl::Status lost;
-  for (const RegionPin& pin : pins) {
-    if (pin == nullptr || !pin->faulted()) continue;
-    regions_.Drop(pin);
-    if (lost.ok()) {
-      lost = absl::DataLossError(absl::StrCat(
-          "region \"", pin->name(), "\" was truncated by its owner while this call used it: the "
-          "call failed, and the region was unregistered (register the buffer again)"));
-    }
-  }
-  return lost;
-}
-
 absl::Status Engine::SubmitInSlot(StepSlot& slot, Work work) {
   ++slot.in_flight;
   absl::Status st = device_->Submit(std::move(work));
@@ -554,7 +540,7 @@ std::function<void(absl::Status)> Engine::Completion(
           status_index = call.status_index, once = call.once,
           succeeded = std::move(call.succeeded)](absl::Status launched) {
     absl::Status result = launched;
-    if (absl::Status lost = LostRegions(*pins); !lost.ok()) result = lost;
+    if (absl::Status lost = regions_.DropTruncated(*pins); !lost.ok()) result = lost;
     std::vector<std::function<void(absl::Status)>> waiters;
     {
       absl::MutexLock lock(&mu_);
@@ -687,7 +673,7 @@ void Engine::LoadLayerParams(const std::string& session, const v1::LoadLayerPara
   work.done = [this, pins = UniquePins(lookup.TakePins()), reply, mirror,
                layer_index](absl::Status launched) {
     absl::Status result = launched;
-    if (absl::Status lost = LostRegions(*pins); !lost.ok()) result = lost;
+    if (absl::Status lost = regions_.DropTruncated(*pins); !lost.ok()) result = lost;
     pins->clear();  // the regions may go now
     const bool check_failed = result.ok() && mirror->failed != 0;
     if (result.ok()) {

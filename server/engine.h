@@ -177,9 +177,6 @@ class Engine {
   // Submits `work` of a step in `slot`, counted in the slot's in-flight work
   // (its `done` must uncount it); uncounted again if the submit fails.
   absl::Status SubmitInSlot(StepSlot& slot, Work work) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // DATA_LOSS naming the first of `pins` whose owner truncated it while the
-  // call ran (server/truncation_guard.h); each such region is unregistered.
-  absl::Status LostRegions(const std::vector<RegionPin>& pins) ABSL_LOCKS_EXCLUDED(mu_);
 
   // A retry of a call that applies at most once per step (same step, same
   // arguments): answered from the first call's result, at once or when it

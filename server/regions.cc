@@ -271,5 +271,19 @@ absl::StatusOr<Counter> RegionRegistry::ResolveCounter(
   return counter;
 }
 
+absl::Status RegionRegistry::DropTruncated(const std::vector<RegionPin>& pins) {
+  absl::Status lost;
+  for (const RegionPin& pin : pins) {
+    if (pin == nullptr || !pin->faulted()) continue;
+    Drop(pin);
+    if (lost.ok()) {
+      lost = absl::DataLossError(absl::StrCat(
+          "region \"", pin->name(), "\" was truncated by its owner while this call used it: the "
+          "call failed, and the region was unregistered (register the buffer again)"));
+    }
+  }
+  return lost;
+}
+
 }  // namespace server
 }  // namespace specstate

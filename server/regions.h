@@ -136,6 +136,10 @@ class RegionRegistry {
   // have been registered again since: that one stays).
   void Drop(const RegionPin& region);
 
+  // DATA_LOSS naming the first of `pins` whose owner truncated it while a
+  // call used it (server/truncation_guard.h); each such region is dropped.
+  absl::Status DropTruncated(const std::vector<RegionPin>& pins);
+
   // Drops every region of `session` (its end); it registers no more.
   void ReleaseSession(const std::string& session);
 
