@@ -1,6 +1,7 @@
 #include "client/client.h"
 
 #include <chrono>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -116,6 +117,118 @@ absl::StatusOr<std::unique_ptr<Session>> Client::OpenSession(const std::string& 
   absl::Status st = session->Open(client_name, drive, lease_ms);
   if (!st.ok()) return st;
   return session;
+}
+
+
+// ---------------------------------------------------------------------------
+// Tensor parallelism.
+
+namespace {
+
+// What must be equal across the ranks, each as its text in an error.
+struct RankField {
+  const char* name;
+  std::function<std::string(const v1::Layout&)> value;
+};
+
+const std::vector<RankField>& RankFields() {
+  static const auto* const fields = new std::vector<RankField>{
+      {"backend", [](const v1::Layout& l) { return v1::Backend_Name(l.backend()); }},
+      {"layer_kind", [](const v1::Layout& l) { return v1::LayerKind_Name(l.layer_kind()); }},
+      {"kda_gate", [](const v1::Layout& l) { return v1::KdaGate_Name(l.kda_gate()); }},
+      {"num_layers", [](const v1::Layout& l) { return absl::StrCat(l.num_layers()); }},
+      {"num_heads", [](const v1::Layout& l) { return absl::StrCat(l.num_heads()); }},
+      // 0 means as many as heads: compared as the number it stands for.
+      {"num_value_heads",
+       [](const v1::Layout& l) {
+         return absl::StrCat(l.num_value_heads() > 0 ? l.num_value_heads() : l.num_heads());
+       }},
+      {"head_dim", [](const v1::Layout& l) { return absl::StrCat(l.head_dim()); }},
+      {"conv_dim", [](const v1::Layout& l) { return absl::StrCat(l.conv_dim()); }},
+      {"conv_kernel", [](const v1::Layout& l) { return absl::StrCat(l.conv_kernel()); }},
+      {"num_spec", [](const v1::Layout& l) { return absl::StrCat(l.num_spec()); }},
+      {"num_blocks", [](const v1::Layout& l) { return absl::StrCat(l.num_blocks()); }},
+      {"max_rows", [](const v1::Layout& l) { return absl::StrCat(l.max_rows()); }},
+      {"activation_dtype", [](const v1::Layout& l) { return v1::DType_Name(l.activation_dtype()); }},
+      {"state_dtype", [](const v1::Layout& l) { return v1::DType_Name(l.state_dtype()); }},
+      {"cache_mode", [](const v1::Layout& l) { return v1::CacheMode_Name(l.cache_mode()); }},
+      {"mamba_block_size", [](const v1::Layout& l) { return absl::StrCat(l.mamba_block_size()); }},
+      {"lower_bound", [](const v1::Layout& l) { return absl::StrCat(l.lower_bound()); }},
+  };
+  return *fields;
+}
+
+std::string RankName(int rank, const std::vector<std::string>& addresses) {
+  if (rank < static_cast<int>(addresses.size()) && !addresses[rank].empty()) {
+    return absl::StrCat("rank ", rank, " (", addresses[rank], ")");
+  }
+  return absl::StrCat("rank ", rank);
+}
+
+}  // namespace
+
+absl::Status CheckRankLayouts(const std::vector<v1::Layout>& layouts,
+                              const std::vector<std::string>& addresses) {
+  if (layouts.empty()) return absl::InvalidArgumentError("no ranks: give one layout per rank");
+  const v1::Layout& first = layouts[0];
+  for (int r = 1; r < static_cast<int>(layouts.size()); ++r) {
+    for (const RankField& field : RankFields()) {
+      const std::string got = field.value(layouts[r]);
+      const std::string want = field.value(first);
+      if (got != want) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            RankName(r, addresses), ": ", field.name, " is ", got, ", ", RankName(0, addresses),
+            "'s is ", want,
+            ": under tensor parallelism every rank's service holds an equal part of one model "
+            "(H/TP heads, HV/TP value heads, D/TP conv channels; every other field the same)"));
+      }
+    }
+  }
+  if (first.backend() != v1::CUDA) return absl::OkStatus();
+  for (int r = 1; r < static_cast<int>(layouts.size()); ++r) {
+    for (int q = 0; q < r; ++q) {
+      if (layouts[r].device() == layouts[q].device()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            RankName(r, addresses), " and ", RankName(q, addresses), " are both on CUDA device ",
+            layouts[r].device(),
+            ": under tensor parallelism each rank's service runs on its own GPU (specstated "
+            "--device=RANK)"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::unique_ptr<Client>>> ConnectRanks(
+    const std::vector<std::string>& addresses, absl::Duration timeout) {
+  if (addresses.empty()) {
+    return absl::InvalidArgumentError("no server addresses: give one per rank");
+  }
+  for (int r = 1; r < static_cast<int>(addresses.size()); ++r) {
+    for (int q = 0; q < r; ++q) {
+      if (addresses[r] == addresses[q]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("rank ", r, "'s address is rank ", q, "'s (", addresses[r],
+                         "): each rank talks to a service of its own"));
+      }
+    }
+  }
+  std::vector<std::unique_ptr<Client>> clients;
+  std::vector<v1::Layout> layouts;
+  for (int r = 0; r < static_cast<int>(addresses.size()); ++r) {
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(addresses[r], timeout);
+    absl::StatusOr<v1::Layout> layout =
+        c.ok() ? (*c)->GetLayout() : absl::StatusOr<v1::Layout>(c.status());
+    if (!layout.ok()) {
+      return absl::Status(layout.status().code(),
+                          absl::StrCat("rank ", r, ": ", layout.status().message()));
+    }
+    layouts.push_back(*std::move(layout));
+    clients.push_back(*std::move(c));
+  }
+  absl::Status st = CheckRankLayouts(layouts, addresses);
+  if (!st.ok()) return st;
+  return clients;
 }
 
 // ---------------------------------------------------------------------------

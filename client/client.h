@@ -89,6 +89,35 @@ class Client {
   absl::Duration deadline_ = absl::Seconds(60);
 };
 
+// Tensor parallelism: one service per GPU, rank r's service holding heads
+// [r*H/TP, (r+1)*H/TP) of every layer (and value heads and conv channels
+// alike). Connects to `addresses[r]` for every rank r and checks that the
+// services are the equal parts of one model (CheckRankLayouts): one Client
+// per rank, in rank order.
+//
+//   auto ranks = ConnectRanks({"unix:///run/specstate/specstate-0.sock",
+//                              "unix:///run/specstate/specstate-1.sock"}).value();
+//   ranks[1]->GetLayout();  // rank 1's part: heads H/2 .. H-1
+//
+// \returns INVALID_ARGUMENT for no address or one given twice; UNAVAILABLE
+//   (prefixed "rank r: ") for a service that does not answer; the first
+//   error of CheckRankLayouts (FAILED_PRECONDITION).
+absl::StatusOr<std::vector<std::unique_ptr<Client>>> ConnectRanks(
+    const std::vector<std::string>& addresses, absl::Duration timeout = absl::Seconds(5));
+
+// Checks the layouts of the ranks' services, layouts[r] read from
+// addresses[r] (named in the errors; may be empty): every field equal to rank
+// 0's but the device (heads, value heads and conv dim too: each rank holds an
+// equal part; block ids are shared by the ranks, so the pools have the same
+// number of blocks), and on CUDA every rank on its own device. Derived sizes
+// follow from the compared fields; mps_client may differ.
+//
+// \returns FAILED_PRECONDITION naming the rank, its address and the field,
+//   e.g. "rank 1 (unix:///b.sock): num_heads is 3, rank 0's (unix:///a.sock)
+//   is 2: ..."; INVALID_ARGUMENT for no layout.
+absl::Status CheckRankLayouts(const std::vector<v1::Layout>& layouts,
+                              const std::vector<std::string>& addresses = {});
+
 class Session {
  public:
   ~Session();  // Close()

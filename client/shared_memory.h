@@ -65,7 +65,11 @@ class IpcEvent {
 class SharedMemory {
  public:
   // CPU or CUDA (device 0 unless given). UNAVAILABLE for CUDA in a build or on
-  // a machine without it.
+  // a machine without it. CUDA: Allocate, MapPools and CreateIpcEvent make
+  // `device` the calling thread's current device (and leave it so), so work
+  // the thread then launches on the default stream, IpcEvent::Record
+  // included, runs there: a thread that drives one device (the simulator's
+  // worker of one tensor-parallel rank) needs nothing else.
   static absl::StatusOr<std::unique_ptr<SharedMemory>> Create(v1::Backend backend, int device = 0);
   virtual ~SharedMemory() = default;
 

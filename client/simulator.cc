@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/strings/str_format.h"
 #include "kernels/kda_kernels.h"
 #include "kernels/numeric.h"
@@ -23,6 +24,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Under tensor parallelism, the rank whose worker runs on this thread (for
+// the trace).
+thread_local int trace_rank = -1;
+
 // SPECSTATE_TRACE=1: each phase of each step on stderr, so a stall shows
 // where it is (used while bringing up a backend).
 void TracePhase(int step, const char* phase) {
@@ -32,7 +37,8 @@ void TracePhase(int step, const char* phase) {
   }();
   if (!enabled) return;
   static const Clock::time_point start = Clock::now();
-  std::fprintf(stderr, "[simulate %.3f ms] step %d: %s\n",
+  const std::string rank = trace_rank < 0 ? "" : absl::StrCat(" rank ", trace_rank);
+  std::fprintf(stderr, "[simulate%s %.3f ms] step %d: %s\n", rank.c_str(),
                std::chrono::duration<double, std::milli>(Clock::now() - start).count(), step,
                phase);
 }
@@ -42,6 +48,11 @@ class Latencies {
  public:
   void Add(const std::string& rpc, Clock::duration d) {
     samples_[rpc].push_back(std::chrono::duration<double, std::micro>(d).count());
+  }
+  void Add(const Latencies& other) {
+    for (const auto& [rpc, v] : other.samples_) {
+      samples_[rpc].insert(samples_[rpc].end(), v.begin(), v.end());
+    }
   }
   std::map<std::string, LatencySummary> Summaries() const {
     std::map<std::string, LatencySummary> out;
@@ -87,6 +98,19 @@ void FillRandom(std::vector<char>* out, int64_t count, DType dtype, float lo, fl
       case DType::kInt32:
         break;
     }
+  }
+}
+
+// Copies `width` elements of `rows` rows: row t's elements [from, from +
+// width) of `src` (rows of `src_stride` elements) to elements [to, to +
+// width) of row t of `dst` (rows of `dst_stride`). Tensor parallelism: a
+// rank's columns (heads, channels) of the model's tensor.
+void CopyColumns(const std::vector<char>& src, int64_t src_stride, int64_t from,
+                 std::vector<char>* dst, int64_t dst_stride, int64_t to, int64_t rows,
+                 int64_t width, int64_t element_bytes) {
+  for (int64_t t = 0; t < rows; ++t) {
+    std::memcpy(dst->data() + (t * dst_stride + to) * element_bytes,
+                src.data() + (t * src_stride + from) * element_bytes, width * element_bytes);
   }
 }
 
@@ -150,10 +174,19 @@ struct StepPlan {
   std::vector<std::vector<std::vector<char>>> updated;
 };
 
+// The simulator of one service: the whole model's, or under tensor
+// parallelism rank `rank`'s part of it (of `ranks`). Every rank's simulator
+// draws the whole model's values from the same seed in the same order (so
+// all ranks run the same steps), keeps its part for its service and its
+// stock path, and with more than one rank also runs the stock kernel over the
+// whole model (the TP=1 run) to compare its service's heads with.
 class Simulator {
  public:
-  Simulator(Client& client, const SimulationOptions& options)
-      : client_(client), options_(options), rng_(options.seed) {}
+  Simulator(Client& client, const SimulationOptions& options, int rank = 0, int ranks = 1)
+      : client_(client), options_(options), rng_(options.seed), rank_(rank), tp_(ranks) {}
+
+  const Latencies& latencies() const { return latencies_; }
+  const v1::Layout& layout() const { return layout_; }
 
   absl::StatusOr<SimulationReport> Run() {
     absl::Status st = Setup();
@@ -234,6 +267,13 @@ class Simulator {
     VW_ = int64_t{HV_} * K_;
     GW_ = gdn_ ? HV_ : HK_;
     state_block_bytes_ = VW_ * K_ * ss_;
+    // The whole model (this part itself when there is one rank).
+    FH_ = H_ * tp_;
+    FHV_ = HV_ * tp_;
+    FD_ = D_ * tp_;
+    FHK_ = int64_t{FH_} * K_;
+    FVW_ = int64_t{FHV_} * K_;
+    FGW_ = gdn_ ? FHV_ : FHK_;
     report_.backend = layout_.backend() == v1::CUDA ? "cuda" : "cpu";
     report_.layers = L_;
     if (R_ < 1 || R_ > layout_.max_rows()) {
@@ -289,6 +329,7 @@ class Simulator {
   absl::Status AllocateSharedBuffers() {
     tmax_ = int64_t{R_} * Q_;
     proj_stride_ = 2 * HK_ + VW_ + HV_;
+    full_proj_stride_ = 2 * FHK_ + FVW_ + FHV_;
     for (int l = 0; l < L_; ++l) {
       for (auto* list : {&proj_, &g_, &o_}) {
         const int64_t per_token = list == &proj_ ? proj_stride_ : list == &g_ ? GW_ : VW_;
@@ -328,16 +369,34 @@ class Simulator {
     absl::StatusOr<std::unique_ptr<SharedBuffer>> sm = memory_->Allocate(stock_meta_bytes);
     if (!sm.ok()) return sm.status();
     stock_meta_ = *std::move(sm);
+    // Tensor parallelism: the TP=1 run's inputs, state blocks and outputs
+    // (the whole model's; it shares the stock path's metadata).
+    for (int l = 0; l < L_ && tp_ > 1; ++l) {
+      for (auto* list : {&full_proj_, &full_g_, &full_pool_, &full_out_}) {
+        const uint64_t bytes = list == &full_proj_  ? tmax_ * full_proj_stride_ * as_
+                               : list == &full_g_   ? tmax_ * FGW_ * as_
+                               : list == &full_pool_ ? stock_blocks_ * FVW_ * K_ * ss_
+                                                     : tmax_ * FVW_ * as_;
+        absl::StatusOr<std::unique_ptr<SharedBuffer>> buf = memory_->Allocate(bytes);
+        if (!buf.ok()) return buf.status();
+        list->push_back(*std::move(buf));
+      }
+    }
     return absl::OkStatus();
   }
 
   // Layer parameters (KDA): random, loaded into the service and kept for the
-  // stock path. GDN layers have none (g arrives as the log-decay).
+  // stock path. GDN layers have none (g arrives as the log-decay). Drawn for
+  // the whole model; the service gets this rank's heads.
   absl::Status LoadLayerParams() {
     for (int l = 0; l < L_ && !gdn_; ++l) {
-      std::vector<char> a_log, dt_bias;
-      FillRandom(&a_log, H_, DType::kFloat32, -2.0f, 0.5f, rng_);
-      FillRandom(&dt_bias, HK_, DType::kFloat32, -1.0f, 1.0f, rng_);
+      std::vector<char> model_a_log, model_dt_bias;
+      FillRandom(&model_a_log, FH_, DType::kFloat32, -2.0f, 0.5f, rng_);
+      FillRandom(&model_dt_bias, FHK_, DType::kFloat32, -1.0f, 1.0f, rng_);
+      const std::vector<char> a_log(model_a_log.begin() + rank_ * H_ * 4,
+                                    model_a_log.begin() + (rank_ + 1) * H_ * 4);
+      const std::vector<char> dt_bias(model_dt_bias.begin() + rank_ * HK_ * 4,
+                                      model_dt_bias.begin() + (rank_ + 1) * HK_ * 4);
       v1::LoadLayerParamsRequest req;
       req.set_layer(l);
       for (int i = 0; i < H_; ++i) {
@@ -360,6 +419,17 @@ class Simulator {
       }
       if (!copied.ok()) return copied;
       stock_params_.push_back(*std::move(p));
+      if (tp_ > 1) {  // the TP=1 run's: every head's
+        p = memory_->Allocate((FH_ + FHK_) * 4);
+        if (!p.ok()) return p.status();
+        copied = memory_->CopyIn((*p)->data(), model_a_log.data(), FH_ * 4);
+        if (copied.ok()) {
+          copied = memory_->CopyIn(static_cast<char*>((*p)->data()) + FH_ * 4,
+                                   model_dt_bias.data(), FHK_ * 4);
+        }
+        if (!copied.ok()) return copied;
+        full_params_.push_back(*std::move(p));
+      }
     }
     return absl::OkStatus();
   }
@@ -406,6 +476,11 @@ class Simulator {
   char* StockBlock(int layer, int slot, int col) {
     return static_cast<char*>(stock_pool_[layer]->data()) +
            (1 + int64_t{slot} * Q_ + col) * state_block_bytes_;
+  }
+  // Tensor parallelism: the TP=1 run's state block (every value head).
+  char* FullStockBlock(int layer, int slot, int col) {
+    return static_cast<char*>(full_pool_[layer]->data()) +
+           (1 + int64_t{slot} * Q_ + col) * FVW_ * K_ * ss_;
   }
 
   // The conv block as [D][W] host bytes.
@@ -485,6 +560,62 @@ class Simulator {
     return absl::OkStatus();
   }
 
+  // Tensor parallelism: the service's state in `block` against the TP=1
+  // run's state at stock column `col`, on this rank's value heads.
+  absl::Status CompareStateWithTp1(int step, int layer, int slot, int32_t block, int col,
+                                   absl::string_view what) {
+    std::vector<char> service(state_block_bytes_), tp1(state_block_bytes_);
+    absl::Status st = memory_->CopyOut(service.data(), StateBlock(layer, block), service.size());
+    if (st.ok()) {
+      st = memory_->CopyOut(tp1.data(), FullStockBlock(layer, slot, col) + rank_ * state_block_bytes_,
+                            tp1.size());
+    }
+    if (!st.ok()) return st;
+    ++report_.comparisons;
+    ++report_.tp1_comparisons;
+    if (std::memcmp(service.data(), tp1.data(), service.size()) == 0) return absl::OkStatus();
+    int64_t i = 0;
+    while (std::memcmp(service.data() + i * ss_, tp1.data() + i * ss_, ss_) == 0) ++i;
+    const int64_t head = i / (int64_t{K_} * K_);
+    ++report_.tp1_mismatches;
+    Mismatch(absl::StrFormat(
+        "step %d, layer %d, row %d: the %s in block %d differs from the TP=1 run's state "
+        "(all %d value heads, column %d) at value head %d of the model (this rank's head %d), "
+        "row %d, col %d: %.9g vs %.9g",
+        step, layer, slot, std::string(what), block, FHV_, col, rank_ * HV_ + head, head,
+        (i / K_) % K_, i % K_, ElementAsFloat(service.data() + i * ss_, state_),
+        ElementAsFloat(tp1.data() + i * ss_, state_)));
+    return absl::OkStatus();
+  }
+
+  // Tensor parallelism: every layer's Verify output against the TP=1 run's
+  // outputs of this rank's value heads.
+  absl::Status CompareOutputsWithTp1(const StepPlan& p) {
+    const int64_t T = p.num_tokens;
+    for (int l = 0; l < L_; ++l) {
+      std::vector<char> service(T * VW_ * as_), model(T * FVW_ * as_), tp1(T * VW_ * as_);
+      absl::Status st = memory_->CopyOut(service.data(), o_[l]->data(), service.size());
+      if (st.ok()) st = memory_->CopyOut(model.data(), full_out_[l]->data(), model.size());
+      if (!st.ok()) return st;
+      CopyColumns(model, FVW_, rank_ * VW_, &tp1, VW_, 0, T, VW_, as_);
+      ++report_.comparisons;
+      ++report_.tp1_comparisons;
+      if (std::memcmp(service.data(), tp1.data(), service.size()) != 0) {
+        int64_t e = 0;
+        while (std::memcmp(service.data() + e * as_, tp1.data() + e * as_, as_) == 0) ++e;
+        ++report_.tp1_mismatches;
+        Mismatch(absl::StrFormat(
+            "step %d, layer %d: Verify's output differs from the TP=1 run's (all %d value heads) "
+            "at token %d, value head %d of the model (this rank's head %d), column %d: %.9g vs "
+            "%.9g",
+            p.step, l, FHV_, e / VW_, rank_ * HV_ + (e / K_) % HV_, (e / K_) % HV_, e % K_,
+            ElementAsFloat(service.data() + e * as_, act_),
+            ElementAsFloat(tp1.data() + e * as_, act_)));
+      }
+    }
+    return absl::OkStatus();
+  }
+
   // ---- requests ----
 
   absl::StatusOr<int32_t> TakeBlock() {
@@ -502,6 +633,7 @@ class Simulator {
 
   // A new request: its running state (random, as a prefill would leave it) in
   // its checkpoint block and in its stock column 0, and its conv history.
+  // Both drawn for the whole model: this rank's value heads and channels.
   absl::Status StartRequest(int slot) {
     Request& r = requests_[slot];
     r = Request();
@@ -514,12 +646,19 @@ class Simulator {
     r.table[CheckpointColumn(r)] = *block;
     r.window.resize(L_);
     for (int l = 0; l < L_; ++l) {
-      std::vector<char> state;
-      FillRandom(&state, VW_ * K_, state_, -0.5f, 0.5f, rng_);
-      absl::Status st = memory_->CopyIn(StateBlock(l, *block), state.data(), state.size());
-      if (st.ok()) st = memory_->CopyIn(StockBlock(l, slot, 0), state.data(), state.size());
+      std::vector<char> model_state;
+      FillRandom(&model_state, FVW_ * K_, state_, -0.5f, 0.5f, rng_);
+      const char* state = model_state.data() + rank_ * state_block_bytes_;
+      absl::Status st = memory_->CopyIn(StateBlock(l, *block), state, state_block_bytes_);
+      if (st.ok()) st = memory_->CopyIn(StockBlock(l, slot, 0), state, state_block_bytes_);
+      if (st.ok() && tp_ > 1) {
+        st = memory_->CopyIn(FullStockBlock(l, slot, 0), model_state.data(), model_state.size());
+      }
       if (!st.ok()) return st;
-      FillRandom(&r.window[l], int64_t{D_} * hl_, act_, -1.0f, 1.0f, rng_);
+      std::vector<char> model_window;
+      FillRandom(&model_window, int64_t{FD_} * hl_, act_, -1.0f, 1.0f, rng_);
+      const auto mine = model_window.begin() + int64_t{rank_} * D_ * hl_ * as_;
+      r.window[l].assign(mine, mine + int64_t{D_} * hl_ * as_);
       std::vector<char> dw(int64_t{D_} * W_ * as_, 0);
       for (int d = 0; d < D_; ++d) {
         std::memcpy(dw.data() + int64_t{d} * W_ * as_, r.window[l].data() + int64_t{d} * hl_ * as_,
@@ -601,10 +740,13 @@ class Simulator {
     TracePhase(s, "Verify done");
     if (s == options_.crash_after_verify_step) Crash();
     st = CompareOutputs(p);
+    if (st.ok() && tp_ > 1) st = CompareOutputsWithTp1(p);
     if (st.ok()) st = CommitStep(p);
     if (st.ok() && align_) st = RecordStateBlocks(p);
     if (st.ok()) st = CompareCommitted(p);
-    if (st.ok() && s == options_.corrupt_after_step) st = CorruptARunningState();
+    if (st.ok() && s == options_.corrupt_after_step) {
+      st = CorruptARunningState(/*flip=*/rank_ == options_.corrupt_rank);
+    }
     return st;
   }
 
@@ -791,30 +933,57 @@ class Simulator {
 
   // The inputs in the shared buffers: metadata, every layer's activations
   // (at capacity), and poisoned outputs, the service's and the stock path's.
+  // The activations are drawn for the whole model (under tensor parallelism
+  // the TP=1 run reads them all); this rank's service gets its heads.
   absl::Status WriteInputs(const StepPlan& p) {
     absl::Status st = memory_->CopyIn(meta_->data(), p.meta.data(), door_ * 4);
     if (!st.ok()) return st;
-    std::vector<char> poison(tmax_ * VW_ * as_, static_cast<char>(0xff));
+    std::vector<char> poison(tmax_ * FVW_ * as_, static_cast<char>(0xff));
     for (int l = 0; l < L_; ++l) {
-      std::vector<char> proj, g;
-      FillRandom(&proj, tmax_ * proj_stride_, act_, -1.0f, 1.0f, rng_);
+      std::vector<char> model_proj, model_g;
+      FillRandom(&model_proj, tmax_ * full_proj_stride_, act_, -1.0f, 1.0f, rng_);
       // beta (the last HV columns of each token): KDA's as logits in [-3, 3],
       // GDN's as write strengths in [0, 1].
       std::vector<char> beta;
-      FillRandom(&beta, tmax_ * HV_, act_, gdn_ ? 0.0f : -3.0f, gdn_ ? 1.0f : 3.0f, rng_);
-      for (int64_t t = 0; t < tmax_; ++t) {
-        std::memcpy(proj.data() + (t * proj_stride_ + 2 * HK_ + VW_) * as_,
-                    beta.data() + t * HV_ * as_, HV_ * as_);
-      }
+      FillRandom(&beta, tmax_ * FHV_, act_, gdn_ ? 0.0f : -3.0f, gdn_ ? 1.0f : 3.0f, rng_);
+      CopyColumns(beta, FHV_, 0, &model_proj, full_proj_stride_, 2 * FHK_ + FVW_, tmax_, FHV_,
+                  as_);
       // g: KDA's gate input, or GDN's log-decay (negative).
-      FillRandom(&g, tmax_ * GW_, act_, gdn_ ? -1.0f : -3.0f, gdn_ ? -0.01f : 1.0f, rng_);
-      st = memory_->CopyIn(proj_[l]->data(), proj.data(), proj.size());
-      if (st.ok()) st = memory_->CopyIn(g_[l]->data(), g.data(), g.size());
-      if (st.ok()) st = memory_->CopyIn(o_[l]->data(), poison.data(), poison.size());
-      if (st.ok()) st = memory_->CopyIn(stock_out_[l]->data(), poison.data(), poison.size());
+      FillRandom(&model_g, tmax_ * FGW_, act_, gdn_ ? -1.0f : -3.0f, gdn_ ? -0.01f : 1.0f, rng_);
+      if (tp_ == 1) {
+        st = WriteLayerInputs(l, model_proj, model_g, poison);
+      } else {
+        // This rank's q, k, v and beta heads, and its g.
+        std::vector<char> proj(tmax_ * proj_stride_ * as_), g(tmax_ * GW_ * as_);
+        const int64_t fps = full_proj_stride_;
+        CopyColumns(model_proj, fps, rank_ * HK_, &proj, proj_stride_, 0, tmax_, HK_, as_);
+        CopyColumns(model_proj, fps, FHK_ + rank_ * HK_, &proj, proj_stride_, HK_, tmax_, HK_,
+                    as_);
+        CopyColumns(model_proj, fps, 2 * FHK_ + rank_ * VW_, &proj, proj_stride_, 2 * HK_, tmax_,
+                    VW_, as_);
+        CopyColumns(model_proj, fps, 2 * FHK_ + FVW_ + rank_ * HV_, &proj, proj_stride_,
+                    2 * HK_ + VW_, tmax_, HV_, as_);
+        CopyColumns(model_g, FGW_, rank_ * GW_, &g, GW_, 0, tmax_, GW_, as_);
+        st = WriteLayerInputs(l, proj, g, poison);
+        if (st.ok()) st = memory_->CopyIn(full_proj_[l]->data(), model_proj.data(), model_proj.size());
+        if (st.ok()) st = memory_->CopyIn(full_g_[l]->data(), model_g.data(), model_g.size());
+        if (st.ok()) st = memory_->CopyIn(full_out_[l]->data(), poison.data(), poison.size());
+      }
       if (!st.ok()) return st;
     }
     return absl::OkStatus();
+  }
+
+  // Layer `l`'s activations of this service in its buffers, and its outputs
+  // and the stock path's poisoned.
+  absl::Status WriteLayerInputs(int l, const std::vector<char>& proj, const std::vector<char>& g,
+                                const std::vector<char>& poison) {
+    const uint64_t out_bytes = tmax_ * VW_ * as_;
+    absl::Status st = memory_->CopyIn(proj_[l]->data(), proj.data(), proj.size());
+    if (st.ok()) st = memory_->CopyIn(g_[l]->data(), g.data(), g.size());
+    if (st.ok()) st = memory_->CopyIn(o_[l]->data(), poison.data(), out_bytes);
+    if (st.ok()) st = memory_->CopyIn(stock_out_[l]->data(), poison.data(), out_bytes);
+    return st;
   }
 
   // The scheduler's conv update (docs/semantics.md): the block's columns become
@@ -830,8 +999,11 @@ class Simulator {
       const int tokens = p.tokens[i];
       const int cols = hl_ - 1 + tokens;
       for (int l = 0; l < L_; ++l) {
-        std::vector<char> x;
-        FillRandom(&x, int64_t{D_} * tokens, act_, -1.0f, 1.0f, rng_);
+        // The whole model's new columns [D][tokens]; this rank's channels.
+        std::vector<char> model_x;
+        FillRandom(&model_x, int64_t{FD_} * tokens, act_, -1.0f, 1.0f, rng_);
+        const auto mine = model_x.begin() + int64_t{rank_} * D_ * tokens * as_;
+        const std::vector<char> x(mine, mine + int64_t{D_} * tokens * as_);
         std::vector<char>& u = p.updated[i][l];
         u.assign(int64_t{D_} * cols * as_, 0);
         for (int d = 0; d < D_; ++d) {
@@ -1015,12 +1187,18 @@ class Simulator {
     for (int l = 0; l < L_; ++l) {
       const std::vector<char>& updated = p.updated[i][l];
       absl::Status st = CompareState(s, l, i, final_block, acc - 1, "committed state");
+      if (st.ok() && tp_ > 1) {
+        st = CompareStateWithTp1(s, l, i, final_block, acc - 1, "committed state");
+      }
       if (!st.ok()) return st;
       std::vector<char> window = WindowEndingAt(updated, p.tokens[i], acc);
       st = CompareWindow(s, l, i, final_block, window, "conv window");
       if (!st.ok()) return st;
       if (boundary_block > 0 && boundary_len < acc) {
         st = CompareState(s, l, i, boundary_block, boundary_len - 1, "boundary state");
+        if (st.ok() && tp_ > 1) {
+          st = CompareStateWithTp1(s, l, i, boundary_block, boundary_len - 1, "boundary state");
+        }
         if (!st.ok()) return st;
         st = CompareWindow(s, l, i, boundary_block,
                            WindowEndingAt(updated, p.tokens[i], boundary_len),
@@ -1050,10 +1228,16 @@ class Simulator {
   // The verdict's own test (`corrupt_after_step`): flips one mantissa bit of
   // the first element of the first live request's running state, in the
   // service's pool, through the exported handle; the request never finishes.
-  absl::Status CorruptARunningState() {
+  // Under tensor parallelism only `corrupt_rank` flips the bit, but every
+  // rank pins the request (which changes the random draws that follow).
+  absl::Status CorruptARunningState(bool flip) {
     for (int i = 0; i < R_; ++i) {
       Request& r = requests_[i];
       if (!r.live) continue;
+      if (!flip) {
+        r.pinned = true;
+        break;
+      }
       char* p = StateBlock(0, r.table[CheckpointColumn(r)]);
       uint32_t word = 0;
       absl::Status st = memory_->CopyOut(&word, p, ss_);
@@ -1103,41 +1287,78 @@ class Simulator {
     if (st.ok()) st = memory_->CopyIn(d_acc, acc.data(), acc.size() * 4);
     if (st.ok()) st = memory_->CopyIn(d_qsl, qsl.data(), qsl.size() * 4);
     if (!st.ok()) return st;
+    const StockMetadata meta{d_qsl, d_indices, d_acc, workspace, status};
+    st = RunStockKernels(
+        StockPart{H_, HV_, proj_stride_, GW_, &proj_, &g_, &stock_out_, &stock_pool_, &stock_params_},
+        meta, T);
+    if (st.ok() && tp_ > 1) {  // the TP=1 run: every head of the model
+      st = RunStockKernels(StockPart{FH_, FHV_, full_proj_stride_, FGW_, &full_proj_, &full_g_,
+                                     &full_out_, &full_pool_, &full_params_},
+                           meta, T);
+    }
+    return st;
+  }
+
+  // What one run of the stock kernel over every layer reads and writes: this
+  // service's part of the model (its stock path), or under tensor
+  // parallelism the whole model (the TP=1 run).
+  struct StockPart {
+    int heads = 0, value_heads = 0;
+    int64_t proj_stride = 0, gate_width = 0;  // elements per token
+    const std::vector<std::unique_ptr<SharedBuffer>>* proj;
+    const std::vector<std::unique_ptr<SharedBuffer>>* g;
+    const std::vector<std::unique_ptr<SharedBuffer>>* out;
+    const std::vector<std::unique_ptr<SharedBuffer>>* pool;
+    const std::vector<std::unique_ptr<SharedBuffer>>* params;
+  };
+  // The stock kernel's index inputs, workspace and status (in stock_meta_).
+  struct StockMetadata {
+    const int32_t* qsl;
+    const int32_t* indices;
+    const int32_t* acc;
+    char* workspace;
+    kernels::DeviceStatus* status;
+  };
+
+  absl::Status RunStockKernels(const StockPart& part, const StockMetadata& meta, int64_t T) {
+    const int64_t HK = int64_t{part.heads} * K_;
+    const int64_t VW = int64_t{part.value_heads} * K_;
     for (int l = 0; l < L_; ++l) {
       kernels::StockArgs a;
-      a.shape.num_heads = H_;
+      a.shape.num_heads = part.heads;
       a.shape.head_dim = K_;
       a.shape.act_dtype = act_;
       a.shape.state_dtype = state_;
       a.shape.lower_bound = layout_.lower_bound();
       a.shape.kind = gdn_ ? kernels::LayerKind::kGdn : kernels::LayerKind::kKda;
-      a.shape.num_value_heads = HV_;
+      a.shape.num_value_heads = part.value_heads;
       a.shape.gate = layout_.kda_gate() == v1::PLAIN_GATE ? kernels::KdaGate::kPlain
                                                            : kernels::KdaGate::kSafe;
-      const char* proj = static_cast<const char*>(proj_[l]->data());
-      a.q = kernels::Activation{proj, proj_stride_};
-      a.k = kernels::Activation{proj + HK_ * as_, proj_stride_};
-      a.v = kernels::Activation{proj + 2 * HK_ * as_, proj_stride_};
-      a.beta = kernels::Activation{proj + (2 * HK_ + VW_) * as_, proj_stride_};
-      a.g = kernels::Activation{g_[l]->data(), GW_};
+      const char* proj = static_cast<const char*>((*part.proj)[l]->data());
+      const int64_t ps = part.proj_stride;
+      a.q = kernels::Activation{proj, ps};
+      a.k = kernels::Activation{proj + HK * as_, ps};
+      a.v = kernels::Activation{proj + 2 * HK * as_, ps};
+      a.beta = kernels::Activation{proj + (2 * HK + VW) * as_, ps};
+      a.g = kernels::Activation{(*part.g)[l]->data(), part.gate_width};
       a.num_tokens = T;
-      a.out = stock_out_[l]->data();
-      a.state = kernels::StatePool{stock_pool_[l]->data(), stock_blocks_, VW_ * K_};
+      a.out = (*part.out)[l]->data();
+      a.state = kernels::StatePool{(*part.pool)[l]->data(), stock_blocks_, VW * K_};
       if (!gdn_) {
-        const float* params = static_cast<const float*>(stock_params_[l]->data());
-        a.params = kernels::LayerParams{params, params + H_};
+        const float* params = static_cast<const float*>((*part.params)[l]->data());
+        a.params = kernels::LayerParams{params, params + part.heads};
       }
       a.num_rows = R_;
-      a.query_start_loc = d_qsl;
-      a.ssm_state_indices = kernels::IndexMatrix{d_indices, Q_, Q_};
-      a.num_accepted_tokens = d_acc;
-      a.workspace = workspace;
+      a.query_start_loc = meta.qsl;
+      a.ssm_state_indices = kernels::IndexMatrix{meta.indices, Q_, Q_};
+      a.num_accepted_tokens = meta.acc;
+      a.workspace = meta.workspace;
       a.workspace_bytes = kernels::StockWorkspaceBytes(stock_blocks_);
-      a.status = status;
-      st = stock_->Stock(a, nullptr);
+      a.status = meta.status;
+      absl::Status st = stock_->Stock(a, nullptr);
       if (!st.ok()) return st;
       kernels::DeviceStatus host;
-      st = memory_->CopyOut(&host, status, sizeof(host));
+      st = memory_->CopyOut(&host, meta.status, sizeof(host));
       if (!st.ok()) return st;
       st = kernels::DeviceStatusToStatus(host, "the simulator's stock path");
       if (!st.ok()) return st;
@@ -1148,6 +1369,8 @@ class Simulator {
   Client& client_;
   const SimulationOptions options_;
   std::mt19937_64 rng_;
+  const int rank_;  // tensor parallelism: this service's rank, of tp_
+  const int tp_;
   SimulationReport report_;
   Latencies latencies_;
 
@@ -1160,6 +1383,10 @@ class Simulator {
   bool gdn_ = false;
   int HV_ = 0;
   int64_t VW_ = 0, GW_ = 0;  // v and o, and g, per token (elements)
+  // The whole model's: tp_ times this service's heads, value heads and conv
+  // channels (the same as this service's with one rank).
+  int FH_ = 0, FHV_ = 0, FD_ = 0;
+  int64_t FHK_ = 0, FVW_ = 0, FGW_ = 0, full_proj_stride_ = 0;
   // g's shape for T tokens: KDA [T, H, K], GDN [T, HV].
   std::vector<int64_t> GateShape(int64_t t) const {
     return gdn_ ? std::vector<int64_t>{t, HV_} : std::vector<int64_t>{t, H_, K_};
@@ -1177,18 +1404,161 @@ class Simulator {
   std::unique_ptr<MappedPools> pools_;
   std::unique_ptr<Session> session_;
   std::vector<std::unique_ptr<SharedBuffer>> proj_, g_, o_, stock_pool_, stock_out_, stock_params_;
+  // Tensor parallelism: the TP=1 run's inputs, outputs, state blocks and
+  // parameters, per layer (none with one rank).
+  std::vector<std::unique_ptr<SharedBuffer>> full_proj_, full_g_, full_out_, full_pool_,
+      full_params_;
   std::unique_ptr<SharedBuffer> meta_, stock_meta_;
   std::vector<int32_t> free_blocks_;
   std::vector<Request> requests_;
   std::unique_ptr<IpcEvent> inputs_ready_, work_done_;
 };
 
+// Tensor parallelism: the ranks' progress, passed on once every rank has
+// done a step.
+class MergedProgress {
+ public:
+  MergedProgress(int ranks, std::function<void(const SimulationProgress&)> progress)
+      : latest_(ranks), progress_(std::move(progress)) {}
+
+  std::function<void(const SimulationProgress&)> ForRank(int rank) {
+    if (!progress_) return nullptr;
+    return [this, rank](const SimulationProgress& p) {
+      absl::MutexLock lock(&mu_);
+      latest_[rank] = p;
+      SimulationProgress all = p;
+      all.comparisons = all.mismatches = 0;
+      for (const SimulationProgress& q : latest_) {
+        all.step = std::min(all.step, q.step);
+        all.comparisons += q.comparisons;
+        all.mismatches += q.mismatches;
+      }
+      if (all.step <= reported_) return;
+      reported_ = all.step;
+      progress_(all);
+    };
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<SimulationProgress> latest_ ABSL_GUARDED_BY(mu_);
+  int reported_ ABSL_GUARDED_BY(mu_) = 0;
+  const std::function<void(const SimulationProgress&)> progress_;
+};
+
+// What rank r of `layout`'s model holds, for the report.
+std::string RankPart(int r, int ranks, const v1::Layout& layout, const std::string& address) {
+  const int h = layout.num_heads();
+  const int hv = layout.num_value_heads() > 0 ? layout.num_value_heads() : h;
+  const int d = layout.conv_dim();
+  const std::string where = layout.backend() == v1::CUDA
+                                ? absl::StrCat("CUDA device ", layout.device())
+                                : std::string("CPU");
+  return absl::StrFormat(
+      "rank %d at %s (%s): heads %d-%d of %d, value heads %d-%d of %d, conv channels %d-%d of %d",
+      r, address, where, r * h,
+      (r + 1) * h - 1, ranks * h, r * hv, (r + 1) * hv - 1, ranks * hv, r * d, (r + 1) * d - 1,
+      ranks * d);
+}
+
 }  // namespace
 
 absl::StatusOr<SimulationReport> RunSimulation(Client& client, const SimulationOptions& options) {
   if (options.steps < 1) return absl::InvalidArgumentError("steps must be >= 1");
+  if (options.corrupt_rank != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("corrupt_rank = ", options.corrupt_rank, " is not a rank of 1 service"));
+  }
   Simulator sim(client, options);
   return sim.Run();
+}
+
+absl::StatusOr<SimulationReport> RunSimulation(const std::vector<Client*>& ranks,
+                                               const SimulationOptions& options) {
+  if (ranks.empty()) return absl::InvalidArgumentError("no ranks: give one service per rank");
+  if (ranks.size() == 1) return RunSimulation(*ranks[0], options);
+  const int tp = static_cast<int>(ranks.size());
+  if (options.steps < 1) return absl::InvalidArgumentError("steps must be >= 1");
+  if (options.crash_after_verify_step >= 0 || options.abandon_commit_at_step >= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the crash tests (crash_after_verify_step, abandon_commit_at_step) drive one service, "
+        "not ", tp, " ranks"));
+  }
+  if (options.corrupt_rank < 0 || options.corrupt_rank >= tp) {
+    return absl::InvalidArgumentError(absl::StrCat("corrupt_rank = ", options.corrupt_rank,
+                                                   " is not a rank: there are ", tp));
+  }
+  std::vector<v1::Layout> layouts;
+  std::vector<std::string> addresses;
+  for (int r = 0; r < tp; ++r) {
+    absl::StatusOr<v1::Layout> layout = ranks[r]->GetLayout();
+    if (!layout.ok()) {
+      return absl::Status(layout.status().code(), absl::StrCat("rank ", r, " (", ranks[r]->address(),
+                                                               "): ", layout.status().message()));
+    }
+    layouts.push_back(*std::move(layout));
+    addresses.push_back(ranks[r]->address());
+  }
+  absl::Status st = CheckRankLayouts(layouts, addresses);
+  if (!st.ok()) return st;
+
+  // One worker per rank, as a tensor-parallel scheduler runs one per GPU
+  // (on CUDA each thread's current device is its rank's: SharedMemory).
+  MergedProgress progress(tp, options.progress);
+  std::vector<std::unique_ptr<Simulator>> sims;
+  std::vector<absl::StatusOr<SimulationReport>> reports(tp, absl::UnknownError("not run"));
+  std::vector<std::thread> workers;
+  for (int r = 0; r < tp; ++r) {
+    SimulationOptions rank_options = options;
+    rank_options.progress = progress.ForRank(r);
+    sims.push_back(std::make_unique<Simulator>(*ranks[r], rank_options, r, tp));
+  }
+  for (int r = 0; r < tp; ++r) {
+    workers.emplace_back([r, &sims, &reports] {
+      trace_rank = r;
+      reports[r] = sims[r]->Run();
+    });
+  }
+  for (std::thread& w : workers) w.join();
+  for (int r = 0; r < tp; ++r) {
+    if (!reports[r].ok()) {
+      return absl::Status(reports[r].status().code(),
+                          absl::StrCat("rank ", r, " (", addresses[r], "): ",
+                                       reports[r].status().message()));
+    }
+  }
+
+  // One report: the steps every rank ran (the same), the ranks' sums.
+  SimulationReport merged = *reports[0];
+  merged.tensor_parallel = tp;
+  merged.state_bytes_saved = merged.comparisons = merged.mismatches = 0;
+  merged.tp1_comparisons = merged.tp1_mismatches = 0;
+  merged.first_mismatch.clear();
+  Latencies latencies;
+  for (int r = 0; r < tp; ++r) {
+    const SimulationReport& rr = *reports[r];
+    const SimulationReport& r0 = *reports[0];
+    if (rr.rows != r0.rows || rr.null_rows != r0.null_rows ||
+        rr.tokens_verified != r0.tokens_verified || rr.tokens_accepted != r0.tokens_accepted ||
+        rr.requests_started != r0.requests_started ||
+        rr.requests_finished != r0.requests_finished || rr.boundary_states != r0.boundary_states) {
+      return absl::InternalError(absl::StrCat(
+          "rank ", r, " ran other steps than rank 0 (its rows, tokens or requests differ): the "
+          "ranks' draws diverged, a bug of the simulator"));
+    }
+    merged.state_bytes_saved += rr.state_bytes_saved;
+    merged.comparisons += rr.comparisons;
+    merged.mismatches += rr.mismatches;
+    merged.tp1_comparisons += rr.tp1_comparisons;
+    merged.tp1_mismatches += rr.tp1_mismatches;
+    if (merged.first_mismatch.empty() && !rr.first_mismatch.empty()) {
+      merged.first_mismatch = absl::StrCat("rank ", r, ": ", rr.first_mismatch);
+    }
+    latencies.Add(sims[r]->latencies());
+    merged.ranks.push_back(RankPart(r, tp, layouts[r], addresses[r]));
+  }
+  merged.latency = latencies.Summaries();
+  return merged;
 }
 
 std::string FormatReport(const SimulationReport& r) {
@@ -1198,21 +1568,38 @@ std::string FormatReport(const SimulationReport& r) {
       "memory saved against the stock path: %d bytes of recurrent state\n",
       r.steps, r.backend, r.layers, r.rows, r.null_rows, r.tokens_verified, r.tokens_accepted,
       r.requests_started, r.requests_finished, r.boundary_states, r.state_bytes_saved);
+  if (r.tensor_parallel > 1) {
+    out += absl::StrFormat("tensor parallelism: TP=%d, one service per rank\n", r.tensor_parallel);
+    for (const std::string& rank : r.ranks) out += absl::StrCat("  ", rank, "\n");
+  }
   out += "latency per RPC (us):           calls      p50      p99     mean\n";
   for (const auto& [rpc, s] : r.latency) {
     out += absl::StrFormat("  %-28s %7d %8.1f %8.1f %8.1f\n", rpc, s.count, s.p50_us, s.p99_us,
                            s.mean_us);
   }
-  if (r.passed()) {
+  if (r.passed() && r.tensor_parallel > 1) {
+    out += absl::StrFormat(
+        "verdict: PASS: %d comparisons, every output, state and conv window of the %d ranks "
+        "bit-identical to the stock path, and every head's committed state and output to the "
+        "TP=1 run's (%d of the comparisons)\n",
+        r.comparisons, r.tensor_parallel, r.tp1_comparisons);
+  } else if (r.passed()) {
     out += absl::StrFormat(
         "verdict: PASS: %d comparisons, every output, state and conv window bit-identical to "
         "the stock path\n",
         r.comparisons);
   } else if (r.comparisons == 0) {
     out += "verdict: FAIL: nothing was compared\n";
+  } else if (r.mismatches == 0) {  // tensor parallelism, no TP=1 comparison
+    out += "verdict: FAIL: nothing was compared with the TP=1 run\n";
   } else {
-    out += absl::StrFormat("verdict: FAIL: %d of %d comparisons differ; first: %s\n", r.mismatches,
-                           r.comparisons, r.first_mismatch);
+    const std::string tp1 =
+        r.tensor_parallel > 1
+            ? absl::StrFormat(" (%d of %d against the TP=1 run)", r.tp1_mismatches,
+                              r.tp1_comparisons)
+            : "";
+    out += absl::StrFormat("verdict: FAIL: %d of %d comparisons differ%s; first: %s\n",
+                           r.mismatches, r.comparisons, tp1, r.first_mismatch);
   }
   return out;
 }

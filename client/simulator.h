@@ -18,6 +18,18 @@
 //   options.steps = 50;
 //   absl::StatusOr<SimulationReport> report = RunSimulation(*client, options);
 //   std::cout << FormatReport(*report);  // report->passed()
+//
+// Tensor parallelism (TP ranks, one service each, every service with the
+// layout of one rank's part: H/TP heads, HV/TP value heads, D/TP conv
+// channels): RunSimulation(ranks, options) simulates the model of H heads.
+// Every rank's worker (a thread) draws the whole model's inputs from the same
+// seed, so every rank sees the same requests, rows and accepted counts and the
+// same values, as if the scheduler had broadcast them; it sends its service
+// heads [r*H/TP, (r+1)*H/TP) (and conv channels [r*D/TP, (r+1)*D/TP)), checks
+// that service bit for bit against its own stock path as above, and also runs
+// the stock kernel over all H heads (the TP=1 run) and compares every
+// committed state (boundary states too) and every Verify output of its
+// service, head by head, with the TP=1 run's heads of the rank.
 #ifndef SPECSTATE_CLIENT_SIMULATOR_H_
 #define SPECSTATE_CLIENT_SIMULATOR_H_
 
@@ -25,6 +37,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "client/client.h"
@@ -67,6 +80,10 @@ struct SimulationOptions {
   // never rung, then print the CRASH POINT and die as above. The service must
   // not run that Commit when it releases the wait at the session's end.
   int abandon_commit_at_step = -1;
+  // Tensor parallelism: the rank whose service `corrupt_after_step` corrupts.
+  int corrupt_rank = 0;
+  // Called after every step (under tensor parallelism, once every rank has
+  // done it, with the ranks' sums).
   std::function<void(const SimulationProgress&)> progress;
 };
 
@@ -94,11 +111,30 @@ struct SimulationReport {
   uint64_t comparisons = 0;
   uint64_t mismatches = 0;
   std::string first_mismatch;
-  std::map<std::string, LatencySummary> latency;  // per RPC
-  bool passed() const { return mismatches == 0 && comparisons > 0; }
+  std::map<std::string, LatencySummary> latency;  // per RPC (under TP, every rank's calls)
+  // Tensor parallelism: the number of ranks (1: one service), what each rank
+  // holds, and how many of `comparisons` (of `mismatches`) compared a rank's
+  // committed states and outputs with the TP=1 run's. Under TP the counts of rows, tokens and
+  // requests are each rank's (all ranks run the same), and comparisons,
+  // mismatches and state_bytes_saved the ranks' sums.
+  int tensor_parallel = 1;
+  std::vector<std::string> ranks;
+  uint64_t tp1_comparisons = 0;
+  uint64_t tp1_mismatches = 0;
+  bool passed() const {
+    return mismatches == 0 && comparisons > 0 && (tensor_parallel == 1 || tp1_comparisons > 0);
+  }
 };
 
 absl::StatusOr<SimulationReport> RunSimulation(Client& client, const SimulationOptions& options);
+
+// Tensor parallelism: ranks[r] is rank r's service (one rank: the call
+// above). The layouts must be the equal parts of one model (CheckRankLayouts,
+// FAILED_PRECONDITION otherwise); the crash tests (crash_after_verify_step,
+// abandon_commit_at_step) take one service (INVALID_ARGUMENT). An error of
+// one rank is returned prefixed with "rank r (ADDRESS): ".
+absl::StatusOr<SimulationReport> RunSimulation(const std::vector<Client*>& ranks,
+                                               const SimulationOptions& options);
 
 std::string FormatReport(const SimulationReport& report);
 

@@ -6,6 +6,8 @@
 //   specstatectl state --layer=0 --block=1 [--values]
 //   specstatectl stats
 //   specstatectl simulate --steps=50 --requests=4 [--async] [--seed=N]
+//   specstatectl simulate --servers=unix:///run/specstate/specstate-0.sock,unix:///...-1.sock
+//                                        # tensor parallelism: one service per rank
 //
 // Exit status: 0 on success; 1 on an error; 2 on bad usage; 3 when simulate's
 // verdict fails (a state differs from the stock path).
@@ -21,6 +23,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/simulator.h"
 #include "google/protobuf/util/json_util.h"
@@ -28,6 +31,10 @@
 
 ABSL_FLAG(std::string, server, "unix:///tmp/specstate.sock",
           "the service's address: unix:///PATH or HOST:PORT");
+ABSL_FLAG(std::string, servers, "",
+          "simulate under tensor parallelism: the services of ranks 0, 1, ..., comma-separated "
+          "(each holding its equal part of the model: H/TP heads, HV/TP value heads, D/TP conv "
+          "channels); replaces --server");
 ABSL_FLAG(bool, json, false, "print replies as JSON (layout, regions, state, stats)");
 ABSL_FLAG(int, layer, 0, "state: the layer");
 ABSL_FLAG(int, block, 1, "state: the block");
@@ -51,6 +58,7 @@ ABSL_FLAG(int, abandon_commit_at_step, -1,
           "die by SIGKILL");
 ABSL_FLAG(int, corrupt_after_step, -1,
           "simulate: flip one bit of a committed state after this step (tests the verdict)");
+ABSL_FLAG(int, corrupt_rank, 0, "simulate with --servers: the rank whose state --corrupt_after_step flips");
 
 namespace specstate {
 namespace client {
@@ -65,7 +73,8 @@ constexpr char kUsage[] =
     "  state      one block of one layer (--layer, --block, --values)\n"
     "  stats      counters and per-RPC latency\n"
     "  simulate   a decode loop checked bit for bit against the stock path\n"
-    "             (--steps, --requests, --seed, --async)";
+    "             (--steps, --requests, --seed, --async; --servers=A0,A1,... for tensor\n"
+    "             parallelism, checked against the TP=1 run too)";
 
 std::string Json(const google::protobuf::Message& m) {
   std::string out;
@@ -209,7 +218,7 @@ int Stats(Client& c) {
   return 0;
 }
 
-int Simulate(Client& c) {
+int Simulate(const std::vector<Client*>& ranks) {
   SimulationOptions options;
   options.steps = absl::GetFlag(FLAGS_steps);
   options.requests = absl::GetFlag(FLAGS_requests);
@@ -222,6 +231,7 @@ int Simulate(Client& c) {
   options.corrupt_after_step = absl::GetFlag(FLAGS_corrupt_after_step);
   options.crash_after_verify_step = absl::GetFlag(FLAGS_crash_after_verify_step);
   options.abandon_commit_at_step = absl::GetFlag(FLAGS_abandon_commit_at_step);
+  options.corrupt_rank = absl::GetFlag(FLAGS_corrupt_rank);
   const bool tty = isatty(fileno(stderr));
   options.progress = [tty](const SimulationProgress& p) {
     if (tty) {
@@ -235,7 +245,9 @@ int Simulate(Client& c) {
                    static_cast<unsigned long long>(p.mismatches));
     }
   };
-  absl::StatusOr<SimulationReport> report = RunSimulation(c, options);
+  absl::StatusOr<SimulationReport> report = ranks.size() == 1
+                                                 ? RunSimulation(*ranks[0], options)
+                                                 : RunSimulation(ranks, options);
   if (!report.ok()) return Fail(report.status());
   std::printf("%s", FormatReport(*report).c_str());
   return report->passed() ? 0 : 3;
@@ -262,6 +274,20 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "specstatectl: unknown subcommand \"%s\"\n%s\n", command.c_str(), kUsage);
     return 2;
   }
+  const std::string servers = absl::GetFlag(FLAGS_servers);
+  if (!servers.empty()) {
+    if (command != "simulate") {
+      std::fprintf(stderr, "specstatectl: --servers is for simulate; %s takes one --server\n",
+                   command.c_str());
+      return 2;
+    }
+    absl::StatusOr<std::vector<std::unique_ptr<Client>>> ranks =
+        ConnectRanks(absl::StrSplit(servers, ',', absl::SkipWhitespace()));
+    if (!ranks.ok()) return Fail(ranks.status());
+    std::vector<Client*> clients;
+    for (const std::unique_ptr<Client>& r : *ranks) clients.push_back(r.get());
+    return Simulate(clients);
+  }
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(absl::GetFlag(FLAGS_server));
   if (!client.ok()) return Fail(client.status());
   Client& c = **client;
@@ -270,5 +296,5 @@ int main(int argc, char** argv) {
   if (command == "regions") return Regions(c);
   if (command == "state") return State(c);
   if (command == "stats") return Stats(c);
-  return Simulate(c);
+  return Simulate({&c});
 }

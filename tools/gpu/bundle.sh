@@ -28,7 +28,8 @@ done
 # Tests find the server and the CLI through their runfiles, as under Bazel.
 cp "$dest/bin/specstated" "$dest/runfiles/specstate/server/"
 cp "$dest/bin/specstatectl" "$dest/runfiles/specstate/client/"
-cp tools/gpu/run_suite.sh tools/gpu/diagnose.sh tools/gpu/profile_kernels.sh tools/gpu/ab_servers.sh tools/gpu/trace/timeline.py "$dest/"
+cp tools/gpu/run_suite.sh tools/gpu/diagnose.sh tools/gpu/profile_kernels.sh tools/gpu/ab_servers.sh \
+  tools/gpu/trace/timeline.py tools/start_services.sh "$dest/"
 # The Python client with freshly generated stubs and its tests, and a
 # specstated launcher that finds the bundled libraries (the Python process
 # itself must not load them: torch and grpcio bring their own).

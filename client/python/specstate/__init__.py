@@ -5,6 +5,10 @@
     with client.session("my-scheduler", drive=True) as session:
         ...
 
+Tensor parallelism (one service per GPU): ``specstate.connect_ranks([addr0,
+addr1, ...])`` gives one Client per rank, the layouts checked to be the equal
+parts of one model (:mod:`specstate.ranks`).
+
 Modules: :mod:`specstate.client` (Client, Session), :mod:`specstate.shm`
 (POSIX shared memory and the pools on the CPU backend), :mod:`specstate.cuda`
 (torch / CUDA backend; imports torch lazily), :mod:`specstate.dtypes` (the
@@ -24,11 +28,12 @@ except ImportError as _e:  # pragma: no cover - depends on the install
 from specstate.client import Client, Session
 from specstate.dtypes import BF16, FP16, FP32, INT32, from_bfloat16, to_bfloat16
 from specstate.errors import ExpandableSegmentsError, SpecStateError
+from specstate.ranks import check_rank_layouts, connect_ranks
 from specstate.shm import MappedPools, SharedBuffer, ring, wait_counter
 
 __all__ = [
     "BF16", "FP16", "FP32", "INT32", "Client", "ExpandableSegmentsError", "MappedPools", "Session",
-    "SharedBuffer", "SpecStateError", "from_bfloat16", "pb", "ring", "to_bfloat16",
-    "wait_counter",
+    "SharedBuffer", "SpecStateError", "check_rank_layouts", "connect_ranks", "from_bfloat16", "pb",
+    "ring", "to_bfloat16", "wait_counter",
 ]
 __version__ = "0.1.0"
