@@ -35,6 +35,8 @@ absl::string_view CheckedFieldName(CheckedField field) {
       return "dt_bias";
     case CheckedField::kInputs:
       return "inputs";
+    case CheckedField::kBlocks:
+      return "blocks";
   }
   return "unknown";
 }
@@ -117,6 +119,16 @@ absl::Status DeviceStatusToStatus(const DeviceStatus& s, absl::string_view opera
       return absl::DataLossError(absl::StrCat(
           where, "not run: reading its inputs faulted (a region they are in was truncated by its "
                  "owner while in use)"));
+    case CheckProblem::kPendingShared:
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, element, ": rows ", s.other_row, " and ", s.row, " both verify from block ",
+          s.value, ", which has tokens pending from a DEFERRED commit: the block's first Verify "
+          "materializes them, so rows may share it only once it is flushed (Flush)"));
+    case CheckProblem::kPendingBlock:
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, element, " = ", s.value, " (row ", s.row, ") is to be written, but layer ",
+          s.bound, " still has tokens pending on it from an earlier DEFERRED commit that no "
+          "Verify took: Flush a block before giving it to another request"));
     case CheckProblem::kNone:
       break;
   }

@@ -37,6 +37,7 @@ enum class CheckedField : int32_t {
   kALog = 10,
   kDtBias = 11,
   kInputs = 12,  // the call's inputs as a whole (a region they were read from)
+  kBlocks = 13,  // a Flush's block list
 };
 
 // What was wrong with it.
@@ -58,6 +59,8 @@ enum class CheckProblem : int32_t {
   kCancelled = 14,          // the service cancelled the call's step
   kNotFinite = 15,          // a parameter is NaN or infinite
   kInputFault = 16,         // reading the inputs faulted (CPU: a region truncated by its owner)
+  kPendingShared = 17,      // rows share a checkpoint block that has pending tokens (DEFERRED)
+  kPendingBlock = 18,       // a commit writes a block another commit left pending (DEFERRED)
 };
 
 // Written by the first kernel of every call (plain data: lives in device
@@ -78,7 +81,9 @@ absl::string_view CheckedFieldName(CheckedField field);
 
 // OK when `status.failed == 0`. Otherwise OUT_OF_RANGE for a value past a
 // bound, INVALID_ARGUMENT for inconsistent values (decreasing offsets,
-// conflicting writes); the message starts "In <operation>: " and names the
+// conflicting writes), FAILED_PRECONDITION where the service's state forbids
+// the call (a failed earlier call of the step; a block with tokens pending
+// from a DEFERRED commit); the message starts "In <operation>: " and names the
 // field, its index, the row and the bound.
 absl::Status DeviceStatusToStatus(const DeviceStatus& status, absl::string_view operation);
 

@@ -110,6 +110,49 @@ struct Records {
   int q = 0;
 };
 
+// DEFERRED commits (docs/semantics.md, "Deferred commit"): a commit leaves a
+// row's accepted tokens pending on its checkpoint block (when the row's state
+// stays in that block and it writes no boundary state) instead of replaying
+// them; the block's next Verify replays them first, from the records of the
+// commit's step, and writes the checkpoint once. Until then the block's
+// recurrent state in the pool is the checkpoint before those tokens. The
+// bookkeeping lives in the backend's memory, zeroed once when allocated, and
+// only the kernels read and write it, in stream order:
+//  - entries [num_layers, num_blocks]: a block's pending tokens in one layer
+//    (a packed internal::PendingEntry), 0 when the pool holds its current
+//    state. Per layer, because a step's Verify calls consume them one layer
+//    at a time (a step abandoned halfway leaves the other layers pending).
+//  - header [2 + capacity]: [0] the records buffer (0 or 1) the entries'
+//    tokens are in; the next Verify records into the other one. [1] how many
+//    blocks the last commit left pending, then those blocks: every nonzero
+//    entry is one of them (each commit materializes what the previous one
+//    left and no Verify took).
+struct PendingBlocks {
+  int32_t* entries = nullptr;  // null: commits are EAGER
+  int32_t* header = nullptr;
+  int num_layers = 0;
+  int64_t num_blocks = 0;
+  int capacity = 0;  // the most rows a commit may have
+};
+
+// The replays of a DEFERRED commit or a Flush, one per (layer, block), as a
+// list the call's first kernel writes on the device (the host cannot know
+// how many there are) and its replay reads.
+struct ReplayJob {
+  int32_t layer;
+  int32_t buffer;      // the records buffer its tokens are in
+  int32_t record_row;  // record tokens [record_row * q, record_row * q + tokens)
+  // As a row of replay indices (docs/semantics.md, Commit step 3): the
+  // source block at column q, the blocks to store after token t at column t.
+  int32_t indices[kMaxSpecQueryLen + 1];
+};
+
+struct ReplayJobs {
+  ReplayJob* jobs = nullptr;  // [capacity]
+  int32_t* count = nullptr;   // one word; the call's first kernel sets it
+  int capacity = 0;
+};
+
 // Statuses of earlier calls this call depends on (device memory on CUDA).
 // When one of them failed, this call's checks fail with problem
 // kPrerequisiteFailed and nothing of it runs: the service chains a step's
@@ -190,6 +233,19 @@ struct VerifyArgs {
   // it first (zero: passed); a passing call leaves it untouched, sparing
   // the kernel a write across PCIe. Nothing on the device reads it.
   DeviceStatus* status_mirror = nullptr;
+
+  // DEFERRED commits (pending.entries set; EAGER otherwise). Each row whose
+  // checkpoint block has pending tokens in `layer` replays them first (from
+  // `records` or `records_alt`, the buffer pending.header names), writes
+  // the checkpoint once, then verifies its window from that state; the
+  // window's records go to the other buffer. At most 2 * records.q <=
+  // kMaxSpecQueryLen tokens a row, replayed and verified together.
+  PendingBlocks pending;
+  int layer = 0;
+  Records records_alt;
+  int32_t* replay_plan = nullptr;  // [N]: each row's entry, as the checks took it
+  void* workspace = nullptr;       // VerifyWorkspaceBytes(); zeroed once when allocated
+  size_t workspace_bytes = 0;
 };
 
 // One layer of a commit.
@@ -198,6 +254,7 @@ struct CommitLayer {
   ConvPool conv;
   LayerParams params;
   Records records;
+  Records records_alt;  // DEFERRED: the other records buffer (records[1])
 };
 
 // RecoverSSM commit of every layer of a group at once: plan, conv compaction,
@@ -229,6 +286,14 @@ struct CommitArgs {
   // it first (zero: passed); a passing call leaves it untouched, sparing
   // the kernel a write across PCIe. Nothing on the device reads it.
   DeviceStatus* status_mirror = nullptr;
+
+  // DEFERRED (pending.entries set): rows whose state stays in their
+  // checkpoint block and that write no boundary state are left pending
+  // there (conv windows are still compacted); the others, and what the
+  // previous commit left pending that no Verify took, are replayed as
+  // `jobs` (capacity: 2 * max rows * layers).
+  PendingBlocks pending;
+  ReplayJobs jobs;
 };
 
 // One spec row's commit plan (docs/semantics.md, Commit step 1), as the commit
@@ -240,6 +305,28 @@ struct CommitPlanRow {
   int32_t boundary_block;
   int32_t boundary_len;
   int32_t request_row;  // the batch row (request_indices[i], or i) the plan read
+};
+
+// DEFERRED: materializes pending blocks (replays their pending tokens into
+// the pool) or, with `discard`, forgets them (for blocks being freed).
+struct FlushArgs {
+  KdaShape shape;
+  int spec_query_len = 0;  // Q
+  int num_layers = 0;
+  const CommitLayer* layers = nullptr;         // host copy
+  const CommitLayer* device_layers = nullptr;  // where the kernels read it
+  PendingBlocks pending;
+  ReplayJobs jobs;                   // capacity: pending.capacity * layers
+  const int32_t* blocks = nullptr;   // [num_blocks_given]; null: every pending block
+  int num_blocks_given = 0;          // <= the pool's blocks; <= 0 entries are null (skipped)
+  // [num_blocks_given]: the checks copy `blocks` here (each element read
+  // once); everything after them reads only this copy.
+  int32_t* checked_blocks = nullptr;
+  int layer = -1;                    // only this layer; -1: every layer
+  bool discard = false;
+  Prerequisites prerequisites;       // input_fault only (the block list may be a region)
+  DeviceStatus* status = nullptr;
+  DeviceStatus* status_mirror = nullptr;  // optional, as in VerifyArgs
 };
 
 // Align mode, after the commit: point each request at the block holding its
@@ -291,6 +378,15 @@ size_t StockWorkspaceBytes(int64_t num_blocks);
 size_t CommitWorkspaceBytes(int max_rows, int spec_query_len, int64_t num_blocks);
 // For calls of at most `max_rows` spec rows and `max_rows` request rows.
 size_t RecordStateBlocksWorkspaceBytes(int max_rows);
+// DEFERRED: a Verify's owner table (one per block).
+size_t VerifyWorkspaceBytes(int64_t num_blocks);
+// DEFERRED: PendingBlocks::header's and ::entries' sizes.
+size_t PendingHeaderBytes(int capacity);
+size_t PendingEntriesBytes(int num_layers, int64_t num_blocks);
+// DEFERRED: a commit's or a Flush's replay list, for `rows` rows (a Flush's
+// capacity is that of pending blocks: the rows of a commit).
+size_t CommitJobsCapacity(int max_rows, int num_layers);
+size_t FlushJobsCapacity(int max_rows, int num_layers);
 
 // Where a commit leaves its plan in `workspace`: rows [0, num_rows) of the
 // call, valid once it ran (for statistics: tokens committed per row).

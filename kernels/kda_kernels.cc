@@ -34,6 +34,29 @@ size_t RecordStateBlocksWorkspaceBytes(int max_rows) {
   return internal::AlignUp(256 + static_cast<size_t>(max_rows) * 16);
 }
 
+size_t VerifyWorkspaceBytes(int64_t num_blocks) {
+  return internal::AlignUp(static_cast<size_t>(num_blocks) * sizeof(int32_t));
+}
+
+size_t PendingHeaderBytes(int capacity) {
+  return internal::AlignUp((2 + static_cast<size_t>(capacity)) * sizeof(int32_t));
+}
+
+size_t PendingEntriesBytes(int num_layers, int64_t num_blocks) {
+  return internal::AlignUp(static_cast<size_t>(num_layers) * num_blocks * sizeof(int32_t));
+}
+
+// Every row of a commit replayed now (align mode), and every block the
+// previous commit left pending, in every layer.
+size_t CommitJobsCapacity(int max_rows, int num_layers) {
+  return 2 * static_cast<size_t>(max_rows) * num_layers;
+}
+
+// Only blocks the last commit left pending (at most its rows) have entries.
+size_t FlushJobsCapacity(int max_rows, int num_layers) {
+  return static_cast<size_t>(max_rows) * num_layers;
+}
+
 namespace {
 
 absl::Status Invalid(absl::string_view op, absl::string_view what) {
@@ -191,7 +214,56 @@ absl::Status CheckWorkspace(absl::string_view op, const void* workspace, size_t 
   return absl::OkStatus();
 }
 
+// DEFERRED's bookkeeping for `num_layers` layers of `num_blocks` blocks.
+absl::Status CheckPending(absl::string_view op, const PendingBlocks& p, int num_layers,
+                          int64_t num_blocks, int rows) {
+  if (p.entries == nullptr || p.header == nullptr) {
+    return Invalid(op, "pending: entries and header must be set");
+  }
+  if (p.num_layers != num_layers || p.num_blocks != num_blocks) {
+    return Invalid(op, absl::StrCat("pending: the table is for ", p.num_layers, " layers of ",
+                                    p.num_blocks, " blocks, the pools have ", num_layers,
+                                    " layers of ", num_blocks));
+  }
+  if (rows > p.capacity) {
+    return OutOfRange(op, absl::StrCat("pending: ", rows, " rows exceed its capacity of ",
+                                       p.capacity));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckJobs(absl::string_view op, const ReplayJobs& j, size_t need) {
+  if (j.jobs == nullptr || j.count == nullptr || static_cast<size_t>(j.capacity) < need) {
+    return Invalid(op, absl::StrCat("jobs: room for ", j.capacity, " replays, ", need,
+                                    " needed"));
+  }
+  return absl::OkStatus();
+}
+
+// The other records buffer of a DEFERRED layer: the same shape as the first.
+absl::Status CheckAltRecords(absl::string_view op, const Records& r, const Records& alt,
+                             absl::string_view layer) {
+  if (alt.kv == nullptr || alt.g == nullptr || alt.beta == nullptr) {
+    return Invalid(op, absl::StrCat(layer, "records_alt are null (DEFERRED double-buffers them)"));
+  }
+  if (alt.rows != r.rows || alt.q != r.q) {
+    return Invalid(op, absl::StrCat(layer, "records_alt hold ", alt.rows, " rows of ", alt.q,
+                                    " tokens, records ", r.rows, " of ", r.q));
+  }
+  return ValidateDeferredWindow(r.q);
+}
+
 }  // namespace
+
+absl::Status ValidateDeferredWindow(int spec_query_len) {
+  if (2 * spec_query_len > kMaxSpecQueryLen) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "commit mode DEFERRED replays up to Q pending tokens and verifies Q in one pass: Q = ",
+        spec_query_len, " must be at most ", kMaxSpecQueryLen / 2, " (num_spec <= ",
+        kMaxSpecQueryLen / 2 - 1, ")"));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ValidateShape(const KdaShape& shape) { return CheckShape("KdaShape", shape); }
 
@@ -234,6 +306,19 @@ absl::Status ValidateVerifyArgs(const VerifyArgs& a) {
   }
   if (st.ok()) st = CheckPrerequisites(op, a.prerequisites);
   if (st.ok() && a.status == nullptr) st = Invalid(op, "status is null");
+  if (st.ok() && a.pending.entries != nullptr) {
+    st = CheckPending(op, a.pending, a.pending.num_layers, a.state.num_blocks, 0);
+    if (st.ok() && (a.layer < 0 || a.layer >= a.pending.num_layers)) {
+      st = OutOfRange(op, absl::StrCat("layer ", a.layer, " is past the pending table's ",
+                                       a.pending.num_layers, " layers"));
+    }
+    if (st.ok()) st = CheckAltRecords(op, a.records, a.records_alt, "");
+    if (st.ok() && a.num_rows > 0 && a.replay_plan == nullptr) st = Invalid(op, "replay_plan is null");
+    if (st.ok()) {
+      st = CheckWorkspace(op, a.workspace, a.workspace_bytes,
+                          VerifyWorkspaceBytes(a.state.num_blocks));
+    }
+  }
   return st;
 }
 
@@ -323,6 +408,61 @@ absl::Status ValidateCommitArgs(const CommitArgs& a) {
   st = CheckPrerequisites(op, a.prerequisites);
   if (!st.ok()) return st;
   if (a.status == nullptr) return Invalid(op, "status is null");
+  if (a.pending.entries != nullptr) {
+    st = CheckPending(op, a.pending, a.num_layers, first.state.num_blocks, a.num_rows);
+    if (!st.ok()) return st;
+    st = CheckJobs(op, a.jobs, CommitJobsCapacity(a.pending.capacity, a.num_layers));
+    if (!st.ok()) return st;
+    for (int l = 0; l < a.num_layers; ++l) {
+      st = CheckAltRecords(op, a.layers[l].records, a.layers[l].records_alt,
+                           absl::StrCat("layer ", l, ": "));
+      if (!st.ok()) return st;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateFlushArgs(const FlushArgs& a) {
+  constexpr absl::string_view op = "Flush";
+  absl::Status st = CheckShape(op, a.shape);
+  if (!st.ok()) return st;
+  if (a.num_layers < 1 || a.layers == nullptr || a.device_layers == nullptr) {
+    return Invalid(op, "a flush needs the layers");
+  }
+  if (a.spec_query_len < 1 || a.spec_query_len > kMaxSpecQueryLen) {
+    return OutOfRange(op, absl::StrCat("spec_query_len = ", a.spec_query_len, " must be in [1, ",
+                                       kMaxSpecQueryLen, "]"));
+  }
+  const int64_t num_blocks = a.layers[0].state.num_blocks;
+  st = CheckPending(op, a.pending, a.num_layers, num_blocks, 0);
+  if (!st.ok()) return st;
+  st = CheckJobs(op, a.jobs, FlushJobsCapacity(a.pending.capacity, a.num_layers));
+  if (!st.ok()) return st;
+  if (a.layer < -1 || a.layer >= a.num_layers) {
+    return OutOfRange(op, absl::StrCat("layer ", a.layer, " is out of range: -1 (every layer) or "
+                                       "below ", a.num_layers));
+  }
+  if (a.num_blocks_given < 0 || a.num_blocks_given > num_blocks) {
+    return OutOfRange(op, absl::StrCat(a.num_blocks_given, " blocks given: at most the pool's ",
+                                       num_blocks));
+  }
+  if (a.num_blocks_given > 0 && (a.blocks == nullptr || a.checked_blocks == nullptr)) {
+    return Invalid(op, "blocks and checked_blocks must be set");
+  }
+  for (int l = 0; l < a.num_layers; ++l) {
+    st = CheckStatePool(op, a.shape, a.layers[l].state, absl::StrCat("layer ", l, ": state pool"));
+    if (!st.ok()) return st;
+    st = CheckParams(op, a.shape, a.layers[l].params, absl::StrCat("layer ", l, ": "));
+    if (!st.ok()) return st;
+    st = CheckAltRecords(op, a.layers[l].records, a.layers[l].records_alt,
+                         absl::StrCat("layer ", l, ": "));
+    if (!st.ok()) return st;
+    if (a.layers[l].records.q != a.spec_query_len) {
+      return Invalid(op, absl::StrCat("layer ", l, ": records hold windows of ",
+                                      a.layers[l].records.q, " tokens, not ", a.spec_query_len));
+    }
+  }
+  if (a.status == nullptr) return Invalid(op, "status is null");
   return absl::OkStatus();
 }
 
@@ -400,6 +540,11 @@ absl::Status KdaKernels::RecordStateBlocks(const RecordStateBlocksArgs& args,
                                            Stream stream) const {
   absl::Status st = ValidateRecordStateBlocksArgs(args);
   return st.ok() ? LaunchRecordStateBlocks(args, stream) : st;
+}
+
+absl::Status KdaKernels::Flush(const FlushArgs& args, Stream stream) const {
+  absl::Status st = ValidateFlushArgs(args);
+  return st.ok() ? LaunchFlush(args, stream) : st;
 }
 
 }  // namespace kernels

@@ -54,6 +54,10 @@ class KdaKernels {
   // Align mode: record each request's state block and reset its accepted count.
   absl::Status RecordStateBlocks(const RecordStateBlocksArgs& args, Stream stream) const;
 
+  // DEFERRED commits: materializes (or, with `discard`, forgets) the pending
+  // tokens of the given blocks, or of every pending block.
+  absl::Status Flush(const FlushArgs& args, Stream stream) const;
+
   // Copies a layer's gate parameters after checking them finite on the
   // device (the destination is unchanged when they are not).
   absl::Status LoadParams(const LoadParamsArgs& args, Stream stream) const;
@@ -65,6 +69,7 @@ class KdaKernels {
   virtual absl::Status LaunchCommit(const CommitArgs& args, Stream stream) const = 0;
   virtual absl::Status LaunchRecordStateBlocks(const RecordStateBlocksArgs& args,
                                                Stream stream) const = 0;
+  virtual absl::Status LaunchFlush(const FlushArgs& args, Stream stream) const = 0;
   virtual absl::Status LaunchLoadParams(const LoadParamsArgs& args, Stream stream) const = 0;
 };
 
@@ -107,6 +112,10 @@ absl::Status ValidateStockArgs(const StockArgs& args);
 absl::Status ValidateVerifyArgs(const VerifyArgs& args);
 absl::Status ValidateCommitArgs(const CommitArgs& args);
 absl::Status ValidateRecordStateBlocksArgs(const RecordStateBlocksArgs& args);
+absl::Status ValidateFlushArgs(const FlushArgs& args);
+// DEFERRED replays a row's pending tokens and verifies its window in one
+// pass: at most kMaxSpecQueryLen tokens, so Q <= kMaxSpecQueryLen / 2.
+absl::Status ValidateDeferredWindow(int spec_query_len);
 absl::Status ValidateLoadParamsArgs(const LoadParamsArgs& args);
 
 }  // namespace kernels

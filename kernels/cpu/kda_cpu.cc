@@ -160,28 +160,60 @@ void PrepareHead(const KdaShape& shape, const Activation& q, const Activation& k
   }
 }
 
+// One head's state [V, K] in fp32 while it runs tokens: loaded once from a
+// block, stored (rounded to the state dtype) wherever the tokens say.
+template <int K>
+class HeadRecurrence {
+ public:
+  static constexpr int V = K;
+
+  template <typename State>
+  void Load(const State* block) {
+    for (size_t i = 0; i < s_.size(); ++i) s_[i] = ToFloat(block[i]);
+  }
+
+  template <typename State>
+  void Store(State* block) const {
+    for (size_t i = 0; i < s_.size(); ++i) block[i] = FromFloat<State>(s_[i]);
+  }
+
+  // The state as a later call that loads it from the pool will see it:
+  // rounded to the state dtype and back (exact for fp32).
+  template <typename State>
+  void RoundTo() {
+    for (float& x : s_) x = ToFloat(FromFloat<State>(x));
+  }
+
+  // Tokens [0, tokens) of `prep`. `output(t, v, o)` receives o_v of token t
+  // (when want_output); after token t the state goes to destination(t) when
+  // that is not null.
+  template <typename State, typename Output, typename Destination>
+  void Run(const PreparedHead& prep, int tokens, bool want_output, Output output,
+           Destination destination) {
+    const auto row_sum = [](float x) { return x; };  // one lane per row
+    for (int t = 0; t < tokens; ++t) {
+      const kda::TokenInputs tok{&prep.q[size_t(t) * K], &prep.k[size_t(t) * K],
+                                 &prep.decay[size_t(t) * K], prep.beta[t]};
+      for (int v = 0; v < V; ++v) {
+        const float o = kda::TokenStep<K, 1>(&s_[size_t(v) * K], 0, tok,
+                                             prep.v[size_t(t) * K + v], row_sum, want_output);
+        if (want_output) output(t, v, o);
+      }
+      if (State* dst = destination(t)) Store(dst);
+    }
+  }
+
+ private:
+  std::vector<float> s_ = std::vector<float>(size_t(V) * K);
+};
+
 // Runs `tokens` tokens of one head from `initial` ([V, K] of the state dtype).
-// `output(t, v, o)` receives o_v of token t (when want_output); after token t
-// the state goes to destination(t) when that is not null.
 template <typename State, int K, typename Output, typename Destination>
 void RunHead(const PreparedHead& prep, const State* initial, int tokens, bool want_output,
              Output output, Destination destination) {
-  constexpr int V = K;
-  std::vector<float> s(size_t(V) * K);
-  for (size_t i = 0; i < s.size(); ++i) s[i] = ToFloat(initial[i]);
-  const auto row_sum = [](float x) { return x; };  // one lane per row
-  for (int t = 0; t < tokens; ++t) {
-    const kda::TokenInputs tok{&prep.q[size_t(t) * K], &prep.k[size_t(t) * K],
-                               &prep.decay[size_t(t) * K], prep.beta[t]};
-    for (int v = 0; v < V; ++v) {
-      const float o = kda::TokenStep<K, 1>(&s[size_t(v) * K], 0, tok, prep.v[size_t(t) * K + v],
-                                           row_sum, want_output);
-      if (want_output) output(t, v, o);
-    }
-    if (State* dst = destination(t)) {
-      for (size_t i = 0; i < s.size(); ++i) dst[i] = FromFloat<State>(s[i]);
-    }
-  }
+  HeadRecurrence<K> head;
+  head.Load(initial);
+  head.template Run<State>(prep, tokens, want_output, output, destination);
 }
 
 template <typename State>
@@ -267,21 +299,94 @@ void CompactConvRow(const ConvPool& c, int history_len, const CommitPlanRow& p, 
   }
 }
 
+// Records buffer `buffer` (0: records, 1: records_alt; DEFERRED alternates).
+const Records& RecordsOf(const CommitLayer& layer, int buffer) {
+  return buffer == 0 ? layer.records : layer.records_alt;
+}
+
 // The stock kernel reads the records as its q/k/v/g/beta (q = k = recorded k).
-StockLayerWork ReplayWork(const KdaShape& shape, const CommitLayer& layer) {
+StockLayerWork ReplayWork(const KdaShape& shape, const CommitLayer& layer,
+                          const Records& records) {
   const size_t es = DTypeSize(shape.act_dtype);
   const int64_t width = RecordTokenWidth(shape);
   StockLayerWork w;
   w.shape = shape;
-  w.k = Activation{layer.records.kv, width};
+  w.k = Activation{records.kv, width};
   w.q = w.k;
-  w.v = Activation{static_cast<const char*>(layer.records.kv) + KeyWidth(shape) * es, width};
-  w.g = Activation{layer.records.g, GateWidth(shape)};
-  w.beta = Activation{layer.records.beta, ValueHeads(shape)};
+  w.v = Activation{static_cast<const char*>(records.kv) + KeyWidth(shape) * es, width};
+  w.g = Activation{records.g, GateWidth(shape)};
+  w.beta = Activation{records.beta, ValueHeads(shape)};
   w.out = nullptr;
   w.state = layer.state;
   w.params = layer.params;
   return w;
+}
+
+// Runs a replay list (ReplayJob: one layer's replay of one row), each as
+// the stock kernel over the records, like the commit's replay.
+void RunReplayJobs(const KdaShape& shape, const CommitLayer* layers, int q,
+                   const std::vector<ReplayJob>& jobs) {
+  DispatchKda(shape, [&](auto act, auto state, auto head_dim) {
+    using Act = typename decltype(act)::type;
+    using State = typename decltype(state)::type;
+    for (const ReplayJob& job : jobs) {
+      const CommitLayer& layer = layers[job.layer];
+      RunStockLayer<Act, State, decltype(head_dim)::value>(
+          ReplayWork(shape, layer, RecordsOf(layer, job.buffer)), 1,
+          [&](int, int64_t* bos, int* tokens, int32_t* source, const int32_t** idx) {
+            *bos = int64_t{job.record_row} * q;
+            *source = job.indices[q];
+            *idx = job.indices;
+            *tokens = internal::ReplayTokens(job.indices, q);
+          });
+    }
+  });
+}
+
+// The list also goes to the call's ReplayJobs, as the CUDA backend leaves it.
+void PublishJobs(const std::vector<ReplayJob>& jobs, const ReplayJobs& out) {
+  if (out.count == nullptr) return;
+  *out.count = static_cast<int32_t>(jobs.size());
+  if (!jobs.empty()) std::memcpy(out.jobs, jobs.data(), jobs.size() * sizeof(ReplayJob));
+}
+
+// DEFERRED Commit, after its checks: what the previous commit left pending
+// that no Verify took is materialized (replay jobs), rows that are not
+// deferred are replayed now (jobs), and the deferred rows' tokens become
+// the pending entries, in the records buffer this step's Verify calls wrote.
+std::vector<ReplayJob> DeferCommit(const CommitArgs& a, const CommitPlanRow* plan) {
+  const PendingBlocks& p = a.pending;
+  const int q = a.spec_query_len;
+  const int32_t buffer = *internal::PendingBufferWord(p);  // the previous commit's records
+  std::vector<ReplayJob> jobs;
+  const int32_t* list = internal::PendingList(p);
+  for (int j = 0; j < *internal::PendingListSize(p); ++j) {
+    for (int l = 0; l < p.num_layers; ++l) {
+      int32_t& entry = internal::PendingEntriesOf(p, l)[list[j]];
+      if (entry == 0) continue;
+      jobs.push_back(internal::PendingJob(l, list[j], internal::UnpackPending(entry), q));
+      entry = 0;
+    }
+  }
+  for (int i = 0; i < a.num_rows; ++i) {
+    if (!internal::CommitsAnything(plan[i]) || internal::DefersCommit(plan[i])) continue;
+    for (int l = 0; l < a.num_layers; ++l) {
+      jobs.push_back(internal::CommitJob(l, plan[i], i, 1 - buffer, q));
+    }
+  }
+  int32_t listed = 0;
+  for (int i = 0; i < a.num_rows; ++i) {
+    if (!internal::DefersCommit(plan[i])) continue;
+    const int32_t entry = internal::PackPending(i, 1 - buffer, plan[i].commit_len);
+    for (int l = 0; l < p.num_layers; ++l) {
+      internal::PendingEntriesOf(p, l)[plan[i].source] = entry;
+    }
+    internal::PendingList(p)[listed++] = plan[i].source;
+  }
+  *internal::PendingListSize(p) = listed;
+  *internal::PendingBufferWord(p) = 1 - buffer;
+  PublishJobs(jobs, a.jobs);
+  return jobs;
 }
 
 // ---------------------------------------------------------------------------
@@ -340,32 +445,89 @@ class CpuKernels final : public KdaKernels {
         })) {
       return;
     }
+    const bool deferred = a.pending.entries != nullptr;
+    if (deferred && !TakePendingTokens(a, rows)) return;
+    // DEFERRED: the pending tokens' records are in one buffer, this
+    // window's go to the other.
+    const int32_t pending_buffer = deferred ? *internal::PendingBufferWord(a.pending) : 1;
+    const Records& records = pending_buffer == 1 ? a.records : a.records_alt;
+    const Records& pending_records = pending_buffer == 1 ? a.records_alt : a.records;
     const int32_t* const qsl = internal::VerifiedQueryStartLoc(a);
     DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
       using Act = typename decltype(act)::type;
       using State = typename decltype(state)::type;
       constexpr int K = decltype(head_dim)::value;
       const int H = ValueHeads(a.shape);
-      PreparedHead prep;
+      const CommitLayer layer{a.state, {}, a.params, pending_records, {}};
+      const StockLayerWork replay = ReplayWork(a.shape, layer, pending_records);
+      PreparedHead prep, pending_prep;
       Act* out = static_cast<Act*>(a.out);
       for (int n = 0; n < a.num_rows; ++n) {
         const int tokens = rows[n].tokens;
-        if (tokens == 0 || !IsBlock(rows[n].source)) continue;
+        const internal::PendingEntry pending =
+            internal::UnpackPending(deferred ? a.replay_plan[n] : 0);
+        if ((tokens == 0 && pending.tokens == 0) || !IsBlock(rows[n].source)) continue;
         const int64_t bos = qsl[n];
         for (int h = 0; h < H; ++h) {
+          State* const checkpoint = HeadOf<State>(a.state, rows[n].source, h, K * K);
+          HeadRecurrence<K> head;
+          head.Load(checkpoint);
+          if (pending.tokens > 0) {
+            // The DEFERRED commit's replay, then the checkpoint stored once
+            // (and read back as a later Verify would read it).
+            PrepareHead<Act, K>(a.shape, replay.q, replay.k, replay.v, replay.g, replay.beta,
+                                a.params, h, int64_t{pending.record_row} * a.records.q,
+                                pending.tokens, &pending_prep);
+            head.template Run<State>(pending_prep, pending.tokens, false, [](int, int, float) {},
+                                     [](int) -> State* { return nullptr; });
+            head.Store(checkpoint);
+            head.template RoundTo<State>();
+          }
           PrepareHead<Act, K>(a.shape, a.q, a.k, a.v, a.g, a.beta, a.params, h, bos, tokens,
                               &prep);
-          RunHead<State, K>(
-              prep, HeadOf<State>(a.state, rows[n].source, h, K * K), tokens, true,
+          head.template Run<State>(
+              prep, tokens, true,
               [&](int t, int v, float o) {
                 out[((bos + t) * H + h) * K + v] = FromFloat<Act>(o);
               },
-              [](int) -> State* { return nullptr; });  // verify writes no state
+              [](int) -> State* { return nullptr; });  // the window's states are not stored
         }
-        RecordRow<Act, K>(a, n, bos, tokens);
+        RecordRow<Act, K>(a, records, n, bos, tokens);
       }
     });
     return;
+  }
+
+  // DEFERRED Verify, after the other checks: no two rows may verify from a
+  // block that has pending tokens in this layer (the first to run would
+  // materialize it under the other). Then each row takes its block's entry
+  // (replay_plan) and the table forgets it: the kernels replay it now.
+  bool TakePendingTokens(const VerifyArgs& a, const std::vector<internal::VerifyRow>& rows) const {
+    int32_t* const entries = internal::PendingEntriesOf(a.pending, a.layer);
+    int32_t* const owner = static_cast<int32_t*>(a.workspace);
+    for (int n = 0; n < a.num_rows; ++n) {
+      if (IsBlock(rows[n].source)) {
+        owner[rows[n].source] = std::max(owner[rows[n].source], internal::OwnerTag(n));
+      }
+    }
+    bool ok = true;
+    for (int n = 0; n < a.num_rows && ok; ++n) {
+      const int32_t b = rows[n].source;
+      if (!IsBlock(b) || entries[b] == 0 || internal::OwnerRow(owner[b]) == n) continue;
+      *a.status = internal::StatusFromFault(internal::PendingSharedFault(b, n),  n,
+                                            internal::OwnerRow(owner[b]));
+      ok = false;
+    }
+    for (int n = 0; n < a.num_rows; ++n) {
+      if (IsBlock(rows[n].source)) owner[rows[n].source] = 0;
+    }
+    if (!ok) return false;
+    for (int n = 0; n < a.num_rows; ++n) {
+      const int32_t b = rows[n].source;
+      a.replay_plan[n] = IsBlock(b) ? entries[b] : 0;
+      if (IsBlock(b)) entries[b] = 0;
+    }
+    return true;
   }
 
   absl::Status LaunchCommit(const CommitArgs& a, Stream) const override {
@@ -392,6 +554,12 @@ class CpuKernels final : public KdaKernels {
             [&](int i, auto fn) { internal::ForEachCommitRead(ws.plan[i], i, fn); })) {
       return;
     }
+    const bool deferred = a.pending.entries != nullptr;
+    if (deferred && !CheckRows(a.num_rows, a.status, [&](int i) {
+          return internal::CheckDeferredCommitRow(a, ws.plan[i], i);
+        })) {
+      return;
+    }
     const int Q = a.spec_query_len;
     for (int i = 0; i < a.num_rows; ++i) {
       for (int col = 0; col <= Q; ++col) {
@@ -409,6 +577,10 @@ class CpuKernels final : public KdaKernels {
         }
       }
     });
+    if (deferred) {
+      RunReplayJobs(a.shape, a.layers, Q, DeferCommit(a, ws.plan));
+      return;
+    }
     // Replay: the stock kernel over the records, Q tokens per row, reading
     // the source at column Q and storing only the planned columns. Tokens
     // after the last stored column cannot change a stored state, so they
@@ -418,7 +590,7 @@ class CpuKernels final : public KdaKernels {
       using State = typename decltype(state)::type;
       for (int l = 0; l < a.num_layers; ++l) {
         RunStockLayer<Act, State, decltype(head_dim)::value>(
-            ReplayWork(a.shape, a.layers[l]), a.num_rows,
+            ReplayWork(a.shape, a.layers[l], a.layers[l].records), a.num_rows,
             [&](int i, int64_t* bos, int* tokens, int32_t* source, const int32_t** idx) {
               const int32_t* row = ws.replay_indices + i * (Q + 1);
               *bos = int64_t{i} * Q;
@@ -461,6 +633,41 @@ class CpuKernels final : public KdaKernels {
     return;
   }
 
+  absl::Status LaunchFlush(const FlushArgs& a, Stream) const override {
+    RunFlush(a);
+    PublishStatus(*a.status, a.status_mirror);
+    return absl::OkStatus();
+  }
+
+  void RunFlush(const FlushArgs& a) const {
+    *a.status = internal::OkStatus();
+    std::vector<RowFault> faults(a.num_blocks_given);
+    for (int i = 0; i < a.num_blocks_given; ++i) {
+      faults[i] = internal::CheckFlushBlock(a, i);
+    }
+    if (!InputsIntact(a.prerequisites.input_fault, a.status)) return;
+    if (!CheckRows(a.num_blocks_given, a.status, [&](int i) { return faults[i]; })) return;
+    const bool listed = a.blocks == nullptr;
+    const int count = listed ? *internal::PendingListSize(a.pending) : a.num_blocks_given;
+    const int32_t* blocks = listed ? internal::PendingList(a.pending) : a.checked_blocks;
+    std::vector<ReplayJob> jobs;
+    for (int i = 0; i < count; ++i) {
+      if (!IsBlock(blocks[i])) continue;
+      for (int l = 0; l < a.num_layers; ++l) {
+        if (a.layer >= 0 && l != a.layer) continue;
+        int32_t& entry = internal::PendingEntriesOf(a.pending, l)[blocks[i]];
+        if (entry == 0) continue;
+        if (!a.discard) {
+          jobs.push_back(internal::PendingJob(l, blocks[i], internal::UnpackPending(entry),
+                                              a.spec_query_len));
+        }
+        entry = 0;
+      }
+    }
+    PublishJobs(jobs, a.jobs);
+    RunReplayJobs(a.shape, a.layers, a.spec_query_len, jobs);
+  }
+
   absl::Status LaunchLoadParams(const LoadParamsArgs& a, Stream) const override {
     *a.status = internal::OkStatus();
     const int count = a.num_heads + a.num_heads * a.head_dim;
@@ -490,16 +697,17 @@ class CpuKernels final : public KdaKernels {
   // (KDA: per key head, [K]; GDN: per value head, a scalar), bit for bit, to
   // record tokens [n * Q, n * Q + tokens).
   template <typename Act, int K>
-  static void RecordRow(const VerifyArgs& a, int n, int64_t bos, int tokens) {
+  static void RecordRow(const VerifyArgs& a, const Records& records, int n, int64_t bos,
+                        int tokens) {
     const KdaShape& s = a.shape;
     const int H = s.num_heads;
     const int HV = ValueHeads(s);
     const int64_t width = RecordTokenWidth(s);
     const int64_t gate_width = GateWidth(s);
     const size_t head_bytes = size_t(K) * sizeof(Act);
-    Act* kv = static_cast<Act*>(a.records.kv);
-    Act* g = static_cast<Act*>(a.records.g);
-    Act* beta = static_cast<Act*>(a.records.beta);
+    Act* kv = static_cast<Act*>(records.kv);
+    Act* g = static_cast<Act*>(records.g);
+    Act* beta = static_cast<Act*>(records.beta);
     const Act* gin = static_cast<const Act*>(a.g.data);
     for (int t = 0; t < tokens; ++t) {
       const int64_t tok = bos + t;

@@ -101,7 +101,11 @@ struct StateIo<BFloat16> {
 // ---------------------------------------------------------------------------
 // The recurrent kernel.
 
-enum class Mode { kStock, kVerify, kReplay };
+// kReplayVerify is DEFERRED's Verify: a row first replays the tokens a
+// commit left pending on its checkpoint (as kReplay would have at that
+// commit), stores the checkpoint once, then verifies its window from the
+// state in registers (as kVerify).
+enum class Mode { kStock, kVerify, kReplay, kReplayVerify };
 
 // Where one layer's inputs and outputs are.
 struct LayerView {
@@ -149,26 +153,45 @@ struct RecurrentLaunch {
   const DeviceStatus* status;
   LayerView layer;                   // stock and verify
   const CommitLayer* replay_layers;  // replay: the group's layers
+  // Replay of a list (DEFERRED commit, Flush): row n is job n, at most
+  // num_rows of them, *job_count in fact (the call's first kernel wrote it).
+  const ReplayJob* jobs;
+  const int32_t* job_count;
+  // kReplayVerify: each row's pending entry (the checks' replay_plan), the
+  // word naming the records buffer of the pending tokens, and both buffers
+  // (the window's records go to the other one).
+  const int32_t* replay_plan;
+  const int32_t* pending_buffer;
+  Records records[2];
 };
 
 // The replay reads the records as the stock kernel's inputs: q = k = the
 // recorded k, v = the recorded v (each token's [H * K + HV * V] of kv), g and
 // beta as recorded.
 template <typename Act>
-__device__ __forceinline__ LayerView ReplayView(const CommitLayer& l, const RecurrentLaunch& p,
-                                                int head_dim) {
+__device__ __forceinline__ LayerView RecordsView(const Records& r, const RecurrentLaunch& p,
+                                                 int head_dim) {
   const int64_t hk = int64_t{p.num_key_heads} * head_dim;
   const int64_t width = hk + int64_t{p.num_heads} * head_dim;
-  LayerView view;
-  view.k = l.records.kv;
-  view.q = l.records.kv;
-  view.v = static_cast<const Act*>(l.records.kv) + hk;
-  view.g = l.records.g;
-  view.beta = l.records.beta;
+  LayerView view{};
+  view.k = r.kv;
+  view.q = r.kv;
+  view.v = static_cast<const Act*>(r.kv) + hk;
+  view.g = r.g;
+  view.beta = r.beta;
   view.q_stride = width;
   view.k_stride = width;
   view.v_stride = width;
   view.beta_stride = p.num_heads;
+  return view;
+}
+
+// A layer's replay: its records buffer `buffer` (0: records, 1:
+// records_alt) as inputs, its pool and parameters.
+template <typename Act>
+__device__ __forceinline__ LayerView ReplayView(const CommitLayer& l, int buffer,
+                                                const RecurrentLaunch& p, int head_dim) {
+  LayerView view = RecordsView<Act>(buffer == 0 ? l.records : l.records_alt, p, head_dim);
   view.out = nullptr;
   view.state = l.state.data;
   view.block_stride = l.state.block_stride;
@@ -255,7 +278,7 @@ __global__ void __launch_bounds__(Layout::kThreads, Layout::kMinBlocks)
   }
   if (tokens == 0 || !IsBlock(source)) return;
   const LayerView L =
-      M == Mode::kReplay ? ReplayView<Act>(p.replay_layers[layer], p, K) : p.layer;
+      M == Mode::kReplay ? ReplayView<Act>(p.replay_layers[layer], 0, p, K) : p.layer;
 
   const int tid = threadIdx.x;
   const int row = tid / kLanes;
@@ -603,12 +626,138 @@ __device__ bool VerifyChecks(const VerifyArgs& a) {
   });
 }
 
+// DEFERRED Verify, after the other checks (kda_cpu.cc's TakePendingTokens,
+// on one block): no two rows may verify from a block with pending tokens in
+// the layer; then each row takes its block's entry and the table forgets it.
+__device__ bool BlockTakePendingTokens(const VerifyArgs& a) {
+  int32_t* const entries = internal::PendingEntriesOf(a.pending, a.layer);
+  int32_t* const owner = static_cast<int32_t*>(a.workspace);
+  const int32_t* const source = internal::VerifiedStateIndices(a);
+  __shared__ int lowest;
+  if (threadIdx.x == 0) lowest = INT_MAX;
+  for (int n = threadIdx.x; n < a.num_rows; n += blockDim.x) {
+    if (IsBlock(source[n])) atomicMax(&owner[source[n]], internal::OwnerTag(n));
+  }
+  __syncthreads();
+  int fault_row = INT_MAX, other_row = -1;
+  for (int n = threadIdx.x; n < a.num_rows; n += blockDim.x) {
+    const int32_t b = source[n];
+    if (!IsBlock(b) || entries[b] == 0) continue;
+    const int lowest_reader = internal::OwnerRow(__ldcg(&owner[b]));
+    if (lowest_reader != n) {
+      fault_row = n;  // rows grow with the loop: this is the thread's lowest
+      other_row = lowest_reader;
+      break;
+    }
+  }
+  if (fault_row != INT_MAX) atomicMin(&lowest, fault_row);
+  __syncthreads();
+  const int failed = lowest;
+  if (fault_row != INT_MAX && fault_row == failed) {
+    *a.status = internal::StatusFromFault(internal::PendingSharedFault(source[fault_row], fault_row),
+                                          fault_row, other_row);
+  }
+  for (int n = threadIdx.x; n < a.num_rows; n += blockDim.x) {
+    if (IsBlock(source[n])) owner[source[n]] = 0;
+  }
+  __syncthreads();
+  if (failed != INT_MAX) return false;
+  for (int n = threadIdx.x; n < a.num_rows; n += blockDim.x) {
+    a.replay_plan[n] = IsBlock(source[n]) ? entries[source[n]] : 0;
+  }
+  __syncthreads();  // rows sharing a block (with nothing pending) read it before it is cleared
+  for (int n = threadIdx.x; n < a.num_rows; n += blockDim.x) {
+    if (IsBlock(source[n])) entries[source[n]] = 0;
+  }
+  return true;
+}
+
 __global__ void __launch_bounds__(kCheckThreads) VerifyCheckKernel(const VerifyArgs a) {
   LetDependentsLaunch();
   // The block knows whether it failed: no reload of its status to decide.
-  if (!VerifyChecks(a) && a.status_mirror != nullptr && threadIdx.x == 0) {
-    *a.status_mirror = *a.status;
+  bool passed = VerifyChecks(a);
+  if (passed && a.pending.entries != nullptr) passed = BlockTakePendingTokens(a);
+  if (!passed && a.status_mirror != nullptr && threadIdx.x == 0) *a.status_mirror = *a.status;
+}
+
+// DEFERRED Commit, after its checks (kda_cpu.cc's DeferCommit, on one block):
+// the replay list (what the previous commit left pending that no Verify
+// took; the rows that are not deferred), then the deferred rows' pending
+// entries, in the records buffer this step's Verify calls wrote.
+__device__ void BlockDeferCommit(const CommitArgs& a, const CommitPlanRow* plan) {
+  const PendingBlocks& p = a.pending;
+  const int q = a.spec_query_len;
+  const int L = a.num_layers;
+  const int32_t buffer = *internal::PendingBufferWord(p);  // the previous commit's records
+  const int32_t listed = *internal::PendingListSize(p);
+  int32_t* const list = internal::PendingList(p);
+  __shared__ int jobs, newly_listed;
+  if (threadIdx.x == 0) jobs = newly_listed = 0;
+  __syncthreads();
+  for (int x = threadIdx.x; x < listed * L; x += blockDim.x) {
+    const int32_t block = list[x / L];
+    const int l = x % L;
+    const int32_t entry = atomicExch(&internal::PendingEntriesOf(p, l)[block], 0);
+    if (entry != 0) {
+      a.jobs.jobs[atomicAdd(&jobs, 1)] =
+          internal::PendingJob(l, block, internal::UnpackPending(entry), q);
+    }
   }
+  for (int x = threadIdx.x; x < a.num_rows * L; x += blockDim.x) {
+    const int i = x / L;
+    if (internal::CommitsAnything(plan[i]) && !internal::DefersCommit(plan[i])) {
+      a.jobs.jobs[atomicAdd(&jobs, 1)] = internal::CommitJob(x % L, plan[i], i, 1 - buffer, q);
+    }
+  }
+  __syncthreads();  // the old list and entries are read before the new ones are written
+  for (int i = threadIdx.x; i < a.num_rows; i += blockDim.x) {
+    if (internal::DefersCommit(plan[i])) list[atomicAdd(&newly_listed, 1)] = plan[i].source;
+  }
+  for (int x = threadIdx.x; x < a.num_rows * L; x += blockDim.x) {
+    const CommitPlanRow& row = plan[x / L];
+    if (internal::DefersCommit(row)) {
+      internal::PendingEntriesOf(p, x % L)[row.source] =
+          internal::PackPending(x / L, 1 - buffer, row.commit_len);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *internal::PendingListSize(p) = newly_listed;
+    *internal::PendingBufferWord(p) = 1 - buffer;
+    *a.jobs.count = jobs;
+  }
+}
+
+// DEFERRED Flush: checks the block list (into its checked copy) and lists
+// the replays of the blocks' pending tokens (kda_cpu.cc's RunFlush).
+__global__ void __launch_bounds__(kCheckThreads) FlushPlanKernel(const FlushArgs a) {
+  LetDependentsLaunch();
+  if (threadIdx.x == 0) *a.status = internal::OkStatus();
+  __syncthreads();
+  if (BlockCheckRows(a.num_blocks_given, a.status,
+                     [&](int i) { return internal::CheckFlushBlock(a, i); })) {
+    __shared__ int jobs;
+    if (threadIdx.x == 0) jobs = 0;
+    __syncthreads();
+    const bool listed = a.blocks == nullptr;
+    const int count = listed ? *internal::PendingListSize(a.pending) : a.num_blocks_given;
+    const int32_t* const blocks = listed ? internal::PendingList(a.pending) : a.checked_blocks;
+    const int layers = a.layer >= 0 ? 1 : a.num_layers;
+    for (int x = threadIdx.x; x < count * layers; x += blockDim.x) {
+      const int32_t block = blocks[x / layers];
+      const int l = a.layer >= 0 ? a.layer : x % layers;
+      if (!IsBlock(block)) continue;
+      // One taker per entry, though a block may be listed twice.
+      const int32_t entry = atomicExch(&internal::PendingEntriesOf(a.pending, l)[block], 0);
+      if (entry != 0 && !a.discard) {
+        a.jobs.jobs[atomicAdd(&jobs, 1)] =
+            internal::PendingJob(l, block, internal::UnpackPending(entry), a.spec_query_len);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) *a.jobs.count = jobs;
+  }
+  PublishStatus(a.status, a.status_mirror);
 }
 
 // Checks, plans and writes the replay indices of a commit.
@@ -630,6 +779,15 @@ __device__ void CommitPlan(const CommitArgs& a, int64_t num_blocks) {
     return;
   }
   const int q = a.spec_query_len;
+  if (a.pending.entries != nullptr) {
+    if (!BlockCheckRows(a.num_rows, a.status, [&](int i) {
+          return internal::CheckDeferredCommitRow(a, ws.plan[i], i);
+        })) {
+      return;
+    }
+    BlockDeferCommit(a, ws.plan);
+    return;
+  }
   for (int item = threadIdx.x; item < a.num_rows * (q + 1); item += blockDim.x) {
     const int i = item / (q + 1);
     ws.replay_indices[item] = internal::ReplayIndex(ws.plan[i], q, item % (q + 1));
@@ -782,6 +940,14 @@ bool ViewInputsAligned(const LayerView& l, const KdaShape& shape, size_t elem) {
   return InputsAligned(l.q, l.q_stride, l.k, l.k_stride, l.v, l.v_stride, l.g, shape, elem);
 }
 
+// The records as the replay reads them: q = k = kv[:, 0], v = kv[:, 1], g.
+bool RecordsAligned(const Records& r, const KdaShape& shape, size_t elem) {
+  const int64_t width = RecordTokenWidth(shape);
+  return InputsAligned(r.kv, width, r.kv, width,
+                       static_cast<const char*>(r.kv) + KeyWidth(shape) * elem, width, r.g, shape,
+                       elem);
+}
+
 // A failed launch (or an earlier fault it reports), named like the kernels'
 // other errors: "In Verify: CUDA kernel launch: <description> (<name>)".
 absl::Status LaunchStatus(cudaError_t err, absl::string_view op) {
@@ -838,9 +1004,13 @@ template <Mode M, typename Act, typename State, int K, typename Layout, bool kPi
 cudaError_t Recurrent(const RecurrentLaunch& p, int num_layers, cudaStream_t stream) {
   if constexpr (kPipelined) {
     return LaunchPipelined<M, Act, State, K, Layout>(p, num_layers, stream);
+  } else if constexpr (M == Mode::kReplayVerify) {
+    return cudaErrorNotSupported;  // DEFERRED is the pipelined kernel's only
   } else {
-    // The kernel before the pipelined one knows KDA with its safe gate only.
-    if (p.kind != LayerKind::kKda || p.gate != KdaGate::kSafe || p.num_key_heads != p.num_heads) {
+    // The kernel before the pipelined one knows KDA with its safe gate only,
+    // and no replay lists (DEFERRED).
+    if (p.kind != LayerKind::kKda || p.gate != KdaGate::kSafe || p.num_key_heads != p.num_heads ||
+        p.jobs != nullptr) {
       return cudaErrorNotSupported;
     }
     return LaunchRecurrent<M, Act, State, K, Layout>(p, num_layers, stream);
@@ -886,30 +1056,42 @@ class CudaKernels final : public KdaKernels {
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.num_rows == 0) {
       return LaunchStatus(err, "Verify");
     }
+    const bool deferred = a.pending.entries != nullptr;
     RecurrentLaunch p{};
     p.num_rows = a.num_rows;
     SetHeads(a.shape, &p);
     // The snapshot the checks validated, never the caller's indices.
-    p.early_loads = a.expected_query_start_loc != nullptr;
+    // (DEFERRED waits for the checks: they say what each row replays.)
+    p.early_loads = a.expected_query_start_loc != nullptr && !deferred;
     p.num_tokens = a.num_tokens;
     p.num_blocks = a.state.num_blocks;
     p.qsl = internal::VerifiedQueryStartLoc(a);
     p.indices = internal::VerifiedStateIndices(a);
     p.indices_stride = 1;
     p.window = a.records.q;
-    p.max_tokens = a.records.q;
+    p.max_tokens = deferred ? 2 * a.records.q : a.records.q;
     p.status = a.status;
     p.layer = ViewOf(a.q, a.k, a.v, a.g, a.beta, a.out, a.state, a.params);
     p.layer.rec_kv = a.records.kv;
     p.layer.rec_g = a.records.g;
     p.layer.rec_beta = a.records.beta;
-    p.async_inputs = ViewInputsAligned(p.layer, a.shape, DTypeSize(a.shape.act_dtype));
+    const size_t elem = DTypeSize(a.shape.act_dtype);
+    p.async_inputs = ViewInputsAligned(p.layer, a.shape, elem);
+    if (deferred) {
+      p.replay_plan = a.replay_plan;
+      p.pending_buffer = internal::PendingBufferWord(a.pending);
+      p.records[0] = a.records;
+      p.records[1] = a.records_alt;
+      p.async_inputs = p.async_inputs && RecordsAligned(a.records, a.shape, elem) &&
+                       RecordsAligned(a.records_alt, a.shape, elem);
+    }
     cudaError_t err = cudaErrorInvalidValue;
     const bool ok = Dispatch(a.shape, [&](auto act, auto state, auto head_dim) {
-      err = Recurrent<Mode::kVerify, typename decltype(act)::type,
-                      typename decltype(state)::type, decltype(head_dim)::value, Layout,
-                      kPipelined>(
-          p, 1, s);
+      using Act = typename decltype(act)::type;
+      using State = typename decltype(state)::type;
+      constexpr int K = decltype(head_dim)::value;
+      err = deferred ? Recurrent<Mode::kReplayVerify, Act, State, K, Layout, kPipelined>(p, 1, s)
+                     : Recurrent<Mode::kVerify, Act, State, K, Layout, kPipelined>(p, 1, s);
     });
     return ok ? LaunchStatus(err, "Verify") : Unsupported("Verify");
   }
@@ -919,8 +1101,13 @@ class CudaKernels final : public KdaKernels {
     const int64_t num_blocks = a.layers[0].state.num_blocks;
     const int history_len = a.layers[0].conv.width - a.spec_query_len + 1;
     CommitPlanKernel<<<1, kCheckThreads, 0, s>>>(a, num_blocks);
+    const bool deferred = a.pending.entries != nullptr;
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.num_rows == 0) {
-      return LaunchStatus(err, "Commit");
+      // A DEFERRED commit without rows still materializes what the previous
+      // one left pending.
+      if (err != cudaSuccess || !deferred) return LaunchStatus(err, "Commit");
+      return LaunchReplayJobs(a.shape, a.spec_query_len, a.num_layers, a.layers, a.device_layers,
+                              a.jobs, a.status, s, "Commit");
     }
 
     const int dim_blocks = (a.layers[0].conv.dim + kConvThreads - 1) / kConvThreads;
@@ -936,6 +1123,10 @@ class CudaKernels final : public KdaKernels {
       return LaunchStatus(err, "Commit");
     }
 
+    if (deferred) {
+      return LaunchReplayJobs(a.shape, a.spec_query_len, a.num_layers, a.layers, a.device_layers,
+                              a.jobs, a.status, s, "Commit");
+    }
     RecurrentLaunch p{};
     p.num_rows = a.num_rows;
     SetHeads(a.shape, &p);
@@ -948,14 +1139,9 @@ class CudaKernels final : public KdaKernels {
     p.replay_layers = a.device_layers;
     // The replay reads the records: q = k = kv[:, 0], v = kv[:, 1], g.
     p.async_inputs = true;
-    const int64_t hk = KeyWidth(a.shape);
-    const int64_t width = RecordTokenWidth(a.shape);
     const size_t elem = DTypeSize(a.shape.act_dtype);
     for (int l = 0; l < a.num_layers; ++l) {
-      const Records& r = a.layers[l].records;
-      p.async_inputs = p.async_inputs &&
-                       InputsAligned(r.kv, width, r.kv, width, static_cast<char*>(r.kv) + hk * elem,
-                                     width, r.g, a.shape, elem);
+      p.async_inputs = p.async_inputs && RecordsAligned(a.layers[l].records, a.shape, elem);
     }
     cudaError_t err = cudaErrorInvalidValue;
     const bool ok = Dispatch(a.shape, [&](auto act, auto state, auto head_dim) {
@@ -965,6 +1151,46 @@ class CudaKernels final : public KdaKernels {
           p, a.num_layers, s);
     });
     return ok ? LaunchStatus(err, "Commit") : Unsupported("Commit");
+  }
+
+  absl::Status LaunchFlush(const FlushArgs& a, Stream stream) const override {
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    FlushPlanKernel<<<1, kCheckThreads, 0, s>>>(a);
+    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.discard) {
+      return LaunchStatus(err, "Flush");
+    }
+    return LaunchReplayJobs(a.shape, a.spec_query_len, a.num_layers, a.layers, a.device_layers,
+                            a.jobs, a.status, s, "Flush");
+  }
+
+  // The replay of a list the call's first kernel wrote (DEFERRED): every
+  // job from its own layer and records buffer, as many as the list holds.
+  absl::Status LaunchReplayJobs(const KdaShape& shape, int q, int num_layers,
+                                const CommitLayer* layers, const CommitLayer* device_layers,
+                                const ReplayJobs& jobs, const DeviceStatus* status,
+                                cudaStream_t s, const char* op) const {
+    RecurrentLaunch p{};
+    p.num_rows = jobs.capacity;
+    SetHeads(shape, &p);
+    p.num_layers = 1;
+    p.jobs = jobs.jobs;
+    p.job_count = jobs.count;
+    p.window = q;
+    p.max_tokens = q;
+    p.status = status;
+    p.replay_layers = device_layers;
+    p.async_inputs = true;
+    const size_t elem = DTypeSize(shape.act_dtype);
+    for (int l = 0; l < num_layers; ++l) {
+      p.async_inputs = p.async_inputs && RecordsAligned(layers[l].records, shape, elem) &&
+                       RecordsAligned(layers[l].records_alt, shape, elem);
+    }
+    cudaError_t err = cudaErrorInvalidValue;
+    const bool ok = Dispatch(shape, [&](auto act, auto state, auto head_dim) {
+      err = Recurrent<Mode::kReplay, typename decltype(act)::type, typename decltype(state)::type,
+                      decltype(head_dim)::value, Layout, kPipelined>(p, 1, s);
+    });
+    return ok ? LaunchStatus(err, op) : Unsupported(op);
   }
 
   absl::Status LaunchRecordStateBlocks(const RecordStateBlocksArgs& a,

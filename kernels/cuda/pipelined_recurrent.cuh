@@ -131,25 +131,58 @@ struct PipelinedItem {
   const int32_t* idx;  // the row's indices (stock and replay store by them)
   int inputs;          // the input buffer holding its head
   int head;            // (layer, n, h) as one number: items of a head share its inputs
-  __host__ __device__ bool active() const { return tokens > 0 && internal::IsBlock(source); }
+  int buffer;          // replay: the records buffer of its tokens
+  // kReplayVerify: tokens a commit left pending on the checkpoint, replayed
+  // first from record tokens [pending_bos, pending_bos + pending).
+  int pending;
+  int64_t pending_bos;
+  __host__ __device__ int total() const { return pending + tokens; }
+  __host__ __device__ bool active() const { return total() > 0 && internal::IsBlock(source); }
+};
+
+// Where one of an item's tokens is read: through which view, at which token.
+struct TokenSource {
+  const LayerView* view;
+  int64_t token;
 };
 
 // Fills the row-dependent fields of `it` from its coordinates.
 template <Mode M>
 __device__ __forceinline__ void LocateRow(const RecurrentLaunch& p, PipelinedItem& it) {
   it.head = (it.layer * p.num_rows + it.n) * p.num_heads + it.h;
-  it.idx = p.indices + it.n * p.indices_stride;
   it.inputs = 0;
+  it.buffer = 0;
+  it.pending = 0;
+  it.pending_bos = 0;
   if (M == Mode::kReplay) {
-    it.bos = int64_t{it.n} * p.window;
+    if (p.jobs != nullptr) {  // row n is job n, of its own layer and records
+      const ReplayJob& job = p.jobs[it.n];
+      it.layer = job.layer;
+      it.head = it.n * p.num_heads + it.h;
+      it.idx = job.indices;
+      it.bos = int64_t{job.record_row} * p.window;
+      it.buffer = job.buffer;
+    } else {
+      it.idx = p.indices + it.n * p.indices_stride;
+      it.bos = int64_t{it.n} * p.window;
+    }
     it.source = it.idx[p.window];
     it.tokens = internal::ReplayTokens(it.idx, p.window);
   } else {
+    it.idx = p.indices + it.n * p.indices_stride;
     it.bos = p.qsl[it.n];
     it.tokens = static_cast<int>(p.qsl[it.n + 1] - it.bos);
     const int first_col =
         (M == Mode::kStock && p.num_accepted != nullptr) ? p.num_accepted[it.n] - 1 : 0;
-    it.source = it.tokens > 0 ? it.idx[first_col] : kNullBlock;
+    it.source = it.total() > 0 || M == Mode::kReplayVerify ? it.idx[first_col] : kNullBlock;
+    if (M == Mode::kReplayVerify) {
+      const int32_t entry = p.replay_plan[it.n];
+      if (entry != 0) {
+        const internal::PendingEntry e = internal::UnpackPending(entry);
+        it.pending = e.tokens;
+        it.pending_bos = int64_t{e.record_row} * p.window;
+      }
+    }
   }
 }
 
@@ -209,11 +242,19 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
   constexpr int kPerCopy = 16 / sizeof(Act);  // elements of one 16-byte copy
   static_assert(K % kPerCopy == 0, "a head slice is whole 16-byte copies");
   constexpr bool kWantOutput = M != Mode::kReplay;
+  constexpr bool kRecords = M == Mode::kVerify || M == Mode::kReplayVerify;
   using Smem = PipelinedSmem<M, Act, State, K, Layout>;
   // Launched as a dependent of the call's check kernel: everything it
   // writes (the status, Verify's first snapshot, the commit plan) is read
   // only after the wait. Verify's later calls load their first item first.
   if (!(M == Mode::kVerify && p.early_loads)) WaitForPrerequisiteGrid();
+  // A replay list's length is known on the device only (written by the
+  // call's first kernel, which also failed the call or not).
+  if (M == Mode::kReplay && p.jobs != nullptr) {
+    if (p.status->failed) return;
+    const int jobs = *p.job_count < p.num_rows ? *p.job_count : p.num_rows;
+    num_items = jobs * p.num_heads * kChunks;
+  }
 
   // This block's items: a contiguous range.
   const int per_block = (num_items + gridDim.x - 1) / gridDim.x;
@@ -229,10 +270,23 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
   const int Hk = p.num_key_heads;     // key heads: q, k (and KDA's g)
   const int per_key = H / Hk;         // value heads per key head
   const bool gdn = p.kind == LayerKind::kGdn;
+  // Where the window's records go: verify's records; kReplayVerify's, the
+  // buffer that does not hold the pending tokens, which it reads through
+  // `pending_view`.
+  const int pending_buffer = M == Mode::kReplayVerify ? *p.pending_buffer : 0;
+  Act* const rec_kv = static_cast<Act*>(
+      M == Mode::kReplayVerify ? p.records[1 - pending_buffer].kv : p.layer.rec_kv);
+  Act* const rec_g = static_cast<Act*>(
+      M == Mode::kReplayVerify ? p.records[1 - pending_buffer].g : p.layer.rec_g);
+  Act* const rec_beta = static_cast<Act*>(
+      M == Mode::kReplayVerify ? p.records[1 - pending_buffer].beta : p.layer.rec_beta);
+  LayerView pending_view{};
+  if constexpr (M == Mode::kReplayVerify) {
+    pending_view = RecordsView<Act>(p.records[pending_buffer], p, K);
+  }
   const bool records_aligned =
-      M == Mode::kVerify &&
-      ((reinterpret_cast<uintptr_t>(p.layer.rec_kv) | reinterpret_cast<uintptr_t>(p.layer.rec_g)) %
-       16) == 0;
+      kRecords &&
+      ((reinterpret_cast<uintptr_t>(rec_kv) | reinterpret_cast<uintptr_t>(rec_g)) % 16) == 0;
 
   extern __shared__ float4 smem_raw[];
   char* const base = reinterpret_cast<char*>(smem_raw);
@@ -255,14 +309,15 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
   Act* const raw_g = raw_beta + T;                       // GDN's, for the records
 
   // The layer's view: stock and verify have one (in the launch's
-  // parameters); replay reads its layer's when the layer changes.
+  // parameters); replay reads its layer's (and records buffer's) when they
+  // change.
   LayerView replay_view{};
-  int view_layer = -1;
-  const auto view_of = [&](int layer) -> const LayerView& {
+  int view_key = -1;
+  const auto view_of = [&](const PipelinedItem& it) -> const LayerView& {
     if constexpr (M == Mode::kReplay) {
-      if (layer != view_layer) {
-        replay_view = ReplayView<Act>(p.replay_layers[layer], p, K);
-        view_layer = layer;
+      if (2 * it.layer + it.buffer != view_key) {
+        replay_view = ReplayView<Act>(p.replay_layers[it.layer], it.buffer, p, K);
+        view_key = 2 * it.layer + it.buffer;
       }
       return replay_view;
     } else {
@@ -271,12 +326,21 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
   };
   // A view for the copies of another item than the current one (replay:
   // its layer's, by value, so that the current item's view stays).
-  const auto fetch_view = [&](int layer) -> LayerView {
+  const auto fetch_view = [&](const PipelinedItem& it) -> LayerView {
     if constexpr (M == Mode::kReplay) {
-      return ReplayView<Act>(p.replay_layers[layer], p, K);
+      return ReplayView<Act>(p.replay_layers[it.layer], it.buffer, p, K);
     } else {
       return p.layer;
     }
+  };
+  // Token t of item `it`'s (pending tokens first, then its window): the view
+  // it is read through and its token index there.
+  const auto token_source = [&](const PipelinedItem& it, const LayerView& view,
+                                int t) -> TokenSource {
+    if (M == Mode::kReplayVerify && t < it.pending) {
+      return TokenSource{&pending_view, it.pending_bos + t};
+    }
+    return TokenSource{&view, it.bos + (t - it.pending)};
   };
 
   // Starts the copy of item `it`'s state slice (this thread's quads of its
@@ -298,11 +362,7 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
   // Starts the copy of item `it`'s head's raw q, k, g and v into `dst`
   // (16 bytes at a time), or loads them when they are not 16-byte aligned.
   const auto fetch_inputs = [&](const PipelinedItem& it, const LayerView& view, Act* dst) {
-    const Act* const q = static_cast<const Act*>(view.q);
-    const Act* const k = static_cast<const Act*>(view.k);
-    const Act* const g = static_cast<const Act*>(view.g);
-    const Act* const v = static_cast<const Act*>(view.v);
-    const int pieces = it.tokens * (K / kPerCopy);
+    const int pieces = it.total() * (K / kPerCopy);
     const int64_t kh = it.h / per_key;
 #pragma unroll
     for (int which = 0; which < 4; ++which) {  // 0 q, 1 k, 2 g (KDA), 3 v
@@ -310,11 +370,15 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
       for (int y = tid; y < pieces; y += kThreads) {
         const int t = y / (K / kPerCopy);
         const int j = (y % (K / kPerCopy)) * kPerCopy;
-        const int64_t tok = it.bos + t;
-        const Act* src = which == 0   ? q + tok * view.q_stride + kh * K + j
-                         : which == 1 ? k + tok * view.k_stride + kh * K + j
-                         : which == 2 ? g + (tok * Hk + kh) * K + j
-                                      : v + tok * view.v_stride + int64_t{it.h} * V + j;
+        const TokenSource ts = token_source(it, view, t);
+        const LayerView* const from = ts.view;
+        const int64_t tok = ts.token;
+        const Act* src =
+            which == 0   ? static_cast<const Act*>(from->q) + tok * from->q_stride + kh * K + j
+            : which == 1 ? static_cast<const Act*>(from->k) + tok * from->k_stride + kh * K + j
+            : which == 2 ? static_cast<const Act*>(from->g) + (tok * Hk + kh) * K + j
+                         : static_cast<const Act*>(from->v) + tok * from->v_stride +
+                               int64_t{it.h} * V + j;
         Act* out = dst + (which * T + t) * K + j;
         if (p.async_inputs) {
           CpAsync16(out, src);
@@ -333,7 +397,7 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
   int fetched_buf = 1;
   const auto fetch = [&](PipelinedItem& it, int stage_index) {
     if (!it.active()) return;
-    const LayerView view = fetch_view(it.layer);
+    const LayerView view = fetch_view(it);
     fetch_state(it, view, stage(stage_index));
     if (it.head != fetched_key) {
       // The other buffer: its head's last reader passed the barrier of the
@@ -343,10 +407,12 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
       fetch_inputs(it, view, inputs(fetched_buf));
       // Token t's beta (and GDN's g) into thread t's registers, an item
       // ahead of their use like the copies.
-      if (tid < it.tokens) {
-        const int64_t tok = it.bos + tid;
-        const Act b = static_cast<const Act*>(view.beta)[tok * view.beta_stride + it.h];
-        const Act gg = gdn ? static_cast<const Act*>(view.g)[tok * H + it.h] : Act{};
+      if (tid < it.total()) {
+        const TokenSource ts = token_source(it, view, tid);
+        const LayerView* const from = ts.view;
+        const int64_t tok = ts.token;
+        const Act b = static_cast<const Act*>(from->beta)[tok * from->beta_stride + it.h];
+        const Act gg = gdn ? static_cast<const Act*>(from->g)[tok * H + it.h] : Act{};
         if (fetched_buf) {
           held_beta[1] = b;
           held_g[1] = gg;
@@ -386,9 +452,11 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
   int prepared = -1;  // the head whose inputs are prepared in shared memory
   int s = 0;
   for (int item = first; item < last; ++item) {
-    const LayerView& view = view_of(cur.layer);
+    const LayerView& view = view_of(cur);
     const int h = cur.h;
-    const int tokens = cur.tokens;
+    const int tokens = cur.tokens;  // the window's (verify), after `pending` replayed ones
+    const int pending = cur.pending;
+    const int total = cur.total();
     const int64_t bos = cur.bos;
     const int64_t rec0 = int64_t{cur.n} * p.window;
     const Act* const raw = inputs(cur.inputs);
@@ -400,15 +468,15 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
       __syncthreads();
       const kda::GateRule rule{p.kind, p.gate, gdn ? 0.0f : expf(view.a_log[kh]), p.lower_bound};
       // Per token: beta, and GDN's scalar gate.
-      if (tid < tokens) {
+      if (tid < total) {
         const int t = tid;
         const Act b_raw = cur.inputs ? held_beta[1] : held_beta[0];
         sbeta[t] = rule.Beta(ToFloat(b_raw));
-        if (M == Mode::kVerify) raw_beta[t] = b_raw;
+        if (kRecords) raw_beta[t] = b_raw;
         if (gdn) {
           const Act g_raw = cur.inputs ? held_g[1] : held_g[0];
           sg[t] = ToFloat(g_raw);
-          if (M == Mode::kVerify) raw_g[t] = g_raw;
+          if (kRecords) raw_g[t] = g_raw;
         }
       }
       if (gdn) __syncthreads();
@@ -416,7 +484,7 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
       // l + 32 c, sums their squares and adds the sums over the warp, then
       // writes the normalized q and k, the decay factors and v.
       const float scale = kda::QueryScale(K);
-      for (int t = tid / 32; t < tokens; t += kThreads / 32) {
+      for (int t = tid / 32; t < total; t += kThreads / 32) {
         constexpr int kPerLane = K / 32;
         float xq[kPerLane], xk[kPerLane];
         float sum_q = 0.0f, sum_k = 0.0f;
@@ -463,10 +531,12 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
     // Records (verify): the row's raw inputs, bit for bit, each token's
     // [H * K + HV * V] of kv: k (and KDA's g) once per key head (by chunk 0
     // of its first value head), beta (and GDN's g) by chunk 0 of each value
-    // head, v by each chunk for its rows.
-    if (M == Mode::kVerify) {
-      Act* const rec_kv = static_cast<Act*>(view.rec_kv);
-      Act* const rec_g = static_cast<Act*>(view.rec_g);
+    // head, v by each chunk for its rows. (kReplayVerify: the window's
+    // tokens, after the pending ones in the shared-memory buffers.)
+    if (kRecords) {
+      const Act* const raw = inputs(cur.inputs) + pending * K;  // token t at raw + t * K
+      const Act* const raw_beta_w = raw_beta + pending;
+      const Act* const raw_g_w = raw_g + pending;
       const int64_t width = int64_t{Hk} * K + int64_t{H} * V;
       // 16 bytes at a time where the records allow (service-owned records
       // are 256-byte aligned; the shared-memory side always is).
@@ -492,8 +562,8 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
       }
       if (cur.chunk == 0) {
         for (int t = tid; t < tokens; t += kThreads) {
-          static_cast<Act*>(view.rec_beta)[(rec0 + t) * H + h] = raw_beta[t];
-          if (gdn) rec_g[(rec0 + t) * H + h] = raw_g[t];
+          rec_beta[(rec0 + t) * H + h] = raw_beta_w[t];
+          if (gdn) rec_g[(rec0 + t) * H + h] = raw_g_w[t];
         }
       }
       Act* const rec_v = rec_kv + int64_t{Hk} * K + int64_t{h} * V + cur.chunk * kRows;
@@ -528,13 +598,45 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
 
     const int v0 = cur.chunk * kRows + group;  // row r is v0 + r * kGroups
     State* const state = static_cast<State*>(view.state);
+    // This item's rows of block `dst` get the state in registers.
+    const auto store_state = [&](int32_t dst) {
+#pragma unroll
+      for (int r = 0; r < kRowsPer; ++r) {
+        State* d =
+            state + int64_t{dst} * view.block_stride + (int64_t{h} * V + v0 + r * kGroups) * K;
+#pragma unroll
+        for (int i = 0; i < kSeg / 4; ++i) {
+          StateIo<State>::Store(d + kda::QuadColumn<kLanes>(lane, i), st + r * kSeg + 4 * i);
+        }
+      }
+    };
+    // kReplayVerify: the pending tokens first, exactly as the commit's
+    // replay runs them (no outputs), then the checkpoint is stored once and
+    // the state continues as a later Verify would load it (rounded to the
+    // state dtype); kVerify has none.
+    if constexpr (M == Mode::kReplayVerify) {
+      for (int t = 0; t < pending; ++t) {
+        const kda::TokenInputs tok{sq + t * K, sk + t * K, sdecay + t * K, sbeta[t]};
+        float vin[kRowsPer], o[kRowsPer];
+#pragma unroll
+        for (int r = 0; r < kRowsPer; ++r) vin[r] = sv[t * V + v0 + r * kGroups];
+        kda::TokenStep<kSeg, kLanes, kRowsPer>(
+            st, lane, tok, vin, [](float x) { return LaneSum<kLanes>(x); }, false, o);
+      }
+      if (pending > 0) {
+        store_state(cur.source);
+#pragma unroll
+        for (int i = 0; i < kRowsPer * kSeg; ++i) st[i] = ToFloat(FromFloat<State>(st[i]));
+      }
+    }
     // This item's outputs of token t: out_item[t * H * V + r * kGroups].
     Act* const out_item = static_cast<Act*>(view.out) + (bos * H + h) * V + v0;
     for (int t = 0; t < tokens; ++t) {
-      const kda::TokenInputs tok{sq + t * K, sk + t * K, sdecay + t * K, sbeta[t]};
+      const int x = pending + t;  // its inputs in shared memory
+      const kda::TokenInputs tok{sq + x * K, sk + x * K, sdecay + x * K, sbeta[x]};
       float vin[kRowsPer], o[kRowsPer];
 #pragma unroll
-      for (int r = 0; r < kRowsPer; ++r) vin[r] = sv[t * V + v0 + r * kGroups];
+      for (int r = 0; r < kRowsPer; ++r) vin[r] = sv[x * V + v0 + r * kGroups];
       kda::TokenStep<kSeg, kLanes, kRowsPer>(
           st, lane, tok, vin, [](float x) { return LaneSum<kLanes>(x); }, kWantOutput, o);
       if (kWantOutput && lane == 0) {
@@ -543,19 +645,9 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
           out_item[int64_t{t} * H * V + r * kGroups] = FromFloat<Act>(o[r]);
         }
       }
-      if (M != Mode::kVerify) {
+      if (!kRecords) {
         const int32_t dst = cur.idx[t];
-        if (internal::IsBlock(dst)) {
-#pragma unroll
-          for (int r = 0; r < kRowsPer; ++r) {
-            State* d = state + int64_t{dst} * view.block_stride +
-                       (int64_t{h} * V + v0 + r * kGroups) * K;
-#pragma unroll
-            for (int i = 0; i < kSeg / 4; ++i) {
-              StateIo<State>::Store(d + kda::QuadColumn<kLanes>(lane, i), st + r * kSeg + 4 * i);
-            }
-          }
-        }
+        if (internal::IsBlock(dst)) store_state(dst);
       }
     }
     cur = next;
