@@ -152,6 +152,7 @@ const std::vector<RankField>& RankFields() {
       {"activation_dtype", [](const v1::Layout& l) { return v1::DType_Name(l.activation_dtype()); }},
       {"state_dtype", [](const v1::Layout& l) { return v1::DType_Name(l.state_dtype()); }},
       {"cache_mode", [](const v1::Layout& l) { return v1::CacheMode_Name(l.cache_mode()); }},
+      {"commit_mode", [](const v1::Layout& l) { return v1::CommitMode_Name(l.commit_mode()); }},
       {"mamba_block_size", [](const v1::Layout& l) { return absl::StrCat(l.mamba_block_size()); }},
       {"lower_bound", [](const v1::Layout& l) { return absl::StrCat(l.lower_bound()); }},
   };
@@ -407,6 +408,11 @@ absl::StatusOr<v1::RecordStateBlocksResponse> Session::RecordStateBlocks(
     const v1::RecordStateBlocksRequest& request) {
   return CallInSession<v1::RecordStateBlocksRequest, v1::RecordStateBlocksResponse>(
       client_, id_, &v1::SpecState::Stub::RecordStateBlocks, request);
+}
+
+absl::StatusOr<v1::FlushResponse> Session::Flush(const v1::FlushRequest& request) {
+  return CallInSession<v1::FlushRequest, v1::FlushResponse>(client_, id_,
+                                                             &v1::SpecState::Stub::Flush, request);
 }
 
 absl::StatusOr<v1::SubmitStepResponse> Session::SubmitStep(const v1::SubmitStepRequest& request) {

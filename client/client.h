@@ -154,6 +154,8 @@ class Session {
   absl::StatusOr<v1::CommitResponse> Commit(const v1::CommitRequest& request);
   absl::StatusOr<v1::RecordStateBlocksResponse> RecordStateBlocks(
       const v1::RecordStateBlocksRequest& request);
+  // DEFERRED: materializes (or, with discard, forgets) blocks' pending tokens.
+  absl::StatusOr<v1::FlushResponse> Flush(const v1::FlushRequest& request);
   // A step's Verify calls (and its Commit) in one round trip.
   absl::StatusOr<v1::SubmitStepResponse> SubmitStep(const v1::SubmitStepRequest& request);
 

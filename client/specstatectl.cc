@@ -120,6 +120,7 @@ int Layout(Client& c) {
       "max_rows         %d\n"
       "dtypes           activations %s, state %s\n"
       "cache mode       %s%s\n"
+      "commit mode      %s\n"
       "lower_bound      %g\n"
       "bytes            state block %d, conv block %d, pools %d, records %d\n",
       v1::Backend_Name(l->backend()).c_str(), l->device(), l->num_layers(),
@@ -132,7 +133,7 @@ int Layout(Client& c) {
       v1::CacheMode_Name(l->cache_mode()).c_str(),
       l->cache_mode() == v1::ALIGN ? absl::StrCat(" (block size ", l->mamba_block_size(), ")").c_str()
                                    : "",
-      l->lower_bound(), l->state_block_bytes(), l->conv_block_bytes(), l->pool_bytes(),
+      v1::CommitMode_Name(l->commit_mode()).c_str(), l->lower_bound(), l->state_block_bytes(), l->conv_block_bytes(), l->pool_bytes(),
       l->record_bytes());
   if (l->backend() == v1::CUDA) {
     std::printf("mps client       %s\n", l->mps_client() ? "yes" : "NO (see `stats`)");

@@ -5,6 +5,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/kda_kernels.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -25,6 +26,7 @@ v1::ServiceConfig DefaultServiceConfig() {
   l->set_activation_dtype(v1::BF16);
   l->set_state_dtype(v1::FP32);
   l->set_cache_mode(v1::NONE);
+  l->set_commit_mode(v1::EAGER);
   l->set_mamba_block_size(0);
   l->set_lower_bound(-5.0f);
   l->set_backend(v1::AUTO);
@@ -62,6 +64,9 @@ absl::StatusOr<v1::ServiceConfig> LoadServiceConfig(const std::string& path) {
   if (parsed.layout().backend() == v1::BACKEND_UNSPECIFIED) l->set_backend(defaults.backend());
   if (parsed.layout().cache_mode() == v1::CACHE_MODE_UNSPECIFIED) {
     l->set_cache_mode(defaults.cache_mode());
+  }
+  if (parsed.layout().commit_mode() == v1::COMMIT_MODE_UNSPECIFIED) {
+    l->set_commit_mode(defaults.commit_mode());
   }
   return config;
 }
@@ -112,6 +117,16 @@ absl::Status ValidateLayout(const v1::Layout& l) {
     return Bad("cache_mode", "must be NONE or ALIGN");
   }
   const int q = l.num_spec() + 1;
+  if (l.commit_mode() != v1::COMMIT_MODE_UNSPECIFIED && l.commit_mode() != v1::EAGER &&
+      l.commit_mode() != v1::DEFERRED) {
+    return Bad("commit_mode", "must be EAGER or DEFERRED");
+  }
+  if (IsDeferred(l)) {
+    if (absl::Status window = kernels::ValidateDeferredWindow(q); !window.ok()) {
+      return Bad("commit_mode", absl::StrCat("DEFERRED with num_spec = ", l.num_spec(), ": ",
+                                             window.message()));
+    }
+  }
   if (l.cache_mode() == v1::ALIGN && l.mamba_block_size() < q) {
     return Bad("mamba_block_size", absl::StrCat("= ", l.mamba_block_size(),
                                                 " must cover one speculative window of ", q,
@@ -167,7 +182,21 @@ LayoutSizes ComputeLayoutSizes(const v1::Layout& l) {
   s.records_per_layer_bytes = Align256(tokens * (hk + vw) * act) +
                               Align256(tokens * kernels::GateWidth(shape) * act) +
                               Align256(tokens * kernels::ValueHeads(shape) * act);
-  s.record_bytes = s.records_per_layer_bytes * l.num_layers();
+  // DEFERRED double-buffers the records (a step's live until its blocks'
+  // next Verify) and keeps the pending bookkeeping.
+  const int buffers = IsDeferred(l) ? 2 : 1;
+  s.record_bytes = s.records_per_layer_bytes * l.num_layers() * buffers;
+  if (IsDeferred(l)) {
+    s.pending_bytes =
+        int64_t(kernels::PendingEntriesBytes(l.num_layers(), l.num_blocks())) +
+        int64_t(kernels::PendingHeaderBytes(l.max_rows())) +
+        int64_t(kernels::VerifyWorkspaceBytes(l.num_blocks())) +
+        Align256(int64_t{l.num_layers()} * l.max_rows() * 4) +  // each layer's replay plan
+        int64_t(kernels::CommitJobsCapacity(l.max_rows(), l.num_layers()) +
+                kernels::FlushJobsCapacity(l.max_rows(), l.num_layers())) *
+            int64_t{sizeof(kernels::ReplayJob)} +
+        Align256(int64_t{l.num_blocks()} * 4) + 512;  // a Flush's checked blocks, counts
+  }
   s.workspace_bytes =
       int64_t(kernels::CommitWorkspaceBytes(l.max_rows(), s.spec_query_len, l.num_blocks()));
   return s;
@@ -223,6 +252,8 @@ kernels::KdaShape ShapeOf(const v1::Layout& l) {
   shape.gate = l.kda_gate() == v1::PLAIN_GATE ? kernels::KdaGate::kPlain : kernels::KdaGate::kSafe;
   return shape;
 }
+
+bool IsDeferred(const v1::Layout& l) { return l.commit_mode() == v1::DEFERRED; }
 
 int ValueHeadsOf(const v1::Layout& l) {
   return l.num_value_heads() > 0 ? l.num_value_heads() : l.num_heads();

@@ -47,6 +47,7 @@ struct LayoutSizes {
   int64_t record_bytes = 0;      // every layer's records
   int64_t records_per_layer_bytes = 0;
   int64_t workspace_bytes = 0;   // commit + record-state-blocks workspaces
+  int64_t pending_bytes = 0;     // DEFERRED's bookkeeping and replay lists (0 under EAGER)
 };
 
 LayoutSizes ComputeLayoutSizes(const v1::Layout& layout);
@@ -68,6 +69,8 @@ v1::DType ToProto(DType dtype);
 kernels::KdaShape ShapeOf(const v1::Layout& layout);
 // HV: num_value_heads, or num_heads where it is 0.
 int ValueHeadsOf(const v1::Layout& layout);
+// commit_mode DEFERRED (EAGER otherwise, COMMIT_MODE_UNSPECIFIED included).
+bool IsDeferred(const v1::Layout& layout);
 
 }  // namespace server
 }  // namespace specstate

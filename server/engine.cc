@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/kda_kernels.h"
+#include "server/log.h"
 #include "server/tensor_summary.h"
 
 namespace specstate {
@@ -44,6 +45,7 @@ absl::Status Engine::Allocate() {
   const int rows = layout_.max_rows();
 
   layout_.set_backend(device_->kind() == kernels::Backend::kCuda ? v1::CUDA : v1::CPU);
+  if (layout_.commit_mode() == v1::COMMIT_MODE_UNSPECIFIED) layout_.set_commit_mode(v1::EAGER);
   layout_.set_device(device_->ordinal());
   layout_.set_mps_client(device_->mps_client());
   layout_.set_conv_width(sizes_.conv_width);
@@ -59,7 +61,8 @@ absl::Status Engine::Allocate() {
                                                    uint64_t(2 * rows + 1) * 4);
   const uint64_t needed = uint64_t(sizes_.pool_bytes) + uint64_t(sizes_.record_bytes) +
                           commit_workspace_bytes_ + record_workspace_bytes_ + params_bytes +
-                          slot_bytes + L * sizeof(kernels::CommitLayer);
+                          slot_bytes + L * sizeof(kernels::CommitLayer) +
+                          uint64_t(sizes_.pending_bytes);
   absl::StatusOr<uint64_t> free = device_->FreeBytes();
   if (!free.ok()) return free.status();
   if (needed > *free) {
@@ -76,6 +79,10 @@ absl::Status Engine::Allocate() {
   ws = device_->AllocateDevice(record_workspace_bytes_);
   if (!ws.ok()) return ws.status();
   record_workspace_ = *ws;
+  if (IsDeferred(layout_)) {
+    st = AllocatePending();
+    if (!st.ok()) return st;
+  }
   absl::StatusOr<std::vector<StepSlot>> slots = AllocateSlots();
   if (!slots.ok()) return slots.status();
   absl::MutexLock lock(&mu_);
@@ -89,14 +96,11 @@ absl::Status Engine::AllocateLayers() {
   const int L = layout_.num_layers();
   const int H = layout_.num_heads();
   const int K = layout_.head_dim();
-  const int Q = sizes_.spec_query_len;
   absl::StatusOr<void*> pools = device_->AllocateExported(sizes_.pool_bytes);
   if (!pools.ok()) return pools.status();
   pools_ = static_cast<char*>(*pools);
 
   const int64_t hk = kernels::KeyWidth(shape_), vw = kernels::ValueWidth(shape_);
-  const int64_t act_size = DTypeSize(shape_.act_dtype);
-  const int64_t tokens = int64_t{layout_.max_rows()} * Q;
   layers_.resize(L);
   {
     absl::MutexLock lock(&bound_mu_);
@@ -123,21 +127,18 @@ absl::Status Engine::AllocateLayers() {
     layer.dt_bias = static_cast<float*>(*dt_bias);
     // GDN's gate arrives computed (g is the log-decay): nothing to load.
     layer.params_loaded = shape_.kind == kernels::LayerKind::kGdn;
-    absl::StatusOr<void*> rec = device_->AllocateDevice(sizes_.records_per_layer_bytes);
-    if (!rec.ok()) return rec.status();
-    char* r = static_cast<char*>(*rec);
-    const auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
-    layer.records.kv = r;
-    layer.records.g = r + align(tokens * (hk + vw) * act_size);
-    layer.records.beta = static_cast<char*>(layer.records.g) +
-                         align(tokens * kernels::GateWidth(shape_) * act_size);
-    layer.records.rows = layout_.max_rows();
-    layer.records.q = Q;
+    absl::Status st;
+    layer.records = AllocateRecords(&st);
+    if (!st.ok()) return st;
+    // DEFERRED double-buffers them; EAGER's second buffer is the first.
+    layer.records_alt = IsDeferred(layout_) ? AllocateRecords(&st) : layer.records;
+    if (!st.ok()) return st;
     kernels::CommitLayer& entry = host_layer_table_[l];
     entry.state = layer.state;
     entry.conv = layer.conv;
     entry.params = kernels::LayerParams{layer.a_log, layer.dt_bias};
     entry.records = layer.records;
+    entry.records_alt = layer.records_alt;
   }
   absl::StatusOr<void*> staging = device_->AllocateDevice((H + hk) * sizeof(float));
   if (!staging.ok()) return staging.status();
@@ -150,6 +151,60 @@ absl::Status Engine::AllocateLayers() {
   device_layer_table_ = static_cast<kernels::CommitLayer*>(*table);
   return device_->CopyToDevice(device_layer_table_, host_layer_table_.data(),
                                L * sizeof(kernels::CommitLayer));
+}
+
+// One layer's records: kv [rows * Q, H K + HV V], g, beta, each 256-byte aligned.
+kernels::Records Engine::AllocateRecords(absl::Status* status) {
+  const int Q = sizes_.spec_query_len;
+  const int64_t hk = kernels::KeyWidth(shape_), vw = kernels::ValueWidth(shape_);
+  const int64_t act_size = DTypeSize(shape_.act_dtype);
+  const int64_t tokens = int64_t{layout_.max_rows()} * Q;
+  kernels::Records records;
+  absl::StatusOr<void*> rec = device_->AllocateDevice(sizes_.records_per_layer_bytes);
+  if (!rec.ok()) {
+    *status = rec.status();
+    return records;
+  }
+  char* r = static_cast<char*>(*rec);
+  const auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
+  records.kv = r;
+  records.g = r + align(tokens * (hk + vw) * act_size);
+  records.beta =
+      static_cast<char*>(records.g) + align(tokens * kernels::GateWidth(shape_) * act_size);
+  records.rows = layout_.max_rows();
+  records.q = Q;
+  return records;
+}
+
+// DEFERRED's bookkeeping (zeroed: nothing pending), each layer's replay plan,
+// the replay lists of Commit and Flush, a Flush's checked blocks and status.
+absl::Status Engine::AllocatePending() {
+  const int L = layout_.num_layers();
+  const int rows = layout_.max_rows();
+  const int64_t blocks = layout_.num_blocks();
+  const auto allocate = [this](uint64_t bytes, auto** out) -> absl::Status {
+    absl::StatusOr<void*> p = device_->AllocateDevice(bytes);
+    if (!p.ok()) return p.status();
+    *out = static_cast<std::remove_reference_t<decltype(**out)>*>(*p);
+    return absl::OkStatus();
+  };
+  pending_.num_layers = L;
+  pending_.num_blocks = blocks;
+  pending_.capacity = rows;
+  absl::Status st = allocate(kernels::PendingEntriesBytes(L, blocks), &pending_.entries);
+  if (st.ok()) st = allocate(kernels::PendingHeaderBytes(rows), &pending_.header);
+  if (st.ok()) st = allocate(uint64_t(L) * rows * 4, &replay_plans_);
+  verify_workspace_bytes_ = kernels::VerifyWorkspaceBytes(blocks);
+  if (st.ok()) st = allocate(verify_workspace_bytes_, reinterpret_cast<char**>(&verify_workspace_));
+  commit_jobs_.capacity = static_cast<int>(kernels::CommitJobsCapacity(rows, L));
+  flush_jobs_.capacity = static_cast<int>(kernels::FlushJobsCapacity(rows, L));
+  if (st.ok()) st = allocate(commit_jobs_.capacity * sizeof(kernels::ReplayJob), &commit_jobs_.jobs);
+  if (st.ok()) st = allocate(sizeof(int32_t), &commit_jobs_.count);
+  if (st.ok()) st = allocate(flush_jobs_.capacity * sizeof(kernels::ReplayJob), &flush_jobs_.jobs);
+  if (st.ok()) st = allocate(sizeof(int32_t), &flush_jobs_.count);
+  if (st.ok()) st = allocate(uint64_t(blocks) * 4, &flush_checked_blocks_);
+  if (st.ok()) st = allocate(sizeof(kernels::DeviceStatus), &flush_status_);
+  return st;
 }
 
 absl::StatusOr<std::vector<StepSlot>> Engine::AllocateSlots() {
@@ -236,7 +291,13 @@ void Engine::ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateR
   const int64_t state_bytes = sizes_.state_block_bytes;
   const int64_t conv_bytes = sizes_.conv_block_bytes;
   Work work;
-  work.launch = [](kernels::Stream, Scratch&) { return absl::OkStatus(); };
+  // DEFERRED: the block's pending tokens in this layer are replayed first,
+  // so the summary is of its current state.
+  auto block = std::make_shared<IndexInput>();
+  block->present = true;
+  block->values = {request.block()};
+  block->rows = 1;
+  work.launch = FlushLaunch(std::move(block), request.layer(), false, nullptr);
   work.readbacks.push_back(Readback{
       static_cast<const char*>(layer.state.data) + request.block() * state_bytes, buffer,
       uint64_t(state_bytes)});
@@ -477,6 +538,7 @@ void Engine::Drive(StepCall<Response>& call, const Reply<Response>& reply,
       return;
     }
   }
+  drivers_.insert(call.session);
   absl::Status pending = steps_->TakeSessionError(call.session);
   std::unique_ptr<Step> fresh;
   absl::StatusOr<Step*> found = pending.ok() ? call.find_step(&fresh) : pending;
@@ -764,6 +826,14 @@ absl::StatusOr<kernels::VerifyArgs> Engine::VerifyArgsFor(const VerifyInputs& in
   args.state = layer.state;
   args.params = kernels::LayerParams{layer.a_log, layer.dt_bias};
   args.records = layer.records;
+  if (IsDeferred(layout_)) {
+    args.pending = pending_;
+    args.layer = layer_index;
+    args.records_alt = layer.records_alt;
+    args.replay_plan = replay_plans_ + int64_t{layer_index} * layout_.max_rows();
+    args.workspace = verify_workspace_;
+    args.workspace_bytes = verify_workspace_bytes_;
+  }
   args.num_rows = step.num_rows;
   args.prerequisites = StepPrerequisites(slot, step, layout_.num_layers());
   args.status = slot.status_device + layer_index;
@@ -875,6 +945,10 @@ absl::StatusOr<kernels::CommitArgs> Engine::CommitArgsFor(const CommitIndices& i
   args.prerequisites = StepPrerequisites(slot, step, L);
   args.status = slot.status_device + L;
   args.status_mirror = slot.StatusMirror(L);
+  if (IsDeferred(layout_)) {
+    args.pending = pending_;
+    args.jobs = commit_jobs_;
+  }
   kernels::CommitArgs check = args;
   check.num_accepted = HostCheckPlaceholder();
   if (indices.request_indices.present) check.request_indices = HostCheckPlaceholder();
@@ -1029,6 +1103,121 @@ void Engine::RecordStateBlocks(const std::string& session,
   Drive(call, reply);
 }
 
+std::function<absl::Status(kernels::Stream, Scratch&)> Engine::FlushLaunch(
+    std::shared_ptr<const IndexInput> blocks, int layer, bool discard,
+    kernels::DeviceStatus* mirror) const {
+  if (!IsDeferred(layout_)) return [](kernels::Stream, Scratch&) { return absl::OkStatus(); };
+  kernels::FlushArgs args;
+  args.shape = shape_;
+  args.spec_query_len = sizes_.spec_query_len;
+  args.num_layers = layout_.num_layers();
+  args.layers = host_layer_table_.data();
+  args.device_layers = device_layer_table_;
+  args.pending = pending_;
+  args.jobs = flush_jobs_;
+  args.layer = layer;
+  args.discard = discard;
+  args.prerequisites.input_fault = device_->input_fault_word();
+  args.status = flush_status_;
+  args.status_mirror = mirror;
+  return [this, args, blocks = std::move(blocks)](kernels::Stream stream,
+                                                  Scratch& scratch) mutable -> absl::Status {
+    if (blocks != nullptr && blocks->present && blocks->rows > 0) {
+      absl::StatusOr<const int32_t*> data = blocks->Pointer(scratch);
+      if (!data.ok()) return data.status();
+      args.blocks = *data;
+      args.num_blocks_given = static_cast<int>(blocks->rows);
+      args.checked_blocks = flush_checked_blocks_;
+    }
+    return device_->kernels().Flush(args, stream);
+  };
+}
+
+void Engine::Flush(const std::string& session, const v1::FlushRequest& req,
+                   Reply<v1::FlushResponse> reply) {
+  const int L = layout_.num_layers();
+  if (req.has_layer() && (req.layer() < 0 || req.layer() >= L)) {
+    reply(absl::OutOfRangeError(absl::StrCat("layer ", req.layer(),
+                                             " is out of range: the layout has ", L, " layers")),
+          {});
+    return;
+  }
+  RegionLookup lookup(regions_, session);
+  absl::StatusOr<IndexInput> blocks =
+      ResolveIndex(lookup, req.blocks(), "blocks", IndexSpec{});
+  if (blocks.ok() && blocks->rows > layout_.num_blocks()) {
+    blocks = absl::OutOfRangeError(absl::StrCat("blocks has ", blocks->rows,
+                                                " entries: at most the pool's ",
+                                                layout_.num_blocks(), " blocks"));
+  }
+  absl::StatusOr<Ordering> ordering = blocks.ok() ? ResolveOrdering(session, req) : blocks.status();
+  if (!ordering.ok()) {
+    reply(ordering.status(), {});
+    return;
+  }
+  // A host mirror of this call's status, reused across calls.
+  kernels::DeviceStatus* mirror = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    drivers_.insert(session);
+    if (!flush_mirrors_.empty()) {
+      mirror = flush_mirrors_.back();
+      flush_mirrors_.pop_back();
+    }
+  }
+  if (mirror == nullptr) {
+    absl::StatusOr<void*> p = device_->AllocateHost(sizeof(kernels::DeviceStatus));
+    if (!p.ok()) {
+      reply(p.status(), {});
+      return;
+    }
+    mirror = static_cast<kernels::DeviceStatus*>(*p);
+  }
+  std::memset(mirror, 0, sizeof(*mirror));
+  const bool async = ordering->async;
+  Work work;
+  work.waits = std::move(ordering->waits);
+  work.signals = std::move(ordering->signals);
+  work.launch = FlushLaunch(std::make_shared<const IndexInput>(*std::move(blocks)),
+                            req.has_layer() ? req.layer() : -1, req.discard(), mirror);
+  std::vector<RegionPin> pins = lookup.TakePins();
+  pins.insert(pins.end(), ordering->pins.begin(), ordering->pins.end());
+  work.done = [this, pins = UniquePins(std::move(pins)), reply, mirror, async,
+               session](absl::Status launched) {
+    absl::Status result = launched;
+    if (absl::Status lost = regions_.DropTruncated(*pins); !lost.ok()) result = lost;
+    pins->clear();  // the regions may go now
+    const bool check_failed = result.ok() && mirror->failed != 0;
+    if (check_failed) result = kernels::DeviceStatusToStatus(*mirror, "Flush");
+    {
+      absl::MutexLock lock(&mu_);
+      if (check_failed) ++counters_.device_check_failures;
+      flush_mirrors_.push_back(mirror);
+      if (async && !result.ok()) {
+        steps_->KeepSessionError(session, absl::Status(result.code(),
+                                                       absl::StrCat("an earlier asynchronous "
+                                                                    "Flush failed: ",
+                                                                    result.message())));
+      }
+    }
+    if (!async) reply(result, {});
+  };
+  absl::Status st = device_->Submit(std::move(work));
+  if (!st.ok()) {
+    {
+      absl::MutexLock lock(&mu_);
+      flush_mirrors_.push_back(mirror);
+    }
+    reply(st, {});
+    return;
+  }
+  if (async) {
+    v1::FlushResponse response;
+    response.set_enqueued(true);
+    reply(absl::OkStatus(), response);
+  }
+}
+
 void Engine::OpenSession(const std::string& session) {
   {
     absl::MutexLock lock(&mu_);
@@ -1039,9 +1228,11 @@ void Engine::OpenSession(const std::string& session) {
 
 void Engine::EndSession(const std::string& session) {
   std::shared_ptr<WaitCancellation> cancellation;
+  bool drove = false;
   {
     absl::MutexLock lock(&mu_);
     cancellation = steps_->EndSession(session);
+    drove = drivers_.erase(session) > 0;
   }
   if (cancellation != nullptr) {
     cancellation->cancelled.store(true);
@@ -1054,6 +1245,21 @@ void Engine::EndSession(const std::string& session) {
     }
   }
   regions_.ReleaseSession(session);
+  if (drove && IsDeferred(layout_)) {
+    // The pools outlive the driver: whoever maps or drives them next finds
+    // every block's current state.
+    Work flush;
+    flush.launch = FlushLaunch(nullptr, -1, false, nullptr);
+    flush.done = [](absl::Status launched) {
+      if (!launched.ok()) {
+        LogError(absl::StrCat("flushing the pending blocks of an ended session: ",
+                              launched.ToString()));
+      }
+    };
+    if (absl::Status st = device_->Submit(std::move(flush)); !st.ok()) {
+      LogError(absl::StrCat("flushing the pending blocks of an ended session: ", st.ToString()));
+    }
+  }
 }
 
 std::string Engine::HealthProblem() const {

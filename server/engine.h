@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -84,6 +85,10 @@ class Engine {
               Reply<v1::CommitResponse> reply);
   void RecordStateBlocks(const std::string& session, const v1::RecordStateBlocksRequest& request,
                          Reply<v1::RecordStateBlocksResponse> reply);
+  // DEFERRED: materializes (or forgets) pending tokens of blocks; under
+  // EAGER only orders its wait and signal.
+  void Flush(const std::string& session, const v1::FlushRequest& request,
+             Reply<v1::FlushResponse> reply);
   // Verify of each of `request.verifies`, in order, then Commit; stops at the
   // first error. `request` must live until `reply` is called (the RPC's does).
   // At most MaxSubmitStepVerifies() Verify calls (INVALID_ARGUMENT beyond).
@@ -94,7 +99,8 @@ class Engine {
   void OpenSession(const std::string& session);
   // The session ended: its regions go (once their work is done), waits on
   // its doorbells are released, its pending errors are dropped; it may
-  // register and wait no more.
+  // register and wait no more. DEFERRED: when it drove steps, every pending
+  // block is materialized (the pools are then current for whoever comes next).
   void EndSession(const std::string& session);
 
   EngineCounters counters() const;
@@ -119,6 +125,7 @@ class Engine {
     float* dt_bias = nullptr;  // device [H * K]
     bool params_loaded = false;
     kernels::Records records;
+    kernels::Records records_alt;  // DEFERRED's second records buffer
   };
 
   struct Ordering {
@@ -138,6 +145,15 @@ class Engine {
   absl::Status Allocate();
   absl::Status AllocateLayers();
   absl::StatusOr<std::vector<StepSlot>> AllocateSlots();
+  absl::Status AllocatePending();
+  kernels::Records AllocateRecords(absl::Status* status);
+
+  // DEFERRED: the launch of a flush of `blocks` (absent: every pending
+  // block) in `layer` (-1: every layer), its status mirrored to `mirror`
+  // (may be null). Under EAGER: nothing to launch.
+  std::function<absl::Status(kernels::Stream, Scratch&)> FlushLaunch(
+      std::shared_ptr<const IndexInput> blocks, int layer, bool discard,
+      kernels::DeviceStatus* mirror) const;
 
   // The step protocol of every Verify, Commit and RecordStateBlocks, in one
   // place: under the lock, a retry of an at-most-once call is answered from
@@ -233,6 +249,14 @@ class Engine {
   size_t commit_workspace_bytes_ = 0;
   void* record_workspace_ = nullptr;
   size_t record_workspace_bytes_ = 0;
+  // DEFERRED (pending_.entries null under EAGER).
+  kernels::PendingBlocks pending_;
+  int32_t* replay_plans_ = nullptr;  // [layers, max_rows]
+  void* verify_workspace_ = nullptr;
+  size_t verify_workspace_bytes_ = 0;
+  kernels::ReplayJobs commit_jobs_, flush_jobs_;
+  int32_t* flush_checked_blocks_ = nullptr;          // [num_blocks]
+  kernels::DeviceStatus* flush_status_ = nullptr;    // every Flush's (stream-ordered)
   float* params_staging_ = nullptr;                  // LoadLayerParams: [H + H * K]
   kernels::DeviceStatus* params_status_ = nullptr;  // LoadLayerParams' device status
 
@@ -242,6 +266,9 @@ class Engine {
   EngineCounters counters_ ABSL_GUARDED_BY(mu_);
   std::vector<char*> read_buffers_ ABSL_GUARDED_BY(mu_);  // ReadState's host buffers
   std::vector<kernels::DeviceStatus*> param_mirrors_ ABSL_GUARDED_BY(mu_);  // LoadLayerParams'
+  std::vector<kernels::DeviceStatus*> flush_mirrors_ ABSL_GUARDED_BY(mu_);  // Flush's
+  // The sessions that drove steps (DEFERRED flushes when one ends).
+  std::set<std::string> drivers_ ABSL_GUARDED_BY(mu_);
 
   // Per layer, its binding (BindVerifyInputs), or null. Its own lock: a
   // Verify reads it before it takes mu_.

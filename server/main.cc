@@ -69,6 +69,9 @@ ABSL_FLAG(int, max_rows, 16, "rows a step may verify");
 ABSL_FLAG(std::string, activation_dtype, "bf16", "bf16, fp16 or fp32");
 ABSL_FLAG(std::string, state_dtype, "fp32", "fp32 or bf16");
 ABSL_FLAG(std::string, cache_mode, "none", "none or align");
+ABSL_FLAG(std::string, commit_mode, "eager",
+          "eager (Commit replays the accepted tokens) or deferred (the next Verify of the block "
+          "replays them first: one state read and one write a step; needs num_spec <= 7)");
 ABSL_FLAG(int, mamba_block_size, 0, "align mode: tokens per state block (>= Q)");
 ABSL_FLAG(float, lower_bound, -5.0f, "the KDA gate's lower bound (negative)");
 ABSL_FLAG(int, default_lease_ms, 10000, "session lease when a client asks for none (ms)");
@@ -209,6 +212,17 @@ absl::StatusOr<v1::ServiceConfig> BuildConfig() {
     } else {
       return absl::InvalidArgumentError(
           absl::StrCat("--cache_mode=", mode, ": expected none or align"));
+    }
+  }
+  if (Given(FLAGS_commit_mode)) {
+    const std::string mode = absl::GetFlag(FLAGS_commit_mode);
+    if (mode == "eager") {
+      l->set_commit_mode(v1::EAGER);
+    } else if (mode == "deferred") {
+      l->set_commit_mode(v1::DEFERRED);
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--commit_mode=", mode, ": expected eager or deferred"));
     }
   }
   if (Given(FLAGS_mamba_block_size)) l->set_mamba_block_size(absl::GetFlag(FLAGS_mamba_block_size));
@@ -394,11 +408,11 @@ int Run() {
   const v1::Layout& l = (*engine)->layout();
   std::printf(
       "specstated: serving on %s (backend %s, %d %s layers, %d heads (%d value heads) x %d, "
-      "%d blocks, %d rows, Q=%d, %s activations, %s state, cache mode %s)\n",
+      "%d blocks, %d rows, Q=%d, %s activations, %s state, cache mode %s, commit mode %s)\n",
       listen.c_str(), l.backend() == v1::CUDA ? "cuda" : "cpu", l.num_layers(),
       l.layer_kind() == v1::GDN ? "GDN" : "KDA", l.num_heads(), ValueHeadsOf(l), l.head_dim(), l.num_blocks(), l.max_rows(), l.num_spec() + 1,
       v1::DType_Name(l.activation_dtype()).c_str(), v1::DType_Name(l.state_dtype()).c_str(),
-      v1::CacheMode_Name(l.cache_mode()).c_str());
+      v1::CacheMode_Name(l.cache_mode()).c_str(), v1::CommitMode_Name(l.commit_mode()).c_str());
   std::fflush(stdout);
   if (l.backend() == v1::CUDA) {
     if (l.mps_client()) {

@@ -377,6 +377,12 @@ grpc::ServerUnaryReactor* SpecStateService::RecordStateBlocks(
   return Drive(ctx, "RecordStateBlocks", request, response, &Engine::RecordStateBlocks);
 }
 
+grpc::ServerUnaryReactor* SpecStateService::Flush(grpc::CallbackServerContext* ctx,
+                                                  const v1::FlushRequest* request,
+                                                  v1::FlushResponse* response) {
+  return Drive(ctx, "Flush", request, response, &Engine::Flush);
+}
+
 grpc::ServerUnaryReactor* SpecStateService::SubmitStep(grpc::CallbackServerContext* ctx,
                                                        const v1::SubmitStepRequest* request,
                                                        v1::SubmitStepResponse* response) {

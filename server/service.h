@@ -79,6 +79,9 @@ class SpecStateService final : public v1::SpecState::CallbackService {
   grpc::ServerUnaryReactor* RecordStateBlocks(grpc::CallbackServerContext* ctx,
                                               const v1::RecordStateBlocksRequest* request,
                                               v1::RecordStateBlocksResponse* response) override;
+  grpc::ServerUnaryReactor* Flush(grpc::CallbackServerContext* ctx,
+                                  const v1::FlushRequest* request,
+                                  v1::FlushResponse* response) override;
   grpc::ServerUnaryReactor* SubmitStep(grpc::CallbackServerContext* ctx,
                                        const v1::SubmitStepRequest* request,
                                        v1::SubmitStepResponse* response) override;

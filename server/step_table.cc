@@ -139,6 +139,10 @@ bool StepTable::MarkFailed(uint64_t id, const std::string& session, const absl::
   return newly;
 }
 
+void StepTable::KeepSessionError(const std::string& session, const absl::Status& status) {
+  if (session_errors_.count(session) == 0) session_errors_[session] = status;
+}
+
 absl::Status StepTable::TakeSessionError(const std::string& session) {
   auto it = session_errors_.find(session);
   if (it == session_errors_.end()) return absl::OkStatus();

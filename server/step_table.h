@@ -114,6 +114,9 @@ class StepTable {
   // (TakeSessionError), once per session.
   bool MarkFailed(uint64_t id, const std::string& session, const absl::Status& status,
                   bool async);
+  // Keeps an asynchronous failure outside a step (Flush) for the session's
+  // next call, unless one is kept already.
+  void KeepSessionError(const std::string& session, const absl::Status& status);
   // The session's first asynchronous error, once (then cleared).
   absl::Status TakeSessionError(const std::string& session);
 

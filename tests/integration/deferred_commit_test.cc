@@ -1,0 +1,195 @@
+// Commit mode DEFERRED over a real socket (CPU backend): two specstated, one
+// EAGER and one DEFERRED, get the same calls; the DEFERRED one's outputs are
+// the EAGER one's bit for bit, and so is every pool byte once it is
+// materialized: by the block's next Verify, by ReadState, by Flush, or when
+// the driving session ends. Until then a pending block holds its checkpoint.
+// Misuse the service can detect is refused, with the field and the rows.
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/server_process.h"
+#include "tests/integration/test_scheduler.h"
+
+namespace specstate {
+namespace {
+
+using client::Client;
+using testing::ExpectError;
+using testing::Scheduler;
+using testing::ServerProcess;
+using testing::ValueOrDie;
+
+// Bytes of one layer's recurrent-state block `block` in a pools snapshot.
+std::string StateBlock(const std::string& pools, const v1::ExportPoolsResponse& views, int layer,
+                       int block) {
+  for (const v1::PoolView& view : views.pools()) {
+    if (view.layer() != layer || view.kind() != "recurrent") continue;
+    const uint64_t block_bytes = view.byte_size() / view.shape(0);
+    return pools.substr(view.offset_bytes() + block * block_bytes, block_bytes);
+  }
+  return "";
+}
+
+class DeferredCommitTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    eager_server_ = ValueOrDie(ServerProcess::Start({"--commit_mode=eager"}));
+    deferred_server_ = ValueOrDie(ServerProcess::Start({"--commit_mode=deferred"}));
+    eager_client_ = ValueOrDie(Client::Connect(eager_server_->address()));
+    deferred_client_ = ValueOrDie(Client::Connect(deferred_server_->address()));
+    eager_ = std::make_unique<Scheduler>(*eager_client_);
+    deferred_ = std::make_unique<Scheduler>(*deferred_client_);
+    views_ = ValueOrDie(deferred_client_->ExportPools());
+  }
+  void TearDown() override {
+    if (HasFailure()) {
+      std::fprintf(stderr, "DEFERRED server log:\n%s", deferred_server_->Log().c_str());
+    }
+  }
+
+  // A step on both services: every layer verified, outputs compared, then
+  // committed with `accepted`.
+  void Step(uint64_t step, std::vector<int> accepted) {
+    for (int l = 0; l < eager_->layout().num_layers(); ++l) {
+      ASSERT_TRUE(eager_->session().Verify(eager_->Verify(step, l)).ok());
+      ASSERT_TRUE(deferred_->session().Verify(deferred_->Verify(step, l)).ok());
+      ASSERT_EQ(eager_->Outputs(), deferred_->Outputs())
+          << "step " << step << ", layer " << l << ": DEFERRED's outputs differ from EAGER's";
+    }
+    ASSERT_TRUE(eager_->session().Commit(eager_->Commit(step, accepted)).ok());
+    ASSERT_TRUE(deferred_->session().Commit(deferred_->Commit(step, accepted)).ok());
+  }
+
+  // Whether every block of every layer but `pending` holds the same bytes,
+  // and the pending ones their state before the step (`before`).
+  void ExpectPoolsAfterStep(const std::string& before, const std::vector<int>& pending) {
+    const std::string eager = eager_->Pools(), deferred = deferred_->Pools();
+    for (int l = 0; l < eager_->layout().num_layers(); ++l) {
+      for (int b = 1; b < eager_->layout().num_blocks(); ++b) {
+        const bool is_pending = std::find(pending.begin(), pending.end(), b) != pending.end();
+        EXPECT_EQ(StateBlock(deferred, views_, l, b),
+                  StateBlock(is_pending ? before : eager, views_, l, b))
+            << "layer " << l << ", block " << b << (is_pending ? " (pending)" : "");
+      }
+    }
+  }
+
+  std::unique_ptr<ServerProcess> eager_server_, deferred_server_;
+  std::unique_ptr<Client> eager_client_, deferred_client_;
+  std::unique_ptr<Scheduler> eager_, deferred_;
+  v1::ExportPoolsResponse views_;
+};
+
+TEST_F(DeferredCommitTest, TheLayoutSaysSo) {
+  const v1::Layout eager = eager_->layout(), deferred = deferred_->layout();
+  EXPECT_EQ(eager.commit_mode(), v1::EAGER);
+  EXPECT_EQ(deferred.commit_mode(), v1::DEFERRED);
+  EXPECT_EQ(deferred.record_bytes(), 2 * eager.record_bytes()) << "records are double-buffered";
+  const testing::ProcessResult layout = ValueOrDie(testing::RunProcess(
+      {testing::RunfilePath("client/specstatectl"), "--server=" + deferred_server_->address(),
+       "layout"}));
+  EXPECT_THAT(layout.output, ::testing::HasSubstr("commit mode      DEFERRED"));
+}
+
+TEST_F(DeferredCommitTest, PendingBlocksHoldTheirCheckpointUntilMaterialized) {
+  const std::string before = deferred_->Pools();
+  ASSERT_EQ(before, eager_->Pools());
+  Step(1, {1, 2, 0});  // rows 0 and 1 (blocks 1 and 2) commit, row 2 commits nothing
+  ExpectPoolsAfterStep(before, {1, 2});
+  // The next step's Verify calls materialize them, and outputs still agree.
+  Step(2, {2, 2, 2});
+  const std::string after_two = deferred_->Pools();
+  // ReadState materializes one block of one layer (here block 3, layer 1).
+  const v1::ReadStateResponse eager_read = ValueOrDie(eager_client_->ReadState(1, 3, false));
+  const v1::ReadStateResponse deferred_read = ValueOrDie(deferred_client_->ReadState(1, 3, false));
+  EXPECT_EQ(deferred_read.recurrent().checksum(), eager_read.recurrent().checksum());
+  EXPECT_EQ(StateBlock(deferred_->Pools(), views_, 1, 3), StateBlock(eager_->Pools(), views_, 1, 3));
+  EXPECT_EQ(StateBlock(deferred_->Pools(), views_, 0, 3), StateBlock(after_two, views_, 0, 3))
+      << "ReadState of layer 1 changed layer 0's pending block";
+  // Flush of blocks 1 and 2 (3 is still pending in layer 0).
+  v1::FlushRequest flush;
+  for (int b : {1, 2, 2, 0}) flush.mutable_blocks()->mutable_values()->add_values(b);
+  ASSERT_TRUE(deferred_->session().Flush(flush).ok());
+  for (int l = 0; l < 4; ++l) {
+    for (int b : {1, 2}) {
+      EXPECT_EQ(StateBlock(deferred_->Pools(), views_, l, b),
+                StateBlock(eager_->Pools(), views_, l, b))
+          << "layer " << l << ", block " << b << " after its Flush";
+    }
+  }
+  // Flush of everything: every byte equal.
+  ASSERT_TRUE(deferred_->session().Flush(v1::FlushRequest()).ok());
+  EXPECT_EQ(deferred_->Pools(), eager_->Pools());
+}
+
+TEST_F(DeferredCommitTest, ManyStepsAgreeAndTheEndOfTheDriverMaterializesEverything) {
+  for (uint64_t step = 1; step <= 30; ++step) {
+    Step(step, {static_cast<int>(step % 3), 2, static_cast<int>((step + 1) % 3)});
+    if (HasFatalFailure()) return;
+  }
+  EXPECT_NE(deferred_->Pools(), eager_->Pools()) << "the last commit left blocks pending";
+  // The driving session ends: its service flushes every pending block.
+  ASSERT_TRUE(deferred_->session().Close().ok());
+  ASSERT_TRUE(deferred_client_->GetStats().ok());  // ordered after the flush
+  bool equal = false;
+  for (int i = 0; i < 100 && !equal; ++i) {
+    equal = deferred_->Pools() == eager_->Pools();
+    if (!equal) absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(equal) << "the pools are not current after the driving session ended";
+}
+
+TEST_F(DeferredCommitTest, DiscardForgetsThePendingTokens) {
+  const std::string before = deferred_->Pools();
+  Step(1, {2, 2, 2});
+  v1::FlushRequest discard;
+  discard.mutable_blocks()->mutable_values()->add_values(2);
+  discard.set_discard(true);
+  ASSERT_TRUE(deferred_->session().Flush(discard).ok());
+  ASSERT_TRUE(deferred_->session().Flush(v1::FlushRequest()).ok());
+  const std::string after = deferred_->Pools();
+  for (int l = 0; l < 4; ++l) {
+    EXPECT_EQ(StateBlock(after, views_, l, 2), StateBlock(before, views_, l, 2))
+        << "block 2 got its discarded tokens";
+    EXPECT_EQ(StateBlock(after, views_, l, 1), StateBlock(eager_->Pools(), views_, l, 1));
+  }
+}
+
+TEST_F(DeferredCommitTest, MisuseIsRefusedAndChangesNothing) {
+  Step(1, {2, 2, 2});
+  const std::string pools = deferred_->Pools();
+  // Two rows verifying from one pending block.
+  v1::VerifyRequest shared = deferred_->Verify(2, 0);
+  shared.mutable_state_indices()->mutable_values()->set_values(1, 1);
+  ExpectError(deferred_->session().Verify(shared).status(), absl::StatusCode::kFailedPrecondition,
+              "rows 0 and 1 both verify from block 1, which has tokens pending");
+  EXPECT_EQ(deferred_->Pools(), pools);
+  // A block list past the pool; a layer past the layout.
+  v1::FlushRequest past;
+  past.mutable_blocks()->mutable_values()->add_values(1);
+  past.mutable_blocks()->mutable_values()->add_values(deferred_->layout().num_blocks());
+  ExpectError(deferred_->session().Flush(past).status(), absl::StatusCode::kOutOfRange,
+              absl::StrCat("In Flush: blocks[1] = ", deferred_->layout().num_blocks()));
+  v1::FlushRequest layer;
+  layer.set_layer(4);
+  ExpectError(deferred_->session().Flush(layer).status(), absl::StatusCode::kOutOfRange,
+              "layer 4 is out of range");
+  EXPECT_EQ(deferred_->Pools(), pools);
+  // Flush writes the pools: only the driving session may.
+  std::unique_ptr<client::Session> reader =
+      ValueOrDie(deferred_client_->OpenSession("reader", /*drive=*/false));
+  ExpectError(reader->Flush(v1::FlushRequest()).status(), absl::StatusCode::kFailedPrecondition,
+              "drive");
+  EXPECT_EQ(deferred_->Pools(), pools);
+  // Under EAGER a Flush has nothing to do, and says so by succeeding.
+  EXPECT_TRUE(eager_->session().Flush(v1::FlushRequest()).ok());
+}
+
+}  // namespace
+}  // namespace specstate
