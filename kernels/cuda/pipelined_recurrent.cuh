@@ -534,7 +534,8 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
     // head, v by each chunk for its rows. (kReplayVerify: the window's
     // tokens, after the pending ones in the shared-memory buffers.)
     if (kRecords) {
-      const Act* const raw = inputs(cur.inputs) + pending * K;  // token t at raw + t * K
+      // (Shadows the item's `raw`: token t of the window at raw + t * K.)
+      const Act* const raw = inputs(cur.inputs) + pending * K;
       const Act* const raw_beta_w = raw_beta + pending;
       const Act* const raw_g_w = raw_g + pending;
       const int64_t width = int64_t{Hk} * K + int64_t{H} * V;
@@ -632,11 +633,11 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
     // This item's outputs of token t: out_item[t * H * V + r * kGroups].
     Act* const out_item = static_cast<Act*>(view.out) + (bos * H + h) * V + v0;
     for (int t = 0; t < tokens; ++t) {
-      const int x = pending + t;  // its inputs in shared memory
-      const kda::TokenInputs tok{sq + x * K, sk + x * K, sdecay + x * K, sbeta[x]};
+      const int at = pending + t;  // its inputs in shared memory
+      const kda::TokenInputs tok{sq + at * K, sk + at * K, sdecay + at * K, sbeta[at]};
       float vin[kRowsPer], o[kRowsPer];
 #pragma unroll
-      for (int r = 0; r < kRowsPer; ++r) vin[r] = sv[x * V + v0 + r * kGroups];
+      for (int r = 0; r < kRowsPer; ++r) vin[r] = sv[at * V + v0 + r * kGroups];
       kda::TokenStep<kSeg, kLanes, kRowsPer>(
           st, lane, tok, vin, [](float x) { return LaneSum<kLanes>(x); }, kWantOutput, o);
       if (kWantOutput && lane == 0) {

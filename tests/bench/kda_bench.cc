@@ -7,7 +7,11 @@
 // verify on one layer, and the commit of every layer (mode none, and one row
 // in align mode), each as the median of --iters runs timed with CUDA events
 // (launched from the host, and replayed from a CUDA graph), with the bytes
-// each must move: every state, input and output counted once.
+// each must move: every state, input and output counted once. Then the same
+// step in commit mode DEFERRED: the fused verify (every row replays its
+// pending accepted tokens, uniform in [1, Q], writes its checkpoint once and
+// verifies) and the conv-only commit; and the per-layer step of each mode
+// against the stock kernel.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -124,14 +128,22 @@ void* L2Flush() {
   return buffer;
 }
 
-Timing Time(cudaStream_t stream, int iters, const std::function<void()>& fn, bool cold = false) {
+// `prepare` (optional) runs on the stream before every timed run, outside
+// the timed window: what a run consumes (DEFERRED's pending entries) is put
+// back.
+Timing Time(cudaStream_t stream, int iters, const std::function<void()>& fn, bool cold = false,
+            const std::function<void()>& prepare = nullptr) {
   const auto flush = [&] {
+    if (prepare) prepare();
     if (cold) CHECK_CUDA(cudaMemsetAsync(L2Flush(), 0x3f, size_t{256} << 20, stream));
   };
   cudaEvent_t a, b;
   CHECK_CUDA(cudaEventCreate(&a));
   CHECK_CUDA(cudaEventCreate(&b));
-  for (int i = 0; i < 3; ++i) fn();
+  for (int i = 0; i < 3; ++i) {
+    flush();
+    fn();
+  }
   CHECK_CUDA(cudaStreamSynchronize(stream));
   std::vector<float> ms;
   for (int i = 0; i < iters; ++i) {
@@ -149,11 +161,15 @@ Timing Time(cudaStream_t stream, int iters, const std::function<void()>& fn, boo
 
   cudaGraph_t graph;
   cudaGraphExec_t exec;
+  flush();
   CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   fn();
   CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
   CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 3; ++i) CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  for (int i = 0; i < 3; ++i) {
+    flush();
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  }
   ms.clear();
   for (int i = 0; i < iters; ++i) {
     flush();
@@ -211,6 +227,15 @@ struct Bench {
   size_t workspace_bytes, stock_workspace_bytes;
   kernels::DeviceStatus* status;
   std::vector<int> accepted_host;
+  // DEFERRED: the bookkeeping as a commit of every row leaves it (each
+  // row's checkpoint pending with its accepted tokens, in every layer,
+  // records in buffer 0), and the copies runs restore it from.
+  kernels::PendingBlocks pending;
+  int32_t *entries_committed, *header_committed;
+  size_t entries_bytes, header_bytes;
+  void* verify_workspace;
+  int32_t* replay_plan;
+  kernels::ReplayJobs jobs;
 };
 
 Bench Make(const Shape& s, int N, std::mt19937& rng) {
@@ -243,6 +268,9 @@ Bench Make(const Shape& s, int N, std::mt19937& rng) {
     layer.records = kernels::Records{DeviceAlloc(tokens * (b.HK + b.VW) * 2),
                                      DeviceAlloc(tokens * b.GW * 2 + 16),
                                      DeviceAlloc(tokens * b.HV * 2 + 16), N, s.Q};
+    layer.records_alt = kernels::Records{DeviceAlloc(tokens * (b.HK + b.VW) * 2),
+                                         DeviceAlloc(tokens * b.GW * 2 + 16),
+                                         DeviceAlloc(tokens * b.HV * 2 + 16), N, s.Q};
     b.layers.push_back(layer);
   }
   b.device_layers = Upload(b.layers);
@@ -291,6 +319,30 @@ Bench Make(const Shape& s, int N, std::mt19937& rng) {
   b.stock_workspace = DeviceAlloc(b.stock_workspace_bytes);
   CHECK_CUDA(cudaMemset(b.stock_workspace, 0, b.stock_workspace_bytes));
   b.status = static_cast<kernels::DeviceStatus*>(DeviceAlloc(sizeof(kernels::DeviceStatus)));
+
+  b.pending = kernels::PendingBlocks{nullptr, nullptr, s.L, b.num_blocks, N};
+  std::vector<int32_t> entries(int64_t{s.L} * b.num_blocks, 0), header(2 + N, 0);
+  header[1] = N;
+  for (int i = 0; i < N; ++i) {
+    header[2 + i] = checkpoints[i];
+    // A packed kernels::internal::PendingEntry: record row i, buffer 0, its tokens.
+    for (int l = 0; l < s.L; ++l) {
+      entries[int64_t{l} * b.num_blocks + checkpoints[i]] = ((i + 1) << 6) | accepted[i];
+    }
+  }
+  b.entries_bytes = entries.size() * 4;
+  b.header_bytes = header.size() * 4;
+  b.entries_committed = Upload(entries);
+  b.header_committed = Upload(header);
+  b.pending.entries = Upload(entries);
+  b.pending.header = Upload(header);
+  b.verify_workspace = DeviceAlloc(kernels::VerifyWorkspaceBytes(b.num_blocks));
+  CHECK_CUDA(cudaMemset(b.verify_workspace, 0, kernels::VerifyWorkspaceBytes(b.num_blocks)));
+  b.replay_plan = static_cast<int32_t*>(DeviceAlloc(int64_t{N} * 4));
+  b.jobs.capacity = static_cast<int>(kernels::CommitJobsCapacity(N, s.L));
+  b.jobs.jobs = static_cast<kernels::ReplayJob*>(
+      DeviceAlloc(b.jobs.capacity * sizeof(kernels::ReplayJob)));
+  b.jobs.count = static_cast<int32_t*>(DeviceAlloc(4));
   return b;
 }
 
@@ -299,9 +351,17 @@ void Free(Bench& b) {
     cudaFree(l.state.data);
     cudaFree(l.conv.data);
     cudaFree(const_cast<float*>(l.params.a_log));
-    cudaFree(l.records.kv);
-    cudaFree(l.records.g);
-    cudaFree(l.records.beta);
+    for (const kernels::Records& r : {l.records, l.records_alt}) {
+      cudaFree(r.kv);
+      cudaFree(r.g);
+      cudaFree(r.beta);
+    }
+  }
+  for (void* p : {static_cast<void*>(b.entries_committed), static_cast<void*>(b.header_committed),
+                  static_cast<void*>(b.pending.entries), static_cast<void*>(b.pending.header),
+                  b.verify_workspace, static_cast<void*>(b.replay_plan),
+                  static_cast<void*>(b.jobs.jobs), static_cast<void*>(b.jobs.count)}) {
+    cudaFree(p);
   }
   for (void* p : {static_cast<void*>(b.device_layers), b.q, b.k, b.v, b.g, b.beta, b.out,
                   b.stock_pool, static_cast<void*>(b.qsl), static_cast<void*>(b.checkpoints),
@@ -334,6 +394,32 @@ kernels::VerifyArgs VerifyOf(const Bench& b) {
   a.expected_state_indices = b.checkpoints;
   a.status = b.status;
   return a;
+}
+
+// DEFERRED's verify of layer 0: every row replays its pending tokens first.
+kernels::VerifyArgs DeferredVerifyOf(const Bench& b) {
+  kernels::VerifyArgs a = VerifyOf(b);
+  a.pending = b.pending;
+  a.layer = 0;
+  a.records_alt = b.layers[0].records_alt;
+  a.replay_plan = b.replay_plan;
+  a.workspace = b.verify_workspace;
+  a.workspace_bytes = kernels::VerifyWorkspaceBytes(b.num_blocks);
+  return a;
+}
+
+// Puts the bookkeeping back as the last commit left it: before a DEFERRED
+// verify, every row pending; before a DEFERRED commit, as this step's
+// verify calls leave it (every entry taken).
+void RestorePending(const Bench& b, bool taken, cudaStream_t stream) {
+  if (taken) {
+    CHECK_CUDA(cudaMemsetAsync(b.pending.entries, 0, b.entries_bytes, stream));
+  } else {
+    CHECK_CUDA(cudaMemcpyAsync(b.pending.entries, b.entries_committed, b.entries_bytes,
+                               cudaMemcpyDeviceToDevice, stream));
+  }
+  CHECK_CUDA(cudaMemcpyAsync(b.pending.header, b.header_committed, b.header_bytes,
+                             cudaMemcpyDeviceToDevice, stream));
 }
 
 kernels::StockArgs StockOf(const Bench& b) {
@@ -381,6 +467,13 @@ kernels::CommitArgs CommitOf(const Bench& b, bool align) {
   return a;
 }
 
+kernels::CommitArgs DeferredCommitOf(const Bench& b, bool align) {
+  kernels::CommitArgs a = CommitOf(b, align);
+  a.pending = b.pending;
+  a.jobs = b.jobs;
+  return a;
+}
+
 void CheckDevice(const Bench& b, const char* what) {
   kernels::DeviceStatus st;
   CHECK_CUDA(cudaMemcpy(&st, b.status, sizeof(st), cudaMemcpyDeviceToHost));
@@ -398,6 +491,21 @@ double VerifyBytes(const Bench& b) {
          + double(b.T) * (QueryBytes(b) + RecordTokenBytes(b))          // q, k, v, g, beta read
          + double(b.T) * OutputBytes(b)                                 // o written
          + double(b.T) * RecordTokenBytes(b);                           // records written
+}
+
+// DEFERRED's fused verify: each row's pending records read, its checkpoint
+// read and written once, then verify's own traffic.
+double DeferredVerifyBytes(const Bench& b) {
+  double pending_tokens = 0;
+  for (int c : b.accepted_host) pending_tokens += c;
+  return VerifyBytes(b) + double(b.N) * b.state_bytes + pending_tokens * RecordTokenBytes(b);
+}
+
+// DEFERRED's commit moves the conv windows only (no row crosses a boundary
+// in mode none), and reads the pending table of the rows' blocks.
+double DeferredCommitBytes(const Bench& b) {
+  const int hl = b.shape.conv_kernel - 1;
+  return double(b.N) * b.shape.L * (2.0 * hl * b.shape.conv_dim * 2.0 + 2 * 4);
 }
 
 double StockBytes(const Bench& b) {
@@ -446,13 +554,18 @@ void PrintRows(const std::vector<Row>& rows, double copy_bps) {
   }
 }
 
-// One measurement of `call(kernels)`: warm, cold L2, and the kernel before.
+// One measurement of `call(kernels)`: warm, cold L2, and the kernel before
+// (not for DEFERRED, which only the pipelined kernel runs). `prepare` as in
+// Time().
 Row Measure(const std::string& what, int N, double bytes, int iters, cudaStream_t stream, bool gdn,
-            const std::function<void(const KdaKernels&)>& call) {
+            const std::function<void(const KdaKernels&)>& call,
+            const std::function<void()>& prepare = nullptr) {
   const KdaKernels& now = *kernels::CudaKdaKernels().value();
-  Row r{what, N, Time(stream, iters, [&] { call(now); }), {}, {}, bytes};
-  if (absl::GetFlag(FLAGS_cold)) r.cold = Time(stream, iters, [&] { call(now); }, /*cold=*/true);
-  if (absl::GetFlag(FLAGS_before) && !gdn) {  // the kernel before runs KDA only
+  Row r{what, N, Time(stream, iters, [&] { call(now); }, false, prepare), {}, {}, bytes};
+  if (absl::GetFlag(FLAGS_cold)) {
+    r.cold = Time(stream, iters, [&] { call(now); }, /*cold=*/true, prepare);
+  }
+  if (absl::GetFlag(FLAGS_before) && !gdn && !prepare) {  // the kernel before runs KDA only
     const KdaKernels& before = *kernels::CudaKdaKernelsWithLayout(1).value().second;
     r.before = Time(stream, iters, [&] { call(before); });
   }
@@ -478,6 +591,9 @@ constexpr Target kTargets[] = {
     {"Kimi-K3 (TP8)", "verify", 256, 0, 0.70},
     {"Qwen3-Next-80B-A3B", "verify", 256, 0, 0.80},
     {"Qwen3-Next-80B-A3B", "commit, 36 layers", 256, 0, 0.80},
+    // Commit mode DEFERRED (issue 22).
+    {"Kimi-Linear-48B-A3B", "DEFERRED verify", 1, 10, 0},
+    {"Kimi-Linear-48B-A3B", "DEFERRED commit, 20 layers", 1, 8, 0},
 };
 
 void PrintTargets(const Shape& s, const std::vector<Row>& rows, double copy_bps) {
@@ -552,20 +668,88 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
       rows.back().stock_us = stock_us;
       CheckDevice(b, "Commit (align)");
     }
+
+    // DEFERRED: the same step. Its verify replays each row's pending tokens
+    // (restored before every run), its commit finds them all taken.
+    const kernels::VerifyArgs deferred_verify = DeferredVerifyOf(b);
+    rows.push_back(Measure(
+        "DEFERRED verify (replay + verify), 1 layer", N, DeferredVerifyBytes(b), iters, stream,
+        s.gdn(),
+        [&](const KdaKernels& k) { CheckOk(k.Verify(deferred_verify, stream), "Verify"); },
+        [&] { RestorePending(b, false, stream); }));
+    rows.back().stock_us = stock_us;
+    CheckDevice(b, "DEFERRED Verify");
+    RestorePending(b, false, stream);
+    for (int l = 0; l < s.L; ++l) {  // every layer's window recorded in the other buffer
+      kernels::VerifyArgs v = deferred_verify;
+      v.layer = l;
+      v.state = b.layers[l].state;
+      v.params = b.layers[l].params;
+      v.records = b.layers[l].records;
+      v.records_alt = b.layers[l].records_alt;
+      CheckOk(k.Verify(v, stream), "Verify");
+    }
+    const kernels::CommitArgs deferred_commit = DeferredCommitOf(b, false);
+    rows.push_back(Measure(
+        absl::StrFormat("DEFERRED commit, %d layers", s.L), N, DeferredCommitBytes(b), iters,
+        stream, s.gdn(),
+        [&](const KdaKernels& k) { CheckOk(k.Commit(deferred_commit, stream), "Commit"); },
+        [&] { RestorePending(b, true, stream); }));
+    rows.back().per_layer_of = s.L;
+    rows.back().stock_us = stock_us;
+    CheckDevice(b, "DEFERRED Commit");
+    if (N == ns.back()) {
+      const kernels::CommitArgs deferred_align = DeferredCommitOf(b, true);
+      rows.push_back(Measure(
+          absl::StrFormat("DEFERRED commit, %d layers, align mode", s.L), N,
+          DeferredCommitBytes(b), iters, stream, s.gdn(),
+          [&](const KdaKernels& k) { CheckOk(k.Commit(deferred_align, stream), "Commit"); },
+          [&] { RestorePending(b, true, stream); }));
+      rows.back().per_layer_of = s.L;
+      rows.back().stock_us = stock_us;
+      CheckDevice(b, "DEFERRED Commit (align)");
+    }
     CHECK_CUDA(cudaStreamSynchronize(stream));
     Free(b);
   }
   PrintRows(rows, copy_bps);
 
-  // Per-layer cost of a step: verify + commit / layers, against the stock path.
-  std::printf("\n| N | stock, 1 layer (us) | verify + commit/layer (us) | ratio |\n|---:|---:|---:|---:|\n");
-  for (size_t i = 0; i + 2 < rows.size(); ++i) {
-    if (rows[i].what.rfind("stock", 0) != 0) continue;
-    const double stock_us = rows[i].t.best();
-    const double verify_us = rows[i + 1].t.best();
-    const double commit_us = rows[i + 2].t.best() / s.L;
-    std::printf("| %d | %.1f | %.1f | %.2fx |\n", rows[i].N, stock_us, verify_us + commit_us,
-                (verify_us + commit_us) / stock_us);
+  // Per-layer cost of a step, each mode against the stock path: EAGER verify
+  // + commit / layers, DEFERRED fused verify + its commit / layers.
+  const auto find = [&](int N, const std::string& prefix) -> const Row* {
+    for (const Row& r : rows) {
+      if (r.N == N && r.what.rfind(prefix, 0) == 0 && !absl::StrContains(r.what, "align")) return &r;
+    }
+    return nullptr;
+  };
+  std::printf("\n| N | stock, 1 layer (us) | EAGER: verify + commit/layer (us) | ratio | "
+              "DEFERRED: verify + commit/layer (us) | ratio |\n|---:|---:|---:|---:|---:|---:|\n");
+  for (int N : ns) {
+    const Row* stock = find(N, "stock");
+    const Row* verify = find(N, "verify");
+    const Row* commit = find(N, "commit");
+    const Row* dverify = find(N, "DEFERRED verify");
+    const Row* dcommit = find(N, "DEFERRED commit");
+    if (!stock || !verify || !commit || !dverify || !dcommit) continue;
+    const double eager = verify->t.best() + commit->t.best() / s.L;
+    const double deferred = dverify->t.best() + dcommit->t.best() / s.L;
+    std::printf("| %d | %.1f | %.1f | %.2fx | %.1f | %.2fx |\n", N, stock->t.best(), eager,
+                eager / stock->t.best(), deferred, deferred / stock->t.best());
+  }
+  // The same, cold L2 (graph replays).
+  std::printf("\n| N (cold L2) | stock (us) | EAGER step/layer (us) | ratio | DEFERRED step/layer "
+              "(us) | ratio |\n|---:|---:|---:|---:|---:|---:|\n");
+  for (int N : ns) {
+    const Row* stock = find(N, "stock");
+    const Row* verify = find(N, "verify");
+    const Row* commit = find(N, "commit");
+    const Row* dverify = find(N, "DEFERRED verify");
+    const Row* dcommit = find(N, "DEFERRED commit");
+    if (!stock || !verify || !commit || !dverify || !dcommit || stock->cold.graph_us <= 0) continue;
+    const double eager = verify->cold.graph_us + commit->cold.graph_us / s.L;
+    const double deferred = dverify->cold.graph_us + dcommit->cold.graph_us / s.L;
+    std::printf("| %d | %.1f | %.1f | %.2fx | %.1f | %.2fx |\n", N, stock->cold.graph_us, eager,
+                eager / stock->cold.graph_us, deferred, deferred / stock->cold.graph_us);
   }
   PrintTargets(s, rows, copy_bps);
 }
