@@ -568,6 +568,27 @@ class Session:
         return self.client.call("RecordStateBlocks", request)
 
 
+    def flush(self, blocks: Any = None, *, discard: bool = False, layer: Optional[int] = None,
+              ordering: Union[None, str, int] = None, wait: Any = None,
+              signal: Any = None) -> pb.FlushResponse:
+        """Commit mode DEFERRED: replays the tokens a Commit left pending on
+        `blocks` (int32 [n], inline or in a registered buffer; entries <= 0 are
+        skipped) into the pools, or on every pending block when `blocks` is
+        None (Flush). Call it before reading, copying, swapping or freeing a
+        block yourself; with `discard`, the pending tokens are forgotten (a
+        block being freed). `layer` limits it to one layer. Under EAGER it has
+        nothing to do. OUT_OF_RANGE for a block past the pools."""
+        request = pb.FlushRequest(session_id=self.id, discard=discard,
+                                  ordering=_ordering(ordering, wait, signal))
+        t = self.index(blocks)
+        if t is not None:
+            request.blocks.CopyFrom(t)
+        if layer is not None:
+            request.layer = layer
+        _set_signals(request, wait, signal)
+        return self.client.call("Flush", request)
+
+
 def _rows(index: pb.IndexTensor) -> int:
     if index.HasField("values"):
         return int(index.values.shape[0]) if index.values.shape else len(index.values.values)
