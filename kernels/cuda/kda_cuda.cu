@@ -166,6 +166,9 @@ struct RecurrentLaunch {
   const int32_t* replay_plan;
   const int32_t* pending_buffer;
   Records records[2];
+  // A replay list that is usually empty (a DEFERRED commit in mode none):
+  // one block an SM, not as many as fit, so that an empty list costs little.
+  bool small_grid;
 };
 
 // The replay reads the records as the stock kernel's inputs: q = k = the
@@ -1082,8 +1085,9 @@ class CudaKernels final : public KdaKernels {
     p.num_rows = a.num_rows;
     SetHeads(a.shape, &p);
     // The snapshot the checks validated, never the caller's indices.
-    // (DEFERRED waits for the checks: they say what each row replays.)
-    p.early_loads = a.expected_query_start_loc != nullptr && !deferred;
+    // (DEFERRED loads only the checkpoint early: the checks say what each
+    // row replays.)
+    p.early_loads = a.expected_query_start_loc != nullptr;
     p.num_tokens = a.num_tokens;
     p.num_blocks = a.state.num_blocks;
     p.qsl = internal::VerifiedQueryStartLoc(a);
@@ -1128,7 +1132,8 @@ class CudaKernels final : public KdaKernels {
       // one left pending.
       if (err != cudaSuccess || !deferred) return LaunchStatus(err, "Commit");
       return LaunchReplayJobs(a.shape, a.spec_query_len, a.num_layers, a.layers, a.device_layers,
-                              a.jobs, a.status, s, "Commit");
+                              a.jobs, a.status, s, "Commit",
+                              /*usually_empty=*/a.block_table.data == nullptr);
     }
 
     constexpr int kChunk = kConvThreads * kConvChannelsPerThread;
@@ -1148,7 +1153,8 @@ class CudaKernels final : public KdaKernels {
 
     if (deferred) {
       return LaunchReplayJobs(a.shape, a.spec_query_len, a.num_layers, a.layers, a.device_layers,
-                              a.jobs, a.status, s, "Commit");
+                              a.jobs, a.status, s, "Commit",
+                              /*usually_empty=*/a.block_table.data == nullptr);
     }
     RecurrentLaunch p{};
     p.num_rows = a.num_rows;
@@ -1183,7 +1189,7 @@ class CudaKernels final : public KdaKernels {
       return LaunchStatus(err, "Flush");
     }
     return LaunchReplayJobs(a.shape, a.spec_query_len, a.num_layers, a.layers, a.device_layers,
-                            a.jobs, a.status, s, "Flush");
+                            a.jobs, a.status, s, "Flush", /*usually_empty=*/false);
   }
 
   // The replay of a list the call's first kernel wrote (DEFERRED): every
@@ -1191,8 +1197,9 @@ class CudaKernels final : public KdaKernels {
   absl::Status LaunchReplayJobs(const KdaShape& shape, int q, int num_layers,
                                 const CommitLayer* layers, const CommitLayer* device_layers,
                                 const ReplayJobs& jobs, const DeviceStatus* status,
-                                cudaStream_t s, const char* op) const {
+                                cudaStream_t s, const char* op, bool usually_empty) const {
     RecurrentLaunch p{};
+    p.small_grid = usually_empty;
     p.num_rows = jobs.capacity;
     SetHeads(shape, &p);
     p.num_layers = 1;

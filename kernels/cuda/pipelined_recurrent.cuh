@@ -247,7 +247,8 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
   // Launched as a dependent of the call's check kernel: everything it
   // writes (the status, Verify's first snapshot, the commit plan) is read
   // only after the wait. Verify's later calls load their first item first.
-  if (!(M == Mode::kVerify && p.early_loads)) WaitForPrerequisiteGrid();
+  constexpr bool kMayLoadEarly = M == Mode::kVerify || M == Mode::kReplayVerify;
+  if (!(kMayLoadEarly && p.early_loads)) WaitForPrerequisiteGrid();
   // A replay list's length is known on the device only (written by the
   // call's first kernel, which also failed the call or not).
   if (M == Mode::kReplay && p.jobs != nullptr) {
@@ -395,10 +396,10 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
   PipelinedItem cur = ItemOf<M, kChunks>(p, first);
   int fetched_key = -1;  // the head whose inputs were copied last, into fetched_buf
   int fetched_buf = 1;
-  const auto fetch = [&](PipelinedItem& it, int stage_index) {
+  const auto fetch = [&](PipelinedItem& it, int stage_index, bool with_state = true) {
     if (!it.active()) return;
     const LayerView view = fetch_view(it);
-    fetch_state(it, view, stage(stage_index));
+    if (with_state) fetch_state(it, view, stage(stage_index));
     if (it.head != fetched_key) {
       // The other buffer: its head's last reader passed the barrier of the
       // prepared head's set-up (see below) before this is issued.
@@ -428,16 +429,32 @@ __global__ void __launch_bounds__(PipelinedTraits<K, Layout>::kThreads, (Pipelin
   // call loads nothing. Early loads (Verify against the step's snapshot,
   // before the check kernel is done) stay inside the call's tensors whatever
   // the indices say: bounded here, decided by the check after the wait.
-  const bool early = M == Mode::kVerify && p.early_loads;
+  const bool early = kMayLoadEarly && p.early_loads;
   if (!early && p.status->failed) return;
-  if (!early || (cur.tokens <= p.window && cur.bos >= 0 && cur.bos + cur.tokens <= p.num_tokens &&
-                 cur.source < p.num_blocks)) {
+  if (M == Mode::kReplayVerify && early) {
+    // Only the checkpoint goes early: which tokens a row replays (and so
+    // which inputs it needs) is known once the checks have taken them.
+    const bool state_early = internal::IsBlock(cur.source) && cur.source < p.num_blocks;
+    if (state_early) fetch_state(cur, p.layer, stage(0));
+    CpAsyncCommit();
+    WaitForPrerequisiteGrid();
+    if (p.status->failed) {
+      CpAsyncWait<0>();
+      return;
+    }
+    const int32_t early_source = state_early ? cur.source : kNullBlock;
+    cur = ItemOf<M, kChunks>(p, first);  // with its replay plan
+    if (cur.active()) fetch(cur, 0, /*with_state=*/cur.source != early_source);
+    CpAsyncCommit();
+  } else if (!early || (cur.tokens <= p.window && cur.bos >= 0 &&
+                        cur.bos + cur.tokens <= p.num_tokens && cur.source < p.num_blocks)) {
     fetch(cur, 0);
+    CpAsyncCommit();
   } else {
     cur.tokens = 0;  // reloaded below, after the wait
+    CpAsyncCommit();
   }
-  CpAsyncCommit();
-  if (early) {
+  if (M == Mode::kVerify && early) {
     WaitForPrerequisiteGrid();
     if (p.status->failed) {
       CpAsyncWait<0>();
@@ -704,7 +721,8 @@ cudaError_t LaunchPipelined(const RecurrentLaunch& p, int num_layers, cudaStream
     blocks_at_once = per_sm * sms;
     resident[device][p.max_tokens].store(blocks_at_once, std::memory_order_relaxed);
   }
-  const int64_t blocks = items < blocks_at_once ? items : blocks_at_once;
+  const int cap = p.small_grid ? blocks_at_once / PipelinedMinBlocks<K, Layout>() : blocks_at_once;
+  const int64_t blocks = items < cap ? items : cap;
   err = LaunchDependent(kernel, static_cast<unsigned>(blocks), PipelinedTraits<K, Layout>::kThreads, smem,
                         stream, p, static_cast<int>(items));
   return err != cudaSuccess ? err : cudaGetLastError();

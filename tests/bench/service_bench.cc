@@ -534,9 +534,10 @@ int Main() {
     CHECK_CUDA(cudaGetDeviceProperties(&prop, layout.device()));
     device = prop.name;
   }
-  std::printf("## service_bench on %s, %s, %d layers of %d x %d, Q=%d\n\n", device.c_str(),
-              c->address().c_str(), layout.num_layers(), layout.num_heads(), layout.head_dim(),
-              layout.num_spec() + 1);
+  std::printf("## service_bench on %s, %s, %d layers of %d x %d, Q=%d, commit mode %s\n\n",
+              device.c_str(), c->address().c_str(), layout.num_layers(), layout.num_heads(),
+              layout.head_dim(), layout.num_spec() + 1,
+              v1::CommitMode_Name(layout.commit_mode()).c_str());
 
   // Parameters so Verify may run.
   for (int l = 0; l < layout.num_layers(); ++l) {

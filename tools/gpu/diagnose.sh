@@ -25,6 +25,9 @@
 #          specstated: the spread of the ASYNC Verify's distance to the echo.
 #   handoff: handoff_bench (what a doorbell handoff between two streams costs)
 #          in one process and in two, without and with MPS.
+#   modes: under MPS, service_bench against a specstated in each commit mode
+#          (EAGER, then DEFERRED; the Kimi-Linear layout): service_bench_eager.md
+#          and service_bench_deferred.md (its in-process loop is EAGER's kernels).
 # SERVER_FLAGS adds flags to every specstated started here.
 # Everything lands in OUTDIR/diagnose.log and OUTDIR/logs.tgz.
 set -uo pipefail
@@ -118,6 +121,18 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
     fi
     if [ $mps = on ]; then mps_stop; fi
   done
+fi
+if [ "$what" = all ] || [ "$what" = modes ]; then
+  mps_start
+  for mode in eager deferred; do
+    SERVER_TRACE=0 serve "modes_$mode" $big --commit_mode=$mode || continue
+    say "service_bench, commit mode $mode, MPS on: start"
+    timeout -k 2 150 "$bin/service_bench" --server="unix://$sock" --iters=200 --steps=20 \
+      > "$out/service_bench_$mode.md" 2> "$logs/modes_$mode.err"
+    say "service_bench, commit mode $mode: exit $?"
+    stop
+  done
+  mps_stop
 fi
 if [ "$what" = timeline ]; then
   mps_start
