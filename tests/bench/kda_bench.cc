@@ -40,6 +40,9 @@ ABSL_FLAG(bool, before, true,
           "also time the kernel before the pipelined one (layout variant 1), side by side");
 ABSL_FLAG(bool, cold, true,
           "also time with a cold L2 (a buffer larger than L2 written before every run)");
+ABSL_FLAG(bool, eager, true,
+          "time EAGER's verify and commit (with --eager=false only the stock kernel and DEFERRED's "
+          "rows run: what profile_kernels.sh profiles)");
 
 namespace specstate {
 namespace {
@@ -640,10 +643,13 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
     const double stock_us = stock_row.t.best();
     stock_row.stock_us = stock_us;
     rows.push_back(stock_row);
-    rows.push_back(Measure("verify, 1 layer", N, VerifyBytes(b), iters, stream, s.gdn(),
-                           [&](const KdaKernels& k) { CheckOk(k.Verify(verify, stream), "Verify"); }));
-    rows.back().stock_us = stock_us;
-    CheckDevice(b, "Verify");
+    const bool eager = absl::GetFlag(FLAGS_eager);
+    if (eager) {
+      rows.push_back(Measure("verify, 1 layer", N, VerifyBytes(b), iters, stream, s.gdn(),
+                             [&](const KdaKernels& k) { CheckOk(k.Verify(verify, stream), "Verify"); }));
+      rows.back().stock_us = stock_us;
+      CheckDevice(b, "Verify");
+    }
     // Every layer's records hold the step (verify writes them).
     const KdaKernels& k = *kernels::CudaKdaKernels().value();
     for (int l = 0; l < s.L; ++l) {
@@ -653,13 +659,16 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
       v.records = b.layers[l].records;
       CheckOk(k.Verify(v, stream), "Verify");
     }
-    rows.push_back(Measure(absl::StrFormat("commit, %d layers", s.L), N, CommitBytes(b, false),
-                           iters, stream, s.gdn(),
-                           [&](const KdaKernels& k) { CheckOk(k.Commit(commit, stream), "Commit"); }));
-    rows.back().per_layer_of = s.L;
-    rows.back().stock_us = stock_us;
-    CheckDevice(b, "Commit");
-    if (N == ns.back()) {
+    if (eager) {
+      rows.push_back(Measure(absl::StrFormat("commit, %d layers", s.L), N, CommitBytes(b, false),
+                             iters, stream, s.gdn(), [&](const KdaKernels& k) {
+                               CheckOk(k.Commit(commit, stream), "Commit");
+                             }));
+      rows.back().per_layer_of = s.L;
+      rows.back().stock_us = stock_us;
+      CheckDevice(b, "Commit");
+    }
+    if (eager && N == ns.back()) {
       rows.push_back(Measure(absl::StrFormat("commit, %d layers, align mode", s.L), N,
                              CommitBytes(b, true), iters, stream, s.gdn(), [&](const KdaKernels& k) {
                                CheckOk(k.Commit(commit_align, stream), "Commit (align)");

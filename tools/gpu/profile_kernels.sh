@@ -4,7 +4,10 @@
 #   tools/gpu/profile_kernels.sh BUNDLE OUTDIR [KERNEL_REGEX=Pipelined]
 # Writes OUTDIR/ncu_verify.txt (Kimi-Linear verify, N=256: speed of light,
 # occupancy, stall reasons, instruction mix, pipe use), OUTDIR/ncu_commit.txt
-# (the replay of a 20-layer commit, N=256) and, where cuobjdump exists, the
+# (the replay of a 20-layer commit, N=256), OUTDIR/ncu_deferred_verify.txt
+# (commit mode DEFERRED's fused verify, N=256: the same sections),
+# OUTDIR/ncu_deferred_n1.txt (every kernel of DEFERRED's N=1 verify and
+# 20-layer commit with its duration) and, where cuobjdump exists, the
 # SASS instruction counts of the verify kernel (OUTDIR/sass_verify.txt), and
 # the executed count of each of its instructions (OUTDIR/verify_source.csv).
 # Clocks are left as they run (--clock-control none), so durations compare
@@ -40,6 +43,18 @@ rm -f "$out/verify_source.ncu-rep"
 timeout 200 "$ncu" --clock-control none --kernel-name-base mangled --kernel-name "regex:${regex}.*ModeE2" --launch-skip 2 \
   --launch-count 1 $sections --print-details all "${bench[@]}" > "$out/ncu_commit.txt" 2>&1
 echo "ncu commit: exit $?"
+# DEFERRED (kda_bench --eager=false): the fused verify (mode 3,
+# kReplayVerify), after its warm-up runs.
+deferred=("$bundle/bin/kda_bench" --shapes=kimi_linear --iters=3 --sweep=false --before=false
+  --cold=false --eager=false)
+# shellcheck disable=SC2086
+timeout 200 "$ncu" --clock-control none --kernel-name-base mangled --kernel-name "regex:${regex}.*ModeE3" --launch-skip 4 \
+  --launch-count 1 $sections --print-details all "${deferred[@]}" --ns=256 > "$out/ncu_deferred_verify.txt" 2>&1
+echo "ncu DEFERRED verify: exit $?"
+# N=1: every kernel's duration (check, fused verify; plan, conv, replay list).
+timeout 200 "$ncu" --clock-control none --metrics gpu__time_duration.sum,launch__grid_size,launch__registers_per_thread \
+  "${deferred[@]}" --ns=1 > "$out/ncu_deferred_n1.txt" 2>&1
+echo "ncu DEFERRED N=1: exit $?"
 cuobjdump=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
 if [ -x "$cuobjdump" ]; then
   # The production verify kernel (bf16 activations, fp32 state, K = 128):
