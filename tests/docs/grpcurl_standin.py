@@ -14,7 +14,8 @@ objects), and replies print as they arrive, so a bidirectional stream stays
 open while its input does. Errors print like grpcurl's ("ERROR:", then the
 code and message) and exit with status 1. What it does not copy: grpcurl's
 exit codes, its `describe` layout (this one prints each element with its
-leading comment in .proto syntax) and flags the docs do not use.
+leading comment in .proto syntax, and a field's trailing comment on its
+line) and flags the docs do not use.
 
 The reflection messages' own classes come from the descriptor set named by
 $SPECSTATE_DESCRIPTOR_SET (//proto:served_descriptor_set.binpb), as grpcurl
@@ -107,6 +108,11 @@ def _comments(file: descriptor_pb2.FileDescriptorProto) -> Dict[Tuple[int, ...],
             for loc in file.source_code_info.location if loc.leading_comments}
 
 
+def _trailing_comments(file: descriptor_pb2.FileDescriptorProto) -> Dict[Tuple[int, ...], str]:
+    return {tuple(loc.path): loc.trailing_comments
+            for loc in file.source_code_info.location if loc.trailing_comments.strip()}
+
+
 def _print_comment(text: str, indent: str, out: List[str]) -> None:
     for line in text.rstrip("\n").split("\n"):
         out.append(f"{indent}//{line}")
@@ -123,14 +129,18 @@ def _field_line(field: descriptor_pb2.FieldDescriptorProto) -> str:
 
 
 def _describe_message(msg: descriptor_pb2.DescriptorProto, path: Tuple[int, ...],
-                      comments: Dict[Tuple[int, ...], str], indent: str, out: List[str]) -> None:
+                      comments: Dict[Tuple[int, ...], str], trailing: Dict[Tuple[int, ...], str],
+                      indent: str, out: List[str]) -> None:
     if path in comments:
         _print_comment(comments[path], indent, out)
     out.append(f"{indent}message {msg.name} {{")
     for i, field in enumerate(msg.field):
         if path + (2, i) in comments:
             _print_comment(comments[path + (2, i)], indent + "  ", out)
-        out.append(f"{indent}  {_field_line(field)}")
+        line = f"{indent}  {_field_line(field)}"
+        if path + (2, i) in trailing:  # on the field's line, as the .proto has it
+            line += " //" + " ".join(trailing[path + (2, i)].split("\n")).rstrip()
+        out.append(line)
     out.append(f"{indent}}}")
 
 
@@ -164,7 +174,7 @@ def describe(reflection: Reflection, symbol: str) -> str:
     comments = _comments(file)
     out = [f"{symbol} is a {kind}:"]
     if kind == "message":
-        _describe_message(element, path, comments, "", out)
+        _describe_message(element, path, comments, _trailing_comments(file), "", out)
     else:
         if path in comments:
             _print_comment(comments[path], "", out)
