@@ -13,7 +13,13 @@ and only these:
 - `grpcurl`, which Debian 12 does not package, is tests/docs/grpcurl_standin.py:
   it learns the methods through the server's reflection, as grpcurl does, and
   parses each JSON body into the method's request message with protobuf's
-  json_format (the same proto3 JSON mapping).
+  json_format (the same proto3 JSON mapping). Where the real grpcurl is
+  installed, `GRPCURL=/abs/path/to/grpcurl` runs the examples with it instead:
+      GRPCURL=/abs/path/to/grpcurl bazel test //tests/docs:protocol_examples_test
+  (the target inherits GRPCURL from bazel's environment: env_inherit in
+  tests/docs/BUILD; --test_env=GRPCURL=... works too). A GRPCURL that is not
+  an executable file's absolute path fails the test rather than fall back to
+  the stand-in; unset or empty, the stand-in plays grpcurl.
 
 A block whose first line is "# CUDA backend only." does not run (no GPU
 here); its grpcurl bodies are parsed into their methods' request messages
@@ -21,9 +27,20 @@ instead, with placeholder values for the shell variables, so that their
 field names and types are still checked.
 
 Then: every reply the page shows as a `# -> {...}` comment that is JSON
-equals one that its block printed, `describe` printed num_rows' comment from
-specstate.proto, `list` named the services, and the align block's `od`
-printed the RecordStateBlocks outputs it promises.
+equals one that its block printed, and every line it shows as a `#   ...`
+comment is a line its block printed (the Sessions block's second
+open_session: one session left, s2 driving, so the first one ended);
+`describe` printed every field of VerifyRequest with a comment (num_rows'
+from specstate.proto among them), `list` named the services, and the align
+block's `od` printed the RecordStateBlocks outputs it promises.
+
+Issue 25 added three checks of the page's shell: open_session ends the
+session it opened before (the Sessions block opens a second one on the same
+server, which drives only if the first has ended: with fd 3 inherited by the
+new grpcurl it would get FAILED_PRECONDITION), every job put in the
+background while a session is open starts with `3>&-` (else it keeps that
+session's input open), and the clean-up at the end exits 0 and prints
+nothing when a session's grpcurl has exited, or exits as it runs.
 """
 from __future__ import annotations
 
@@ -85,6 +102,31 @@ def _documented_replies(block: str) -> List[Any]:
     return replies
 
 
+def _documented_lines(block: str) -> List[str]:
+    """The `#   ...` comments of a block: lines it prints, shown verbatim."""
+    return [m.group(1).strip() for m in re.finditer(r"^#   (\S.*)$", block, flags=re.M)]
+
+
+def _code(line: str) -> str:
+    """`line` without its comment (from a # that starts a word outside quotes)."""
+    quote = ""
+    for n, c in enumerate(line):
+        if quote:
+            quote = "" if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (n == 0 or line[n - 1].isspace()):
+            return line[:n].rstrip()
+    return line.rstrip()
+
+
+def _clean_up(block: str) -> str:
+    """The page's clean-up: the last block's lines from its last `exec 3>&-`."""
+    lines = block.rstrip("\n").split("\n")
+    start = max(i for i, line in enumerate(lines) if line.startswith("exec 3>&-"))
+    return "\n".join(lines[start:])
+
+
 def _printed_objects(output: str) -> List[Any]:
     """The JSON objects in `output` (the stand-in prints each reply indented)."""
     decoder = json.JSONDecoder()
@@ -126,10 +168,17 @@ class ProtocolExamplesTest(unittest.TestCase):
     def _environment(self) -> Dict[str, str]:
         bin_dir = os.path.join(self.dir, "bin")
         os.makedirs(bin_dir, exist_ok=True)
-        standin = os.path.join(bin_dir, "grpcurl")
-        with open(standin, "w") as f:
-            f.write(f'#!/bin/sh\nexec /usr/bin/python3 {_runfile("tests/docs/grpcurl_standin.py")} "$@"\n')
-        os.chmod(standin, 0o755)
+        grpcurl = os.path.join(bin_dir, "grpcurl")
+        real = os.environ.get("GRPCURL", "")
+        if real:  # the real grpcurl, where one is installed
+            self.assertTrue(os.path.isabs(real) and os.path.isfile(real)
+                            and os.access(real, os.X_OK),
+                            f"GRPCURL={real!r} is not an executable file's absolute path")
+            os.symlink(real, grpcurl)
+        else:
+            with open(grpcurl, "w") as f:
+                f.write(f'#!/bin/sh\nexec /usr/bin/python3 {_runfile("tests/docs/grpcurl_standin.py")} "$@"\n')
+            os.chmod(grpcurl, 0o755)
         env = dict(os.environ)
         env["PATH"] = f"{bin_dir}:{env.get('PATH', '/usr/bin:/bin')}"
         env["SPECSTATE_DESCRIPTOR_SET"] = _runfile("proto/served_descriptor_set.binpb")
@@ -147,6 +196,68 @@ class ProtocolExamplesTest(unittest.TestCase):
         for b in self.blocks:  # no "..." left to fill in, comments aside
             code = re.sub(r"(^|\s)#.*$", "", b, flags=re.M)
             self.assertNotIn("...", code, f"a placeholder in:\n{b}")
+
+    def test_background_jobs_close_the_session_input(self) -> None:
+        # A job put in the background while a session is open (after an
+        # open_session call, before `exec 3>&-`) inherits fd 3 and holds that
+        # session's input open: its stream would not close, and the next
+        # open_session would wait for the job. Each must start with 3>&-.
+        session_open = False
+        in_function = False
+        background = 0
+        for block in self.blocks:
+            for line in _logical_lines(block):
+                code = _code(line)
+                if code.startswith("open_session() {"):
+                    in_function = True
+                elif in_function:
+                    in_function = code != "}"  # the session's own grpcurl runs in there
+                elif code.startswith("open_session"):
+                    session_open = True
+                elif code.startswith("exec 3>&-"):
+                    session_open = False
+                elif re.search(r"(^|[^&])&$", code):
+                    background += 1
+                    if session_open:
+                        self.assertIn("3>&-", code, "a job started in the background while a "
+                                      f"session is open holds its input open:\n{line}")
+        self.assertGreaterEqual(background, 4)  # the servers and the CUDA block's buffer
+
+    def _run_clean_up(self, setup: str) -> Tuple[int, str, str]:
+        """Runs `setup`, then the page's clean-up, in bash with set -e."""
+        clean_up = _clean_up([b for b in self.blocks if not b.startswith(_CUDA_MARK)][-1])
+        script = "\n".join(["set -e", setup, clean_up, "echo '@@@ cleaned'",
+                            'for pid in $SERVERS; do wait "$pid" || echo "@@@ $pid: $?"; done'])
+        result = subprocess.run(["/bin/bash", "-c", script], cwd=self.dir, timeout=60,
+                                stdin=subprocess.DEVNULL, capture_output=True,
+                                start_new_session=True)
+        return result.returncode, result.stdout.decode(), result.stderr.decode()
+
+    def test_clean_up_when_a_session_has_ended(self) -> None:
+        # Issue 25: `kill $(jobs -p)` after `exec 3>&-` listed the session's
+        # grpcurl, which exits as its input closes: "No such process", and a
+        # non-zero status when no other job was left. Here `cat` plays the
+        # session's grpcurl (it exits when fd 3 closes) and `sleep` a server.
+        fifo = os.path.join(self.dir, "session.in")
+        session = f'rm -f {fifo}; mkfifo {fifo}; cat <{fifo} >/dev/null & exec 3>{fifo}'
+        servers = "sleep 120 & SERVERS=$!; sleep 120 & SERVERS=\"$SERVERS $!\""
+        cases = {
+            # as at the end of the page: servers run, the grpcurl exits now
+            "the session's grpcurl exits as the clean-up runs": f"{servers}; {session}",
+            # it exited before: only the servers are left
+            "the session's grpcurl has exited": f"{session}; exec 3>&-; wait $!; {servers}",
+            # the servers too had stopped (or were never started)
+            "only the exiting grpcurl is left": f"SERVERS=; {session}",
+            "nothing is left": f"SERVERS=; {session}; exec 3>&-; wait $!",
+        }
+        for name, setup in cases.items():
+            with self.subTest(name):
+                rc, out, err = self._run_clean_up(setup)
+                self.assertEqual((rc, err), (0, ""), f"{name}: the clean-up failed:\n{out}{err}")
+                self.assertIn("@@@ cleaned", out)
+                servers = 2 if "sleep 120" in setup else 0
+                # each server stopped by the clean-up's SIGTERM: wait gives 128 + 15
+                self.assertEqual(len(re.findall(r"^@@@ \d+: 143$", out, flags=re.M)), servers, out)
 
     def test_examples_run_as_written(self) -> None:
         script = ["set -e"]
@@ -190,11 +301,20 @@ class ProtocolExamplesTest(unittest.TestCase):
         self.assertIn("@@@ done", text)
 
         outputs = dict(re.findall(r"^@@@ block (\d+)\n(.*?)(?=^@@@ )", text, flags=re.S | re.M))
+        lines_checked = 0
         for i, block in runnable:
             printed = _printed_objects(outputs[str(i)])
             for reply in _documented_replies(block):
                 self.assertIn(reply, printed, f"block {i} documents a reply it did not print:\n"
                               f"{block}\nIt printed:\n{outputs[str(i)][-4000:]}")
+            printed_lines = [line.strip() for line in outputs[str(i)].split("\n")]
+            for line in _documented_lines(block):
+                self.assertIn(line, printed_lines, f"block {i} documents a line it did not "
+                              f"print:\n{block}\nIt printed:\n{outputs[str(i)][-4000:]}")
+                lines_checked += 1
+        # The Sessions block's second open_session: the first session ended.
+        self.assertGreaterEqual(lines_checked, 2)
+        self.assertIn('"driver": "session s2 (client \\"me\\")",', text)
         first = outputs[str(runnable[0][0])]
         for service in ("specstate.v1.SpecState", "grpc.health.v1.Health",
                         "grpc.reflection.v1.ServerReflection",
@@ -202,7 +322,25 @@ class ProtocolExamplesTest(unittest.TestCase):
             self.assertIn(f"\n{service}\n", first)
         self.assertIn("specstate.v1.VerifyRequest is a message:", first)
         self.assertIn("// N rows; row n verifies tokens", first)
+        self._assert_every_field_has_a_comment(first)
         self.assertRegex(text, r"\n\s+3\s+1\s+1\s+1\n")  # the align block's od
+
+    def _assert_every_field_has_a_comment(self, output: str) -> None:
+        """`describe specstate.v1.VerifyRequest` showed a comment for each field:
+        a // line above it (blank lines aside), or one on its line."""
+        described = output[output.index("specstate.v1.VerifyRequest is a message:"):]
+        lines = described[:described.index("\n}")].split("\n")
+        fields, bare = 0, []
+        for n, line in enumerate(lines):
+            if not re.match(r"^\s+(optional |repeated )?[\w.]+ \w+ = \d+;", line):
+                continue
+            fields += 1
+            above = [x.strip() for x in lines[:n] if x.strip()]
+            if "//" not in line and not (above and above[-1].startswith("//")):
+                bare.append(line.strip())
+        self.assertEqual(fields, len(pb.VerifyRequest.DESCRIPTOR.fields), described)
+        self.assertEqual(bare, [], "describe shows these fields of VerifyRequest without a "
+                         "comment:\n" + "\n".join(bare))
 
     def test_cuda_example_bodies_parse(self) -> None:
         cuda = [b for b in self.blocks if b.startswith(_CUDA_MARK)]
