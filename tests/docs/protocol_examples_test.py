@@ -107,17 +107,41 @@ def _documented_lines(block: str) -> List[str]:
     return [m.group(1).strip() for m in re.finditer(r"^#   (\S.*)$", block, flags=re.M)]
 
 
-def _code(line: str) -> str:
-    """`line` without its comment (from a # that starts a word outside quotes)."""
+def _commands(block: str) -> List[str]:
+    """The block's commands, one per line as bash reads them: comments (a #
+    that starts a word outside quotes) dropped, lines joined across backslash
+    continuations and quotes that span lines."""
+    out: List[str] = []
+    current: List[str] = []
     quote = ""
-    for n, c in enumerate(line):
+    i = 0
+    while i < len(block):
+        c = block[i]
         if quote:
-            quote = "" if c == quote else quote
+            current.append(c)
+            if quote == '"' and c == "\\" and i + 1 < len(block):
+                current.append(block[i + 1])
+                i += 1
+            elif c == quote:
+                quote = ""
         elif c in "'\"":
             quote = c
-        elif c == "#" and (n == 0 or line[n - 1].isspace()):
-            return line[:n].rstrip()
-    return line.rstrip()
+            current.append(c)
+        elif c == "#" and (i == 0 or block[i - 1].isspace()):
+            while i < len(block) and block[i] != "\n":
+                i += 1
+            continue
+        elif c == "\\" and block[i + 1:i + 2] == "\n":
+            current.append(" ")
+            i += 1
+        elif c == "\n":
+            out.append("".join(current).strip())
+            current = []
+        else:
+            current.append(c)
+        i += 1
+    out.append("".join(current).strip())
+    return [command for command in out if command]
 
 
 def _clean_up(block: str) -> str:
@@ -204,24 +228,25 @@ class ProtocolExamplesTest(unittest.TestCase):
         # open_session would wait for the job. Each must start with 3>&-.
         session_open = False
         in_function = False
-        background = 0
+        background = opened = 0
         for block in self.blocks:
-            for line in _logical_lines(block):
-                code = _code(line)
-                if code.startswith("open_session() {"):
+            for command in _commands(block):
+                if command.startswith("open_session() {"):
                     in_function = True
                 elif in_function:
-                    in_function = code != "}"  # the session's own grpcurl runs in there
-                elif code.startswith("open_session"):
+                    in_function = command != "}"  # the session's own grpcurl runs in there
+                elif command == "open_session":
                     session_open = True
-                elif code.startswith("exec 3>&-"):
+                    opened += 1
+                elif command.startswith("exec 3>&-"):
                     session_open = False
-                elif re.search(r"(^|[^&])&$", code):
+                elif re.search(r"(^|[^&])&$", command):
                     background += 1
                     if session_open:
-                        self.assertIn("3>&-", code, "a job started in the background while a "
-                                      f"session is open holds its input open:\n{line}")
-        self.assertGreaterEqual(background, 4)  # the servers and the CUDA block's buffer
+                        self.assertIn("3>&-", command, "a job started in the background while "
+                                      f"a session is open holds its input open:\n{command}")
+        # The three servers and the CUDA block's buffer; every open_session call.
+        self.assertEqual((background, opened), (4, 4))
 
     def _run_clean_up(self, setup: str) -> Tuple[int, str, str]:
         """Runs `setup`, then the page's clean-up, in bash with set -e."""
