@@ -17,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "kernels/kda_kernels.h"
 #include "kernels/numeric.h"
+#include "server/fnv1a.h"
 
 namespace specstate {
 namespace client {
@@ -201,6 +202,10 @@ class Simulator {
                                              report_.mismatches});
       }
     }
+    if (deferred_) {  // what is still pending, materialized and checked
+      st = FlushAndCheck({}, options_.steps, "the final Flush");
+      if (!st.ok()) return st;
+    }
     report_.latency = latencies_.Summaries();
     st = session_->Close();
     if (!st.ok()) return st;
@@ -235,6 +240,7 @@ class Simulator {
       work_done_ = *std::move(e);
     }
     requests_.resize(R_);
+    pending_.resize(R_);
     return absl::OkStatus();
   }
 
@@ -253,6 +259,15 @@ class Simulator {
     hl_ = layout_.conv_kernel() - 1;
     B_ = layout_.num_blocks();
     align_ = layout_.cache_mode() == v1::ALIGN;
+    deferred_ = layout_.commit_mode() == v1::DEFERRED;
+    report_.deferred = deferred_;
+    const std::string mode = deferred_ ? "deferred" : "eager";
+    if (!options_.commit_mode.empty() && options_.commit_mode != mode) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the service runs commit mode ", v1::CommitMode_Name(layout_.commit_mode()),
+          ", not ", options_.commit_mode, " (specstated --commit_mode=", options_.commit_mode, ")"));
+    }
+    deferred_rng_.seed(options_.seed ^ 0x5eed);
     bs_ = layout_.mamba_block_size();
     R_ = options_.requests;
     act_ = layout_.activation_dtype() == v1::FP32   ? DType::kFloat32
@@ -671,13 +686,27 @@ class Simulator {
     return absl::OkStatus();
   }
 
-  void FinishRequest(int slot) {
+  absl::Status FinishRequest(int slot) {
     Request& r = requests_[slot];
+    if (deferred_ && pending_[slot].block > 0) {
+      // Its blocks go back to the pool: their pending tokens must not land
+      // on the next request's state.
+      v1::FlushRequest discard;
+      discard.mutable_blocks()->mutable_values()->add_values(pending_[slot].block);
+      discard.set_discard(true);
+      const auto t0 = Clock::now();
+      absl::StatusOr<v1::FlushResponse> flushed = session_->Flush(discard);
+      latencies_.Add("Flush (discard)", Clock::now() - t0);
+      if (!flushed.ok()) return flushed.status();
+      pending_[slot] = Pending();
+      ++report_.discarded;
+    }
     for (int32_t b : r.table) {
       if (b > 0) free_blocks_.push_back(b);
     }
     r = Request();
     ++report_.requests_finished;
+    return absl::OkStatus();
   }
 
   // ---- one step ----
@@ -741,9 +770,12 @@ class Simulator {
     if (s == options_.crash_after_verify_step) Crash();
     st = CompareOutputs(p);
     if (st.ok() && tp_ > 1) st = CompareOutputsWithTp1(p);
+    if (st.ok() && deferred_) st = CheckMaterializedByVerify(p);
+    if (st.ok() && deferred_) st = SnapshotCheckpoints(p);
     if (st.ok()) st = CommitStep(p);
     if (st.ok() && align_) st = RecordStateBlocks(p);
     if (st.ok()) st = CompareCommitted(p);
+    if (st.ok() && deferred_) st = MaterializeSome(p.step);
     if (st.ok() && s == options_.corrupt_after_step) {
       st = CorruptARunningState(/*flip=*/rank_ == options_.corrupt_rank);
     }
@@ -756,7 +788,10 @@ class Simulator {
     std::bernoulli_distribution finish(options_.finish_probability);
     for (int i = 0; i < R_; ++i) {
       Request& r = requests_[i];
-      if (r.live && !r.pinned && s > 0 && finish(rng_)) FinishRequest(i);
+      if (r.live && !r.pinned && s > 0 && finish(rng_)) {
+        absl::Status st = FinishRequest(i);
+        if (!st.ok()) return st;
+      }
       if (!r.live && (s == 0 || finish(rng_) || i > 0)) {
         absl::Status st = StartRequest(i);
         if (!st.ok()) return st;
@@ -1184,11 +1219,43 @@ class Simulator {
       }
     }
     const int s = p.step;
+    // DEFERRED: the row's tokens are pending on its checkpoint block, which
+    // still holds the checkpoint; the stock state it must become is kept.
+    const bool pending = deferred_ && acc > 0 && final_block == p.checkpoint[i] &&
+                         boundary_block <= 0;
+    if (pending) {
+      Pending& pend = pending_[i];
+      pend = Pending();
+      pend.block = final_block;
+      pend.step = s;
+      pend.state.resize(L_);
+      pend.tp1_state.resize(L_);
+      pend.materialized.assign(L_, false);
+      ++report_.pending_checked;
+    }
     for (int l = 0; l < L_; ++l) {
       const std::vector<char>& updated = p.updated[i][l];
-      absl::Status st = CompareState(s, l, i, final_block, acc - 1, "committed state");
-      if (st.ok() && tp_ > 1) {
-        st = CompareStateWithTp1(s, l, i, final_block, acc - 1, "committed state");
+      absl::Status st;
+      if (pending) {
+        Pending& pend = pending_[i];
+        st = CompareBytes(s, l, i, final_block, checkpoints_[i][l],
+                          "pending block (its checkpoint, after Commit)", "the checkpoint");
+        pend.state[l].resize(state_block_bytes_);
+        if (st.ok()) {
+          st = memory_->CopyOut(pend.state[l].data(), StockBlock(l, i, acc - 1),
+                                state_block_bytes_);
+        }
+        if (st.ok() && tp_ > 1) {
+          pend.tp1_state[l].resize(state_block_bytes_);
+          st = memory_->CopyOut(pend.tp1_state[l].data(),
+                                FullStockBlock(l, i, acc - 1) + rank_ * state_block_bytes_,
+                                state_block_bytes_);
+        }
+      } else {
+        st = CompareState(s, l, i, final_block, acc - 1, "committed state");
+        if (st.ok() && tp_ > 1) {
+          st = CompareStateWithTp1(s, l, i, final_block, acc - 1, "committed state");
+        }
       }
       if (!st.ok()) return st;
       std::vector<char> window = WindowEndingAt(updated, p.tokens[i], acc);
@@ -1210,6 +1277,148 @@ class Simulator {
     }
     r.acc_prev = acc;
     r.num_computed = fnc;
+    return absl::OkStatus();
+  }
+
+  // ---- commit mode DEFERRED ----
+
+  // The service's block `block` of `layer` against `expected`, bit for bit.
+  absl::Status CompareBytes(int step, int layer, int slot, int32_t block,
+                            const std::vector<char>& expected, absl::string_view what,
+                            absl::string_view against) {
+    std::vector<char> service(state_block_bytes_);
+    absl::Status st = memory_->CopyOut(service.data(), StateBlock(layer, block), service.size());
+    if (!st.ok()) return st;
+    ++report_.comparisons;
+    if (std::memcmp(service.data(), expected.data(), service.size()) == 0) return absl::OkStatus();
+    int64_t e = 0;
+    while (std::memcmp(service.data() + e * ss_, expected.data() + e * ss_, ss_) == 0) ++e;
+    Mismatch(absl::StrFormat(
+        "step %d, layer %d, row %d: the %s in block %d differs from %s at element %d: %.9g vs "
+        "%.9g",
+        step, layer, slot, std::string(what), block, std::string(against), e,
+        ElementAsFloat(service.data() + e * ss_, state_),
+        ElementAsFloat(expected.data() + e * ss_, state_)));
+    return absl::OkStatus();
+  }
+
+  // A pending block, once materialized: every layer not yet checked against
+  // the stock state kept for it (and the TP=1 run's).
+  absl::Status CheckMaterialized(int step, int slot, absl::string_view how) {
+    Pending& pend = pending_[slot];
+    for (int l = 0; l < L_; ++l) {
+      if (pend.materialized[l]) continue;
+      const std::string what = absl::StrCat("state materialized by ", how, " (committed at step ",
+                                            pend.step, ")");
+      absl::Status st = CompareBytes(step, l, slot, pend.block, pend.state[l], what,
+                                     "the stock path's state");
+      if (st.ok() && tp_ > 1) {
+        ++report_.tp1_comparisons;
+        const uint64_t before = report_.mismatches;
+        st = CompareBytes(step, l, slot, pend.block, pend.tp1_state[l], what,
+                          "the TP=1 run's state");
+        report_.tp1_mismatches += report_.mismatches - before;
+      }
+      if (!st.ok()) return st;
+    }
+    pend = Pending();
+    return absl::OkStatus();
+  }
+
+  // After a step's Verify calls: every row's pending block is materialized.
+  absl::Status CheckMaterializedByVerify(const StepPlan& p) {
+    for (int i = 0; i < R_; ++i) {
+      if (!requests_[i].live || pending_[i].block <= 0) continue;
+      if (pending_[i].block != p.checkpoint[i]) continue;  // (align: it moved on)
+      ++report_.materialized_by_verify;
+      absl::Status st = CheckMaterialized(p.step, i, "Verify");
+      if (!st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+
+  // Before Commit: the live rows' checkpoints, which a deferred row's block
+  // must still hold after it.
+  absl::Status SnapshotCheckpoints(const StepPlan& p) {
+    checkpoints_.assign(R_, {});
+    for (int i = 0; i < R_; ++i) {
+      if (!requests_[i].live) continue;
+      checkpoints_[i].resize(L_);
+      for (int l = 0; l < L_; ++l) {
+        checkpoints_[i][l].resize(state_block_bytes_);
+        absl::Status st = memory_->CopyOut(checkpoints_[i][l].data(),
+                                           StateBlock(l, p.checkpoint[i]), state_block_bytes_);
+        if (!st.ok()) return st;
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Flush of `blocks` (empty: every pending block), SYNC, then each flushed
+  // pending block checked.
+  absl::Status FlushAndCheck(const std::vector<int32_t>& blocks, int step,
+                             absl::string_view how) {
+    v1::FlushRequest flush;
+    for (int32_t b : blocks) flush.mutable_blocks()->mutable_values()->add_values(b);
+    const auto t0 = Clock::now();
+    absl::StatusOr<v1::FlushResponse> r = session_->Flush(flush);
+    latencies_.Add("Flush", Clock::now() - t0);
+    if (!r.ok()) return r.status();
+    for (int i = 0; i < R_; ++i) {
+      const int32_t b = pending_[i].block;
+      if (b <= 0) continue;
+      if (!blocks.empty() && std::find(blocks.begin(), blocks.end(), b) == blocks.end()) continue;
+      ++report_.materialized_by_flush;
+      absl::Status st = CheckMaterialized(step, i, how);
+      if (!st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+
+  // Between steps, now and then, as a scheduler would: a Flush of every
+  // pending block, of some of them, or a ReadState of one pending block in
+  // one layer (its checksum, and the block's bytes in that layer).
+  absl::Status MaterializeSome(int step) {
+    std::vector<int> slots;
+    for (int i = 0; i < R_; ++i) {
+      if (pending_[i].block > 0) slots.push_back(i);
+    }
+    if (slots.empty()) return absl::OkStatus();
+    const int what = std::uniform_int_distribution<int>(0, 9)(deferred_rng_);
+    if (what == 0) return FlushAndCheck({}, step, "a Flush of every block");
+    if (what == 1) {
+      std::vector<int32_t> some;
+      for (int i : slots) {
+        if (std::bernoulli_distribution(0.5)(deferred_rng_)) some.push_back(pending_[i].block);
+      }
+      if (some.empty()) some.push_back(pending_[slots[0]].block);
+      some.push_back(some[0]);  // twice: flushed once
+      some.push_back(0);        // null: skipped
+      return FlushAndCheck(some, step, "a Flush of its block");
+    }
+    if (what == 2) {
+      const int slot = slots[std::uniform_int_distribution<size_t>(0, slots.size() - 1)(
+          deferred_rng_)];
+      const int l = std::uniform_int_distribution<int>(0, L_ - 1)(deferred_rng_);
+      Pending& pend = pending_[slot];
+      const auto t0 = Clock::now();
+      absl::StatusOr<v1::ReadStateResponse> r = client_.ReadState(l, pend.block, false);
+      latencies_.Add("ReadState", Clock::now() - t0);
+      if (!r.ok()) return r.status();
+      ++report_.comparisons;
+      ++report_.materialized_by_read;
+      if (r->recurrent().checksum() !=
+          server::Fnv1a(absl::string_view(pend.state[l].data(), pend.state[l].size()))) {
+        Mismatch(absl::StrFormat(
+            "step %d, layer %d, row %d: ReadState's checksum of pending block %d (committed at "
+            "step %d) differs from the stock path's state",
+            step, l, slot, pend.block, pend.step));
+      }
+      absl::Status st = CompareBytes(step, l, slot, pend.block, pend.state[l],
+                                     "state materialized by ReadState", "the stock path's state");
+      if (!st.ok()) return st;
+      pend.materialized[l] = true;
+    }
     return absl::OkStatus();
   }
 
@@ -1377,6 +1586,19 @@ class Simulator {
   v1::Layout layout_;
   int L_ = 0, H_ = 0, K_ = 0, Q_ = 0, D_ = 0, W_ = 0, hl_ = 0, B_ = 0, R_ = 0, bs_ = 0;
   bool align_ = false;
+  bool deferred_ = false;  // the service's commit mode is DEFERRED
+  // DEFERRED: per request slot, its block whose tokens are pending, and per
+  // layer the stock state (this rank's part; under TP also the TP=1 run's)
+  // it must hold once materialized; whether each layer already is (ReadState).
+  struct Pending {
+    int32_t block = 0;  // 0: nothing pending
+    int step = 0;
+    std::vector<std::vector<char>> state, tp1_state;
+    std::vector<bool> materialized;
+  };
+  std::vector<Pending> pending_;
+  std::vector<std::vector<std::vector<char>>> checkpoints_;  // [slot][layer], before Commit
+  std::mt19937_64 deferred_rng_;  // its own draws: EAGER's simulation stays the same
   DType act_ = DType::kBFloat16, state_ = DType::kFloat32;
   int64_t as_ = 2, ss_ = 4, HK_ = 0, state_block_bytes_ = 0;
   // Gated DeltaNet: HV value heads, g a log-decay per value head.
@@ -1568,6 +1790,13 @@ std::string FormatReport(const SimulationReport& r) {
       "memory saved against the stock path: %d bytes of recurrent state\n",
       r.steps, r.backend, r.layers, r.rows, r.null_rows, r.tokens_verified, r.tokens_accepted,
       r.requests_started, r.requests_finished, r.boundary_states, r.state_bytes_saved);
+  if (r.deferred) {
+    out += absl::StrFormat(
+        "commit mode DEFERRED: %d blocks held their checkpoint after Commit; materialized by "
+        "Verify %d, by Flush %d, by ReadState %d (layer, block); %d discarded at a request's end\n",
+        r.pending_checked, r.materialized_by_verify, r.materialized_by_flush,
+        r.materialized_by_read, r.discarded);
+  }
   if (r.tensor_parallel > 1) {
     out += absl::StrFormat("tensor parallelism: TP=%d, one service per rank\n", r.tensor_parallel);
     for (const std::string& rank : r.ranks) out += absl::StrCat("  ", rank, "\n");

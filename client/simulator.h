@@ -14,6 +14,15 @@
 // with the stock state at its column, every conv window the next step reads,
 // and RecordStateBlocks' outputs.
 //
+// Against a service in commit mode DEFERRED (docs/semantics.md, "Commit
+// modes") the committed state of a deferred row is checked where it is
+// materialized: right after Commit its block must still hold its checkpoint
+// bit for bit; then by the next step's Verify (before its Commit), by a Flush
+// of some blocks or of all, or by ReadState (its checksum and the block's
+// bytes), which the simulator mixes in at random, each against the stock
+// state it kept for the block. A finished request's blocks are flushed with
+// `discard` before they are reused, as a scheduler must.
+//
 //   SimulationOptions options;
 //   options.steps = 50;
 //   absl::StatusOr<SimulationReport> report = RunSimulation(*client, options);
@@ -82,6 +91,9 @@ struct SimulationOptions {
   int abandon_commit_at_step = -1;
   // Tensor parallelism: the rank whose service `corrupt_after_step` corrupts.
   int corrupt_rank = 0;
+  // The commit mode the service must run: "" (any), "eager" or "deferred"
+  // (FAILED_PRECONDITION otherwise). The checks follow the service's mode.
+  std::string commit_mode;
   // Called after every step (under tensor parallelism, once every rank has
   // done it, with the ranks' sums).
   std::function<void(const SimulationProgress&)> progress;
@@ -121,6 +133,14 @@ struct SimulationReport {
   std::vector<std::string> ranks;
   uint64_t tp1_comparisons = 0;
   uint64_t tp1_mismatches = 0;
+  // Commit mode DEFERRED: the service's mode, and how the deferred rows'
+  // states were materialized (each then compared with the stock path's).
+  bool deferred = false;
+  uint64_t pending_checked = 0;     // blocks that held their checkpoint after Commit
+  uint64_t materialized_by_verify = 0;
+  uint64_t materialized_by_flush = 0;
+  uint64_t materialized_by_read = 0;  // (layer, block) pairs ReadState materialized
+  uint64_t discarded = 0;             // finished requests' pending blocks flushed with discard
   bool passed() const {
     return mismatches == 0 && comparisons > 0 && (tensor_parallel == 1 || tp1_comparisons > 0);
   }

@@ -58,6 +58,9 @@ ABSL_FLAG(int, abandon_commit_at_step, -1,
           "die by SIGKILL");
 ABSL_FLAG(int, corrupt_after_step, -1,
           "simulate: flip one bit of a committed state after this step (tests the verdict)");
+ABSL_FLAG(std::string, commit_mode, "",
+          "simulate: the commit mode the service must run (eager or deferred; empty: any); "
+          "the checks follow the service's mode");
 ABSL_FLAG(int, corrupt_rank, 0, "simulate with --servers: the rank whose state --corrupt_after_step flips");
 
 namespace specstate {
@@ -233,6 +236,7 @@ int Simulate(const std::vector<Client*>& ranks) {
   options.crash_after_verify_step = absl::GetFlag(FLAGS_crash_after_verify_step);
   options.abandon_commit_at_step = absl::GetFlag(FLAGS_abandon_commit_at_step);
   options.corrupt_rank = absl::GetFlag(FLAGS_corrupt_rank);
+  options.commit_mode = absl::GetFlag(FLAGS_commit_mode);
   const bool tty = isatty(fileno(stderr));
   options.progress = [tty](const SimulationProgress& p) {
     if (tty) {

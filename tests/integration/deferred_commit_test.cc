@@ -5,12 +5,14 @@
 // the driving session ends. Until then a pending block holds its checkpoint.
 // Misuse the service can detect is refused, with the field and the rows.
 #include <cstring>
+#include <random>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/simulator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_process.h"
@@ -189,6 +191,81 @@ TEST_F(DeferredCommitTest, MisuseIsRefusedAndChangesNothing) {
   EXPECT_EQ(deferred_->Pools(), pools);
   // Under EAGER a Flush has nothing to do, and says so by succeeding.
   EXPECT_TRUE(eager_->session().Flush(v1::FlushRequest()).ok());
+}
+
+// The simulator against DEFERRED services: every output, and every state
+// where it is materialized (Verify, Flush, ReadState), bit for bit against
+// its stock path; the blocks a Commit leaves pending hold their checkpoint.
+class DeferredSimulationTest : public ::testing::Test {
+ protected:
+  client::SimulationReport Simulate(std::vector<std::string> flags, client::SimulationOptions o) {
+    flags.push_back("--commit_mode=deferred");
+    flags.push_back("--blocks=200");
+    server_ = ValueOrDie(ServerProcess::Start(flags));
+    client_ = ValueOrDie(Client::Connect(server_->address()));
+    o.commit_mode = "deferred";
+    o.seed = std::random_device()();
+    SCOPED_TRACE(absl::StrCat("seed ", o.seed));
+    return ValueOrDie(client::RunSimulation(*client_, o));
+  }
+  std::unique_ptr<ServerProcess> server_;
+  std::unique_ptr<Client> client_;
+};
+
+void ExpectDeferredPass(const client::SimulationReport& r) {
+  EXPECT_TRUE(r.passed()) << client::FormatReport(r);
+  EXPECT_TRUE(r.deferred);
+  EXPECT_GT(r.pending_checked, 0u) << client::FormatReport(r);
+  EXPECT_GT(r.materialized_by_verify, 0u) << client::FormatReport(r);
+  EXPECT_GT(r.materialized_by_flush, 0u) << client::FormatReport(r);
+}
+
+TEST_F(DeferredSimulationTest, NoneModeSyncAndAsync) {
+  client::SimulationOptions o;
+  o.steps = 40;
+  o.requests = 5;
+  ExpectDeferredPass(Simulate({}, o));
+  server_.reset();
+  o.async = true;
+  o.bound_inputs = true;
+  ExpectDeferredPass(Simulate({"--state_dtype=bf16"}, o));
+}
+
+TEST_F(DeferredSimulationTest, AlignModeAcrossBlockBoundaries) {
+  client::SimulationOptions o;
+  o.steps = 40;
+  o.requests = 4;
+  const client::SimulationReport r =
+      Simulate({"--cache_mode=align", "--mamba_block_size=4", "--state_dtype=bf16"}, o);
+  ExpectDeferredPass(r);
+  EXPECT_GT(r.boundary_states, 0u) << "no row crossed a block boundary";
+}
+
+TEST_F(DeferredSimulationTest, GatedDeltaNet) {
+  client::SimulationOptions o;
+  o.steps = 30;
+  o.requests = 4;
+  ExpectDeferredPass(Simulate({"--kind=gdn", "--heads=2", "--value_heads=4"}, o));
+}
+
+TEST_F(DeferredSimulationTest, APlantedCorruptionOfAPendingBlockFailsTheVerdict) {
+  client::SimulationOptions o;
+  o.steps = 8;
+  o.requests = 3;
+  o.corrupt_after_step = 3;
+  const client::SimulationReport r = Simulate({}, o);
+  EXPECT_FALSE(r.passed()) << client::FormatReport(r);
+  EXPECT_GT(r.mismatches, 0u);
+}
+
+TEST_F(DeferredSimulationTest, TheModeIsChecked) {
+  server_ = ValueOrDie(ServerProcess::Start({"--commit_mode=eager"}));
+  client_ = ValueOrDie(Client::Connect(server_->address()));
+  client::SimulationOptions o;
+  o.commit_mode = "deferred";
+  const absl::StatusOr<client::SimulationReport> r = client::RunSimulation(*client_, o);
+  ExpectError(r.status(), absl::StatusCode::kFailedPrecondition,
+              "the service runs commit mode EAGER, not deferred");
 }
 
 }  // namespace

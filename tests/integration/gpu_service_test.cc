@@ -82,6 +82,43 @@ TEST_F(GpuServiceTest, SimulationAlignModeBf16State) {
   EXPECT_THAT(r.output, HasSubstr("verdict: PASS"));
 }
 
+// Commit mode DEFERRED on the CUDA backend: 500 steps (the bar),
+// ASYNC with doorbells, every state checked where it is materialized; then
+// align mode with bf16 state and GDN, shorter.
+TEST_F(GpuServiceTest, SimulationDeferredCommitMode) {
+  Start({"--commit_mode=deferred", "--heads=8", "--head_dim=128", "--conv_dim=3072",
+         "--blocks=128", "--max_rows=32"});
+  for (const std::vector<std::string>& mode :
+       {std::vector<std::string>{"--steps=500", "--requests=12", "--async"},
+        std::vector<std::string>{"--steps=40", "--requests=12", "--async", "--bound_inputs",
+                                 "--events"}}) {
+    std::vector<std::string> flags = {"--commit_mode=deferred", "--seed=5"};
+    flags.insert(flags.end(), mode.begin(), mode.end());
+    const testing::ProcessResult r = Simulate(flags);
+    SCOPED_TRACE(absl::StrCat("simulate ", absl::StrJoin(flags, " "), "\n", r.output));
+    EXPECT_EQ(r.exit_code, 0);
+    EXPECT_THAT(r.output, HasSubstr("commit mode DEFERRED"));
+    EXPECT_THAT(r.output, HasSubstr("verdict: PASS"));
+    std::printf("%s", r.output.c_str());
+  }
+  server_.reset();
+  for (const std::vector<std::string>& layout :
+       {std::vector<std::string>{"--heads=4", "--head_dim=64", "--cache_mode=align",
+                                 "--mamba_block_size=8", "--blocks=600", "--state_dtype=bf16"},
+        std::vector<std::string>{"--kind=gdn", "--heads=4", "--value_heads=8", "--head_dim=128",
+                                 "--conv_dim=2048", "--blocks=128"}}) {
+    std::vector<std::string> flags = layout;
+    flags.push_back("--commit_mode=deferred");
+    Start(flags);
+    const testing::ProcessResult r =
+        Simulate({"--commit_mode=deferred", "--steps=40", "--requests=8", "--async"});
+    SCOPED_TRACE(absl::StrCat(absl::StrJoin(layout, " "), "\n", r.output));
+    EXPECT_EQ(r.exit_code, 0);
+    EXPECT_THAT(r.output, HasSubstr("verdict: PASS"));
+    server_.reset();
+  }
+}
+
 // Gated DeltaNet on the CUDA backend, the Qwen3-Next head grouping at TP4
 // (4 key heads, 8 value heads, K = 128), align mode; and KDA's plain gate.
 TEST_F(GpuServiceTest, SimulationGatedDeltaNetAndPlainGate) {
