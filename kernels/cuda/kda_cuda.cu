@@ -65,9 +65,6 @@ using ProductionLayout = ThreadLayout<4, 128, 6>;
 
 constexpr int kCheckThreads = 1024;
 constexpr int kConvThreads = 256;
-// Channels a thread of the conv compaction moves (their windows, up to
-// kMaxConvHistory elements each, in registers twice: final and boundary).
-constexpr int kConvChannelsPerThread = 2;
 
 // ---------------------------------------------------------------------------
 // State quads: 4 consecutive state elements as fp32.
@@ -807,62 +804,44 @@ __global__ void __launch_bounds__(kCheckThreads) CommitPlanKernel(const CommitAr
   PublishStatus(a.status, a.status_mirror);
 }
 
-// docs/semantics.md, Commit step 2: a thread reads its channels' windows of a
-// row into registers before it writes them (the final or boundary block may
-// be the source).
+// docs/semantics.md, Commit step 2: one thread per (layer, row, conv channel) reads
+// the row's windows into registers before it writes them (the final or
+// boundary block may be the source).
 template <typename Act>
 __global__ void __launch_bounds__(kConvThreads)
-    ConvCompactKernel(const CommitArgs a, int64_t num_blocks, int dim_chunks, int history_len) {
+    ConvCompactKernel(const CommitArgs a, int64_t num_blocks, int dim_blocks, int history_len) {
   LetDependentsLaunch();
   WaitForPrerequisiteGrid();
   if (a.status->failed) return;
-  // Block b: (layer, row) pair b / dim_chunks, channels of chunk b % dim_chunks
-  // (32-bit arithmetic: 64-bit divisions cost more than the copies). Each
-  // thread moves kConvChannelsPerThread channels, their loads all issued
-  // before the first store.
-  const unsigned pair = blockIdx.x / static_cast<unsigned>(dim_chunks);
-  const int chunk = static_cast<int>(blockIdx.x - pair * static_cast<unsigned>(dim_chunks));
-  const int i = static_cast<int>(pair % static_cast<unsigned>(a.num_rows));
-  const int l = static_cast<int>(pair / static_cast<unsigned>(a.num_rows));
+  const int64_t block = blockIdx.x;
+  const int dim_block = static_cast<int>(block % dim_blocks);
+  const int i = static_cast<int>((block / dim_blocks) % a.num_rows);
+  const int l = static_cast<int>(block / (int64_t{dim_blocks} * a.num_rows));
+  const int d = dim_block * kConvThreads + threadIdx.x;
   const internal::CommitWorkspace ws =
       internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks);
   const CommitPlanRow plan = ws.plan[i];
-  if (!internal::CommitsAnything(plan)) return;
   const ConvPool c = a.device_layers[l].conv;
+  if (!internal::CommitsAnything(plan) || d >= c.dim) return;
   const bool boundary = a.block_table.data != nullptr && IsBlock(plan.boundary_block);
   Act* const base = static_cast<Act*>(c.data);
-  const Act* const src = base + int64_t{plan.source} * c.block_stride;
-  Act* const dst = base + int64_t{plan.final_block} * c.block_stride;
-  Act* const bdst = base + int64_t{plan.boundary_block} * c.block_stride;
-  const int d0 = chunk * kConvThreads * kConvChannelsPerThread + threadIdx.x;
-  Act final_window[kConvChannelsPerThread][kMaxConvHistory];
-  Act boundary_window[kConvChannelsPerThread][kMaxConvHistory];
+  const Act* src = base + int64_t{plan.source} * c.block_stride + d * c.dim_stride;
+  Act final_window[kMaxConvHistory];
+  Act boundary_window[kMaxConvHistory];
 #pragma unroll
-  for (int e = 0; e < kConvChannelsPerThread; ++e) {
-    const int d = d0 + e * kConvThreads;
-    if (d >= c.dim) continue;
-#pragma unroll
-    for (int x = 0; x < kMaxConvHistory; ++x) {
-      if (x < history_len) {
-        final_window[e][x] = src[d * c.dim_stride + int64_t(plan.commit_len - 1 + x) * c.token_stride];
-        if (boundary) {
-          boundary_window[e][x] =
-              src[d * c.dim_stride + int64_t(plan.boundary_len - 1 + x) * c.token_stride];
-        }
-      }
+  for (int x = 0; x < kMaxConvHistory; ++x) {
+    if (x < history_len) {
+      final_window[x] = src[int64_t(plan.commit_len - 1 + x) * c.token_stride];
+      if (boundary) boundary_window[x] = src[int64_t(plan.boundary_len - 1 + x) * c.token_stride];
     }
   }
-  // All reads of the row before its writes (final or boundary may be the source).
+  Act* dst = base + int64_t{plan.final_block} * c.block_stride + d * c.dim_stride;
+  Act* bdst = base + int64_t{plan.boundary_block} * c.block_stride + d * c.dim_stride;
 #pragma unroll
-  for (int e = 0; e < kConvChannelsPerThread; ++e) {
-    const int d = d0 + e * kConvThreads;
-    if (d >= c.dim) continue;
-#pragma unroll
-    for (int x = 0; x < kMaxConvHistory; ++x) {
-      if (x < history_len) {
-        if (boundary) bdst[d * c.dim_stride + x * c.token_stride] = boundary_window[e][x];
-        dst[d * c.dim_stride + x * c.token_stride] = final_window[e][x];
-      }
+  for (int x = 0; x < kMaxConvHistory; ++x) {
+    if (x < history_len) {
+      if (boundary) bdst[x * c.token_stride] = boundary_window[x];
+      dst[x * c.token_stride] = final_window[x];
     }
   }
 }
@@ -1136,15 +1115,13 @@ class CudaKernels final : public KdaKernels {
                               /*usually_empty=*/a.block_table.data == nullptr);
     }
 
-    constexpr int kChunk = kConvThreads * kConvChannelsPerThread;
-    const int dim_chunks = (a.layers[0].conv.dim + kChunk - 1) / kChunk;
+    const int dim_blocks = (a.layers[0].conv.dim + kConvThreads - 1) / kConvThreads;
     cudaError_t conv_err = cudaSuccess;
-    const int64_t conv_blocks = int64_t{dim_chunks} * a.num_rows * a.num_layers;
-    if (conv_blocks > INT_MAX) return LaunchStatus(cudaErrorInvalidConfiguration, "Commit");
+    const int64_t conv_blocks = int64_t{dim_blocks} * a.num_rows * a.num_layers;
     internal::DispatchAct(a.shape.act_dtype, [&](auto act) {
       conv_err = LaunchDependent(ConvCompactKernel<typename decltype(act)::type>,
                                  static_cast<unsigned>(conv_blocks), kConvThreads, 0, s, a,
-                                 num_blocks, dim_chunks, history_len);
+                                 num_blocks, dim_blocks, history_len);
     });
     if (const cudaError_t err = conv_err != cudaSuccess ? conv_err : cudaGetLastError();
         err != cudaSuccess) {
