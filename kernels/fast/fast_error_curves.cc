@@ -178,46 +178,45 @@ void Numerics(uint64_t* seed) {
     FastNumerics n;
   };
   std::vector<Variant> variants;
-  variants.push_back({"fp32 (the CPU backend)", {}});
-  {
+  const auto add = [&](const char* name, auto set) {
     FastNumerics n;
-    n.ring_k_normalized_bf16 = true;
-    variants.push_back({"ring k normalized, bf16", n});
-  }
-  {
-    FastNumerics n;
-    n.ring_u_bf16 = true;
-    variants.push_back({"ring u bf16", n});
-  }
-  {
-    FastNumerics n;
-    n.ring_cumulative_log_decay = true;
-    variants.push_back({"ring log-decay cumulative (G_c - G_i)", n});
-  }
-  {
-    FastNumerics n;
-    n.ring = Operands::kBf16;
-    variants.push_back({"ring products bf16 (tensor cores)", n});
-  }
-  for (auto [mode, name] : {std::make_pair(Operands::kBf16, "checkpoint products bf16"),
-                            std::make_pair(Operands::kBf16SplitA, "checkpoint: S hi/lo, k bf16"),
-                            std::make_pair(Operands::kBf16Split, "checkpoint: S and k hi/lo")}) {
-    FastNumerics n;
-    n.checkpoint = mode;
+    set(n);
     variants.push_back({name, n});
-  }
-  {
-    FastNumerics n;
-    n.fold = Operands::kBf16;
-    variants.push_back({"fold products bf16", n});
-  }
-  {
-    FastNumerics n;
-    n.ring = Operands::kBf16;
+  };
+  add("fp32 throughout (the CPU backend)", [](FastNumerics&) {});
+  add("ring k stored normalized, bf16", [](FastNumerics& n) { n.ring_k_normalized_bf16 = true; });
+  add("ring u stored bf16", [](FastNumerics& n) { n.ring_u_bf16 = true; });
+  add("ring log-decay stored cumulative (exponent G_c - G_i)",
+      [](FastNumerics& n) { n.ring_cumulative_log_decay = true; });
+  add("ring keys (kw.kr) bf16", [](FastNumerics& n) { n.ring_keys = Operands::kBf16; });
+  add("ring values (A u) bf16", [](FastNumerics& n) { n.ring_values = Operands::kBf16; });
+  add("ring keys + values bf16", [](FastNumerics& n) {
+    n.ring_keys = n.ring_values = Operands::kBf16;
+  });
+  add("ring keys + values 3xbf16", [](FastNumerics& n) {
+    n.ring_keys = n.ring_values = Operands::kBf16Split;
+  });
+  add("ring keys + values tf32", [](FastNumerics& n) {
+    n.ring_keys = n.ring_values = Operands::kTf32;
+  });
+  add("ring keys + values 3xtf32", [](FastNumerics& n) {
+    n.ring_keys = n.ring_values = Operands::kTf32Split;
+  });
+  add("checkpoint bf16", [](FastNumerics& n) { n.checkpoint = Operands::kBf16; });
+  add("checkpoint S hi/lo bf16, k bf16", [](FastNumerics& n) { n.checkpoint = Operands::kBf16SplitA; });
+  add("checkpoint 3xbf16 (S and k hi/lo)", [](FastNumerics& n) { n.checkpoint = Operands::kBf16Split; });
+  add("checkpoint tf32", [](FastNumerics& n) { n.checkpoint = Operands::kTf32; });
+  add("checkpoint 3xtf32", [](FastNumerics& n) { n.checkpoint = Operands::kTf32Split; });
+  add("fold bf16", [](FastNumerics& n) { n.fold = Operands::kBf16; });
+  add("fold tf32", [](FastNumerics& n) { n.fold = Operands::kTf32; });
+  add("fold 3xtf32", [](FastNumerics& n) { n.fold = Operands::kTf32Split; });
+  add("all bf16 tensor cores (ring bf16, checkpoint 3xbf16, fold bf16)", [](FastNumerics& n) {
+    n.ring_keys = n.ring_values = n.fold = Operands::kBf16;
     n.checkpoint = Operands::kBf16Split;
-    n.fold = Operands::kBf16;
-    variants.push_back({"all tensor cores (ring bf16, checkpoint split, fold bf16)", n});
-  }
+  });
+  add("all 3xtf32", [](FastNumerics& n) {
+    n.ring_keys = n.ring_values = n.fold = n.checkpoint = Operands::kTf32Split;
+  });
   const int steps = std::max(absl::GetFlag(FLAGS_steps) / 2, 1);
   for (const Kind& kind : {kKinds[0], kKinds[2]}) {
     for (DType state : {DType::kFloat32, DType::kBFloat16}) {

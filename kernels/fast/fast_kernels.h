@@ -35,7 +35,9 @@ struct FastNumerics {
     kFp32,        // fp32 operands (CUDA cores)
     kBf16,        // both operands rounded to bf16
     kBf16SplitA,  // the first operand as bf16 hi + bf16 lo (2 products), the second bf16
-    kBf16Split,   // both as hi + lo (3 products: hi*hi + hi*lo + lo*hi)
+    kBf16Split,   // both as bf16 hi + lo (3 products: hi*hi + hi*lo + lo*hi)
+    kTf32,        // both operands rounded to tf32 (10-bit mantissa)
+    kTf32Split,   // both as tf32 hi + lo (3 products, "3xTF32")
   };
   // Storage of the ring.
   bool ring_k_normalized_bf16 = false;  // k stored normalized, in bf16 (instead of raw)
@@ -44,10 +46,12 @@ struct FastNumerics {
   // and exponents are differences G_c - G_i (instead of per-token gammas
   // summed from the near end).
   bool ring_cumulative_log_decay = false;
-  // Products: the ring's (kw . kr, qw . kr, then the coefficients times u),
-  // the checkpoint's (S0 . kc, S0 . qc: the state is the first operand), the
-  // fold's (u kr^T).
-  Operands ring = Operands::kFp32;
+  // Products: the ring's key coefficients (kw . kr, qw . kr), the ring's
+  // values (those coefficients times u), the checkpoint's (S0 . kc, S0 . qc:
+  // the state is the first operand), the fold's (u kr^T). The window's own
+  // T x T products stay fp32 (CUDA cores).
+  Operands ring_keys = Operands::kFp32;
+  Operands ring_values = Operands::kFp32;
   Operands checkpoint = Operands::kFp32;
   Operands fold = Operands::kFp32;
 };

@@ -38,29 +38,51 @@ using Operands = FastNumerics::Operands;
 
 float Bf16(float x) { return ToFloat(FromFloat<BFloat16>(x)); }
 
+// x rounded to tf32 (fp32 with a 10-bit mantissa), to nearest even.
+float Tf32(float x) {
+  uint32_t u = FloatBits(x);
+  if ((u & 0x7f800000u) == 0x7f800000u) return x;
+  u += 0xfffu + ((u >> 13) & 1u);
+  return BitsToFloat(u & 0xffffe000u);
+}
+
+float RoundOperand(float x, Operands mode) {
+  switch (mode) {
+    case Operands::kFp32:
+      return x;
+    case Operands::kTf32:
+    case Operands::kTf32Split:
+      return Tf32(x);
+    default:
+      return Bf16(x);
+  }
+}
+
+bool SplitsFirst(Operands m) {
+  return m == Operands::kBf16SplitA || m == Operands::kBf16Split || m == Operands::kTf32Split;
+}
+bool SplitsSecond(Operands m) { return m == Operands::kBf16Split || m == Operands::kTf32Split; }
+
 // `x` as the first (or second) operand of a product of the given precision:
 // its high part, and its low part (zero unless split).
 void SplitOperand(const float* x, int n, Operands mode, bool first, float* hi, float* lo) {
-  const bool split = mode == Operands::kBf16Split || (first && mode == Operands::kBf16SplitA);
+  const bool split = first ? SplitsFirst(mode) : SplitsSecond(mode);
   for (int j = 0; j < n; ++j) {
-    if (mode == Operands::kFp32) {
-      hi[j] = x[j];
-      lo[j] = 0.0f;
-    } else {
-      hi[j] = Bf16(x[j]);
-      lo[j] = split ? Bf16(x[j] - hi[j]) : 0.0f;
-    }
+    const float value = x[j];  // x may be hi
+    hi[j] = RoundOperand(value, mode);
+    lo[j] = split ? RoundOperand(value - hi[j], mode) : 0.0f;
   }
 }
 
 // sum_j x[j] y[j] with the operands split as SplitOperand() left them: the
-// low parts' products (zero unless split) first, then the high one.
+// high parts' product, then the low parts' corrections.
 float SplitDot(const float* x_hi, const float* x_lo, const float* y_hi, const float* y_lo, int n,
                Operands mode) {
-  const float main = Dot(x_hi, y_hi, n);
-  if (mode == Operands::kBf16SplitA) return main + Dot(x_lo, y_hi, n);
-  if (mode == Operands::kBf16Split) return main + (Dot(x_lo, y_hi, n) + Dot(x_hi, y_lo, n));
-  return main;
+  float sum = Dot(x_hi, y_hi, n);
+  const bool a = SplitsFirst(mode), b = SplitsSecond(mode);
+  if (a && b) return sum + (Dot(x_lo, y_hi, n) + Dot(x_hi, y_lo, n));
+  if (a) return sum + Dot(x_lo, y_hi, n);
+  return sum;
 }
 
 void RoundInPlace(float* x, size_t n, bool bf16) {
@@ -172,16 +194,28 @@ State* HeadOf(const StatePool& pool, int32_t block, int hv) {
 template <typename Act, int K>
 void FoldHead(const float* s0, const RingSide<Act, K>& ring, int n, const FastNumerics& num,
               float* out) {
-  std::vector<float> kr(ring.kr.begin(), ring.kr.begin() + size_t(n) * K);
-  std::vector<float> u(ring.u.begin(), ring.u.begin() + size_t(n) * K);
-  // A tensor-core fold is the matmul U^T Kr: both operands in bf16 (the
-  // split modes keep only the high parts: the fold is one product).
-  RoundInPlace(kr.data(), kr.size(), num.fold != Operands::kFp32);
-  RoundInPlace(u.data(), u.size(), num.fold != Operands::kFp32);
+  // A tensor-core fold is the matmul U^T Kr with the operands as `fold` says.
+  const size_t count = size_t(n) * K;
+  std::vector<float> u_hi(count), u_lo(count), kr_hi(count), kr_lo(count);
+  SplitOperand(ring.u.data(), static_cast<int>(count), num.fold, true, u_hi.data(), u_lo.data());
+  SplitOperand(ring.kr.data(), static_cast<int>(count), num.fold, false, kr_hi.data(),
+               kr_lo.data());
+  const bool corrections = SplitsFirst(num.fold) || SplitsSecond(num.fold);
+  std::vector<float> correction(K);
   for (int v = 0; v < K; ++v) {
     FoldRow(
-        s0 + size_t(v) * K, ring.total.data(), K, n, [&](int i) { return u[size_t(i) * K + v]; },
-        [&](int i) { return &kr[size_t(i) * K]; }, out + size_t(v) * K);
+        s0 + size_t(v) * K, ring.total.data(), K, n, [&](int i) { return u_hi[size_t(i) * K + v]; },
+        [&](int i) { return &kr_hi[size_t(i) * K]; }, out + size_t(v) * K);
+    if (!corrections) continue;
+    std::fill(correction.begin(), correction.end(), 0.0f);
+    for (int i = 0; i < n; ++i) {
+      for (int j = 0; j < K; ++j) {
+        correction[j] = kda::MulAdd(u_lo[size_t(i) * K + v], kr_hi[size_t(i) * K + j],
+                                    kda::MulAdd(u_hi[size_t(i) * K + v], kr_lo[size_t(i) * K + j],
+                                                correction[j]));
+      }
+    }
+    for (int j = 0; j < K; ++j) out[size_t(v) * K + j] += correction[j];
   }
 }
 
@@ -304,22 +338,37 @@ class VerifyWork {
         b[t * kMaxWindow + t] = Dot(qn[t], kn[t], K);
       }
     }
-    // The ring's coefficients: A_r[t][i] = kw_t . kr_i, B_r[t][i] = qw_t . kr_i.
-    const bool ring_bf16 = num_.ring != Operands::kFp32;
-    RoundInPlace(kw_.data(), kw_.size(), ring_bf16);
-    RoundInPlace(qw_.data(), qw_.size(), ring_bf16);
-    RoundInPlace(ring_.kr.data(), ring_.kr.size(), ring_bf16);
-    ar_.resize(size_t(T) * c);
-    br_.resize(size_t(T) * c);
-    for (int t = 0; t < T; ++t) {
-      for (int i = 0; i < c; ++i) {
-        ar_[size_t(t) * c + i] = Dot(&kw_[size_t(t) * K], &ring_.kr[size_t(i) * K], K);
-        br_[size_t(t) * c + i] = Dot(&qw_[size_t(t) * K], &ring_.kr[size_t(i) * K], K);
+    // The ring's coefficients: A_r[t][i] = kw_t . kr_i, B_r[t][i] = qw_t . kr_i,
+    // with the operands as `ring_keys` says.
+    {
+      const Operands m = num_.ring_keys;
+      std::vector<float>& kr = ring_.kr;
+      kr_lo_.resize(kr.size());
+      kw_lo_.resize(kw_.size());
+      qw_lo_.resize(qw_.size());
+      SplitOperand(kw_.data(), static_cast<int>(kw_.size()), m, true, kw_.data(), kw_lo_.data());
+      SplitOperand(qw_.data(), static_cast<int>(qw_.size()), m, true, qw_.data(), qw_lo_.data());
+      SplitOperand(kr.data(), static_cast<int>(kr.size()), m, false, kr.data(), kr_lo_.data());
+      ar_.resize(size_t(T) * c);
+      br_.resize(size_t(T) * c);
+      for (int t = 0; t < T; ++t) {
+        for (int i = 0; i < c; ++i) {
+          const size_t x = size_t(t) * K, y = size_t(i) * K;
+          ar_[size_t(t) * c + i] = SplitDot(&kw_[x], &kw_lo_[x], &kr[y], &kr_lo_[y], K, m);
+          br_[size_t(t) * c + i] = SplitDot(&qw_[x], &qw_lo_[x], &kr[y], &kr_lo_[y], K, m);
+        }
       }
     }
-    RoundInPlace(ar_.data(), ar_.size(), ring_bf16);
-    RoundInPlace(br_.data(), br_.size(), ring_bf16);
-    RoundInPlace(ring_.u.data(), ring_.u.size(), ring_bf16);
+    // ... and the values' operands as `ring_values` says.
+    const Operands mv = num_.ring_values;
+    const bool value_corrections = SplitsFirst(mv) || SplitsSecond(mv);
+    ar_lo_.resize(ar_.size());
+    br_lo_.resize(br_.size());
+    u_lo_.resize(ring_.u.size());
+    SplitOperand(ar_.data(), static_cast<int>(ar_.size()), mv, true, ar_.data(), ar_lo_.data());
+    SplitOperand(br_.data(), static_cast<int>(br_.size()), mv, true, br_.data(), br_lo_.data());
+    SplitOperand(ring_.u.data(), static_cast<int>(ring_.u.size()), mv, false, ring_.u.data(),
+                 u_lo_.data());
     // The checkpoint's operands, split as the numerics say.
     s0_.resize(size_t(K) * K);
     s0_lo_.resize(size_t(K) * K);
@@ -347,6 +396,17 @@ class VerifyWork {
           rk_acc = kda::MulAdd(ar_[size_t(t) * c + i], ui, rk_acc);
           rq_acc = kda::MulAdd(br_[size_t(t) * c + i], ui, rq_acc);
         }
+        if (value_corrections) {
+          float rk_lo = 0.0f, rq_lo = 0.0f;
+          for (int i = 0; i < c; ++i) {
+            const float ui = ring_.u[size_t(i) * K + v], ui_lo = u_lo_[size_t(i) * K + v];
+            const size_t x = size_t(t) * c + i;
+            rk_lo = kda::MulAdd(ar_lo_[x], ui, kda::MulAdd(ar_[x], ui_lo, rk_lo));
+            rq_lo = kda::MulAdd(br_lo_[x], ui, kda::MulAdd(br_[x], ui_lo, rq_lo));
+          }
+          rk_acc += rk_lo;
+          rq_acc += rq_lo;
+        }
         rk[t] = rk_acc;
         rq[t] = rq_acc;
         v_row[t] = vw[t][v];
@@ -367,6 +427,7 @@ class VerifyWork {
   const FastNumerics& num_;
   RingSide<Act, K> ring_;
   std::vector<float> pair_, kw_, qw_, ar_, br_, s0_, s0_lo_, gamma_by_key_head_;
+  std::vector<float> kw_lo_, qw_lo_, kr_lo_, ar_lo_, br_lo_, u_lo_;
   float ring_gamma_gdn_[kMaxWindow];
 };
 
