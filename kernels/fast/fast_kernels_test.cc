@@ -448,6 +448,54 @@ TEST(FastKernelsTest, TheRingTakesAcceptedTokensAndFoldsOnSchedule) {
   EXPECT_EQ(w.cursor(block).tokens, 0);
 }
 
+// One Commit for every layer of a group: each layer's ring advances and
+// folds on its own data; a layer whose Verify did not run refuses the Commit
+// of every layer.
+TEST(FastKernelsTest, ACommitCoversEveryLayer) {
+  const uint64_t seed = TestSeed();
+  SCOPED_TRACE(absl::StrCat("replay with SPECSTATE_TEST_SEED=", seed));
+  const KdaShape shape =
+      Shape(LayerKind::kKda, KdaGate::kSafe, 2, 0, 64, DType::kBFloat16, DType::kFloat32);
+  const int q = 4;
+  World w0(shape, 2, q, /*fold_every=*/2, seed), w1(shape, 2, q, 2, seed + 1);
+  const FastLayer layers[] = {w0.Layer(), w1.Layer()};
+  const std::vector<int32_t> blocks = {2, 1};
+  ref::State want0[] = {w0.BlockValues(w0.pool(), 2), w0.BlockValues(w0.pool(), 1)};
+  ref::State want1[] = {w1.BlockValues(w1.pool(), 2), w1.BlockValues(w1.pool(), 1)};
+  for (int step = 0; step < 5; ++step) {
+    const std::vector<int32_t> qsl = {0, q, q + 3}, accepted = {1 + step % q, step % 4};
+    w0.Draw(q + 3);
+    w1.Draw(q + 3);
+    ASSERT_TRUE(FastVerifyCpu(w0.VerifyArgs(qsl, blocks)).ok());
+    if (step == 4) {
+      // Layer 1 not verified: its candidates are those of the last step's,
+      // already consumed.
+      FastCommitArgs a = w0.CommitArgs(layers, qsl, blocks, accepted);
+      a.num_layers = 2;
+      const auto before0 = w0.Everything(), before1 = w1.Everything();
+      const absl::Status st = FastCommitCpu(a);
+      EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+      EXPECT_NE(st.message().find("layer 1: row 0 commits"), std::string::npos) << st;
+      EXPECT_EQ(w0.Everything(), before0);
+      EXPECT_EQ(w1.Everything(), before1);
+      break;
+    }
+    ASSERT_TRUE(FastVerifyCpu(w1.VerifyArgs(qsl, blocks)).ok());
+    FastCommitArgs a = w0.CommitArgs(layers, qsl, blocks, accepted);
+    a.num_layers = 2;
+    ASSERT_TRUE(FastCommitCpu(a).ok());
+    for (int r = 0; r < 2; ++r) {
+      want0[r] = w0.RefAdvance(want0[r], qsl[r], std::min(accepted[r], qsl[r + 1] - qsl[r]));
+      want1[r] = w1.RefAdvance(want1[r], qsl[r], std::min(accepted[r], qsl[r + 1] - qsl[r]));
+      EXPECT_LT(NormError(w0.Current(blocks[r]), want0[r]), Tolerance(DType::kFloat32))
+          << "step " << step << ", layer 0, row " << r;
+      EXPECT_LT(NormError(w1.Current(blocks[r]), want1[r]), Tolerance(DType::kFloat32))
+          << "step " << step << ", layer 1, row " << r;
+    }
+  }
+  EXPECT_EQ(w0.cursor(2).tokens, w1.cursor(2).tokens);
+}
+
 // Align mode: a commit that crosses a block boundary stores the boundary
 // state and the final state into their blocks (rings empty there); one that
 // stays in the checkpoint's block appends to its ring.
