@@ -48,11 +48,15 @@ SPECSTATE_HD float MulAdd(float a, float b, float c) {
 #endif
 }
 
-// The KDA "safe" gate for one column, as the decay factor applied to it:
-// exp(lower_bound / (1 + exp(-(a * (g + dt_bias))))), with a = exp(A_log[h]).
+// The KDA "safe" gate for one column, as its log-decay gamma (<= 0):
+// lower_bound / (1 + exp(-(a * (g + dt_bias)))), with a = exp(A_log[h]).
+SPECSTATE_HD float GateLogDecay(float g, float dt_bias, float a, float lower_bound) {
+  return lower_bound / (1.0f + expf(-(a * (g + dt_bias))));
+}
+
+// The same gate as the decay factor applied to the column: exp(gamma).
 SPECSTATE_HD float GateDecay(float g, float dt_bias, float a, float lower_bound) {
-  const float gamma = lower_bound / (1.0f + expf(-(a * (g + dt_bias))));
-  return expf(gamma);
+  return expf(GateLogDecay(g, dt_bias, a, lower_bound));
 }
 
 SPECSTATE_HD float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -60,10 +64,15 @@ SPECSTATE_HD float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 // softplus(x) = log(1 + exp(x)), linear past 20 (torch's threshold).
 SPECSTATE_HD float Softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-// KDA's plain gate as the decay factor of one column:
-// exp(-a * softplus(g + dt_bias)), with a = exp(A_log[h]).
+// KDA's plain gate as the log-decay of one column: -a * softplus(g + dt_bias),
+// with a = exp(A_log[h]).
+SPECSTATE_HD float PlainGateLogDecay(float g, float dt_bias, float a) {
+  return -(a * Softplus(g + dt_bias));
+}
+
+// The same gate as the decay factor of the column.
 SPECSTATE_HD float PlainGateDecay(float g, float dt_bias, float a) {
-  return expf(-(a * Softplus(g + dt_bias)));
+  return expf(PlainGateLogDecay(g, dt_bias, a));
 }
 
 // Gated DeltaNet: the log-decay g of a value head, as the model computed it.
@@ -83,6 +92,13 @@ struct GateRule {
     if (kind == kernels::LayerKind::kGdn) return ScalarGateDecay(g);
     if (gate == kernels::KdaGate::kPlain) return PlainGateDecay(g, dt_bias_j, a);
     return GateDecay(g, dt_bias_j, a, lower_bound);
+  }
+  // The log-decay gamma of the same column: Decay() is exp(LogDecay()), the
+  // same expressions (FAST mode sums gammas instead of multiplying decays).
+  SPECSTATE_HD float LogDecay(float g, float dt_bias_j) const {
+    if (kind == kernels::LayerKind::kGdn) return g;
+    if (gate == kernels::KdaGate::kPlain) return PlainGateLogDecay(g, dt_bias_j, a);
+    return GateLogDecay(g, dt_bias_j, a, lower_bound);
   }
   // KDA's beta is a logit (sigmoid here); GDN's is the strength itself.
   SPECSTATE_HD float Beta(float beta) const {
