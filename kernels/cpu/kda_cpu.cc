@@ -458,8 +458,11 @@ class CpuKernels final : public KdaKernels {
       using State = typename decltype(state)::type;
       constexpr int K = decltype(head_dim)::value;
       const int H = ValueHeads(a.shape);
+      // DEFERRED: the pending tokens as the commit's replay reads them (EAGER
+      // has no second buffer: nothing to read).
       const CommitLayer layer{a.state, {}, a.params, pending_records, {}};
-      const StockLayerWork replay = ReplayWork(a.shape, layer, pending_records);
+      const StockLayerWork replay =
+          deferred ? ReplayWork(a.shape, layer, pending_records) : StockLayerWork{};
       PreparedHead prep, pending_prep;
       Act* out = static_cast<Act*>(a.out);
       for (int n = 0; n < a.num_rows; ++n) {
