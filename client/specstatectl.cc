@@ -5,12 +5,15 @@
 //   specstatectl regions
 //   specstatectl state --layer=0 --block=1 [--values]
 //   specstatectl stats
+//   specstatectl recover          # what a restarted service kept: last committed step, lost blocks
+//   specstatectl verify-pools     # the pools' bookkeeping re-checked (exit 4 when inconsistent)
 //   specstatectl simulate --steps=50 --requests=4 [--async] [--seed=N]
 //   specstatectl simulate --servers=unix:///run/specstate/specstate-0.sock,unix:///...-1.sock
 //                                        # tensor parallelism: one service per rank
 //
 // Exit status: 0 on success; 1 on an error; 2 on bad usage; 3 when simulate's
-// verdict fails (a state differs from the stock path).
+// verdict fails (a state differs from the stock path); 4 when verify-pools
+// finds the bookkeeping inconsistent.
 #include <unistd.h>
 
 #include <cstdio>
@@ -23,6 +26,7 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/simulator.h"
@@ -75,6 +79,10 @@ constexpr char kUsage[] =
     "  regions    registered regions of every session\n"
     "  state      one block of one layer (--layer, --block, --values)\n"
     "  stats      counters and per-RPC latency\n"
+    "  recover    what the service kept across its last restart: the last committed step,\n"
+    "             the blocks an interrupted commit lost, bytes kept (--json)\n"
+    "  verify-pools  re-reads the pools' bookkeeping: header checksum, layout fingerprint,\n"
+    "             commit journal, every block's record (exit 4 when inconsistent)\n"
     "  simulate   a decode loop checked bit for bit against the stock path\n"
     "             (--steps, --requests, --seed, --async; --servers=A0,A1,... for tensor\n"
     "             parallelism, checked against the TP=1 run too)";
@@ -222,6 +230,41 @@ int Stats(Client& c) {
   return 0;
 }
 
+// recover and verify-pools.
+int Recover(Client& c, bool verify) {
+  absl::StatusOr<v1::RecoverResponse> r = c.Recover(verify);
+  if (!r.ok()) return Fail(r.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s", Json(*r).c_str());
+  } else {
+    std::printf("pools        %s, held by %s\n", r->kept() ? "kept from the previous instance" : "fresh",
+                r->holder().empty() ? "nothing (they die with specstated)" : r->holder().c_str());
+    std::printf("kept         %llu bytes (pools %llu), layout fingerprint %s\n",
+                static_cast<unsigned long long>(r->kept_bytes()),
+                static_cast<unsigned long long>(r->pool_bytes()), r->layout_fingerprint().c_str());
+    std::printf("committed    last step %llu, %llu commits on these pools\n",
+                static_cast<unsigned long long>(r->last_committed_step()),
+                static_cast<unsigned long long>(r->commits()));
+    if (r->interrupted()) {
+      std::printf("interrupted  the commit of step %llu\n",
+                  static_cast<unsigned long long>(r->interrupted_step()));
+    }
+    std::vector<std::string> lost;
+    for (int32_t b : r->lost_blocks()) lost.push_back(absl::StrCat(b));
+    std::printf("lost blocks  %s\n", lost.empty() ? "none" : absl::StrJoin(lost, ",").c_str());
+    std::printf("restarts     %llu; attached %.1f ms after start\n",
+                static_cast<unsigned long long>(r->restarts()), r->attach_ms());
+    if (verify) {
+      std::vector<std::string> blocks;
+      for (int32_t b : r->inconsistent_blocks()) blocks.push_back(absl::StrCat(b));
+      std::printf("verify       %s\n", r->problems().empty() ? "consistent" : "INCONSISTENT");
+      for (const std::string& p : r->problems()) std::printf("  %s\n", p.c_str());
+      if (!blocks.empty()) std::printf("  blocks: %s\n", absl::StrJoin(blocks, ",").c_str());
+    }
+  }
+  return verify && !r->problems().empty() ? 4 : 0;
+}
+
 int Simulate(const std::vector<Client*>& ranks) {
   SimulationOptions options;
   options.steps = absl::GetFlag(FLAGS_steps);
@@ -274,7 +317,8 @@ int main(int argc, char** argv) {
   }
   const std::string command = args[1];
   const bool known = command == "health" || command == "layout" || command == "regions" ||
-                     command == "state" || command == "stats" || command == "simulate";
+                     command == "state" || command == "stats" || command == "simulate" ||
+                     command == "recover" || command == "verify-pools";
   if (!known) {
     std::fprintf(stderr, "specstatectl: unknown subcommand \"%s\"\n%s\n", command.c_str(), kUsage);
     return 2;
@@ -301,5 +345,7 @@ int main(int argc, char** argv) {
   if (command == "regions") return Regions(c);
   if (command == "state") return State(c);
   if (command == "stats") return Stats(c);
+  if (command == "recover") return Recover(c, false);
+  if (command == "verify-pools") return Recover(c, true);
   return Simulate({&c});
 }
