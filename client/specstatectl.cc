@@ -10,6 +10,8 @@
 //   specstatectl simulate --steps=50 --requests=4 [--async] [--seed=N]
 //   specstatectl simulate --servers=unix:///run/specstate/specstate-0.sock,unix:///...-1.sock
 //                                        # tensor parallelism: one service per rank
+//   specstatectl simulate --restart_every=8 --steps=200
+//                                        # its own keeper + specstated, killed and restarted
 //
 // Exit status: 0 on success; 1 on an error; 2 on bad usage; 3 when simulate's
 // verdict fails (a state differs from the stock path); 4 when verify-pools
@@ -22,6 +24,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/parse.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
@@ -29,6 +32,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
+#include "client/restart_drill.h"
 #include "client/simulator.h"
 #include "google/protobuf/util/json_util.h"
 #include "kernels/kda_kernels.h"
@@ -66,6 +70,18 @@ ABSL_FLAG(std::string, commit_mode, "",
           "simulate: the commit mode the service must run (eager or deferred; empty: any); "
           "the checks follow the service's mode");
 ABSL_FLAG(int, corrupt_rank, 0, "simulate with --servers: the rank whose state --corrupt_after_step flips");
+ABSL_FLAG(int, restart_every, 0,
+          "simulate: a restart drill: start a specstate-keeper and a specstated of its own (in a "
+          "temporary directory; not with --server) and kill the service about every N steps, in "
+          "turn between calls, inside a Verify and inside a Commit (at each of its phases); the "
+          "verdict still compares every state bit for bit and checks what each restart kept");
+ABSL_FLAG(std::string, service_flags, "",
+          "simulate --restart_every: flags of its own specstated, space-separated (default: the "
+          "CPU backend's default layout)");
+ABSL_FLAG(std::string, specstated, "",
+          "simulate --restart_every: the specstated binary (default: beside specstatectl)");
+ABSL_FLAG(std::string, keeper_binary, "",
+          "simulate --restart_every: the specstate-keeper binary (default: beside specstatectl)");
 
 namespace specstate {
 namespace client {
@@ -85,7 +101,8 @@ constexpr char kUsage[] =
     "             commit journal, every block's record (exit 4 when inconsistent)\n"
     "  simulate   a decode loop checked bit for bit against the stock path\n"
     "             (--steps, --requests, --seed, --async; --servers=A0,A1,... for tensor\n"
-    "             parallelism, checked against the TP=1 run too)";
+    "             parallelism, checked against the TP=1 run too; --restart_every=N: its own\n"
+    "             keeper and specstated, killed and restarted every N steps)";
 
 std::string Json(const google::protobuf::Message& m) {
   std::string out;
@@ -265,8 +282,9 @@ int Recover(Client& c, bool verify) {
   return verify && !r->problems().empty() ? 4 : 0;
 }
 
-int Simulate(const std::vector<Client*>& ranks) {
+int Simulate(const std::vector<Client*>& ranks, RestartDrill* drill = nullptr) {
   SimulationOptions options;
+  options.drill = drill;
   options.steps = absl::GetFlag(FLAGS_steps);
   options.requests = absl::GetFlag(FLAGS_requests);
   options.seed = absl::GetFlag(FLAGS_seed);
@@ -336,6 +354,34 @@ int main(int argc, char** argv) {
     std::vector<Client*> clients;
     for (const std::unique_ptr<Client>& r : *ranks) clients.push_back(r.get());
     return Simulate(clients);
+  }
+  const int restart_every = absl::GetFlag(FLAGS_restart_every);
+  if (restart_every != 0) {
+    if (command != "simulate" || restart_every < 0) {
+      std::fprintf(stderr, "specstatectl: --restart_every=N (N >= 1) is for simulate\n");
+      return 2;
+    }
+    if (absl::flags_internal::WasPresentOnCommandLine("server")) {
+      std::fprintf(stderr,
+                   "specstatectl: --restart_every kills and restarts the simulator's own service: "
+                   "leave out --server (its layout: --service_flags)\n");
+      return 2;
+    }
+    OwnServiceOptions own;
+    own.specstated = absl::GetFlag(FLAGS_specstated);
+    own.keeper = absl::GetFlag(FLAGS_keeper_binary);
+    own.flags = absl::StrSplit(absl::GetFlag(FLAGS_service_flags), ' ', absl::SkipWhitespace());
+    absl::StatusOr<std::unique_ptr<OwnService>> service = OwnService::Start(own);
+    if (!service.ok()) return Fail(service.status());
+    std::fprintf(stderr, "restart drill: specstate-keeper and specstated in %s\n",
+                 (*service)->directory().c_str());
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect((*service)->address());
+    if (!client.ok()) return Fail(client.status());
+    absl::StatusOr<v1::Layout> layout = (*client)->GetLayout();
+    if (!layout.ok()) return Fail(layout.status());
+    RestartDrill drill(service->get(), restart_every, absl::GetFlag(FLAGS_seed),
+                       layout->num_layers());
+    return Simulate({client->get()}, &drill);
   }
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(absl::GetFlag(FLAGS_server));
   if (!client.ok()) return Fail(client.status());

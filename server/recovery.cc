@@ -42,6 +42,14 @@ absl::StatusOr<std::unique_ptr<Recovery>> Recovery::Start(const v1::Layout& layo
                                                           Device& device,
                                                           const RecoveryOptions& options,
                                                           absl::Time process_start) {
+  if (IsDeferred(layout)) {
+    // Its pending tokens live in the records, which do not outlive the
+    // process: a restart would lose them silently.
+    return absl::FailedPreconditionError(
+        "commit_mode DEFERRED keeps accepted tokens pending in the record scratch, which does not "
+        "outlive specstated: keeping the pools across restarts (--keeper, systemd's "
+        "file-descriptor store) needs commit_mode EAGER");
+  }
   std::unique_ptr<Recovery> r(new Recovery(device, options));
   r->pool_bytes_ = static_cast<uint64_t>(ComputeLayoutSizes(layout).pool_bytes);
   r->num_blocks_ = layout.num_blocks();
