@@ -65,6 +65,10 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  // A connection of its own: a channel that shared another's (gRPC's global
+  // subchannel pool) would inherit a connection to a specstated that has
+  // died and been restarted, and fail its first call.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::microseconds(absl::ToInt64Microseconds(timeout));
@@ -506,31 +510,17 @@ std::vector<uint64_t> Session::lost_steps() const {
   return out;
 }
 
-absl::StatusOr<v1::RecoverResponse> Session::Resume(absl::Duration timeout) {
+absl::Status Session::ResumeOnce(absl::Time end, absl::StatusOr<v1::RecoverResponse>* kept) {
   EndStream().IgnoreError();  // the old stream broke with the old service
-  // Wait for the service: Recover, waiting for the channel to come up, with
-  // backoff between attempts.
-  const absl::Time end = absl::Now() + timeout;
-  absl::Duration pause = absl::Milliseconds(50);
-  absl::StatusOr<v1::RecoverResponse> kept;
-  for (;;) {
+  {
     grpc::ClientContext ctx;
     ctx.set_wait_for_ready(true);
-    SetDeadline(&ctx, std::max(absl::ZeroDuration(),
+    SetDeadline(&ctx, std::max(absl::Milliseconds(1),
                                std::min(absl::Seconds(1), end - absl::Now())));
     v1::RecoverResponse response;
     grpc::Status st = client_->stub().Recover(&ctx, v1::RecoverRequest(), &response);
-    if (st.ok()) {
-      kept = std::move(response);
-      break;
-    }
-    if (absl::Now() + pause >= end) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          "specstated at ", client_->address(), " did not answer again within ",
-          absl::FormatDuration(timeout), " (last: ", st.error_message(), ")"));
-    }
-    absl::SleepFor(pause);
-    pause = std::min(pause * 2, absl::Seconds(1));
+    if (!st.ok()) return FromGrpc(st);
+    *kept = std::move(response);
   }
   {
     absl::MutexLock lock(&mu_);
@@ -576,6 +566,31 @@ absl::StatusOr<v1::RecoverResponse> Session::Resume(absl::Duration timeout) {
                           absl::StrCat("BindVerifyInputs of layer ", layer, " again: ",
                                        bound.status().message()));
     }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::RecoverResponse> Session::Resume(absl::Duration timeout) {
+  // Every attempt: what the service kept, a new session, its set-up again.
+  // A connection that died with the old service fails a call once
+  // (UNAVAILABLE); the attempt is then made again, with backoff.
+  const absl::Time end = absl::Now() + timeout;
+  absl::Duration pause = absl::Milliseconds(50);
+  absl::StatusOr<v1::RecoverResponse> kept;
+  for (;;) {
+    absl::Status attempt = ResumeOnce(end, &kept);
+    if (attempt.ok()) break;
+    if (attempt.code() != absl::StatusCode::kUnavailable &&
+        attempt.code() != absl::StatusCode::kDeadlineExceeded) {
+      return attempt;
+    }
+    if (absl::Now() + pause >= end) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("specstated at ", client_->address(), " did not answer again within ",
+                       absl::FormatDuration(timeout), " (last: ", attempt.message(), ")"));
+    }
+    absl::SleepFor(pause);
+    pause = std::min(pause * 2, absl::Seconds(1));
   }
   absl::MutexLock lock(&steps_mu_);
   for (uint64_t step : open_steps_) {

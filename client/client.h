@@ -213,6 +213,8 @@ class Session {
   void RenewLoop();
   // Stops the renewal thread and finishes the stream, whatever its state.
   absl::Status EndStream();
+  // One attempt of Resume (up to `end`): Recover, a new session, its set-up.
+  absl::Status ResumeOnce(absl::Time end, absl::StatusOr<v1::RecoverResponse>* kept);
 
   // A driving call's step bookkeeping for Resume: `started` once any call of
   // the step was sent, `done` once its Commit was answered (OK).

@@ -243,6 +243,20 @@ v1::RecoverResponse AttachHeader(std::vector<char>* bytes, absl::Time now, int64
   return out;
 }
 
+void ReadLiveHeader(const std::vector<char>& bytes, v1::RecoverResponse* out) {
+  if (!CheckIntact(bytes).ok()) return;
+  const KeptHeader& h = HeaderOf(bytes);
+  const HeaderLayout at = HeaderLayoutFor(h.num_blocks);
+  const kernels::JournalRecord& j = JournalOf(bytes, at);
+  const kernels::BlockRecord* blocks = BlocksOf(bytes, at);
+  out->set_last_committed_step(j.last_committed_step);
+  out->set_commits(j.commits);
+  out->clear_lost_blocks();
+  for (int64_t b = 1; b < h.num_blocks; ++b) {
+    if (blocks[b].lost != 0) out->add_lost_blocks(static_cast<int32_t>(b));
+  }
+}
+
 void VerifyHeader(const std::vector<char>& bytes, const v1::Layout& layout,
                   v1::RecoverResponse* out) {
   out->set_verified(true);

@@ -104,6 +104,11 @@ absl::Status CheckHeader(const std::vector<char>& bytes, const v1::Layout& layou
 // what was kept (RecoverResponse without holder, sizes and timing).
 v1::RecoverResponse AttachHeader(std::vector<char>* bytes, absl::Time now, int64_t pid);
 
+// What the bookkeeping says now (a live service's): `out`'s
+// last_committed_step, commits and lost_blocks, from the journal and the
+// block records. Leaves `out` alone when the header is damaged.
+void ReadLiveHeader(const std::vector<char>& bytes, v1::RecoverResponse* out);
+
 // verify-pools: re-checks the header against `layout` and every record
 // against the journal; fills `out`'s verified, problems and
 // inconsistent_blocks.

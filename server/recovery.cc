@@ -332,40 +332,48 @@ void Recovery::AddExport(v1::ExportPoolsResponse* out) const {
 
 void Recovery::Recover(const v1::RecoverRequest& request, const v1::Layout& layout,
                        std::function<void(absl::Status, v1::RecoverResponse)> reply) {
-  v1::RecoverResponse out = Report();
-  if (!request.verify()) {
-    reply(absl::OkStatus(), std::move(out));
-    return;
+  // The bookkeeping as the work enqueued before this call leaves it: the
+  // last committed step and the lost blocks now (the journal's and the
+  // block records'), with `verify` everything checked.
+  char* buffer = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!buffers_.empty()) {
+      buffer = buffers_.back();
+      buffers_.pop_back();
+    }
   }
-  if (verifying_.exchange(true)) {
-    reply(absl::UnavailableError("another Recover with verify is reading the pools' bookkeeping: "
-                                 "retry when it has answered"),
-          {});
-    return;
-  }
-  if (verify_buffer_ == nullptr) {
+  if (buffer == nullptr) {
     absl::StatusOr<void*> p = device_.AllocateHost(header_bytes_);
     if (!p.ok()) {
-      verifying_ = false;
       reply(p.status(), {});
       return;
     }
-    verify_buffer_ = static_cast<char*>(*p);
+    buffer = static_cast<char*>(*p);
   }
   Work work;
   work.launch = [](kernels::Stream, Scratch&) { return absl::OkStatus(); };
-  work.readbacks.push_back(Readback{header_.data, verify_buffer_, header_bytes_});
-  work.done = [this, out, layout, reply](absl::Status launched) mutable {
+  work.readbacks.push_back(Readback{header_.data, buffer, header_bytes_});
+  const bool verify = request.verify();
+  work.done = [this, buffer, layout, verify, reply](absl::Status launched) {
+    v1::RecoverResponse out = Report();
     if (launched.ok()) {
-      const std::vector<char> bytes(verify_buffer_, verify_buffer_ + header_bytes_);
-      VerifyHeader(bytes, layout, &out);
+      const std::vector<char> bytes(buffer, buffer + header_bytes_);
+      ReadLiveHeader(bytes, &out);
+      if (verify) VerifyHeader(bytes, layout, &out);
     }
-    verifying_ = false;
+    {
+      absl::MutexLock lock(&mu_);
+      buffers_.push_back(buffer);
+    }
     reply(launched, std::move(out));
   };
   absl::Status st = device_.Submit(std::move(work));
   if (!st.ok()) {
-    verifying_ = false;
+    {
+      absl::MutexLock lock(&mu_);
+      buffers_.push_back(buffer);
+    }
     reply(st, {});
   }
 }

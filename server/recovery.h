@@ -74,8 +74,10 @@ class Recovery {
   // What was kept at start (RecoverResponse without the verify fields).
   v1::RecoverResponse Report() const;
 
-  // Recover: the report; with `verify`, the bookkeeping re-read (ordered
-  // after the work enqueued before) and checked against `layout`.
+  // Recover: the report, with the last committed step, the commits and the
+  // lost blocks read now from the bookkeeping (ordered after the work
+  // enqueued before); with `verify`, the bookkeeping checked against
+  // `layout` too.
   void Recover(const v1::RecoverRequest& request, const v1::Layout& layout,
                std::function<void(absl::Status, v1::RecoverResponse)> reply);
 
@@ -115,10 +117,8 @@ class Recovery {
   v1::RecoverResponse report_;
   std::unique_ptr<FdServer> fd_server_;
 
-  char* verify_buffer_ = nullptr;  // host memory the header is read into
-  std::atomic<bool> verifying_{false};
-
   mutable absl::Mutex mu_;
+  std::vector<char*> buffers_ ABSL_GUARDED_BY(mu_);  // host memory Recover reads the header into
   std::unique_ptr<keeper::KeeperClient> keeper_ ABSL_GUARDED_BY(mu_);
   std::string problem_ ABSL_GUARDED_BY(mu_);
   absl::Notification stop_;

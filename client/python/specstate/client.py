@@ -133,7 +133,10 @@ class Client:
             address, options=[("grpc.max_receive_message_length", 512 << 20),
                               ("grpc.initial_reconnect_backoff_ms", 100),
                               ("grpc.min_reconnect_backoff_ms", 100),
-                              ("grpc.max_reconnect_backoff_ms", 1000)])
+                              ("grpc.max_reconnect_backoff_ms", 1000),
+                              # A connection of its own, not one shared with
+                              # another channel (to a service since restarted).
+                              ("grpc.use_local_subchannel_pool", 1)])
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
         except grpc.FutureTimeoutError:
@@ -647,20 +650,7 @@ class Session:
         """The steps :meth:`resume` found in flight (refused from then on)."""
         return sorted(self._lost_steps)
 
-    def resume(self, timeout: float = 60.0) -> pb.RecoverResponse:
-        """After specstated restarted (a call raised UNAVAILABLE, or :attr:`alive`
-        went False): waits for it, retrying with backoff (50 ms doubling to 1 s)
-        for up to `timeout` seconds (DEADLINE_EXCEEDED after); opens a new
-        session with this one's name, drive flag and lease (:attr:`id`
-        changes); registers every buffer again under its name; sends each
-        layer's last load_layer_params and bind_verify_inputs again; step ids
-        continue. Returns what the service kept (``Recover``): the last
-        committed step and the blocks an interrupted Commit lost (re-prefill
-        them). Every step that had started and whose Commit was not answered is
-        refused from then on (FAILED_PRECONDITION naming the step): re-run it
-        from Verify under a new step id, unless ``last_committed_step`` is it.
-        RecordStateBlocks of a step committed before the restart is refused
-        too (compute its state_idx from the block table)."""
+    def _end_stream(self) -> None:
         self._stop.set()
         self._requests.put(_STOP)
         self._renewer.join()
@@ -669,22 +659,16 @@ class Session:
                 pass
         except grpc.RpcError:
             pass  # it broke with the old service
-        deadline = time.monotonic() + timeout
-        pause = 0.05
-        while True:
-            try:
-                kept = self.client.stub.Recover(
-                    pb.RecoverRequest(), wait_for_ready=True,
-                    timeout=max(0.01, min(1.0, deadline - time.monotonic())))
-                break
-            except grpc.RpcError as e:
-                if time.monotonic() + pause >= deadline:
-                    raise SpecStateError(
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"specstated at {self.client.address} did not answer again within "
-                        f"{timeout:g} s (last: {e.details()})") from None
-                time.sleep(pause)
-                pause = min(pause * 2, 1.0)
+
+    def _resume_once(self, deadline: float) -> pb.RecoverResponse:
+        """One attempt of :meth:`resume`: Recover, a new session, its set-up."""
+        self._end_stream()
+        try:
+            kept = self.client.stub.Recover(
+                pb.RecoverRequest(), wait_for_ready=True,
+                timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+        except grpc.RpcError as e:
+            raise SpecStateError.from_rpc(e, "Recover") from None
         self._open()
         for name, request in list(self._registrations.items()):
             request.session_id = self.id
@@ -699,6 +683,39 @@ class Session:
         for layer, request in sorted(self._bindings.items()):
             request.session_id = self.id
             self.client.call("BindVerifyInputs", request)
+        return kept
+
+    def resume(self, timeout: float = 60.0) -> pb.RecoverResponse:
+        """After specstated restarted (a call raised UNAVAILABLE, or :attr:`alive`
+        went False): waits for it, retrying with backoff (50 ms doubling to 1 s)
+        for up to `timeout` seconds (DEADLINE_EXCEEDED after); opens a new
+        session with this one's name, drive flag and lease (:attr:`id`
+        changes); registers every buffer again under its name; sends each
+        layer's last load_layer_params and bind_verify_inputs again; step ids
+        continue. Returns what the service kept (``Recover``): the last
+        committed step and the blocks an interrupted Commit lost (re-prefill
+        them). Every step that had started and whose Commit was not answered is
+        refused from then on (FAILED_PRECONDITION naming the step): re-run it
+        from Verify under a new step id, unless ``last_committed_step`` is it.
+        RecordStateBlocks of a step committed before the restart is refused
+        too (compute its state_idx from the block table)."""
+        deadline = time.monotonic() + timeout
+        pause = 0.05
+        while True:
+            try:
+                kept = self._resume_once(deadline)
+                break
+            except SpecStateError as e:
+                # A connection that died with the old service fails a call once.
+                if e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                if time.monotonic() + pause >= deadline:
+                    raise SpecStateError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"specstated at {self.client.address} did not answer again within "
+                        f"{timeout:g} s (last: {e.message})") from None
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
         for step in sorted(self._open_steps):
             if not kept.kept:
                 why = (f"step {step} was in flight when specstated restarted without its pools "
