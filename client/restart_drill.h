@@ -105,8 +105,11 @@ class RestartDrill {
  public:
   // `every`: steps between kills (>= 1); `layers`: the layout's, to place
   // crashes inside a later step's calls. Points taken in turn, starting at a
-  // seeded place.
-  RestartDrill(OwnService* service, int every, uint64_t seed, int layers);
+  // seeded place. `cuda`: the CUDA backend, whose Commit phases have no test
+  // hook: the points are between calls, inside Verify, and right after the
+  // Commit's kernels were enqueued (the process dies while they run, so the
+  // Commit may be found not started, interrupted or finished).
+  RestartDrill(OwnService* service, int every, uint64_t seed, int layers, bool cuda = false);
 
   // Before step `s`'s calls: kills the service when a kill between calls
   // is due.
@@ -116,6 +119,12 @@ class RestartDrill {
   absl::Status Restart();
   // What the last death was (for the simulator's expectations).
   KillPoint last_point() const { return last_point_; }
+
+  bool cuda() const { return cuda_; }
+  // ResumeAfterRestart's measurements: how long the session took to resume
+  // (from the restarted service's start), the bytes it kept, and what a
+  // kill at kCommitEnqueued found ("not started", "interrupted", "finished").
+  void NoteResume(absl::Duration resume, uint64_t kept_bytes, const std::string& outcome);
 
   int restarts() const { return restarts_; }
   const std::map<std::string, int>& kills() const { return kills_; }
@@ -139,6 +148,12 @@ class RestartDrill {
   int restarts_ = 0;
   std::map<std::string, int> kills_;
   absl::Duration max_restart_;
+  bool cuda_ = false;
+  absl::Duration max_resume_;
+  absl::Duration total_kill_to_resumed_;
+  uint64_t kept_bytes_ = 0;
+  std::map<std::string, int> enqueued_outcomes_;
+  absl::Time killed_at_;
 };
 
 // The simulator's side of a restart, generic over what it simulates: after a

@@ -380,7 +380,7 @@ int main(int argc, char** argv) {
     absl::StatusOr<v1::Layout> layout = (*client)->GetLayout();
     if (!layout.ok()) return Fail(layout.status());
     RestartDrill drill(service->get(), restart_every, absl::GetFlag(FLAGS_seed),
-                       layout->num_layers());
+                       layout->num_layers(), layout->backend() == v1::CUDA);
     return Simulate({client->get()}, &drill);
   }
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(absl::GetFlag(FLAGS_server));
