@@ -119,7 +119,9 @@ class CpuDevice final : public Device {
       if (key == "MemAvailable:") available = kb * 1024;
     }
     if (available == 0) return absl::InternalError("cannot read MemAvailable from /proc/meminfo");
-    return available;
+    // Kept pools not yet handed to the engine are already here: the engine
+    // counts them among what it needs.
+    return available + (kept_pools_ && !exported_taken_ ? exported_bytes_ : 0);
   }
 
   // A sealed memfd: its size is fixed for everyone (F_SEAL_SHRINK and

@@ -197,7 +197,9 @@ class CudaDevice final : public Device {
     ScopedDevice scoped(ordinal_);
     size_t free = 0, total = 0;
     SPECSTATE_CUDA_RETURN(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
-    return uint64_t{free};
+    // Kept pools not yet handed to the engine are already allocated: the
+    // engine counts them among what it needs.
+    return uint64_t{free} + (kept_pools_ && !exported_taken_ ? exported_bytes_ : 0);
   }
 
   absl::StatusOr<void*> AllocateExported(uint64_t bytes) override {

@@ -235,6 +235,16 @@ TEST_F(RecoveryTest, TheKeepersDeathIsAHealthProblemUntilItIsBack) {
   EXPECT_EQ(next->pools[7], 9);
 }
 
+TEST_F(RecoveryTest, DeferredCommitsAreRefused) {
+  Keeper keeper(options_.keeper);
+  v1::Layout deferred = layout_;
+  deferred.set_commit_mode(v1::DEFERRED);
+  absl::StatusOr<Instance> refused = StartInstance(deferred);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("commit_mode DEFERRED keeps accepted tokens pending"));
+}
+
 TEST_F(RecoveryTest, DescriptorsThatAreNotSpecstatedsAreRefused) {
   Keeper keeper(options_.keeper);
   auto client = keeper::KeeperClient::Connect(options_.keeper);
