@@ -208,7 +208,7 @@ class CudaSharedMemory final : public SharedMemory {
   }
 
   absl::StatusOr<std::unique_ptr<MappedPools>> MapPools(const v1::ExportPoolsResponse& d) override {
-    if (d.cuda_ipc_handle().empty() && !d.pools_fd_socket().empty()) {
+    if (!d.pools_fd_socket().empty()) {  // kept pools: the descriptor, not an IPC handle
       cudaSetDevice(device_);
       cudaFree(nullptr);  // the primary context, current: the driver calls need it
       return MapVmmPools(d, device_);

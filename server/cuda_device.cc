@@ -717,12 +717,15 @@ class CudaDevice final : public Device {
       exported_ = p;
       exported_bytes_ = v.bytes;
       kept_pools_ = true;
+      // Clients import the descriptor (it holds the allocation, whatever
+      // happens to this process); a CUDA IPC handle too where the driver
+      // covers cuMemCreate memory, for clients that only know those.
+      export_fd_ = v.fd;
       cudaIpcMemHandle_t handle;
       if (cudaIpcGetMemHandle(&handle, p) == cudaSuccess) {
         export_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
       } else {
         cudaGetLastError();  // not sticky: clear it
-        export_fd_ = v.fd;
       }
     }
     return KeptMemory{p, v.bytes, v.fd};

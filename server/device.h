@@ -165,9 +165,10 @@ class Device {
   virtual absl::StatusOr<KeptMemory> AttachKept(int fd, uint64_t bytes, bool pools) {
     return absl::UnimplementedError("this device keeps no memory across restarts");
   }
-  // CUDA kept pools that cudaIpcGetMemHandle cannot export: the descriptor
-  // a client imports (ExportPoolsResponse.pools_fd_socket hands it out),
-  // and the allocation's size; -1 when clients use ExportName/ExportHandle.
+  // CUDA kept pools: the descriptor a client imports
+  // (ExportPoolsResponse.pools_fd_socket hands it out; ExportHandle may be
+  // set too, where cudaIpcGetMemHandle covers cuMemCreate memory), and the
+  // allocation's size; -1 when clients use ExportName/ExportHandle only.
   virtual int ExportFd() const { return -1; }
   virtual uint64_t ExportFdBytes() const { return 0; }
   // How a client maps it: a path to open (CPU) or cuda_ipc_handle (CUDA).

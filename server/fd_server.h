@@ -1,7 +1,7 @@
 // Hands one file descriptor to every process of this user that connects to
 // a Unix socket (SOCK_SEQPACKET, mode 0600; the descriptor travels with
 // SCM_RIGHTS): ExportPoolsResponse.pools_fd_socket, through which clients
-// import CUDA kept pools that cudaIpcGetMemHandle cannot export.
+// import CUDA kept pools (a cuMemCreate allocation).
 //
 //   auto server = FdServer::Start("/run/specstate/specstate.sock.pools", fd, "pools 1073741824");
 #ifndef SPECSTATE_SERVER_FD_SERVER_H_

@@ -52,8 +52,8 @@ struct RecoveryOptions {
   // Kept pools that cannot be used (another layout, a damaged header) are
   // dropped and fresh ones made, instead of refusing to start.
   bool discard_kept_pools = false;
-  // CUDA pools that cudaIpcGetMemHandle cannot export: where clients fetch
-  // the allocation's descriptor (ExportPoolsResponse.pools_fd_socket).
+  // CUDA kept pools: where clients fetch the allocation's descriptor
+  // (ExportPoolsResponse.pools_fd_socket).
   std::string pools_fd_socket;
 };
 

@@ -344,7 +344,7 @@ class CudaPools:
 
     def __init__(self, export: pb.ExportPoolsResponse, device: Optional[int] = None) -> None:
         self._vmm = None  # (handle, bytes) of kept pools imported by descriptor
-        vmm = not export.cuda_ipc_handle and bool(export.pools_fd_socket)
+        vmm = bool(export.pools_fd_socket)  # kept pools: the descriptor, not an IPC handle
         if not vmm and len(export.cuda_ipc_handle) != IPC_HANDLE_BYTES:
             raise SpecStateError(
                 grpc.StatusCode.FAILED_PRECONDITION,
