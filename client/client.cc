@@ -1,5 +1,6 @@
 #include "client/client.h"
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 
@@ -59,6 +60,15 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const std::string& addre
   if (address.empty()) return absl::InvalidArgumentError("server address is empty");
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(512 << 20);
+  // A restarted specstated is found again within a second (gRPC's default
+  // reconnect backoff starts at 1 s and grows to 120 s).
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  // A connection of its own: a channel that shared another's (gRPC's global
+  // subchannel pool) would inherit a connection to a specstated that has
+  // died and been restarted, and fail its first call.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::microseconds(absl::ToInt64Microseconds(timeout));
@@ -97,6 +107,12 @@ absl::StatusOr<v1::ListRegionsResponse> Client::ListRegions(const std::string& s
   r.set_session_id(session_id);
   return Call<v1::ListRegionsRequest, v1::ListRegionsResponse>(
       this, &v1::SpecState::Stub::ListRegions, r);
+}
+
+absl::StatusOr<v1::RecoverResponse> Client::Recover(bool verify) {
+  v1::RecoverRequest r;
+  r.set_verify(verify);
+  return Call<v1::RecoverRequest, v1::RecoverResponse>(this, &v1::SpecState::Stub::Recover, r);
 }
 
 absl::StatusOr<std::string> Client::Health(const std::string& service) {
@@ -235,7 +251,11 @@ absl::StatusOr<std::vector<std::unique_ptr<Client>>> ConnectRanks(
 // ---------------------------------------------------------------------------
 
 absl::Status Session::Open(const std::string& client_name, bool drive, uint32_t lease_ms) {
-  stream_ = client_->stub().Session(&stream_context_);
+  client_name_ = client_name;
+  drive_requested_ = drive;
+  lease_ms_ = lease_ms;
+  stream_context_ = std::make_unique<grpc::ClientContext>();
+  stream_ = client_->stub().Session(stream_context_.get());
   v1::SessionRequest open;
   open.mutable_open()->set_client_name(client_name);
   open.mutable_open()->set_drive(drive);
@@ -275,10 +295,9 @@ void Session::RenewLoop() {
   }
 }
 
-absl::Status Session::Close() {
+absl::Status Session::EndStream() {
   {
     absl::MutexLock lock(&mu_);
-    if (closing_) return absl::OkStatus();
     closing_ = true;
   }
   if (renewer_.joinable()) renewer_.join();
@@ -290,7 +309,17 @@ absl::Status Session::Close() {
     grpc::Status st = stream_->Finish();
     // DEADLINE_EXCEEDED: the lease already ran out, which ended the session too.
     if (!st.ok() && st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) result = FromGrpc(st);
+    stream_.reset();
   }
+  return result;
+}
+
+absl::Status Session::Close() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (closing_) return absl::OkStatus();
+  }
+  absl::Status result = EndStream();
   {
     absl::MutexLock lock(&regions_mu_);
     regions_.clear();
@@ -314,7 +343,7 @@ absl::StatusOr<std::string> Session::RegisterBuffer(const SharedBuffer& buffer, 
   if (!st.ok()) return FromGrpc(st);
   absl::MutexLock lock(&regions_mu_);
   regions_.push_back(
-      Registered{static_cast<const char*>(buffer.data()), buffer.byte_size(), name});
+      Registered{static_cast<const char*>(buffer.data()), buffer.byte_size(), name, request});
   return name;
 }
 
@@ -383,29 +412,74 @@ absl::StatusOr<v1::IndexTensor> Session::Index(const int32_t* data, std::vector<
 
 absl::Status Session::LoadLayerParams(v1::LoadLayerParamsRequest request) {
   request.set_session_id(id_);
-  return Call<v1::LoadLayerParamsRequest, v1::LoadLayerParamsResponse>(
-             client_, &v1::SpecState::Stub::LoadLayerParams, request)
-      .status();
+  absl::Status st = Call<v1::LoadLayerParamsRequest, v1::LoadLayerParamsResponse>(
+                        client_, &v1::SpecState::Stub::LoadLayerParams, request)
+                        .status();
+  if (st.ok()) {
+    absl::MutexLock lock(&setup_mu_);
+    params_[request.layer()] = std::move(request);
+  }
+  return st;
+}
+
+absl::Status Session::CheckStep(uint64_t step, bool record) const {
+  absl::MutexLock lock(&steps_mu_);
+  auto lost = lost_steps_.find(step);
+  if (lost != lost_steps_.end()) return absl::FailedPreconditionError(lost->second);
+  if (record) {
+    auto unrecordable = unrecordable_steps_.find(step);
+    if (unrecordable != unrecordable_steps_.end()) {
+      return absl::FailedPreconditionError(unrecordable->second);
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Session::NoteStep(uint64_t step, const absl::Status& result, bool commit) {
+  constexpr size_t kRemembered = 64;  // steps; a scheduler has one or two in flight
+  absl::MutexLock lock(&steps_mu_);
+  if (commit && result.ok()) {
+    open_steps_.erase(step);
+    committed_steps_.insert(step);
+    while (committed_steps_.size() > kRemembered) committed_steps_.erase(committed_steps_.begin());
+    return;
+  }
+  if (committed_steps_.count(step) != 0) return;
+  open_steps_.insert(step);
+  while (open_steps_.size() > kRemembered) open_steps_.erase(open_steps_.begin());
 }
 
 absl::StatusOr<v1::VerifyResponse> Session::Verify(const v1::VerifyRequest& request) {
-  return CallInSession<v1::VerifyRequest, v1::VerifyResponse>(
+  if (absl::Status st = CheckStep(request.step(), false); !st.ok()) return st;
+  absl::StatusOr<v1::VerifyResponse> r = CallInSession<v1::VerifyRequest, v1::VerifyResponse>(
       client_, id_, &v1::SpecState::Stub::Verify, request);
+  NoteStep(request.step(), r.status(), false);
+  return r;
 }
 
 absl::StatusOr<v1::BindVerifyInputsResponse> Session::BindVerifyInputs(
     const v1::BindVerifyInputsRequest& request) {
-  return CallInSession<v1::BindVerifyInputsRequest, v1::BindVerifyInputsResponse>(
-      client_, id_, &v1::SpecState::Stub::BindVerifyInputs, request);
+  absl::StatusOr<v1::BindVerifyInputsResponse> r =
+      CallInSession<v1::BindVerifyInputsRequest, v1::BindVerifyInputsResponse>(
+          client_, id_, &v1::SpecState::Stub::BindVerifyInputs, request);
+  if (r.ok()) {
+    absl::MutexLock lock(&setup_mu_);
+    bindings_[request.layer()] = request;
+  }
+  return r;
 }
 
 absl::StatusOr<v1::CommitResponse> Session::Commit(const v1::CommitRequest& request) {
-  return CallInSession<v1::CommitRequest, v1::CommitResponse>(
+  if (absl::Status st = CheckStep(request.step(), false); !st.ok()) return st;
+  absl::StatusOr<v1::CommitResponse> r = CallInSession<v1::CommitRequest, v1::CommitResponse>(
       client_, id_, &v1::SpecState::Stub::Commit, request);
+  NoteStep(request.step(), r.status(), true);
+  return r;
 }
 
 absl::StatusOr<v1::RecordStateBlocksResponse> Session::RecordStateBlocks(
     const v1::RecordStateBlocksRequest& request) {
+  if (absl::Status st = CheckStep(request.step(), true); !st.ok()) return st;
   return CallInSession<v1::RecordStateBlocksRequest, v1::RecordStateBlocksResponse>(
       client_, id_, &v1::SpecState::Stub::RecordStateBlocks, request);
 }
@@ -416,8 +490,141 @@ absl::StatusOr<v1::FlushResponse> Session::Flush(const v1::FlushRequest& request
 }
 
 absl::StatusOr<v1::SubmitStepResponse> Session::SubmitStep(const v1::SubmitStepRequest& request) {
-  return CallInSession<v1::SubmitStepRequest, v1::SubmitStepResponse>(
-      client_, id_, &v1::SpecState::Stub::SubmitStep, request);
+  const bool has_step = request.verifies_size() > 0 || request.has_commit();
+  const uint64_t step =
+      request.verifies_size() > 0 ? request.verifies(0).step() : request.commit().step();
+  if (has_step) {
+    if (absl::Status st = CheckStep(step, false); !st.ok()) return st;
+  }
+  absl::StatusOr<v1::SubmitStepResponse> r =
+      CallInSession<v1::SubmitStepRequest, v1::SubmitStepResponse>(
+          client_, id_, &v1::SpecState::Stub::SubmitStep, request);
+  if (has_step) NoteStep(step, r.status(), request.has_commit());
+  return r;
+}
+
+std::vector<uint64_t> Session::lost_steps() const {
+  absl::MutexLock lock(&steps_mu_);
+  std::vector<uint64_t> out;
+  for (const auto& [step, why] : lost_steps_) out.push_back(step);
+  return out;
+}
+
+absl::Status Session::ResumeOnce(absl::Time end, absl::StatusOr<v1::RecoverResponse>* kept) {
+  EndStream().IgnoreError();  // the old stream broke with the old service
+  {
+    grpc::ClientContext ctx;
+    ctx.set_wait_for_ready(true);
+    SetDeadline(&ctx, std::max(absl::Milliseconds(1),
+                               std::min(absl::Seconds(1), end - absl::Now())));
+    v1::RecoverResponse response;
+    grpc::Status st = client_->stub().Recover(&ctx, v1::RecoverRequest(), &response);
+    if (!st.ok()) return FromGrpc(st);
+    *kept = std::move(response);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    closing_ = false;
+  }
+  absl::Status st = Open(client_name_, drive_requested_, lease_ms_);
+  if (!st.ok()) return st;
+  std::vector<Registered> regions;
+  {
+    absl::MutexLock lock(&regions_mu_);
+    regions = regions_;
+  }
+  for (Registered& r : regions) {
+    r.request.set_session_id(id_);
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, client_->deadline());
+    v1::RegisterRegionResponse response;
+    grpc::Status registered = client_->stub().RegisterRegion(&ctx, r.request, &response);
+    if (!registered.ok()) {
+      const absl::Status failed = FromGrpc(registered);
+      return absl::Status(failed.code(), absl::StrCat("registering region \"", r.name,
+                                                      "\" again: ", failed.message()));
+    }
+  }
+  std::map<int, v1::LoadLayerParamsRequest> params;
+  std::map<int, v1::BindVerifyInputsRequest> bindings;
+  {
+    absl::MutexLock lock(&setup_mu_);
+    params = params_;
+    bindings = bindings_;
+  }
+  for (auto& [layer, request] : params) {
+    st = LoadLayerParams(request);
+    if (!st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("LoadLayerParams of layer ", layer,
+                                                  " again: ", st.message()));
+    }
+  }
+  for (auto& [layer, request] : bindings) {
+    absl::StatusOr<v1::BindVerifyInputsResponse> bound = BindVerifyInputs(request);
+    if (!bound.ok()) {
+      return absl::Status(bound.status().code(),
+                          absl::StrCat("BindVerifyInputs of layer ", layer, " again: ",
+                                       bound.status().message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::RecoverResponse> Session::Resume(absl::Duration timeout) {
+  // Every attempt: what the service kept, a new session, its set-up again.
+  // A connection that died with the old service fails a call once
+  // (UNAVAILABLE); the attempt is then made again, with backoff.
+  const absl::Time end = absl::Now() + timeout;
+  absl::Duration pause = absl::Milliseconds(50);
+  absl::StatusOr<v1::RecoverResponse> kept;
+  for (;;) {
+    absl::Status attempt = ResumeOnce(end, &kept);
+    if (attempt.ok()) break;
+    if (attempt.code() != absl::StatusCode::kUnavailable &&
+        attempt.code() != absl::StatusCode::kDeadlineExceeded) {
+      return attempt;
+    }
+    if (absl::Now() + pause >= end) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("specstated at ", client_->address(), " did not answer again within ",
+                       absl::FormatDuration(timeout), " (last: ", attempt.message(), ")"));
+    }
+    absl::SleepFor(pause);
+    pause = std::min(pause * 2, absl::Seconds(1));
+  }
+  absl::MutexLock lock(&steps_mu_);
+  for (uint64_t step : open_steps_) {
+    std::string why;
+    if (!kept->kept()) {
+      why = absl::StrCat("step ", step, " was in flight when specstated restarted without its "
+                         "pools (nothing kept them): every state is gone; re-prefill every "
+                         "request");
+    } else if (kept->interrupted() && kept->interrupted_step() == step) {
+      why = absl::StrCat("step ", step, "'s Commit was interrupted when specstated restarted: ",
+                         kept->lost_blocks_size(), " blocks are lost (Recover's lost_blocks: "
+                         "re-prefill them), nothing else of it was committed; re-run it from "
+                         "Verify under a new step id");
+    } else if (kept->last_committed_step() == step && step != 0) {
+      why = absl::StrCat("step ", step, " was committed before specstated restarted (Recover: "
+                         "last committed step ", step, ") but the answer was lost; its records "
+                         "did not survive: go on with the next step");
+    } else {
+      why = absl::StrCat("step ", step, " was in flight when specstated restarted (the last "
+                         "committed step is ", kept->last_committed_step(), "): nothing of it "
+                         "was committed and its Verify records did not survive; re-run it from "
+                         "Verify under a new step id");
+    }
+    lost_steps_[step] = why;
+  }
+  for (uint64_t step : committed_steps_) {
+    unrecordable_steps_[step] = absl::StrCat(
+        "step ", step, " was committed before specstated restarted; its RecordStateBlocks "
+        "cannot run in the new session (the step's records are gone): compute state_idx from "
+        "the block table");
+  }
+  open_steps_.clear();
+  committed_steps_.clear();
+  return kept;
 }
 
 }  // namespace client

@@ -18,6 +18,19 @@
 // UNAVAILABLE (server down) / DEADLINE_EXCEEDED from the transport. A Session
 // keeps its stream open and renews its lease from a background thread; when it
 // is closed or destroyed the session ends and the server unregisters its regions.
+//
+// When specstated restarts (its pools kept by a keeper or systemd), a call
+// fails UNAVAILABLE; Session::Resume() then reconnects, opens the session
+// again and puts back what the session had set up, and returns what the
+// service kept. The step that was in flight is refused afterwards
+// (FAILED_PRECONDITION naming it): re-run it under a new step id.
+//
+//   absl::StatusOr<v1::CommitResponse> c = session->Commit(commit);
+//   if (c.status().code() == absl::StatusCode::kUnavailable) {
+//     v1::RecoverResponse kept = session->Resume().value();
+//     // re-prefill kept.lost_blocks(); re-run the step unless it is
+//     // kept.last_committed_step()
+//   }
 #ifndef SPECSTATE_CLIENT_CLIENT_H_
 #define SPECSTATE_CLIENT_CLIENT_H_
 
@@ -25,6 +38,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -64,6 +78,9 @@ class Client {
   absl::StatusOr<v1::ReadStateResponse> ReadState(int layer, int block, bool values);
   absl::StatusOr<v1::Stats> GetStats();
   absl::StatusOr<v1::ListRegionsResponse> ListRegions(const std::string& session_id = "");
+  // What the service kept across its last restart (Recover); with `verify`,
+  // its pools' bookkeeping re-checked too (specstatectl verify-pools).
+  absl::StatusOr<v1::RecoverResponse> Recover(bool verify = false);
   // grpc.health.v1 Check of `service` ("" = the server as a whole): the
   // status name, e.g. "SERVING".
   absl::StatusOr<std::string> Health(const std::string& service = "");
@@ -168,23 +185,55 @@ class Session {
   // the session or the stream broke).
   bool alive() const { return alive_.load(); }
 
+  // After specstated restarted (a call failed UNAVAILABLE, or alive() went
+  // false): waits for the service to answer again, retrying with backoff
+  // (50 ms doubling to 1 s) for up to `timeout`; opens a new session with
+  // this one's client name, drive flag and lease (id() changes); registers
+  // every buffer registered here again under its name, and sends the last
+  // LoadLayerParams and BindVerifyInputs of each layer again; step ids
+  // continue. Returns what the service kept (Recover): the last committed
+  // step, and the blocks lost to an interrupted Commit (re-prefill them).
+  // Every step that had started here and whose Commit was not answered is
+  // then refused (FAILED_PRECONDITION naming the step) without being sent:
+  // re-run it from Verify under a new step id (NextStep()), unless Recover
+  // says it was committed. The same for RecordStateBlocks of a step
+  // committed before the restart (compute its state_idx yourself).
+  // \returns DEADLINE_EXCEEDED when the service does not answer within
+  //   `timeout`; the service's error when the session cannot be opened
+  //   again or a registration fails (e.g. NOT_FOUND: the buffer is gone).
+  absl::StatusOr<v1::RecoverResponse> Resume(absl::Duration timeout = absl::Seconds(60));
+
+  // The steps Resume found in flight (refused from then on).
+  std::vector<uint64_t> lost_steps() const;
+
  private:
   friend class Client;
   Session(Client* client) : client_(client) {}
   absl::Status Open(const std::string& client_name, bool drive, uint32_t lease_ms);
   void RenewLoop();
+  // Stops the renewal thread and finishes the stream, whatever its state.
+  absl::Status EndStream();
+  // One attempt of Resume (up to `end`): Recover, a new session, its set-up.
+  absl::Status ResumeOnce(absl::Time end, absl::StatusOr<v1::RecoverResponse>* kept);
+
+  // A driving call's step bookkeeping for Resume: `started` once any call of
+  // the step was sent, `done` once its Commit was answered (OK).
+  absl::Status CheckStep(uint64_t step, bool record) const;
+  void NoteStep(uint64_t step, const absl::Status& result, bool commit);
 
   struct Registered {
     const char* begin;
     uint64_t bytes;
     std::string name;
+    v1::RegisterRegionRequest request;  // as sent, for Resume
   };
 
   Client* const client_;
   std::string id_;
   bool driving_ = false;
   absl::Duration lease_;
-  grpc::ClientContext stream_context_;
+  bool drive_requested_ = false;
+  std::unique_ptr<grpc::ClientContext> stream_context_;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream_;
   std::thread renewer_;
   std::atomic<bool> alive_{false};
@@ -193,7 +242,20 @@ class Session {
   mutable absl::Mutex regions_mu_;
   std::vector<Registered> regions_ ABSL_GUARDED_BY(regions_mu_);
   int next_region_ = 0;
-  uint64_t last_step_ = 0;
+  std::atomic<uint64_t> last_step_{0};
+  // For Resume: how the session was opened, and what it set up.
+  std::string client_name_;
+  uint32_t lease_ms_ = 0;
+  mutable absl::Mutex setup_mu_;
+  std::map<int, v1::LoadLayerParamsRequest> params_ ABSL_GUARDED_BY(setup_mu_);
+  std::map<int, v1::BindVerifyInputsRequest> bindings_ ABSL_GUARDED_BY(setup_mu_);
+  // Steps sent and not yet committed (in flight), the last committed ones,
+  // and those Resume found in flight (with why they are refused).
+  mutable absl::Mutex steps_mu_;
+  std::set<uint64_t> open_steps_ ABSL_GUARDED_BY(steps_mu_);
+  std::set<uint64_t> committed_steps_ ABSL_GUARDED_BY(steps_mu_);
+  std::map<uint64_t, std::string> lost_steps_ ABSL_GUARDED_BY(steps_mu_);
+  std::map<uint64_t, std::string> unrecordable_steps_ ABSL_GUARDED_BY(steps_mu_);
 };
 
 }  // namespace client

@@ -1,11 +1,15 @@
 // CUDA shared memory: cudaMalloc'd buffers exported by IPC handle, and the
 // service's pools opened from theirs.
+#include <cuda.h>
 #include <cuda_runtime.h>
+#include <unistd.h>
 
 #include <cstring>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 #include "client/shared_memory.h"
+#include "keeper/fd_passing.h"
 #include "kernels/cuda_status.h"
 
 namespace specstate {
@@ -44,6 +48,124 @@ class CudaPools final : public MappedPools {
  private:
   void* base_;
 };
+
+// Kept pools (a cuMemCreate allocation) imported from the descriptor the
+// service hands out on ExportPools' pools_fd_socket, mapped read-write here.
+struct VmmApi {
+  using ImportFn = CUresult (*)(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType);
+  using ReserveFn = CUresult (*)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long);
+  using FreeFn = CUresult (*)(CUdeviceptr, size_t);
+  using MapFn = CUresult (*)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                             unsigned long long);
+  using UnmapFn = CUresult (*)(CUdeviceptr, size_t);
+  using AccessFn = CUresult (*)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
+  using ReleaseFn = CUresult (*)(CUmemGenericAllocationHandle);
+  ImportFn import = nullptr;
+  ReserveFn reserve = nullptr;
+  FreeFn free = nullptr;
+  MapFn map = nullptr;
+  UnmapFn unmap = nullptr;
+  AccessFn access = nullptr;
+  ReleaseFn release = nullptr;
+
+  static absl::StatusOr<VmmApi> Load() {
+    VmmApi api;
+    const auto entry = [](const char* name, auto* fn) -> absl::Status {
+      void* p = nullptr;
+      cudaDriverEntryPointQueryResult result;
+      if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &result) !=
+              cudaSuccess ||
+          result != cudaDriverEntryPointSuccess || p == nullptr) {
+        return absl::UnavailableError(absl::StrCat("the CUDA driver has no ", name));
+      }
+      *fn = reinterpret_cast<std::remove_pointer_t<decltype(fn)>>(p);
+      return absl::OkStatus();
+    };
+    absl::Status st = entry("cuMemImportFromShareableHandle", &api.import);
+    if (st.ok()) st = entry("cuMemAddressReserve", &api.reserve);
+    if (st.ok()) st = entry("cuMemAddressFree", &api.free);
+    if (st.ok()) st = entry("cuMemMap", &api.map);
+    if (st.ok()) st = entry("cuMemUnmap", &api.unmap);
+    if (st.ok()) st = entry("cuMemSetAccess", &api.access);
+    if (st.ok()) st = entry("cuMemRelease", &api.release);
+    if (!st.ok()) return st;
+    return api;
+  }
+};
+
+class VmmPools final : public MappedPools {
+ public:
+  VmmPools(const v1::ExportPoolsResponse& d, VmmApi api, CUmemGenericAllocationHandle handle,
+           CUdeviceptr base, size_t bytes)
+      : api_(api), handle_(handle), base_(base), bytes_(bytes) {
+    description_ = d;
+  }
+  ~VmmPools() override {
+    api_.unmap(base_, bytes_);
+    api_.free(base_, bytes_);
+    api_.release(handle_);
+  }
+  char* base() const override { return reinterpret_cast<char*>(base_); }
+
+ private:
+  VmmApi api_;
+  CUmemGenericAllocationHandle handle_;
+  CUdeviceptr base_;
+  size_t bytes_;
+};
+
+absl::StatusOr<std::unique_ptr<MappedPools>> MapVmmPools(const v1::ExportPoolsResponse& d,
+                                                         int device) {
+  absl::StatusOr<VmmApi> api = VmmApi::Load();
+  if (!api.ok()) return api.status();
+  absl::StatusOr<int> socket = keeper::ConnectSeqpacket(d.pools_fd_socket());
+  if (!socket.ok()) return socket.status();
+  absl::StatusOr<keeper::FdMessage> got = keeper::ReceiveWithFds(*socket, absl::Seconds(10));
+  close(*socket);
+  if (!got.ok()) {
+    return absl::Status(got.status().code(), absl::StrCat("the pools' descriptor from ",
+                                                          d.pools_fd_socket(), ": ",
+                                                          got.status().message()));
+  }
+  if (got->fds.size() != 1) {
+    keeper::CloseAll(&got->fds);
+    return absl::DataLossError(absl::StrCat(d.pools_fd_socket(), " sent ", got->fds.size(),
+                                            " descriptors, not the pools' one"));
+  }
+  const int fd = got->fds[0];
+  const size_t bytes = d.pools_fd_bytes();
+  CUmemGenericAllocationHandle handle = 0;
+  CUresult r = api->import(&handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  close(fd);  // the imported handle holds the allocation
+  if (r != CUDA_SUCCESS) {
+    return absl::InternalError(absl::StrCat("cuMemImportFromShareableHandle of the pools: error ",
+                                            static_cast<int>(r)));
+  }
+  CUdeviceptr base = 0;
+  r = api->reserve(&base, bytes, 0, 0, 0);
+  if (r == CUDA_SUCCESS) {
+    r = api->map(base, bytes, 0, handle, 0);
+    if (r != CUDA_SUCCESS) api->free(base, bytes);
+  }
+  if (r == CUDA_SUCCESS) {
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = device;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    r = api->access(base, bytes, &access, 1);
+    if (r != CUDA_SUCCESS) {
+      api->unmap(base, bytes);
+      api->free(base, bytes);
+    }
+  }
+  if (r != CUDA_SUCCESS) {
+    api->release(handle);
+    return absl::InternalError(absl::StrCat("mapping the imported pools (", bytes,
+                                            " bytes): CUDA driver error ", static_cast<int>(r)));
+  }
+  return std::unique_ptr<MappedPools>(new VmmPools(d, *api, handle, base, bytes));
+}
 
 class CudaIpcEvent final : public IpcEvent {
  public:
@@ -86,6 +208,11 @@ class CudaSharedMemory final : public SharedMemory {
   }
 
   absl::StatusOr<std::unique_ptr<MappedPools>> MapPools(const v1::ExportPoolsResponse& d) override {
+    if (!d.pools_fd_socket().empty()) {  // kept pools: the descriptor, not an IPC handle
+      cudaSetDevice(device_);
+      cudaFree(nullptr);  // the primary context, current: the driver calls need it
+      return MapVmmPools(d, device_);
+    }
     if (d.cuda_ipc_handle().size() != sizeof(cudaIpcMemHandle_t)) {
       return absl::FailedPreconditionError(
           "the service exports its pools by shared-memory name: this client uses CUDA");

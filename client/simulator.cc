@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/strings/str_format.h"
+#include "client/restart_drill.h"
 #include "kernels/kda_kernels.h"
 #include "kernels/numeric.h"
 #include "server/fnv1a.h"
@@ -207,6 +208,7 @@ class Simulator {
       if (!st.ok()) return st;
     }
     report_.latency = latencies_.Summaries();
+    if (options_.drill != nullptr) report_.restart_summary = options_.drill->Summary();
     st = session_->Close();
     if (!st.ok()) return st;
     return report_;
@@ -764,7 +766,20 @@ class Simulator {
     if (!st.ok()) return st;
     TracePhase(s, "stock path done");
 
-    st = RunVerifies(p);
+    st = options_.drill != nullptr ? ServiceCallsAcrossRestarts(p) : ServiceCalls(p);
+    if (st.ok()) st = CompareCommitted(p);
+    if (st.ok() && deferred_) st = MaterializeSome(p.step);
+    if (st.ok() && s == options_.corrupt_after_step) {
+      st = CorruptARunningState(/*flip=*/rank_ == options_.corrupt_rank);
+    }
+    return st;
+  }
+
+  // The step's calls to the service, from Verify (SYNC, or with the inputs'
+  // doorbell rung) to RecordStateBlocks, and the checks of their outputs.
+  absl::Status ServiceCalls(const StepPlan& p) {
+    const int s = p.step;
+    absl::Status st = RunVerifies(p);
     if (!st.ok()) return st;
     TracePhase(s, "Verify done");
     if (s == options_.crash_after_verify_step) Crash();
@@ -774,12 +789,70 @@ class Simulator {
     if (st.ok() && deferred_) st = SnapshotCheckpoints(p);
     if (st.ok()) st = CommitStep(p);
     if (st.ok() && align_) st = RecordStateBlocks(p);
-    if (st.ok()) st = CompareCommitted(p);
-    if (st.ok() && deferred_) st = MaterializeSome(p.step);
-    if (st.ok() && s == options_.corrupt_after_step) {
-      st = CorruptARunningState(/*flip=*/rank_ == options_.corrupt_rank);
-    }
     return st;
+  }
+
+  // ServiceCalls under a restart drill: when the service dies during them,
+  // the drill starts it again; what it kept is checked (ResumeAfterRestart),
+  // the lost blocks re-prefilled (their bytes from before the step) and the
+  // step re-run under a new step id unless its Commit had finished.
+  absl::Status ServiceCallsAcrossRestarts(StepPlan& p) {
+    options_.drill->BeforeStep(p.step);
+    const uint64_t bytes = pools_->description().allocation_bytes();
+    std::vector<char> before(bytes);
+    absl::Status st = memory_->CopyOut(before.data(), pools_->base(), bytes);
+    if (!st.ok()) return st;
+    for (int attempt = 0;; ++attempt) {
+      st = ServiceCalls(p);
+      if (st.code() != absl::StatusCode::kUnavailable || attempt == 4) return st;
+      // The blocks this step's Commit writes (ForEachCommitWrite's: each live
+      // row's final block, and in align mode a boundary block besides it).
+      std::vector<int32_t> writes;
+      for (int i = 0; i < R_; ++i) {
+        if (!requests_[i].live) continue;
+        const Request& r = requests_[i];
+        const int64_t fnc = r.num_computed + p.accepted[i];
+        const int32_t final_block =
+            align_ ? r.table[std::min<int64_t>((fnc - 1) / bs_, width_ - 1)] : p.checkpoint[i];
+        writes.push_back(final_block);
+        const int64_t next_boundary = (r.num_computed / std::max(bs_, 1) + 1) * bs_;
+        if (align_ && fnc >= next_boundary) {
+          const int32_t b = r.table[next_boundary / bs_ - 1];
+          if (b > 0 && b != final_block) writes.push_back(b);
+        }
+      }
+      const auto spans = [this](int32_t block) {
+        std::vector<std::pair<uint64_t, uint64_t>> out;
+        for (const v1::PoolView& v : pools_->description().pools()) {
+          const uint64_t size = v.byte_size() / std::max<int64_t>(v.shape(0), 1);
+          out.emplace_back(v.offset_bytes() + block * size, v.offset_bytes() + (block + 1) * size);
+        }
+        return out;
+      };
+      const auto read_now = [this, bytes](std::vector<char>* now) {
+        now->resize(bytes);
+        return memory_->CopyOut(now->data(), pools_->base(), bytes);
+      };
+      absl::StatusOr<ResumeOutcome> resumed = ResumeAfterRestart(
+          *options_.drill, *session_, p.step_id, writes, before, read_now, spans,
+          [this, s = p.step](const std::string& what) { Mismatch(absl::StrCat("step ", s, ": ", what)); });
+      if (!resumed.ok()) return resumed.status();
+      ++report_.restarts;
+      report_.lost_blocks += resumed->lost.size();
+      for (int32_t block : resumed->lost) {  // the scheduler's re-prefill
+        for (const auto& [begin, end] : spans(block)) {
+          st = memory_->CopyIn(pools_->base() + begin, before.data() + begin, end - begin);
+          if (!st.ok()) return st;
+        }
+      }
+      if (resumed->committed) {
+        // Its Commit finished; its answer (and, in align mode, its
+        // RecordStateBlocks in the old session) was lost.
+        return absl::OkStatus();
+      }
+      ++report_.steps_rerun;
+      BuildVerifies(p);  // a new step id
+    }
   }
 
   // Churn: finished requests leave, new ones arrive; sometimes a slot stays
@@ -1691,6 +1764,11 @@ absl::StatusOr<SimulationReport> RunSimulation(Client& client, const SimulationO
     return absl::InvalidArgumentError(
         absl::StrCat("corrupt_rank = ", options.corrupt_rank, " is not a rank of 1 service"));
   }
+  if (options.drill != nullptr && options.async) {
+    return absl::InvalidArgumentError(
+        "a restart drill runs SYNC steps: ASYNC calls sent ahead would have to be re-sent in "
+        "order after a restart");
+  }
   Simulator sim(client, options);
   return sim.Run();
 }
@@ -1705,6 +1783,9 @@ absl::StatusOr<SimulationReport> RunSimulation(const std::vector<Client*>& ranks
     return absl::InvalidArgumentError(absl::StrCat(
         "the crash tests (crash_after_verify_step, abandon_commit_at_step) drive one service, "
         "not ", tp, " ranks"));
+  }
+  if (options.drill != nullptr) {
+    return absl::InvalidArgumentError("a restart drill drives one service, not ranks");
   }
   if (options.corrupt_rank < 0 || options.corrupt_rank >= tp) {
     return absl::InvalidArgumentError(absl::StrCat("corrupt_rank = ", options.corrupt_rank,
@@ -1801,6 +1882,11 @@ std::string FormatReport(const SimulationReport& r) {
     out += absl::StrFormat("tensor parallelism: TP=%d, one service per rank\n", r.tensor_parallel);
     for (const std::string& rank : r.ranks) out += absl::StrCat("  ", rank, "\n");
   }
+  if (!r.restart_summary.empty()) {
+    out += absl::StrFormat(
+        "restart drill: %s; %d steps re-run, %d blocks reported lost (and re-prefilled)\n",
+        r.restart_summary, r.steps_rerun, r.lost_blocks);
+  }
   out += "latency per RPC (us):           calls      p50      p99     mean\n";
   for (const auto& [rpc, s] : r.latency) {
     out += absl::StrFormat("  %-28s %7d %8.1f %8.1f %8.1f\n", rpc, s.count, s.p50_us, s.p99_us,
@@ -1815,8 +1901,9 @@ std::string FormatReport(const SimulationReport& r) {
   } else if (r.passed()) {
     out += absl::StrFormat(
         "verdict: PASS: %d comparisons, every output, state and conv window bit-identical to "
-        "the stock path\n",
-        r.comparisons);
+        "the stock path%s\n",
+        r.comparisons,
+        r.restarts > 0 ? absl::StrFormat(", across %d restarts of the service", r.restarts) : "");
   } else if (r.comparisons == 0) {
     out += "verdict: FAIL: nothing was compared\n";
   } else if (r.mismatches == 0) {  // tensor parallelism, no TP=1 comparison

@@ -54,6 +54,8 @@
 namespace specstate {
 namespace client {
 
+class RestartDrill;  // client/restart_drill.h
+
 struct SimulationProgress {
   int step = 0;
   int steps = 0;
@@ -94,6 +96,15 @@ struct SimulationOptions {
   // The commit mode the service must run: "" (any), "eager" or "deferred"
   // (FAILED_PRECONDITION otherwise). The checks follow the service's mode.
   std::string commit_mode;
+  // Restart drills (client/restart_drill.h; specstatectl simulate
+  // --restart_every): the drill kills the service now and then (between
+  // calls, inside a Verify, inside a Commit) and starts it again; the
+  // simulator then resumes its session (Session::Resume), checks what the
+  // service kept (a finished Commit kept, an interrupted one's blocks and
+  // only those reported lost, every other pool byte unchanged, the step in
+  // flight refused), re-prefills the lost blocks and re-runs the step, and
+  // goes on comparing every state bit for bit. One service, SYNC ordering.
+  RestartDrill* drill = nullptr;
   // Called after every step (under tensor parallelism, once every rank has
   // done it, with the ranks' sums).
   std::function<void(const SimulationProgress&)> progress;
@@ -141,6 +152,12 @@ struct SimulationReport {
   uint64_t materialized_by_flush = 0;
   uint64_t materialized_by_read = 0;  // (layer, block) pairs ReadState materialized
   uint64_t discarded = 0;             // finished requests' pending blocks flushed with discard
+  // Restart drills: restarts survived, steps re-run, blocks reported lost
+  // (and re-prefilled), and the drill's summary.
+  int restarts = 0;
+  uint64_t steps_rerun = 0;
+  uint64_t lost_blocks = 0;
+  std::string restart_summary;
   bool passed() const {
     return mismatches == 0 && comparisons > 0 && (tensor_parallel == 1 || tp1_comparisons > 0);
   }

@@ -5,12 +5,17 @@
 //   specstatectl regions
 //   specstatectl state --layer=0 --block=1 [--values]
 //   specstatectl stats
+//   specstatectl recover          # what a restarted service kept: last committed step, lost blocks
+//   specstatectl verify-pools     # the pools' bookkeeping re-checked (exit 4 when inconsistent)
 //   specstatectl simulate --steps=50 --requests=4 [--async] [--seed=N]
 //   specstatectl simulate --servers=unix:///run/specstate/specstate-0.sock,unix:///...-1.sock
 //                                        # tensor parallelism: one service per rank
+//   specstatectl simulate --restart_every=8 --steps=200
+//                                        # its own keeper + specstated, killed and restarted
 //
 // Exit status: 0 on success; 1 on an error; 2 on bad usage; 3 when simulate's
-// verdict fails (a state differs from the stock path).
+// verdict fails (a state differs from the stock path); 4 when verify-pools
+// finds the bookkeeping inconsistent.
 #include <unistd.h>
 
 #include <cstdio>
@@ -19,12 +24,15 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/parse.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
+#include "client/restart_drill.h"
 #include "client/simulator.h"
 #include "google/protobuf/util/json_util.h"
 #include "kernels/kda_kernels.h"
@@ -62,6 +70,18 @@ ABSL_FLAG(std::string, commit_mode, "",
           "simulate: the commit mode the service must run (eager or deferred; empty: any); "
           "the checks follow the service's mode");
 ABSL_FLAG(int, corrupt_rank, 0, "simulate with --servers: the rank whose state --corrupt_after_step flips");
+ABSL_FLAG(int, restart_every, 0,
+          "simulate: a restart drill: start a specstate-keeper and a specstated of its own (in a "
+          "temporary directory; not with --server) and kill the service about every N steps, in "
+          "turn between calls, inside a Verify and inside a Commit (at each of its phases); the "
+          "verdict still compares every state bit for bit and checks what each restart kept");
+ABSL_FLAG(std::string, service_flags, "",
+          "simulate --restart_every: flags of its own specstated, space-separated (default: the "
+          "CPU backend's default layout)");
+ABSL_FLAG(std::string, specstated, "",
+          "simulate --restart_every: the specstated binary (default: beside specstatectl)");
+ABSL_FLAG(std::string, keeper_binary, "",
+          "simulate --restart_every: the specstate-keeper binary (default: beside specstatectl)");
 
 namespace specstate {
 namespace client {
@@ -75,9 +95,14 @@ constexpr char kUsage[] =
     "  regions    registered regions of every session\n"
     "  state      one block of one layer (--layer, --block, --values)\n"
     "  stats      counters and per-RPC latency\n"
+    "  recover    what the service kept across its last restart: the last committed step,\n"
+    "             the blocks an interrupted commit lost, bytes kept (--json)\n"
+    "  verify-pools  re-reads the pools' bookkeeping: header checksum, layout fingerprint,\n"
+    "             commit journal, every block's record (exit 4 when inconsistent)\n"
     "  simulate   a decode loop checked bit for bit against the stock path\n"
     "             (--steps, --requests, --seed, --async; --servers=A0,A1,... for tensor\n"
-    "             parallelism, checked against the TP=1 run too)";
+    "             parallelism, checked against the TP=1 run too; --restart_every=N: its own\n"
+    "             keeper and specstated, killed and restarted every N steps)";
 
 std::string Json(const google::protobuf::Message& m) {
   std::string out;
@@ -222,8 +247,44 @@ int Stats(Client& c) {
   return 0;
 }
 
-int Simulate(const std::vector<Client*>& ranks) {
+// recover and verify-pools.
+int Recover(Client& c, bool verify) {
+  absl::StatusOr<v1::RecoverResponse> r = c.Recover(verify);
+  if (!r.ok()) return Fail(r.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s", Json(*r).c_str());
+  } else {
+    std::printf("pools        %s, held by %s\n", r->kept() ? "kept from the previous instance" : "fresh",
+                r->holder().empty() ? "nothing (they die with specstated)" : r->holder().c_str());
+    std::printf("kept         %llu bytes (pools %llu), layout fingerprint %s\n",
+                static_cast<unsigned long long>(r->kept_bytes()),
+                static_cast<unsigned long long>(r->pool_bytes()), r->layout_fingerprint().c_str());
+    std::printf("committed    last step %llu, %llu commits on these pools\n",
+                static_cast<unsigned long long>(r->last_committed_step()),
+                static_cast<unsigned long long>(r->commits()));
+    if (r->interrupted()) {
+      std::printf("interrupted  the commit of step %llu\n",
+                  static_cast<unsigned long long>(r->interrupted_step()));
+    }
+    std::vector<std::string> lost;
+    for (int32_t b : r->lost_blocks()) lost.push_back(absl::StrCat(b));
+    std::printf("lost blocks  %s\n", lost.empty() ? "none" : absl::StrJoin(lost, ",").c_str());
+    std::printf("restarts     %llu; attached %.1f ms after start\n",
+                static_cast<unsigned long long>(r->restarts()), r->attach_ms());
+    if (verify) {
+      std::vector<std::string> blocks;
+      for (int32_t b : r->inconsistent_blocks()) blocks.push_back(absl::StrCat(b));
+      std::printf("verify       %s\n", r->problems().empty() ? "consistent" : "INCONSISTENT");
+      for (const std::string& p : r->problems()) std::printf("  %s\n", p.c_str());
+      if (!blocks.empty()) std::printf("  blocks: %s\n", absl::StrJoin(blocks, ",").c_str());
+    }
+  }
+  return verify && !r->problems().empty() ? 4 : 0;
+}
+
+int Simulate(const std::vector<Client*>& ranks, RestartDrill* drill = nullptr) {
   SimulationOptions options;
+  options.drill = drill;
   options.steps = absl::GetFlag(FLAGS_steps);
   options.requests = absl::GetFlag(FLAGS_requests);
   options.seed = absl::GetFlag(FLAGS_seed);
@@ -274,7 +335,8 @@ int main(int argc, char** argv) {
   }
   const std::string command = args[1];
   const bool known = command == "health" || command == "layout" || command == "regions" ||
-                     command == "state" || command == "stats" || command == "simulate";
+                     command == "state" || command == "stats" || command == "simulate" ||
+                     command == "recover" || command == "verify-pools";
   if (!known) {
     std::fprintf(stderr, "specstatectl: unknown subcommand \"%s\"\n%s\n", command.c_str(), kUsage);
     return 2;
@@ -293,6 +355,34 @@ int main(int argc, char** argv) {
     for (const std::unique_ptr<Client>& r : *ranks) clients.push_back(r.get());
     return Simulate(clients);
   }
+  const int restart_every = absl::GetFlag(FLAGS_restart_every);
+  if (restart_every != 0) {
+    if (command != "simulate" || restart_every < 0) {
+      std::fprintf(stderr, "specstatectl: --restart_every=N (N >= 1) is for simulate\n");
+      return 2;
+    }
+    if (absl::flags_internal::WasPresentOnCommandLine("server")) {
+      std::fprintf(stderr,
+                   "specstatectl: --restart_every kills and restarts the simulator's own service: "
+                   "leave out --server (its layout: --service_flags)\n");
+      return 2;
+    }
+    OwnServiceOptions own;
+    own.specstated = absl::GetFlag(FLAGS_specstated);
+    own.keeper = absl::GetFlag(FLAGS_keeper_binary);
+    own.flags = absl::StrSplit(absl::GetFlag(FLAGS_service_flags), ' ', absl::SkipWhitespace());
+    absl::StatusOr<std::unique_ptr<OwnService>> service = OwnService::Start(own);
+    if (!service.ok()) return Fail(service.status());
+    std::fprintf(stderr, "restart drill: specstate-keeper and specstated in %s\n",
+                 (*service)->directory().c_str());
+    absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect((*service)->address());
+    if (!client.ok()) return Fail(client.status());
+    absl::StatusOr<v1::Layout> layout = (*client)->GetLayout();
+    if (!layout.ok()) return Fail(layout.status());
+    RestartDrill drill(service->get(), restart_every, absl::GetFlag(FLAGS_seed),
+                       layout->num_layers(), layout->backend() == v1::CUDA);
+    return Simulate({client->get()}, &drill);
+  }
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(absl::GetFlag(FLAGS_server));
   if (!client.ok()) return Fail(client.status());
   Client& c = **client;
@@ -301,5 +391,7 @@ int main(int argc, char** argv) {
   if (command == "regions") return Regions(c);
   if (command == "state") return State(c);
   if (command == "stats") return Stats(c);
+  if (command == "recover") return Recover(c, false);
+  if (command == "verify-pools") return Recover(c, true);
   return Simulate({&c});
 }

@@ -196,7 +196,7 @@ class ProtoParserTest(unittest.TestCase):
         messages, enums = parse_proto(read(PROTO))
         self.assertEqual(set(messages["ServiceConfig"]),
                          {"layout", "listen", "default_lease_ms", "max_lease_ms",
-                          "submit_spin_us", "stuck_stream_ms"})
+                          "submit_spin_us", "stuck_stream_ms", "keeper", "discard_kept_pools"})
         self.assertEqual(messages["ServiceConfig"]["layout"], ("Layout", False))
         self.assertIn("mamba_block_size", messages["Layout"])
         self.assertEqual(messages["Layout"]["backend"], ("Backend", False))
@@ -227,6 +227,11 @@ class KubernetesTest(unittest.TestCase):
         cls.containers = {c["name"]: c for c in cls.pod.get("containers", [])}
         cls.init_containers = {c["name"]: c for c in cls.pod.get("initContainers", [])}
         cls.all_containers = dict(cls.init_containers, **cls.containers)
+        # The keeper holds memory descriptors only: no GPU, no CUDA.
+        cls.keepers = {name: c for name, c in cls.init_containers.items()
+                       if c.get("command", [""])[0] == "specstate-keeper"}
+        cls.cuda_containers = {name: c for name, c in cls.all_containers.items()
+                               if name not in cls.keepers}
 
     def test_kinds(self):
         self.assertEqual(self.kinds, ["ConfigMap", "Deployment", "ResourceClaimTemplate"])
@@ -263,7 +268,7 @@ class KubernetesTest(unittest.TestCase):
         template = self.by_kind["ResourceClaimTemplate"]["metadata"]["name"]
         self.assertEqual([c["resourceClaimTemplateName"] for c in self.pod["resourceClaims"]],
                          [template])
-        for name, container in self.all_containers.items():
+        for name, container in self.cuda_containers.items():
             used = [c["name"] for c in container["resources"]["claims"]]
             self.assertEqual(used, claims, name)
         # CUDA IPC handles do not open across PID namespaces.
@@ -325,18 +330,37 @@ class KubernetesTest(unittest.TestCase):
         pipe = env(self.containers["specstated"]).get("CUDA_MPS_PIPE_DIRECTORY")
         log = env(self.containers["specstated"]).get("CUDA_MPS_LOG_DIRECTORY")
         self.assertTrue(pipe and log)
-        for name, container in self.all_containers.items():
+        for name, container in self.cuda_containers.items():
             self.assertEqual(env(container).get("CUDA_MPS_PIPE_DIRECTORY"), pipe, name)
             self.assertEqual(env(container).get("CUDA_MPS_LOG_DIRECTORY"), log, name)
         # The pipe directory lies in one volume, mounted at one path everywhere.
         mounts = set()
-        for name, container in self.all_containers.items():
+        for name, container in self.cuda_containers.items():
             found = [(m["name"], m["mountPath"]) for m in container["volumeMounts"]
                      if (pipe + "/").startswith(m["mountPath"].rstrip("/") + "/")]
             self.assertEqual(len(found), 1, name)
             self.assertIn("emptyDir", volumes[found[0][0]], name)
             mounts.add(found[0])
         self.assertEqual(len(mounts), 1, mounts)
+
+    def test_keeper_sidecar_holds_the_pools(self):
+        # One keeper, a native sidecar (up before specstated, beside it while
+        # its container restarts), on a socket in the shared socket volume,
+        # the one specstated's config names.
+        self.assertEqual(len(self.keepers), 1)
+        keeper = next(iter(self.keepers.values()))
+        self.assertEqual(keeper.get("restartPolicy"), "Always")
+        self.assertIn("startupProbe", keeper)
+        socket = flag(keeper["command"], "socket")
+        self.assertEqual(os.path.dirname(socket), SOCKET_DIR)
+        mounts = {m["name"]: m["mountPath"] for m in keeper["volumeMounts"]}
+        self.assertEqual(mounts.get("socket"), SOCKET_DIR)
+        self.assertIn(socket, " ".join(keeper["startupProbe"]["exec"]["command"]))
+        self.assertEqual(self.config().get("keeper"), socket)
+        self.assertIsNone(flag(self.containers["specstated"]["args"], "keeper"))
+        # It never touches the GPU: no claim, and it starts after MPS's sidecar
+        # only by its place (init containers start in order).
+        self.assertNotIn("claims", keeper.get("resources", {}))
 
     def test_every_container_has_requests_and_a_memory_limit(self):
         for name, container in self.all_containers.items():
@@ -394,7 +418,7 @@ class SystemdTest(unittest.TestCase):
 
     def test_required_keys(self):
         self.assertTrue(self.unit["Unit"]["Description"])
-        self.assertEqual(self.value("Type"), "simple")
+        self.assertEqual(self.value("Type"), "notify")  # specstated sends READY=1
         self.assertEqual(self.value("Restart"), "on-failure")
         self.assertEqual(self.value("RuntimeDirectory"), os.path.basename(SOCKET_DIR))
         self.assertIn("multi-user.target", self.unit["Install"]["WantedBy"])
@@ -417,6 +441,19 @@ class SystemdTest(unittest.TestCase):
         config = json.loads(read(UNIT_CONFIG))
         self.assertEqual(ProtoJsonChecker(read(PROTO)).errors(config, "ServiceConfig"), [])
         self.assertEqual(config["listen"], SOCKET_ADDR)
+
+    def test_keeps_the_pools_in_the_file_descriptor_store(self):
+        # specstated stores two descriptors (the pools and their bookkeeping)
+        # with FDSTORE=1, which the service manager accepts only with a store;
+        # its READY=1 and FDSTORE messages come from the main process.
+        self.assertGreaterEqual(int(self.value("FileDescriptorStoreMax")), 2)
+        self.assertIn(self.service.get("NotifyAccess", ["main"])[-1], ("main", "all"))
+        # RemoveIPC would not touch memfds, but a restart must not wait long:
+        # the schedulers wait (their clients retry for up to a minute).
+        restart_sec = self.value("RestartSec")
+        seconds = (float(restart_sec[:-2]) / 1000 if restart_sec.endswith("ms")
+                   else float(restart_sec.rstrip("s")))
+        self.assertLessEqual(seconds, 1.0)
 
     def test_keeps_gpu_and_shared_memory(self):
         for key in ("PrivateDevices", "RemoveIPC", "DevicePolicy", "PrivateTmp"):
@@ -518,7 +555,7 @@ class DockerfileTest(unittest.TestCase):
     def test_copies_the_binaries(self):
         copied = [os.path.basename(arg) for word, args in self.instructions
                   if word == "COPY" for arg in args.split()]
-        for binary in ("specstated", "specstate-health", "specstatectl"):
+        for binary in ("specstated", "specstate-health", "specstatectl", "specstate-keeper"):
             self.assertIn(binary, copied)
 
     def test_installs_the_metrics_libraries(self):

@@ -72,6 +72,24 @@ class KubernetesTest(unittest.TestCase):
             self.assertEqual(flag(args, "listen"), socket_of(r), name)
             self.assertTrue(self.containers[name].get("image"), name)
 
+    def test_one_keeper_per_rank(self):
+        """Each rank's specstated names a keeper of its own (a native sidecar on
+        a socket in the shared directory): its pools survive its container's
+        restart."""
+        init = {c["name"]: c for c in self.pod.get("initContainers", [])}
+        sockets = set()
+        for r, name in enumerate(self.ranks):
+            socket = flag(self.containers[name]["args"], "keeper")
+            self.assertEqual(socket, "%s/keeper-%d.sock" % (SOCKET_DIR, r), name)
+            keeper = init["keeper-%d" % r]
+            self.assertEqual(keeper["command"][0], "specstate-keeper")
+            self.assertEqual(flag(keeper["command"], "socket"), socket)
+            self.assertEqual(keeper.get("restartPolicy"), "Always")
+            mounts = {m["name"]: m["mountPath"] for m in keeper["volumeMounts"]}
+            self.assertEqual(mounts.get("socket"), SOCKET_DIR)
+            sockets.add(socket)
+        self.assertEqual(len(sockets), len(self.ranks))
+
     def test_probes_ask_the_ranks_socket(self):
         for r, name in enumerate(self.ranks):
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):

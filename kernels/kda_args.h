@@ -248,6 +248,51 @@ struct VerifyArgs {
   size_t workspace_bytes = 0;
 };
 
+// Crash bookkeeping of commits (optional; null `record`: none). The service
+// keeps it in memory that outlives its process (server/pool_header.h), so
+// that after a crash the blocks of a commit that started and did not finish
+// are known, and nothing half-written passes for a committed state. Only the
+// commit's kernels write it, in stream order: once the commit's checks have
+// passed and before its first write, the plan lists the blocks the commit
+// writes (row i's at entries[2 i] and entries[2 i + 1], kNullBlock where it
+// writes none) and marks the record started; after the commit's last write
+// its final kernel records the step in the BlockRecord of each listed block
+// and marks the record committed. A commit whose checks fail leaves it
+// untouched. Not for DEFERRED commits (ValidateCommitArgs refuses both).
+inline constexpr uint32_t kJournalIdle = 0;
+inline constexpr uint32_t kJournalStarted = 1;
+inline constexpr uint32_t kJournalCommitted = 2;
+
+struct JournalRecord {
+  uint32_t state = kJournalIdle;  // kJournal*
+  int32_t num_rows = 0;           // rows listed in the entries (two entries a row)
+  uint64_t step = 0;              // the started (or last) commit's step id
+  uint64_t last_committed_step = 0;
+  uint64_t commits = 0;           // commits finished since the record was made
+  uint64_t reserved[4] = {};
+};
+
+struct BlockRecord {
+  uint64_t step = 0;      // step id of the last commit that wrote the block (0: none)
+  uint64_t sequence = 0;  // JournalRecord::commits once that commit finished (0: none)
+  uint32_t lost = 0;      // nonzero: an unfinished commit wrote it (set by the service after a
+                          // crash); cleared when a later commit writes the block
+  uint32_t reserved = 0;
+};
+
+struct CommitJournal {
+  JournalRecord* record = nullptr;  // null: no journal
+  int32_t* entries = nullptr;       // [2 * capacity_rows]
+  int capacity_rows = 0;            // >= the commit's rows
+  BlockRecord* blocks = nullptr;    // [the pools' num_blocks]
+  uint64_t step = 0;                // this commit's step id
+  // Tests only, CPU backend: called on the worker between the commit's
+  // phases ("started", "conv", "layer" after each layer's replay,
+  // "replayed" before the record is marked committed), so a test can kill
+  // the process at a known point of a commit. Null in production.
+  void (*test_hook)(const char* phase) = nullptr;
+};
+
 // One layer of a commit.
 struct CommitLayer {
   StatePool state;
@@ -294,6 +339,9 @@ struct CommitArgs {
   // `jobs` (capacity: 2 * max rows * layers).
   PendingBlocks pending;
   ReplayJobs jobs;
+
+  // Optional: the commit's crash bookkeeping (see CommitJournal).
+  CommitJournal journal;
 };
 
 // One spec row's commit plan (docs/semantics.md, Commit step 1), as the commit

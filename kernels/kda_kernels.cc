@@ -408,6 +408,19 @@ absl::Status ValidateCommitArgs(const CommitArgs& a) {
   st = CheckPrerequisites(op, a.prerequisites);
   if (!st.ok()) return st;
   if (a.status == nullptr) return Invalid(op, "status is null");
+  if (a.journal.record != nullptr) {
+    if (a.journal.entries == nullptr || a.journal.blocks == nullptr) {
+      return Invalid(op, "journal: a record needs its entries and block records");
+    }
+    if (a.journal.capacity_rows < a.num_rows) {
+      return OutOfRange(op, absl::StrCat("journal: entries for ", a.journal.capacity_rows,
+                                         " rows, the commit has ", a.num_rows));
+    }
+    if (a.pending.entries != nullptr) {
+      return Invalid(op, "journal: DEFERRED commits keep no journal yet (their pending tokens "
+                         "live in the records, which do not outlive the service)");
+    }
+  }
   if (a.pending.entries != nullptr) {
     st = CheckPending(op, a.pending, a.num_layers, first.state.num_blocks, a.num_rows);
     if (!st.ok()) return st;
@@ -533,7 +546,9 @@ absl::Status KdaKernels::Verify(const VerifyArgs& args, Stream stream) const {
 
 absl::Status KdaKernels::Commit(const CommitArgs& args, Stream stream) const {
   absl::Status st = ValidateCommitArgs(args);
-  return st.ok() ? LaunchCommit(args, stream) : st;
+  if (st.ok()) st = LaunchCommit(args, stream);
+  if (st.ok() && args.journal.record != nullptr) st = LaunchJournalFinish(args, stream);
+  return st;
 }
 
 absl::Status KdaKernels::RecordStateBlocks(const RecordStateBlocksArgs& args,

@@ -67,6 +67,9 @@ class KdaKernels {
   virtual absl::Status LaunchStock(const StockArgs& args, Stream stream) const = 0;
   virtual absl::Status LaunchVerify(const VerifyArgs& args, Stream stream) const = 0;
   virtual absl::Status LaunchCommit(const CommitArgs& args, Stream stream) const = 0;
+  // After LaunchCommit, when args.journal.record is set: marks the journal
+  // committed in stream order (kda_args.h, CommitJournal).
+  virtual absl::Status LaunchJournalFinish(const CommitArgs& args, Stream stream) const = 0;
   virtual absl::Status LaunchRecordStateBlocks(const RecordStateBlocksArgs& args,
                                                Stream stream) const = 0;
   virtual absl::Status LaunchFlush(const FlushArgs& args, Stream stream) const = 0;

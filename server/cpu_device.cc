@@ -97,8 +97,10 @@ class CpuDevice final : public Device {
     }
     cv_.notify_all();
     worker_.join();
-    if (exported_ != nullptr) munmap(exported_, exported_bytes_);
-    if (export_fd_ >= 0) close(export_fd_);
+    for (const KeptMemory& k : kept_) {
+      munmap(k.data, k.bytes);
+      close(k.fd);
+    }
     for (void* p : allocations_) std::free(p);
   }
 
@@ -117,15 +119,37 @@ class CpuDevice final : public Device {
       if (key == "MemAvailable:") available = kb * 1024;
     }
     if (available == 0) return absl::InternalError("cannot read MemAvailable from /proc/meminfo");
-    return available;
+    // Kept pools not yet handed to the engine are already here: the engine
+    // counts them among what it needs.
+    return available + (kept_pools_ && !exported_taken_ ? exported_bytes_ : 0);
   }
 
   // A sealed memfd: its size is fixed for everyone (F_SEAL_SHRINK and
   // F_SEAL_GROW), so no client that maps it can make the service's accesses
   // fault. Clients open it by path, /proc/<pid>/fd/<n>.
   absl::StatusOr<void*> AllocateExported(uint64_t bytes) override {
-    if (exported_ != nullptr) return absl::FailedPreconditionError("the pools are allocated once");
-    const int fd = memfd_create("specstate-pools", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (kept_pools_) {
+      if (exported_taken_) return absl::FailedPreconditionError("the pools are allocated once");
+      if (bytes > exported_bytes_) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the kept pools hold ", exported_bytes_, " bytes, the layout needs ", bytes));
+      }
+      exported_taken_ = true;
+      return exported_;
+    }
+    absl::StatusOr<KeptMemory> kept = AllocateKept(bytes, /*pools=*/true);
+    if (!kept.ok()) return kept.status();
+    kept_pools_ = false;  // an ordinary allocation: nobody else holds it
+    exported_taken_ = true;
+    return kept->data;
+  }
+
+  absl::StatusOr<KeptMemory> AllocateKept(uint64_t bytes, bool pools) override {
+    if (pools && exported_ != nullptr) {
+      return absl::FailedPreconditionError("the pools are allocated once");
+    }
+    const int fd = memfd_create(pools ? "specstate-pools" : "specstate-header",
+                                MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) return ErrnoError("memfd_create for the pools", errno);
     // posix_fallocate reserves the pages now, so too little memory for the
     // layout fails here, not with SIGBUS later.
@@ -140,19 +164,36 @@ class CpuDevice final : public Device {
       return ErrnoError(absl::StrCat("reserving ", bytes, " bytes of shared memory for the pools"),
                         err);
     }
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p == MAP_FAILED) {
-      err = errno;
-      close(fd);
-      return ErrnoError("mmap of the pools", err);
-    }
+    return MapKept(fd, bytes, pools);
+  }
+
+  absl::StatusOr<KeptMemory> AttachKept(int fd, uint64_t bytes, bool pools) override {
     struct stat st;
-    if (fstat(fd, &st) == 0) exported_object_ = ObjectOf(st);
-    export_fd_ = fd;
-    export_path_ = absl::StrCat("/proc/", getpid(), "/fd/", fd);
-    exported_ = p;
-    exported_bytes_ = bytes;
-    return p;
+    if (fstat(fd, &st) != 0) {
+      const int err = errno;
+      close(fd);
+      return ErrnoError("fstat of kept memory", err);
+    }
+    // Only a sealed memfd of at least the size: nobody can resize it under
+    // the service (an unsealed file could be truncated: SIGBUS).
+    const int seals = fcntl(fd, F_GET_SEALS);
+    const int needed = F_SEAL_SHRINK | F_SEAL_GROW;
+    if (seals < 0 || (seals & needed) != needed) {
+      close(fd);
+      return absl::FailedPreconditionError(
+          "the kept memory is not a sealed memfd (F_SEAL_SHRINK | F_SEAL_GROW): not the CPU "
+          "backend's pools");
+    }
+    if (static_cast<uint64_t>(st.st_size) < bytes) {
+      close(fd);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the kept memory has ", st.st_size, " bytes, ", bytes, " are needed"));
+    }
+    if (pools && exported_ != nullptr) {
+      close(fd);
+      return absl::FailedPreconditionError("the pools are allocated once");
+    }
+    return MapKept(fd, static_cast<uint64_t>(st.st_size), pools);
   }
 
   std::string ExportName() const override { return export_path_; }
@@ -298,6 +339,27 @@ class CpuDevice final : public Device {
     return absl::OkStatus();
   }
 
+  // Maps `fd` (taken over) whole; the pools also become the exported object.
+  absl::StatusOr<KeptMemory> MapKept(int fd, uint64_t bytes, bool pools) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      close(fd);
+      return ErrnoError("mmap of kept memory", err);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    kept_.push_back(KeptMemory{p, bytes, fd});
+    if (pools) {
+      struct stat st;
+      if (fstat(fd, &st) == 0) exported_object_ = ObjectOf(st);
+      export_path_ = absl::StrCat("/proc/", getpid(), "/fd/", fd);
+      exported_ = p;
+      exported_bytes_ = bytes;
+      kept_pools_ = true;
+    }
+    return kept_.back();
+  }
+
   void Run() {
     for (;;) {
       Work work;
@@ -343,9 +405,11 @@ class CpuDevice final : public Device {
   absl::Time waiting_since_ = absl::InfiniteFuture();  // the worker's current wait
   bool stopping_ = false;
   std::vector<void*> allocations_;
+  std::vector<KeptMemory> kept_;  // memfds mapped: the pools, and kept bookkeeping
   void* exported_ = nullptr;
   uint64_t exported_bytes_ = 0;
-  int export_fd_ = -1;
+  bool kept_pools_ = false;      // the pools came from AllocateKept / AttachKept
+  bool exported_taken_ = false;  // AllocateExported returned them
   std::string export_path_;
   MemoryObject exported_object_;
   std::thread worker_;  // last: starts after the members it uses

@@ -13,7 +13,9 @@
 // backend) on machines without an NVIDIA driver.
 #include <cuda.h>
 #include <cuda_runtime.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -48,6 +50,24 @@ using WaitValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned i
 using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 using GetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 using GetLoadingModeFn = CUresult (*)(CUmoduleLoadingMode*);
+// Virtual memory management: the pools as a cuMemCreate allocation that a
+// POSIX file descriptor names, so a keeper can hold it across restarts.
+using MemCreateFn = CUresult (*)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                                 unsigned long long);
+using MemReleaseFn = CUresult (*)(CUmemGenericAllocationHandle);
+using MemAddressReserveFn = CUresult (*)(CUdeviceptr*, size_t, size_t, CUdeviceptr,
+                                         unsigned long long);
+using MemAddressFreeFn = CUresult (*)(CUdeviceptr, size_t);
+using MemMapFn = CUresult (*)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                              unsigned long long);
+using MemUnmapFn = CUresult (*)(CUdeviceptr, size_t);
+using MemSetAccessFn = CUresult (*)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
+using MemGetGranularityFn = CUresult (*)(size_t*, const CUmemAllocationProp*,
+                                         CUmemAllocationGranularity_flags);
+using MemExportFn = CUresult (*)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                                 unsigned long long);
+using MemImportFn = CUresult (*)(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType);
+using GetErrorStringFn = CUresult (*)(CUresult, const char**);
 
 // Makes `device` current for the scope and restores the caller's device.
 class ScopedDevice {
@@ -159,6 +179,12 @@ class CudaDevice final : public Device {
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
     for (void* p : device_allocations_) cudaFree(p);
     for (void* p : host_allocations_) cudaFreeHost(p);
+    for (const Vmm& v : kept_) {
+      mem_unmap_(v.address, v.bytes);
+      mem_address_free_(v.address, v.bytes);
+      mem_release_(v.handle);
+      close(v.fd);
+    }
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -171,10 +197,21 @@ class CudaDevice final : public Device {
     ScopedDevice scoped(ordinal_);
     size_t free = 0, total = 0;
     SPECSTATE_CUDA_RETURN(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
-    return uint64_t{free};
+    // Kept pools not yet handed to the engine are already allocated: the
+    // engine counts them among what it needs.
+    return uint64_t{free} + (kept_pools_ && !exported_taken_ ? exported_bytes_ : 0);
   }
 
   absl::StatusOr<void*> AllocateExported(uint64_t bytes) override {
+    if (kept_pools_) {
+      if (exported_taken_) return absl::FailedPreconditionError("the pools are allocated once");
+      if (bytes > exported_bytes_) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "the kept pools hold ", exported_bytes_, " bytes, the layout needs ", bytes));
+      }
+      exported_taken_ = true;
+      return exported_;
+    }
     if (exported_ != nullptr) return absl::FailedPreconditionError("the pools are allocated once");
     ScopedDevice scoped(ordinal_);
     void* p = nullptr;
@@ -189,6 +226,68 @@ class CudaDevice final : public Device {
     exported_ = p;
     return p;
   }
+
+  // Kept memory: cuMemCreate with a POSIX file descriptor handle, mapped
+  // read-write for this device, zeroed.
+  absl::StatusOr<KeptMemory> AllocateKept(uint64_t bytes, bool pools) override {
+    if (pools && exported_ != nullptr) {
+      return absl::FailedPreconditionError("the pools are allocated once");
+    }
+    absl::Status st = LoadVmm();
+    if (!st.ok()) return st;
+    ScopedDevice scoped(ordinal_);
+    const CUmemAllocationProp prop = VmmProp();
+    absl::StatusOr<uint64_t> size = VmmSize(bytes);
+    if (!size.ok()) return size.status();
+    Vmm v;
+    v.bytes = *size;
+    st = Cu(mem_create_(&v.handle, v.bytes, &prop, 0),
+            absl::StrCat("cuMemCreate of ", v.bytes, " bytes (POSIX file descriptor handle)"));
+    if (!st.ok()) return st;
+    int fd = -1;
+    st = Cu(mem_export_(&fd, v.handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            "cuMemExportToShareableHandle");
+    if (!st.ok()) {
+      mem_release_(v.handle);
+      return st;
+    }
+    v.fd = fd;
+    absl::StatusOr<KeptMemory> kept = MapVmm(v, pools);
+    if (!kept.ok()) return kept;
+    st = Zero(kept->data, kept->bytes);
+    if (!st.ok()) return st;
+    return kept;
+  }
+
+  absl::StatusOr<KeptMemory> AttachKept(int fd, uint64_t bytes, bool pools) override {
+    absl::Status st = LoadVmm();
+    if (st.ok() && pools && exported_ != nullptr) {
+      st = absl::FailedPreconditionError("the pools are allocated once");
+    }
+    absl::StatusOr<uint64_t> size = st.ok() ? VmmSize(bytes) : absl::StatusOr<uint64_t>(st);
+    if (!size.ok()) {
+      close(fd);
+      return size.status();
+    }
+    ScopedDevice scoped(ordinal_);
+    Vmm v;
+    v.bytes = *size;
+    v.fd = fd;
+    st = Cu(mem_import_(&v.handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            "cuMemImportFromShareableHandle of the kept memory");
+    if (!st.ok()) {
+      close(fd);
+      return absl::FailedPreconditionError(
+          absl::StrCat(st.message(), ": not a CUDA allocation's descriptor (kept by the CPU "
+                                     "backend?)"));
+    }
+    // Mapping more than the allocation holds fails: a smaller one is refused here.
+    return MapVmm(v, pools);
+  }
+
+  int ExportFd() const override { return export_fd_; }
+  uint64_t ExportFdBytes() const override { return export_fd_ < 0 ? 0 : exported_bytes_; }
 
   std::string ExportName() const override { return ""; }
   std::string ExportHandle() const override { return export_handle_; }
@@ -527,6 +626,111 @@ class CudaDevice final : public Device {
     cv_.notify_all();
   }
 
+  // A cuMemCreate allocation mapped here.
+  struct Vmm {
+    CUmemGenericAllocationHandle handle = 0;
+    CUdeviceptr address = 0;
+    uint64_t bytes = 0;
+    int fd = -1;
+  };
+
+  absl::Status Cu(CUresult r, absl::string_view what) const {
+    if (r == CUDA_SUCCESS) return absl::OkStatus();
+    const char* name = nullptr;
+    if (get_error_string_ == nullptr || get_error_string_(r, &name) != CUDA_SUCCESS) name = nullptr;
+    return absl::InternalError(
+        absl::StrCat(what, " failed: CUDA driver error ", static_cast<int>(r),
+                     name != nullptr ? absl::StrCat(" (", name, ")") : std::string()));
+  }
+
+  // The driver's virtual memory management entry points, once.
+  absl::Status LoadVmm() {
+    if (mem_create_ != nullptr) return absl::OkStatus();
+    absl::Status st = Entry("cuMemRelease", &mem_release_);
+    if (st.ok()) st = Entry("cuMemAddressReserve", &mem_address_reserve_);
+    if (st.ok()) st = Entry("cuMemAddressFree", &mem_address_free_);
+    if (st.ok()) st = Entry("cuMemMap", &mem_map_);
+    if (st.ok()) st = Entry("cuMemUnmap", &mem_unmap_);
+    if (st.ok()) st = Entry("cuMemSetAccess", &mem_set_access_);
+    if (st.ok()) st = Entry("cuMemGetAllocationGranularity", &mem_granularity_);
+    if (st.ok()) st = Entry("cuMemExportToShareableHandle", &mem_export_);
+    if (st.ok()) st = Entry("cuMemImportFromShareableHandle", &mem_import_);
+    if (st.ok()) Entry("cuGetErrorString", &get_error_string_).IgnoreError();
+    if (st.ok()) st = Entry("cuMemCreate", &mem_create_);  // last: marks them loaded
+    return st;
+  }
+
+  CUmemAllocationProp VmmProp() const {
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal_;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    return prop;
+  }
+
+  // `bytes` rounded up to the allocation granularity (the same on every
+  // start on this device, so a kept allocation is mapped at its full size).
+  absl::StatusOr<uint64_t> VmmSize(uint64_t bytes) {
+    const CUmemAllocationProp prop = VmmProp();
+    size_t granularity = 0;
+    absl::Status st = Cu(mem_granularity_(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                         "cuMemGetAllocationGranularity");
+    if (!st.ok()) return st;
+    if (granularity == 0) granularity = 2 << 20;
+    return (std::max<uint64_t>(bytes, 1) + granularity - 1) / granularity * granularity;
+  }
+
+  // Reserves an address range for `v`, maps it read-write for this device,
+  // and keeps it (released with the device). The pools: cudaIpcGetMemHandle
+  // if the driver covers cuMemCreate memory, else its descriptor for
+  // ExportPools' pools_fd_socket.
+  absl::StatusOr<KeptMemory> MapVmm(Vmm v, bool pools) {
+    absl::Status st = Cu(mem_address_reserve_(&v.address, v.bytes, 0, 0, 0), "cuMemAddressReserve");
+    if (st.ok()) {
+      st = Cu(mem_map_(v.address, v.bytes, 0, v.handle, 0),
+              absl::StrCat("cuMemMap of ", v.bytes, " bytes"));
+      if (!st.ok()) mem_address_free_(v.address, v.bytes);
+    }
+    if (st.ok()) {
+      CUmemAccessDesc access{};
+      access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      access.location.id = ordinal_;
+      access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      st = Cu(mem_set_access_(v.address, v.bytes, &access, 1), "cuMemSetAccess");
+      if (!st.ok()) {
+        mem_unmap_(v.address, v.bytes);
+        mem_address_free_(v.address, v.bytes);
+      }
+    }
+    if (!st.ok()) {
+      mem_release_(v.handle);
+      close(v.fd);
+      return absl::FailedPreconditionError(st.message());
+    }
+    void* p = reinterpret_cast<void*>(v.address);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      kept_.push_back(v);
+    }
+    if (pools) {
+      exported_ = p;
+      exported_bytes_ = v.bytes;
+      kept_pools_ = true;
+      // Clients import the descriptor (it holds the allocation, whatever
+      // happens to this process); a CUDA IPC handle too where the driver
+      // covers cuMemCreate memory, for clients that only know those.
+      export_fd_ = v.fd;
+      cudaIpcMemHandle_t handle;
+      if (cudaIpcGetMemHandle(&handle, p) == cudaSuccess) {
+        export_handle_.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+      } else {
+        cudaGetLastError();  // not sticky: clear it
+      }
+    }
+    return KeptMemory{p, v.bytes, v.fd};
+  }
+
   struct InFlight {
     uint64_t work_id;
     cudaEvent_t completion;  // set on the work that ends a batch, unless its record failed
@@ -736,6 +940,23 @@ class CudaDevice final : public Device {
   GetAddressRangeFn get_address_range_ = nullptr;
   void* exported_ = nullptr;
   std::string export_handle_;
+  // Kept memory (AllocateKept / AttachKept) and the driver's VMM functions.
+  std::vector<Vmm> kept_;
+  uint64_t exported_bytes_ = 0;
+  bool kept_pools_ = false;
+  bool exported_taken_ = false;
+  int export_fd_ = -1;
+  MemCreateFn mem_create_ = nullptr;
+  MemReleaseFn mem_release_ = nullptr;
+  MemAddressReserveFn mem_address_reserve_ = nullptr;
+  MemAddressFreeFn mem_address_free_ = nullptr;
+  MemMapFn mem_map_ = nullptr;
+  MemUnmapFn mem_unmap_ = nullptr;
+  MemSetAccessFn mem_set_access_ = nullptr;
+  MemGetGranularityFn mem_granularity_ = nullptr;
+  MemExportFn mem_export_ = nullptr;
+  MemImportFn mem_import_ = nullptr;
+  GetErrorStringFn get_error_string_ = nullptr;
 
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;

@@ -138,8 +138,39 @@ class Device {
   // Memory still free for the pools, the records and the workspaces.
   virtual absl::StatusOr<uint64_t> FreeBytes() const = 0;
 
-  // The pools: one zeroed allocation other processes can map. Once.
+  // The pools: one zeroed allocation other processes can map. Once. When
+  // kept pools were allocated or attached first (AllocateKept / AttachKept
+  // with `pools`), returns those, as they are.
   virtual absl::StatusOr<void*> AllocateExported(uint64_t bytes) = 0;
+
+  // Memory that can outlive this process (server/recovery.h): a file
+  // descriptor names it, which a keeper process or systemd's
+  // file-descriptor store holds while specstated restarts. CPU: a sealed
+  // memfd; CUDA: a cuMemCreate allocation exported as a POSIX file
+  // descriptor. `data` is where the kernels see it (device memory on CUDA);
+  // `fd` stays the device's (dup it, or pass it by SCM_RIGHTS, to hand it on).
+  struct KeptMemory {
+    void* data = nullptr;
+    uint64_t bytes = 0;  // mapped (CUDA: rounded up to the allocation granularity)
+    int fd = -1;
+  };
+  // At least `bytes` of zeroed kept memory. `pools`: it is the pools, which
+  // AllocateExported then returns and ExportPools names (once).
+  virtual absl::StatusOr<KeptMemory> AllocateKept(uint64_t bytes, bool pools) {
+    return absl::UnimplementedError("this device keeps no memory across restarts");
+  }
+  // Maps the kept memory `fd` names (taking `fd` over, closed on failure),
+  // its contents as they are: FAILED_PRECONDITION when it is smaller than
+  // `bytes` or is not kept memory of this backend.
+  virtual absl::StatusOr<KeptMemory> AttachKept(int fd, uint64_t bytes, bool pools) {
+    return absl::UnimplementedError("this device keeps no memory across restarts");
+  }
+  // CUDA kept pools: the descriptor a client imports
+  // (ExportPoolsResponse.pools_fd_socket hands it out; ExportHandle may be
+  // set too, where cudaIpcGetMemHandle covers cuMemCreate memory), and the
+  // allocation's size; -1 when clients use ExportName/ExportHandle only.
+  virtual int ExportFd() const { return -1; }
+  virtual uint64_t ExportFdBytes() const { return 0; }
   // How a client maps it: a path to open (CPU) or cuda_ipc_handle (CUDA).
   virtual std::string ExportName() const = 0;
   virtual std::string ExportHandle() const = 0;

@@ -13,6 +13,7 @@
 #include "kernels/kda_kernels.h"
 #include "server/log.h"
 #include "server/tensor_summary.h"
+#include "server/test_crash.h"
 
 namespace specstate {
 namespace server {
@@ -914,6 +915,7 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
       args.query_start_loc = qsl_data;
       args.state_indices = qsl.present ? indices.Matrix(indices_data)
                                        : kernels::IndexMatrix{snapshot_indices, 1, 1};
+      TestCrashPoint("verify");
       return device_->kernels().Verify(args, stream);
     };
     return work;
@@ -948,6 +950,10 @@ absl::StatusOr<kernels::CommitArgs> Engine::CommitArgsFor(const CommitIndices& i
   if (IsDeferred(layout_)) {
     args.pending = pending_;
     args.jobs = commit_jobs_;
+  }
+  if (journal_.record != nullptr) {
+    args.journal = journal_;
+    args.journal.step = step.id;
   }
   kernels::CommitArgs check = args;
   check.num_accepted = HostCheckPlaceholder();
@@ -1008,7 +1014,9 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
                                                {&in.num_computed_tokens, &args.num_computed_tokens}});
       if (!st.ok()) return st;
       if (in.block_table.present) args.block_table = in.block_table.Matrix(table);
-      return device_->kernels().Commit(args, stream);
+      const absl::Status launched = device_->kernels().Commit(args, stream);
+      TestCrashPoint("commit:enqueued");
+      return launched;
     };
     return work;
   };

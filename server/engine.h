@@ -113,6 +113,11 @@ class Engine {
   // CUDA, not running as an MPS client.
   std::vector<std::string> Warnings() const;
 
+  // Pools that outlive the service (server/recovery.h): every Commit keeps
+  // its crash bookkeeping in `journal` (the step id set per call). Call
+  // before serving.
+  void SetCommitJournal(const kernels::CommitJournal& journal) { journal_ = journal; }
+
   // The most Verify calls one SubmitStep may carry: 4 per layer (a step
   // verifies each layer once; the rest is room for retries).
   int64_t MaxSubmitStepVerifies() const { return 4 * int64_t{layout_.num_layers()}; }
@@ -242,6 +247,7 @@ class Engine {
   RegionRegistry regions_;
 
   char* pools_ = nullptr;
+  kernels::CommitJournal journal_;  // record null: no journal
   std::vector<LayerState> layers_;
   kernels::CommitLayer* device_layer_table_ = nullptr;
   std::vector<kernels::CommitLayer> host_layer_table_;

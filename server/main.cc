@@ -41,6 +41,9 @@
 #include "server/log.h"
 #include "server/metrics.h"
 #include "server/reflection.h"
+#include "server/recovery.h"
+#include "server/sd_notify.h"
+#include "server/test_crash.h"
 #include "server/service.h"
 
 // Every flag's default is the default configuration's value (config.cc's
@@ -80,6 +83,22 @@ ABSL_FLAG(int, stuck_stream_ms, 30000,
           "(ms)");
 ABSL_FLAG(int, submit_spin_us, 200,
           "CUDA: how long the submitting thread polls before it sleeps (us, <= 100000)");
+ABSL_FLAG(std::string, keeper, "",
+          "keep the pools across restarts of specstated: the socket of a specstate-keeper "
+          "(specstate-keeper --socket=PATH); a restarted specstated takes the pools back from it");
+ABSL_FLAG(bool, discard_kept_pools, false,
+          "when the kept pools were made for another layout (or their header is damaged), start "
+          "with fresh pools instead of refusing to start (the kept states are lost)");
+// Not ServiceConfig fields: how this process is supervised, not the layout.
+ABSL_FLAG(std::string, fd_store, "auto",
+          "keep the pools in systemd's file-descriptor store (FDSTORE=1; the unit needs "
+          "FileDescriptorStoreMax=): auto (when started by systemd: $NOTIFY_SOCKET set), yes, no");
+ABSL_FLAG(std::string, pools_fd_socket, "",
+          "CUDA kept pools: where clients fetch the pools' descriptor when cudaIpcGetMemHandle "
+          "cannot export them (default: the --listen socket's path + \".pools\")");
+ABSL_FLAG(std::string, test_crash_at, "",
+          "tests only: SIGKILL this process at POINT:N (server/test_crash.h), e.g. "
+          "commit:layer:3");
 // Not a ServiceConfig field: where metrics are served is the deployment's
 // choice, not the layout's.
 ABSL_FLAG(std::string, metrics_listen, "",
@@ -242,6 +261,10 @@ absl::StatusOr<v1::ServiceConfig> BuildConfig() {
   if (Given(FLAGS_default_lease_ms)) {
     config.set_default_lease_ms(absl::GetFlag(FLAGS_default_lease_ms));
   }
+  if (Given(FLAGS_keeper)) config.set_keeper(absl::GetFlag(FLAGS_keeper));
+  if (Given(FLAGS_discard_kept_pools)) {
+    config.set_discard_kept_pools(absl::GetFlag(FLAGS_discard_kept_pools));
+  }
   constexpr uint32_t kMaxSubmitSpinUs = 100000;
   if (config.submit_spin_us() > kMaxSubmitSpinUs) {
     return absl::InvalidArgumentError(absl::StrCat("submit_spin_us = ", config.submit_spin_us(),
@@ -317,6 +340,7 @@ absl::StatusOr<std::unique_ptr<Device>> OpenDevice(const v1::ServiceConfig& conf
 }
 
 int Run() {
+  const absl::Time process_start = absl::Now();
   absl::StatusOr<v1::ServiceConfig> config = BuildConfig();
   if (!config.ok()) {
     LogError(config.status().ToString());
@@ -329,18 +353,15 @@ int Run() {
       return 2;
     }
   }
-  absl::StatusOr<std::unique_ptr<Device>> device = OpenDevice(*config);
-  if (!device.ok()) {
-    LogError(absl::StrCat("cannot open the device: ", device.status().ToString()));
-    return 1;
+  if (absl::Status st = SetTestCrash(absl::GetFlag(FLAGS_test_crash_at)); !st.ok()) {
+    LogError(st.ToString());
+    return 2;
   }
-  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(*config, *std::move(device));
-  if (!engine.ok()) {
-    LogError(absl::StrCat("cannot serve this layout: ", engine.status().ToString()));
-    return 1;
+  const std::string fd_store_flag = absl::GetFlag(FLAGS_fd_store);
+  if (fd_store_flag != "auto" && fd_store_flag != "yes" && fd_store_flag != "no") {
+    LogError(absl::StrCat("--fd_store=", fd_store_flag, ": expected auto, yes or no"));
+    return 2;
   }
-  SpecStateService service(engine->get(), *config);
-
   std::string listen = config->listen().empty() ? kDefaultListen : config->listen();
   std::string socket_path;
   if (absl::StartsWith(listen, "unix://")) {
@@ -348,6 +369,45 @@ int Run() {
   } else if (absl::StartsWith(listen, "unix:")) {
     socket_path = listen.substr(5);
   }
+  absl::StatusOr<std::unique_ptr<Device>> device = OpenDevice(*config);
+  if (!device.ok()) {
+    LogError(absl::StrCat("cannot open the device: ", device.status().ToString()));
+    return 1;
+  }
+  // Pools that outlive this process: taken back from their holder, or made
+  // fresh and handed to it, before the engine allocates the rest.
+  RecoveryOptions kept;
+  kept.keeper = config->keeper();
+  kept.fd_store = fd_store_flag == "yes" || (fd_store_flag == "auto" && UnderSystemd());
+  kept.discard_kept_pools = config->discard_kept_pools();
+  kept.pools_fd_socket = absl::GetFlag(FLAGS_pools_fd_socket);
+  if (kept.pools_fd_socket.empty()) {
+    kept.pools_fd_socket = socket_path.empty() ? absl::StrCat("/tmp/specstate-", getpid(), ".pools")
+                                               : socket_path + ".pools";
+  }
+  std::unique_ptr<Recovery> recovery;
+  if (!kept.keeper.empty() || kept.fd_store) {
+    absl::StatusOr<std::unique_ptr<Recovery>> r =
+        Recovery::Start(config->layout(), **device, kept, process_start);
+    if (!r.ok()) {
+      LogError(absl::StrCat("cannot keep the pools: ", r.status().ToString()));
+      return 1;
+    }
+    recovery = *std::move(r);
+  }
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(*config, *std::move(device));
+  if (!engine.ok()) {
+    LogError(absl::StrCat("cannot serve this layout: ", engine.status().ToString()));
+    return 1;
+  }
+  if (recovery != nullptr) {
+    kernels::CommitJournal journal = recovery->journal();
+    if (TestCrashSet()) journal.test_hook = &CommitTestHook;
+    (*engine)->SetCommitJournal(journal);
+  }
+  SpecStateService service(engine->get(), *config);
+  service.SetRecovery(recovery.get());
+
   if (!socket_path.empty()) {
     absl::Status ready = PrepareSocketPath(socket_path);
     if (!ready.ok()) {
@@ -404,6 +464,19 @@ int Run() {
   if (!socket_path.empty()) chmod(socket_path.c_str(), 0600);
   server->GetHealthCheckService()->SetServingStatus("specstate.v1.SpecState", true);
   server->GetHealthCheckService()->SetServingStatus(true);
+  if (UnderSystemd()) {
+    absl::Status notified = SdNotify(absl::StrCat("READY=1\nMAINPID=", getpid()));
+    if (!notified.ok()) LogError(notified.ToString());
+  }
+  if (recovery != nullptr) {
+    const v1::RecoverResponse r = recovery->Report();
+    LogInfo(absl::StrCat("serving ", absl::FormatDuration(absl::Now() - process_start),
+                         " after start; pools ", r.kept() ? "kept" : "fresh", ", held by ",
+                         r.holder(), r.kept() ? absl::StrCat(", last committed step ",
+                                                             r.last_committed_step(), ", ",
+                                                             r.lost_blocks_size(), " blocks lost")
+                                              : std::string()));
+  }
 
   const v1::Layout& l = (*engine)->layout();
   std::printf(
@@ -430,7 +503,7 @@ int Run() {
   std::thread health([&] {
     std::string reported;
     do {
-      const std::string problem = (*engine)->HealthProblem();
+      const std::string problem = service.HealthProblem();
       if (problem != reported) {
         const bool serving = problem.empty();
         server->GetHealthCheckService()->SetServingStatus("specstate.v1.SpecState", serving);
@@ -453,6 +526,7 @@ int Run() {
   int received = 0;
   sigwait(&signals, &received);
   LogInfo(absl::StrCat("signal ", received, ": shutting down"));
+  if (UnderSystemd()) SdNotify("STOPPING=1").IgnoreError();
   stop_health.Notify();
   health.join();
   service.EndAllSessions();

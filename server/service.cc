@@ -65,6 +65,7 @@ grpc::ServerUnaryReactor* SpecStateService::ExportPools(grpc::CallbackServerCont
   const absl::Time start = absl::Now();
   auto* reactor = ctx->DefaultReactor();
   *response = engine_->ExportPools();
+  if (recovery_ != nullptr) recovery_->AddExport(response);
   Finish(reactor, "ExportPools", start, absl::OkStatus());
   return reactor;
 }
@@ -107,11 +108,17 @@ v1::Stats SpecStateService::CollectStats() const {
   stats.set_regions(engine_->regions().Count());
   stats.set_driver(sessions_->DriverDescription());
   stats.set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
-  const std::string problem = engine_->HealthProblem();
+  const std::string problem = HealthProblem();
   stats.set_health(problem.empty() ? "SERVING" : absl::StrCat("NOT_SERVING: ", problem));
   for (std::string& warning : engine_->Warnings()) stats.add_warnings(std::move(warning));
   stats_.ToProto(&stats);
   return stats;
+}
+
+std::string SpecStateService::HealthProblem() const {
+  std::string problem = engine_->HealthProblem();
+  if (problem.empty() && recovery_ != nullptr) problem = recovery_->HealthProblem();
+  return problem;
 }
 
 grpc::ServerUnaryReactor* SpecStateService::GetStats(grpc::CallbackServerContext* ctx,
@@ -387,6 +394,34 @@ grpc::ServerUnaryReactor* SpecStateService::SubmitStep(grpc::CallbackServerConte
                                                        const v1::SubmitStepRequest* request,
                                                        v1::SubmitStepResponse* response) {
   return Drive(ctx, "SubmitStep", request, response, &Engine::SubmitStep);
+}
+
+// ---------------------------------------------------------------------------
+// Restarts.
+
+grpc::ServerUnaryReactor* SpecStateService::Recover(grpc::CallbackServerContext* ctx,
+                                                    const v1::RecoverRequest* request,
+                                                    v1::RecoverResponse* response) {
+  const absl::Time start = absl::Now();
+  auto* reactor = ctx->DefaultReactor();
+  if (recovery_ == nullptr) {
+    absl::Status st = absl::OkStatus();
+    if (request->verify()) {
+      st = absl::FailedPreconditionError(
+          "these pools keep no bookkeeping: nothing holds them across a restart (start "
+          "specstated with --keeper=PATH, or under systemd with FileDescriptorStoreMax=)");
+    }
+    response->set_kept(false);
+    response->set_pool_bytes(engine_->layout().pool_bytes());
+    Finish(reactor, "Recover", start, st);
+    return reactor;
+  }
+  recovery_->Recover(*request, engine_->layout(),
+                     [this, reactor, response, start](absl::Status s, v1::RecoverResponse r) {
+                       if (s.ok()) *response = std::move(r);
+                       Finish(reactor, "Recover", start, s);
+                     });
+  return reactor;
 }
 
 }  // namespace server

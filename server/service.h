@@ -18,6 +18,7 @@
 #include "grpcpp/grpcpp.h"
 #include "specstate/v1/specstate.grpc.pb.h"
 #include "server/engine.h"
+#include "server/recovery.h"
 #include "server/sessions.h"
 #include "server/stats.h"
 
@@ -38,6 +39,14 @@ class SpecStateService final : public v1::SpecState::CallbackService {
 
   // Finishes every session stream (UNAVAILABLE), before the server shuts down.
   void EndAllSessions();
+
+  // Pools kept across restarts (null: none): Recover answers from it, its
+  // health problem joins the engine's, ExportPools names its descriptor
+  // socket. Before serving.
+  void SetRecovery(Recovery* recovery) { recovery_ = recovery; }
+  // Why health is NOT_SERVING ("" when serving): the engine's problem, else
+  // the recovery's.
+  std::string HealthProblem() const;
 
   grpc::ServerUnaryReactor* GetLayout(grpc::CallbackServerContext* ctx,
                                       const v1::GetLayoutRequest* request,
@@ -85,6 +94,9 @@ class SpecStateService final : public v1::SpecState::CallbackService {
   grpc::ServerUnaryReactor* SubmitStep(grpc::CallbackServerContext* ctx,
                                        const v1::SubmitStepRequest* request,
                                        v1::SubmitStepResponse* response) override;
+  grpc::ServerUnaryReactor* Recover(grpc::CallbackServerContext* ctx,
+                                    const v1::RecoverRequest* request,
+                                    v1::RecoverResponse* response) override;
 
  private:
   class SessionReactor;
@@ -106,6 +118,7 @@ class SpecStateService final : public v1::SpecState::CallbackService {
   void OnLeaseExpired(const std::string& id);
 
   Engine* const engine_;
+  Recovery* recovery_ = nullptr;
   RpcStatsRegistry stats_;
   absl::Mutex reactors_mu_;
   std::map<std::string, SessionReactor*> reactors_ ABSL_GUARDED_BY(reactors_mu_);

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/internal/checks.h"
+#include "kernels/internal/journal.h"
 #include "kernels/internal/dispatch.h"
 #include "kernels/kda_kernels.h"
 #include "kernels/kda_math.h"
@@ -569,6 +570,12 @@ class CpuKernels final : public KdaKernels {
         ws.replay_indices[i * (Q + 1) + col] = internal::ReplayIndex(ws.plan[i], Q, col);
       }
     }
+    const CommitJournal& journal = a.journal;
+    if (journal.record != nullptr) {  // before the first write
+      for (int i = 0; i < a.num_rows; ++i) internal::JournalListRow(a, ws.plan[i], i);
+      internal::JournalMarkStarted(journal, a.num_rows);
+      if (journal.test_hook != nullptr) journal.test_hook("started");
+    }
     const bool align = a.block_table.data != nullptr;
     const int history_len = a.layers[0].conv.width - Q + 1;
     DispatchAct(a.shape.act_dtype, [&](auto act) {
@@ -580,6 +587,7 @@ class CpuKernels final : public KdaKernels {
         }
       }
     });
+    if (journal.test_hook != nullptr) journal.test_hook("conv");
     if (deferred) {
       RunReplayJobs(a.shape, a.layers, Q, DeferCommit(a, ws.plan));
       return;
@@ -601,9 +609,25 @@ class CpuKernels final : public KdaKernels {
               *idx = row;
               *tokens = internal::ReplayTokens(row, Q);
             });
+        if (journal.test_hook != nullptr) journal.test_hook("layer");
       }
     });
     return;
+  }
+
+  // After the commit's last write: its blocks' records, then "committed".
+  absl::Status LaunchJournalFinish(const CommitArgs& a, Stream) const override {
+    const CommitJournal& j = a.journal;
+    if (!internal::JournalOpenFor(j)) return absl::OkStatus();  // its checks failed
+    if (j.test_hook != nullptr) j.test_hook("replayed");
+    const uint64_t sequence = j.record->commits + 1;
+    const int64_t num_blocks = a.layers[0].state.num_blocks;
+    const int rows = internal::JournalRows(j);
+    for (int e = 0; e < 2 * rows; ++e) {
+      internal::JournalRecordEntry(j, num_blocks, e, j.step, sequence);
+    }
+    internal::JournalMarkCommitted(j, sequence);
+    return absl::OkStatus();
   }
 
   absl::Status LaunchRecordStateBlocks(const RecordStateBlocksArgs& a, Stream) const override {

@@ -33,6 +33,7 @@
 #include "kernels/cuda_status.h"
 #include "kernels/internal/checks.h"
 #include "kernels/internal/dispatch.h"
+#include "kernels/internal/journal.h"
 #include "kernels/kda_args.h"
 #include "kernels/kda_kernels.h"
 #include "kernels/kda_math.h"
@@ -781,6 +782,14 @@ __device__ void CommitPlan(const CommitArgs& a, int64_t num_blocks) {
           [&](int i, auto fn) { internal::ForEachCommitRead(ws.plan[i], i, fn); })) {
     return;
   }
+  if (a.journal.record != nullptr) {  // before the commit's first write
+    __syncthreads();
+    for (int i = threadIdx.x; i < a.num_rows; i += blockDim.x) {
+      internal::JournalListRow(a, ws.plan[i], i);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) internal::JournalMarkStarted(a.journal, a.num_rows);
+  }
   const int q = a.spec_query_len;
   if (a.pending.entries != nullptr) {
     if (!BlockCheckRows(a.num_rows, a.status, [&](int i) {
@@ -802,6 +811,21 @@ __global__ void __launch_bounds__(kCheckThreads) CommitPlanKernel(const CommitAr
   LetDependentsLaunch();
   CommitPlan(a, num_blocks);
   PublishStatus(a.status, a.status_mirror);
+}
+
+// After the commit's last write (plain stream order, no programmatic
+// dependency): the listed blocks' records, then "committed". Does nothing
+// when the record does not hold this commit, started (its checks failed).
+__global__ void __launch_bounds__(kCheckThreads)
+    JournalFinishKernel(const CommitJournal j, int64_t num_blocks) {
+  if (!internal::JournalOpenFor(j)) return;  // the same for every thread
+  const uint64_t sequence = j.record->commits + 1;
+  const int rows = internal::JournalRows(j);
+  for (int e = threadIdx.x; e < 2 * rows; e += blockDim.x) {
+    internal::JournalRecordEntry(j, num_blocks, e, j.step, sequence);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) internal::JournalMarkCommitted(j, sequence);
 }
 
 // docs/semantics.md, Commit step 2: one thread per (layer, row, conv channel) reads
@@ -1157,6 +1181,12 @@ class CudaKernels final : public KdaKernels {
           p, a.num_layers, s);
     });
     return ok ? LaunchStatus(err, "Commit") : Unsupported("Commit");
+  }
+
+  absl::Status LaunchJournalFinish(const CommitArgs& a, Stream stream) const override {
+    JournalFinishKernel<<<1, kCheckThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+        a.journal, a.layers[0].state.num_blocks);
+    return LaunchStatus(cudaGetLastError(), "Commit");
   }
 
   absl::Status LaunchFlush(const FlushArgs& a, Stream stream) const override {

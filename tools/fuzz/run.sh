@@ -40,6 +40,7 @@ sources=(
   server/regions.cc
   server/config.cc server/cpu_device.cc
   server/truncation_guard.cc server/no_cuda_device.cc server/log.cc server/phase_profile.cc
+  server/test_crash.cc
   kernels/cpu/kda_cpu.cc kernels/kda_kernels.cc kernels/no_cuda.cc kernels/device_status.cc
   kernels/dtype.cc "$out/gen/specstate/v1/specstate.pb.cc" tools/fuzz/engine_fuzzer.cc
 )

@@ -10,12 +10,13 @@ cd "$(dirname "$0")/../.."
 dest=${1:-.gpu}
 default_targets="//server:specstated //client:specstatectl //kernels:kda_kernels_gpu_test
   //tests/integration:gpu_service_test //tests/bench:kda_bench //tests/bench:service_bench //tests/bench:handoff_bench
-  //tools/gpu/trace:libcupti_trace.so"
+  //tools/gpu/trace:libcupti_trace.so //keeper:specstate-keeper //tools/gpu:vmm_probe"
 read -r -a targets <<< "$(echo ${BUNDLE_TARGETS:-$default_targets})"
 bazel build "${targets[@]}"
 final=$dest
 dest=$(mktemp -d)
-mkdir -p "$dest/bin" "$dest/lib" "$dest/runfiles/specstate/server" "$dest/runfiles/specstate/client"
+mkdir -p "$dest/bin" "$dest/lib" "$dest/runfiles/specstate/server" "$dest/runfiles/specstate/client" \
+  "$dest/runfiles/specstate/keeper"
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|libstdc\+\+\.so|libgcc_s\.so|libcuda\.so)'
 for target in "${targets[@]}"; do
   bin="bazel-bin/$(echo "${target#//}" | tr ':' '/')"
@@ -28,6 +29,7 @@ done
 # Tests find the server and the CLI through their runfiles, as under Bazel.
 cp "$dest/bin/specstated" "$dest/runfiles/specstate/server/"
 cp "$dest/bin/specstatectl" "$dest/runfiles/specstate/client/"
+cp "$dest/bin/specstate-keeper" "$dest/runfiles/specstate/keeper/"
 cp tools/gpu/run_suite.sh tools/gpu/diagnose.sh tools/gpu/profile_kernels.sh tools/gpu/ab_servers.sh \
   tools/gpu/trace/timeline.py tools/start_services.sh "$dest/"
 # The Python client with freshly generated stubs and its tests, and a

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Runs the GPU suites and benchmarks from a bundle made by tools/gpu/bundle.sh,
 # on a machine with an NVIDIA GPU (no Bazel needed):
-#   tools/gpu/run_suite.sh BUNDLE OUTDIR [tests|service|bench|all]
+#   tools/gpu/run_suite.sh BUNDLE OUTDIR [tests|service|bench|all|restart]
 # (service: the service's GPU tests and the Python client's, not the kernels';
-# GPU_SERVICE_FILTER is a gtest filter for gpu_service_test)
+# GPU_SERVICE_FILTER is a gtest filter for gpu_service_test; restart: the kept
+# pools on the GPU (issue 24): vmm_probe, then the restart drill on the CUDA
+# backend without and with MPS, and the kernels' commit journal tests; not
+# part of `all`. RESTART_STEPS (200), RESTART_EVERY (5) and
+# RESTART_SERVICE_FLAGS size the drill.)
 # Writes logs and tables into OUTDIR and prints a summary; exits non-zero when
 # a test failed.
 set -uo pipefail
@@ -82,5 +86,49 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   timeout 200 "$bin/service_bench" --server="unix://$sock" ${SERVICE_BENCH_FLAGS:-} > "$out/service_bench.md" 2>&1
   note "service_bench: exit $?"
   kill $server; wait $server 2>/dev/null
+fi
+if [ "$what" = restart ]; then
+  # 1. What the driver does with a cuMemCreate allocation whose descriptor
+  #    outlives its creator; whether cudaIpcGetMemHandle covers it.
+  timeout 120 "$bin/vmm_probe" > "$out/vmm_probe.txt" 2>&1
+  rc=$?; note "vmm_probe: exit $rc"
+  grep '^probe:' "$out/vmm_probe.txt" | tee -a "$summary"
+  [ $rc -eq 0 ] || status=1
+  # 2. The commit journal on the GPU (CommitJournalTest.*/cuda): a commit
+  #    lists its blocks before its first write and marks them after its last.
+  timeout 300 "$bin/kda_kernels_gpu_test" --gtest_brief=1 --gtest_filter='*CommitJournal*' \
+    > "$out/commit_journal.log" 2>&1
+  rc=$?; note "kda_kernels_gpu_test CommitJournal*: exit $rc, $(grep -E '^\[  (PASSED|FAILED) ' "$out/commit_journal.log" | tr '\n' ' ')"
+  [ $rc -eq 0 ] || status=1
+  no_skips "$out/commit_journal.log" "CommitJournal*"
+  # 3. The drill on the CUDA backend: its own keeper and specstated, killed
+  #    between calls, inside Verify and right after a Commit's kernels were
+  #    enqueued (they run on while the process dies), started again; every
+  #    state compared bit for bit with the stock path; the report says the
+  #    restart times and the bytes kept.
+  drill() {  # NAME
+    timeout 580 "$bin/specstatectl" simulate --restart_every="${RESTART_EVERY:-5}" \
+      --steps="${RESTART_STEPS:-200}" --requests=8 \
+      --service_flags="--backend=cuda ${RESTART_SERVICE_FLAGS:---layers=8 --heads=16 --head_dim=128 --conv_dim=4096 --blocks=64 --max_rows=16}" \
+      --specstated="$bin/specstated" --keeper_binary="$bin/specstate-keeper" \
+      > "$out/restart_drill_$1.log" 2>&1
+    rc=$?; note "restart drill ($1): exit $rc"
+    grep -E '^(restart drill|verdict)' "$out/restart_drill_$1.log" | tee -a "$summary"
+    [ $rc -eq 0 ] || status=1
+  }
+  drill no_mps
+  if command -v nvidia-cuda-mps-control > /dev/null; then
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/ss-restart-mps CUDA_MPS_LOG_DIRECTORY=/tmp/ss-restart-mps-log
+    mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+    if nvidia-cuda-mps-control -d; then
+      drill mps
+      echo quit | nvidia-cuda-mps-control; sleep 1
+    else
+      note "restart drill (mps): the MPS daemon did not start"
+    fi
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  else
+    note "restart drill (mps): nvidia-cuda-mps-control not found"
+  fi
 fi
 exit $status

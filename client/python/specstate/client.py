@@ -10,12 +10,27 @@
         session.commit(step, num_accepted=[2, 4])
 
 Every failure raises :class:`SpecStateError` with the gRPC status code.
+
+When specstated restarts with its pools kept (a specstate-keeper, or systemd's
+file-descriptor store), a call raises UNAVAILABLE; ``session.resume()`` then
+reconnects, opens the session again, puts back its regions, layer parameters
+and bindings, and returns what the service kept (``Recover``). The step that
+was in flight is refused afterwards (FAILED_PRECONDITION naming it): re-run it
+under a new step id.
+
+    try:
+        session.commit(step, num_accepted=[2, 4])
+    except SpecStateError as e:
+        if e.code != grpc.StatusCode.UNAVAILABLE:
+            raise
+        kept = session.resume()   # re-prefill kept.lost_blocks; re-run the step
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
 from typing import Any, Iterator, Optional, Union
 
 import grpc
@@ -112,8 +127,16 @@ class Client:
             raise SpecStateError(grpc.StatusCode.INVALID_ARGUMENT, "server address is empty")
         self.address = address
         self.deadline = deadline
+        # A restarted specstated is found again within a second (gRPC's
+        # default reconnect backoff starts at 1 s and grows to 120 s).
         self._channel = grpc.insecure_channel(
-            address, options=[("grpc.max_receive_message_length", 512 << 20)])
+            address, options=[("grpc.max_receive_message_length", 512 << 20),
+                              ("grpc.initial_reconnect_backoff_ms", 100),
+                              ("grpc.min_reconnect_backoff_ms", 100),
+                              ("grpc.max_reconnect_backoff_ms", 1000),
+                              # A connection of its own, not one shared with
+                              # another channel (to a service since restarted).
+                              ("grpc.use_local_subchannel_pool", 1)])
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout)
         except grpc.FutureTimeoutError:
@@ -166,6 +189,12 @@ class Client:
         """Regions of one session, or of every session when `session_id` is empty."""
         return self.call("ListRegions", pb.ListRegionsRequest(session_id=session_id))
 
+    def recover(self, verify: bool = False) -> pb.RecoverResponse:
+        """What the service kept across its last restart (Recover): the last
+        committed step, the blocks an interrupted commit lost, bytes kept; with
+        `verify`, the pools' bookkeeping re-checked (``problems``)."""
+        return self.call("Recover", pb.RecoverRequest(verify=verify))
+
     def health(self, service: str = "") -> str:
         """grpc.health.v1 Check of `service` ("" = the server): "SERVING", "NOT_SERVING", ..."""
         try:
@@ -206,15 +235,36 @@ class Session:
                  lease_ms: int = 0) -> None:
         self.client = client
         self.client_name = client_name
+        self._drive = drive
+        self._lease_request = lease_ms
+        self.regions = RegionCache()
+        self._next_region = 0
+        self._last_step = 0
+        self._step_rows: dict = {}
+        self._closed = False
+        self._close_lock = threading.Lock()
+        # For resume(): what the session set up, and its steps.
+        self._registrations: dict = {}  # name -> RegisterRegionRequest
+        self._params: dict = {}         # layer -> LoadLayerParamsRequest
+        self._bindings: dict = {}       # layer -> BindVerifyInputsRequest
+        self._open_steps: set = set()   # sent, Commit not answered
+        self._committed_steps: set = set()
+        self._lost_steps: dict = {}     # step -> why every call of it is refused
+        self._unrecordable: dict = {}   # step -> why RecordStateBlocks is refused
+        self._open()
+
+    def _open(self) -> None:
+        """Opens the Session stream and starts the renewal thread."""
         self._requests: "queue.Queue[Any]" = queue.Queue()
         self._requests.put(pb.SessionRequest(
-            open=pb.OpenSession(client_name=client_name, lease_ms=lease_ms, drive=drive)))
-        self._stream = client.stub.Session(self._request_iterator())
+            open=pb.OpenSession(client_name=self.client_name, lease_ms=self._lease_request,
+                                drive=self._drive)))
+        self._stream = self.client.stub.Session(self._request_iterator(self._requests))
         try:
             event = next(self._stream)
         except grpc.RpcError as e:
             self._requests.put(_STOP)
-            raise SpecStateError.from_rpc(e, "Session", client.address) from None
+            raise SpecStateError.from_rpc(e, "Session", self.client.address) from None
         except StopIteration:
             self._requests.put(_STOP)
             raise SpecStateError(grpc.StatusCode.UNKNOWN,
@@ -222,24 +272,19 @@ class Session:
         self.id: str = event.session_id
         self.driving: bool = event.driving
         self.lease_ms: int = event.lease_ms
-        self.regions = RegionCache()
-        self._next_region = 0
-        self._last_step = 0
-        self._step_rows: dict = {}
         self._alive = True
-        self._closed = False
         self._end_error: Optional[SpecStateError] = None
         self._stop = threading.Event()
-        self._close_lock = threading.Lock()
         self._renewer = threading.Thread(target=self._renew_loop, daemon=True,
                                          name=f"specstate-renew-{self.id}")
         self._renewer.start()
 
     # ---- the stream ----
 
-    def _request_iterator(self) -> Iterator[pb.SessionRequest]:
+    @staticmethod
+    def _request_iterator(requests: "queue.Queue[Any]") -> Iterator[pb.SessionRequest]:
         while True:
-            item = self._requests.get()
+            item = requests.get()
             if item is _STOP:
                 return
             yield item
@@ -361,6 +406,7 @@ class Session:
         request.name = name
         self.client.call("RegisterRegion", request)
         self.regions.add(Region(name, address, nbytes, space, owner=buffer))
+        self._registrations[name] = request
         return name
 
     def unregister(self, name: str) -> None:
@@ -370,6 +416,7 @@ class Session:
                              pb.UnregisterRegionRequest(session_id=self.id, name=name))
         finally:
             self.regions.remove(name)
+            self._registrations.pop(name, None)
 
     def list_regions(self) -> pb.ListRegionsResponse:
         """This session's regions, as the service sees them."""
@@ -420,6 +467,7 @@ class Session:
         if lower_bound is not None:
             request.lower_bound = lower_bound
         self.client.call("LoadLayerParams", request)
+        self._params[layer] = request
 
     def verify(self, step: int, layer: int, *, q: Any, k: Any, v: Any, g: Any, beta: Any,
                o: Any, query_start_loc: Any = None, state_indices: Any = None,
@@ -458,7 +506,7 @@ class Session:
         if idx is not None:
             request.state_indices.CopyFrom(idx)
         _set_signals(request, wait, signal)
-        return self.client.call("Verify", request)
+        return self._drive_call("Verify", request, step)
 
     def bind_verify_inputs(self, layer: int, *, q: Any, k: Any, v: Any, g: Any, beta: Any,
                            o: Any, query_start_loc: Any = None,
@@ -497,7 +545,9 @@ class Session:
                     f"{field}: a binding's index tensors must be int32 arrays in a registered "
                     "buffer (inline values cannot change between steps)")
             getattr(request, field).CopyFrom(t)
-        return self.client.call("BindVerifyInputs", request)
+        response = self.client.call("BindVerifyInputs", request)
+        self._bindings[layer] = request
+        return response
 
     def verify_bound(self, step: int, layer: int, *, num_tokens: int,
                      num_rows: Optional[int] = None, ordering: Union[None, str, int] = None,
@@ -525,7 +575,7 @@ class Session:
             session_id=self.id, step=step, layer=layer, num_rows=num_rows, bound_inputs=True,
             num_tokens=num_tokens, ordering=_ordering(ordering, wait, signal))
         _set_signals(request, wait, signal)
-        return self.client.call("Verify", request)
+        return self._drive_call("Verify", request, step)
 
     def commit(self, step: int, num_accepted: Any, *, request_indices: Any = None,
                block_table: Any = None, num_computed_tokens: Any = None,
@@ -545,7 +595,7 @@ class Session:
             if t is not None:
                 getattr(request, field).CopyFrom(t)
         _set_signals(request, wait, signal)
-        return self.client.call("Commit", request)
+        return self._drive_call("Commit", request, step, commit=True)
 
     def record_state_blocks(self, step: int, *, idx_mapping: Any, num_sampled: Any,
                             num_computed_tokens: Any, block_table_width: int, state_idx: Any,
@@ -565,7 +615,134 @@ class Session:
         if t is not None:
             request.request_indices.CopyFrom(t)
         _set_signals(request, wait, signal)
+        self._check_step(step, record=True)
         return self.client.call("RecordStateBlocks", request)
+
+    # ---- restarts ----
+
+    def _check_step(self, step: int, record: bool = False) -> None:
+        why = self._lost_steps.get(step) or (self._unrecordable.get(step) if record else None)
+        if why is not None:
+            raise SpecStateError(grpc.StatusCode.FAILED_PRECONDITION, why)
+
+    def _drive_call(self, method: str, request: Any, step: int, commit: bool = False) -> Any:
+        """A driving call, with the step bookkeeping :meth:`resume` needs."""
+        self._check_step(step)
+        try:
+            response = self.client.call(method, request)
+        except SpecStateError:
+            if step not in self._committed_steps:
+                self._open_steps.add(step)
+            raise
+        if commit:
+            self._open_steps.discard(step)
+            self._committed_steps.add(step)
+            if len(self._committed_steps) > 64:
+                self._committed_steps.discard(min(self._committed_steps))
+        elif step not in self._committed_steps:
+            self._open_steps.add(step)
+            if len(self._open_steps) > 64:
+                self._open_steps.discard(min(self._open_steps))
+        return response
+
+    @property
+    def lost_steps(self) -> list:
+        """The steps :meth:`resume` found in flight (refused from then on)."""
+        return sorted(self._lost_steps)
+
+    def _end_stream(self) -> None:
+        self._stop.set()
+        self._requests.put(_STOP)
+        self._renewer.join()
+        try:
+            for _ in self._stream:
+                pass
+        except grpc.RpcError:
+            pass  # it broke with the old service
+
+    def _resume_once(self, deadline: float) -> pb.RecoverResponse:
+        """One attempt of :meth:`resume`: Recover, a new session, its set-up."""
+        self._end_stream()
+        try:
+            kept = self.client.stub.Recover(
+                pb.RecoverRequest(), wait_for_ready=True,
+                timeout=max(0.01, min(1.0, deadline - time.monotonic())))
+        except grpc.RpcError as e:
+            raise SpecStateError.from_rpc(e, "Recover") from None
+        self._open()
+        for name, request in list(self._registrations.items()):
+            request.session_id = self.id
+            try:
+                self.client.call("RegisterRegion", request)
+            except SpecStateError as e:
+                raise SpecStateError(e.code, f"registering region {name!r} again: {e.message}") \
+                    from None
+        for layer, request in sorted(self._params.items()):
+            request.session_id = self.id
+            self.client.call("LoadLayerParams", request)
+        for layer, request in sorted(self._bindings.items()):
+            request.session_id = self.id
+            self.client.call("BindVerifyInputs", request)
+        return kept
+
+    def resume(self, timeout: float = 60.0) -> pb.RecoverResponse:
+        """After specstated restarted (a call raised UNAVAILABLE, or :attr:`alive`
+        went False): waits for it, retrying with backoff (50 ms doubling to 1 s)
+        for up to `timeout` seconds (DEADLINE_EXCEEDED after); opens a new
+        session with this one's name, drive flag and lease (:attr:`id`
+        changes); registers every buffer again under its name; sends each
+        layer's last load_layer_params and bind_verify_inputs again; step ids
+        continue. Returns what the service kept (``Recover``): the last
+        committed step and the blocks an interrupted Commit lost (re-prefill
+        them). Every step that had started and whose Commit was not answered is
+        refused from then on (FAILED_PRECONDITION naming the step): re-run it
+        from Verify under a new step id, unless ``last_committed_step`` is it.
+        RecordStateBlocks of a step committed before the restart is refused
+        too (compute its state_idx from the block table)."""
+        deadline = time.monotonic() + timeout
+        pause = 0.05
+        while True:
+            try:
+                kept = self._resume_once(deadline)
+                break
+            except SpecStateError as e:
+                # A connection that died with the old service fails a call once.
+                if e.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                if time.monotonic() + pause >= deadline:
+                    raise SpecStateError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"specstated at {self.client.address} did not answer again within "
+                        f"{timeout:g} s (last: {e.message})") from None
+                time.sleep(pause)
+                pause = min(pause * 2, 1.0)
+        for step in sorted(self._open_steps):
+            if not kept.kept:
+                why = (f"step {step} was in flight when specstated restarted without its pools "
+                       "(nothing kept them): every state is gone; re-prefill every request")
+            elif kept.interrupted and kept.interrupted_step == step:
+                why = (f"step {step}'s Commit was interrupted when specstated restarted: "
+                       f"{len(kept.lost_blocks)} blocks are lost (Recover's lost_blocks: "
+                       "re-prefill them), nothing else of it was committed; re-run it from "
+                       "Verify under a new step id")
+            elif step and kept.last_committed_step == step:
+                why = (f"step {step} was committed before specstated restarted (Recover: last "
+                       f"committed step {step}) but the answer was lost; its records did not "
+                       "survive: go on with the next step")
+            else:
+                why = (f"step {step} was in flight when specstated restarted (the last committed "
+                       f"step is {kept.last_committed_step}): nothing of it was committed and "
+                       "its Verify records did not survive; re-run it from Verify under a new "
+                       "step id")
+            self._lost_steps[step] = why
+        for step in self._committed_steps:
+            self._unrecordable[step] = (
+                f"step {step} was committed before specstated restarted; its RecordStateBlocks "
+                "cannot run in the new session (the step's records are gone): compute state_idx "
+                "from the block table")
+        self._open_steps.clear()
+        self._committed_steps.clear()
+        return kept
 
 
     def flush(self, blocks: Any = None, *, discard: bool = False, layer: Optional[int] = None,

@@ -343,7 +343,9 @@ class CudaPools:
     """
 
     def __init__(self, export: pb.ExportPoolsResponse, device: Optional[int] = None) -> None:
-        if len(export.cuda_ipc_handle) != IPC_HANDLE_BYTES:
+        self._vmm = None  # (handle, bytes) of kept pools imported by descriptor
+        vmm = bool(export.pools_fd_socket)  # kept pools: the descriptor, not an IPC handle
+        if not vmm and len(export.cuda_ipc_handle) != IPC_HANDLE_BYTES:
             raise SpecStateError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "the service exports its pools by shared-memory name (CPU backend): map them "
@@ -353,9 +355,12 @@ class CudaPools:
         self.device = export.device if device is None else device
         base = ctypes.c_void_p()
         with self._cuda.on_device(self.device):
-            self._cuda.check(self._cuda.rt.cudaIpcOpenMemHandle(
-                ctypes.byref(base), _IpcMemHandle.of(export.cuda_ipc_handle), 1),  # LazyEnablePeerAccess
-                "cudaIpcOpenMemHandle of the service's pools")
+            if vmm:
+                base.value = self._import_kept(export)
+            else:
+                self._cuda.check(self._cuda.rt.cudaIpcOpenMemHandle(
+                    ctypes.byref(base), _IpcMemHandle.of(export.cuda_ipc_handle), 1),  # LazyEnablePeerAccess
+                    "cudaIpcOpenMemHandle of the service's pools")
         self.address = int(base.value)
         self._views: Dict[Tuple[int, str], Any] = {}
         for p in export.pools:
@@ -377,12 +382,74 @@ class CudaPools:
     def conv(self, layer: int) -> Any:
         return self.view(layer, "conv")
 
+    def _import_kept(self, export: pb.ExportPoolsResponse) -> int:
+        """Kept pools (a cuMemCreate allocation, which cudaIpcGetMemHandle cannot
+        export): the descriptor from ``pools_fd_socket`` imported, mapped
+        read-write on this device. Returns the mapping's address."""
+        import socket  # noqa: PLC0415
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.settimeout(10.0)
+            sock.connect(export.pools_fd_socket)
+            _, fds, _, _ = socket.recv_fds(sock, 4096, 4)
+        except OSError as e:
+            raise SpecStateError(grpc.StatusCode.UNAVAILABLE,
+                                 f"the pools' descriptor from {export.pools_fd_socket}: {e}") from None
+        finally:
+            sock.close()
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise SpecStateError(grpc.StatusCode.DATA_LOSS,
+                                 f"{export.pools_fd_socket} sent {len(fds)} descriptors")
+        drv = self._cuda.driver()
+        self._cuda.rt.cudaFree(None)  # the primary context, current for the driver calls
+
+        def check(err: int, what: str) -> None:
+            if err != 0:
+                name = ctypes.c_char_p()
+                drv.cuGetErrorName(err, ctypes.byref(name))
+                raise SpecStateError(grpc.StatusCode.INTERNAL,
+                                     f"{what}: {(name.value or b'').decode()} ({err})")
+
+        handle = ctypes.c_ulonglong()
+        try:
+            check(drv.cuMemImportFromShareableHandle(  # 1: CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                ctypes.byref(handle), ctypes.c_void_p(fds[0]), 1),
+                "cuMemImportFromShareableHandle of the pools")
+        finally:
+            os.close(fds[0])  # the imported handle holds the allocation
+        size = ctypes.c_size_t(export.pools_fd_bytes)
+        base = ctypes.c_ulonglong()
+        check(drv.cuMemAddressReserve(ctypes.byref(base), size, ctypes.c_size_t(0),
+                                      ctypes.c_ulonglong(0), ctypes.c_ulonglong(0)),
+              "cuMemAddressReserve")
+        check(drv.cuMemMap(base, size, ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0)),
+              "cuMemMap of the pools")
+
+        class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
+            _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int), ("flags", ctypes.c_int)]
+
+        # CU_MEM_LOCATION_TYPE_DEVICE = 1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+        desc = _AccessDesc(1, self.device, 3)
+        check(drv.cuMemSetAccess(base, size, ctypes.byref(desc), ctypes.c_size_t(1)),
+              "cuMemSetAccess")
+        self._vmm = (handle, size)
+        return int(base.value)
+
     def close(self) -> None:
         """Closes the IPC mapping (the tensors must not be used after)."""
         if not self._closed:
             self._closed = True
             self._views.clear()
-            self._cuda.rt.cudaIpcCloseMemHandle(ctypes.c_void_p(self.address))
+            if self._vmm is not None:
+                drv = self._cuda.driver()
+                handle, size = self._vmm
+                drv.cuMemUnmap(ctypes.c_ulonglong(self.address), size)
+                drv.cuMemAddressFree(ctypes.c_ulonglong(self.address), size)
+                drv.cuMemRelease(handle)
+            else:
+                self._cuda.rt.cudaIpcCloseMemHandle(ctypes.c_void_p(self.address))
 
 
 def _stream_handle(stream: Any) -> int:

@@ -18,18 +18,43 @@ from typing import Any, Optional
 import specstate
 
 
-def find_specstated() -> str:
-    candidates = [os.environ.get("SPECSTATED")]
+def _find_binary(env: str, package: str, name: str) -> str:
+    candidates = [os.environ.get(env)]
     for root in (os.environ.get("TEST_SRCDIR"), os.environ.get("RUNFILES_DIR")):
         if root:
             candidates.append(os.path.join(root, os.environ.get("TEST_WORKSPACE", "specstate"),
-                                           "server", "specstated"))
+                                           package, name))
     here = os.path.dirname(os.path.abspath(__file__))
-    candidates.append(os.path.join(here, "..", "..", "..", "bazel-bin", "server", "specstated"))
+    candidates.append(os.path.join(here, "..", "..", "..", "bazel-bin", package, name))
     for c in candidates:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return os.path.abspath(c)
-    raise FileNotFoundError("specstated not found: build //server:specstated or set SPECSTATED")
+    raise FileNotFoundError(f"{name} not found: build //{package}:{name} or set {env}")
+
+
+def find_specstated() -> str:
+    return _find_binary("SPECSTATED", "server", "specstated")
+
+
+class Keeper:
+    """A specstate-keeper process (it holds specstated's pools across restarts)
+    on a socket in `directory`; ``Server(keeper=keeper.socket)`` uses it."""
+
+    def __init__(self, directory: str) -> None:
+        self.socket = os.path.join(directory, "keeper.sock")
+        self.process = subprocess.Popen(
+            [_find_binary("SPECSTATE_KEEPER", "keeper", "specstate-keeper"),
+             f"--socket={self.socket}"], stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not os.path.exists(self.socket):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("specstate-keeper did not come up")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(10)
 
 
 class Server:

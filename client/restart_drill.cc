@@ -1,0 +1,382 @@
+#include "client/restart_drill.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+
+namespace specstate {
+namespace client {
+namespace {
+
+bool Executable(const std::string& path) { return access(path.c_str(), X_OK) == 0; }
+
+// `name` of `package`: beside this program, in Bazel's bazel-bin layout, or
+// in a test's runfiles.
+std::string FindBinary(const std::string& package, const std::string& name) {
+  std::vector<std::string> candidates;
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n > 0) {
+    self[n] = '\0';
+    std::string dir(self);
+    dir = dir.substr(0, dir.rfind('/'));
+    candidates.push_back(absl::StrCat(dir, "/", name));
+    candidates.push_back(absl::StrCat(dir, "/../", package, "/", name));
+  }
+  if (const char* runfiles = std::getenv("TEST_SRCDIR")) {
+    candidates.push_back(absl::StrCat(runfiles, "/specstate/", package, "/", name));
+  }
+  for (const std::string& c : candidates) {
+    if (Executable(c)) return c;
+  }
+  return name;  // from PATH
+}
+
+pid_t Spawn(const std::vector<std::string>& argv, const std::string& log) {
+  const int out = open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    if (out >= 0) {
+      dup2(out, 1);
+      dup2(out, 2);
+    }
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execvp(args[0], args.data());
+    _exit(127);
+  }
+  if (out >= 0) close(out);
+  return pid;
+}
+
+bool Answers(const std::string& socket_path, int type) {
+  const int fd = socket(AF_UNIX, type | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, socket_path.c_str(), sizeof(addr.sun_path) - 1);
+  const bool ok = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  close(fd);
+  return ok;
+}
+
+void Reap(pid_t* pid, int signal) {
+  if (*pid <= 0) return;
+  kill(*pid, signal);
+  waitpid(*pid, nullptr, 0);
+  *pid = -1;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<OwnService>> OwnService::Start(OwnServiceOptions options) {
+  std::unique_ptr<OwnService> s(new OwnService());
+  if (options.specstated.empty()) options.specstated = FindBinary("server", "specstated");
+  if (options.keeper.empty()) options.keeper = FindBinary("keeper", "specstate-keeper");
+  bool backend = false;
+  for (const std::string& f : options.flags) backend |= absl::StartsWith(f, "--backend");
+  if (!backend) options.flags.push_back("--backend=cpu");
+  s->options_ = std::move(options);
+  char tmpl[] = "/tmp/specstate-drill-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) return absl::InternalError("mkdtemp failed");
+  s->dir_ = tmpl;
+  s->socket_ = s->dir_ + "/specstate.sock";
+  s->address_ = "unix://" + s->socket_;
+  s->keeper_socket_ = s->dir_ + "/keeper.sock";
+  s->log_ = s->dir_ + "/specstated.log";
+  absl::Status st = s->LaunchKeeper();
+  if (st.ok()) st = s->Launch();
+  if (!st.ok()) return st;
+  return s;
+}
+
+OwnService::~OwnService() {
+  Reap(&pid_, SIGTERM);
+  Reap(&keeper_pid_, SIGTERM);
+  for (const std::string& f : {socket_, socket_ + ".pools", keeper_socket_, log_,
+                               dir_ + "/keeper.log"}) {
+    unlink(f.c_str());
+  }
+  rmdir(dir_.c_str());
+}
+
+absl::Status OwnService::LaunchKeeper() {
+  keeper_pid_ = Spawn({options_.keeper, "--socket=" + keeper_socket_}, dir_ + "/keeper.log");
+  for (int i = 0; i < 500; ++i) {
+    if (Answers(keeper_socket_, SOCK_SEQPACKET)) return absl::OkStatus();
+    if (waitpid(keeper_pid_, nullptr, WNOHANG) == keeper_pid_) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  keeper_pid_ = -1;
+  return absl::UnavailableError(absl::StrCat("specstate-keeper (", options_.keeper,
+                                             ") did not come up on ", keeper_socket_));
+}
+
+void OwnService::KillKeeper() { Reap(&keeper_pid_, SIGKILL); }
+
+void OwnService::Kill() { Reap(&pid_, SIGKILL); }
+
+bool OwnService::Running() {
+  if (pid_ <= 0) return false;
+  if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
+    pid_ = -1;
+    return false;
+  }
+  return true;
+}
+
+absl::Status OwnService::Launch(const std::vector<std::string>& extra_flags,
+                                absl::Duration timeout) {
+  if (Running()) return absl::FailedPreconditionError("specstated is running: Kill it first");
+  std::vector<std::string> argv = {options_.specstated, "--listen=" + address_,
+                                   "--keeper=" + keeper_socket_};
+  argv.insert(argv.end(), options_.flags.begin(), options_.flags.end());
+  argv.insert(argv.end(), extra_flags.begin(), extra_flags.end());
+  const absl::Time start = absl::Now();
+  pid_ = Spawn(argv, log_);
+  while (absl::Now() - start < timeout) {
+    if (Answers(socket_, SOCK_STREAM)) {
+      last_launch_ = absl::Now() - start;
+      return absl::OkStatus();
+    }
+    if (!Running()) {
+      return absl::UnavailableError(
+          absl::StrCat("specstated exited at start (", absl::StrJoin(argv, " "), "):\n", Log()));
+    }
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  Kill();
+  return absl::DeadlineExceededError(
+      absl::StrCat("specstated did not serve within ", absl::FormatDuration(timeout), ":\n", Log()));
+}
+
+std::string OwnService::Log() const {
+  std::ifstream in(log_);
+  std::stringstream s;
+  s << in.rdbuf();
+  const std::string all = s.str();
+  return all.size() > 4000 ? all.substr(all.size() - 4000) : all;
+}
+
+const char* KillPointName(KillPoint point) {
+  switch (point) {
+    case KillPoint::kBetweenCalls:
+      return "between calls";
+    case KillPoint::kVerify:
+      return "inside Verify";
+    case KillPoint::kCommitStarted:
+      return "Commit started";
+    case KillPoint::kCommitConv:
+      return "Commit, conv compacted";
+    case KillPoint::kCommitLayer:
+      return "Commit, layers half replayed";
+    case KillPoint::kCommitReplayed:
+      return "Commit replayed, not marked";
+    case KillPoint::kCommitEnqueued:
+      return "Commit done, unanswered";
+  }
+  return "?";
+}
+
+namespace {
+constexpr KillPoint kPoints[] = {KillPoint::kBetweenCalls,   KillPoint::kVerify,
+                                 KillPoint::kCommitStarted,  KillPoint::kCommitConv,
+                                 KillPoint::kCommitLayer,    KillPoint::kCommitReplayed,
+                                 KillPoint::kCommitEnqueued};
+constexpr int kNumPoints = sizeof(kPoints) / sizeof(kPoints[0]);
+}  // namespace
+
+RestartDrill::RestartDrill(OwnService* service, int every, uint64_t seed, int layers, bool cuda)
+    : service_(service), every_(every < 1 ? 1 : every), layers_(layers < 1 ? 1 : layers),
+      rng_(seed), cuda_(cuda) {
+  next_point_ = static_cast<int>(rng_() % kNumPoints);
+  // The service runs unarmed: its first death is a kill between calls.
+  armed_ = KillPoint::kBetweenCalls;
+  kill_at_step_ = every_;
+}
+
+void RestartDrill::BeforeStep(int s) {
+  step_ = s;
+  if (armed_ == KillPoint::kBetweenCalls && s == kill_at_step_ && service_->Running()) {
+    service_->Kill();
+  }
+}
+
+std::vector<std::string> RestartDrill::ArmNext(int from_step) {
+  armed_ = kPoints[next_point_];
+  next_point_ = (next_point_ + 1) % kNumPoints;
+  if (cuda_) {  // no hooks inside the CUDA kernels: a commit dies while they run
+    const bool hooked = armed_ == KillPoint::kCommitStarted || armed_ == KillPoint::kCommitConv ||
+                        armed_ == KillPoint::kCommitLayer || armed_ == KillPoint::kCommitReplayed;
+    if (hooked) armed_ = KillPoint::kCommitEnqueued;
+  }
+  kill_at_step_ = -1;
+  const int verifies = (every_ - 1) * layers_ + 1 + static_cast<int>(rng_() % layers_);
+  const int layer_replays =
+      (every_ - 1) * layers_ + 1 + static_cast<int>(rng_() % std::max(1, layers_ - 1));
+  switch (armed_) {
+    case KillPoint::kBetweenCalls:
+      kill_at_step_ = from_step + every_;
+      return {};
+    case KillPoint::kVerify:
+      return {absl::StrCat("--test_crash_at=verify:", verifies)};
+    case KillPoint::kCommitStarted:
+      return {absl::StrCat("--test_crash_at=commit:started:", every_)};
+    case KillPoint::kCommitConv:
+      return {absl::StrCat("--test_crash_at=commit:conv:", every_)};
+    case KillPoint::kCommitLayer:
+      return {absl::StrCat("--test_crash_at=commit:layer:", layer_replays)};
+    case KillPoint::kCommitReplayed:
+      return {absl::StrCat("--test_crash_at=commit:replayed:", every_)};
+    case KillPoint::kCommitEnqueued:
+      return {absl::StrCat("--test_crash_at=commit:enqueued:", every_)};
+  }
+  return {};
+}
+
+absl::Status RestartDrill::Restart() {
+  killed_at_ = absl::Now();
+  last_point_ = armed_;
+  service_->Kill();  // reaped (it may have died by its armed crash already)
+  ++kills_[KillPointName(last_point_)];
+  ++restarts_;
+  absl::Status st = service_->Launch(ArmNext(step_));
+  if (st.ok()) max_restart_ = std::max(max_restart_, service_->last_launch());
+  return st;
+}
+
+void RestartDrill::NoteResume(absl::Duration resume, uint64_t kept_bytes,
+                              const std::string& outcome) {
+  max_resume_ = std::max(max_resume_, resume);
+  total_kill_to_resumed_ += absl::Now() - killed_at_;
+  kept_bytes_ = kept_bytes;
+  if (!outcome.empty()) ++enqueued_outcomes_[outcome];
+}
+
+std::string RestartDrill::Summary() const {
+  std::vector<std::string> parts;
+  for (const auto& [name, n] : kills_) parts.push_back(absl::StrCat(name, " ", n));
+  std::string out = absl::StrCat(
+      restarts_, " restarts (", absl::StrJoin(parts, ", "), "); specstated's start to serving at "
+      "most ", absl::ToInt64Milliseconds(max_restart_), " ms; from the failed call to the session resumed: mean ",
+      restarts_ > 0 ? absl::ToInt64Milliseconds(total_kill_to_resumed_ / restarts_) : 0,
+      " ms, Resume at most ", absl::ToInt64Milliseconds(max_resume_), " ms; ", kept_bytes_,
+      " bytes kept");
+  if (!enqueued_outcomes_.empty()) {
+    std::vector<std::string> o;
+    for (const auto& [name, n] : enqueued_outcomes_) o.push_back(absl::StrCat(name, " ", n));
+    absl::StrAppend(&out, "; kills right after a Commit was enqueued found it ",
+                    absl::StrJoin(o, ", "));
+  }
+  return out;
+}
+
+absl::StatusOr<ResumeOutcome> ResumeAfterRestart(
+    RestartDrill& drill, Session& session, uint64_t step_id, const std::vector<int32_t>& writes,
+    const std::vector<char>& before, const ReadPools& read_now,
+    const std::function<std::vector<std::pair<uint64_t, uint64_t>>(int32_t)>& spans,
+    const std::function<void(const std::string&)>& mismatch) {
+  absl::Status st = drill.Restart();
+  if (!st.ok()) return st;
+  ResumeOutcome out;
+  out.point = drill.last_point();
+  const absl::Time resume_start = absl::Now();
+  absl::StatusOr<v1::RecoverResponse> kept = session.Resume(absl::Seconds(30));
+  if (!kept.ok()) return kept.status();
+  const absl::Duration resumed_in = absl::Now() - resume_start;
+  const std::string where = absl::StrCat("after a kill (", KillPointName(out.point),
+                                         ") in step ", step_id, ": ");
+  if (!kept->kept()) mismatch(where + "the service did not keep its pools");
+  out.lost.assign(kept->lost_blocks().begin(), kept->lost_blocks().end());
+  std::vector<int32_t> want_lost;
+  out.committed = kept->last_committed_step() == step_id;
+  if (out.committed) {
+    if (kept->interrupted()) mismatch(where + "a finished Commit is reported interrupted");
+  } else if (kept->interrupted()) {
+    if (kept->interrupted_step() != step_id) {
+      mismatch(absl::StrCat(where, "the interrupted Commit is step ", kept->interrupted_step()));
+    }
+    want_lost = writes;
+  }
+  // Where the drill killed it says which of the three it must be (on CUDA
+  // a kill right after the Commit was enqueued may find any of them).
+  const bool in_commit = out.point == KillPoint::kCommitStarted ||
+                         out.point == KillPoint::kCommitConv ||
+                         out.point == KillPoint::kCommitLayer ||
+                         out.point == KillPoint::kCommitReplayed;
+  const bool enqueued = out.point == KillPoint::kCommitEnqueued;
+  if (!(enqueued && drill.cuda())) {
+    if (in_commit != kept->interrupted()) {
+      mismatch(absl::StrCat(where, "Recover says interrupted=", kept->interrupted()));
+    }
+    if (enqueued != out.committed) {
+      mismatch(absl::StrCat(where, "Recover's last committed step is ",
+                            kept->last_committed_step()));
+    }
+  }
+  drill.NoteResume(resumed_in, kept->kept_bytes(),
+                   !enqueued ? ""
+                   : out.committed ? "finished"
+                   : kept->interrupted() ? "interrupted"
+                                         : "not started");
+  std::sort(want_lost.begin(), want_lost.end());
+  want_lost.erase(std::unique(want_lost.begin(), want_lost.end()), want_lost.end());
+  if (out.lost != want_lost) {
+    mismatch(absl::StrCat(where, "lost blocks [", absl::StrJoin(out.lost, ","),
+                          "], the step's Commit writes [", absl::StrJoin(want_lost, ","), "]"));
+  }
+  // Every other byte of the pools is as before the step (or as its finished
+  // Commit left it, in the blocks it wrote).
+  std::vector<char> now;
+  st = read_now(&now);
+  if (!st.ok()) return st;
+  if (now.size() != before.size()) return absl::InternalError("the pools changed size");
+  std::vector<char> a = before, b = now;
+  std::vector<int32_t> skip = out.lost;
+  if (out.committed) skip.insert(skip.end(), writes.begin(), writes.end());
+  for (int32_t block : skip) {
+    for (const auto& [begin, end] : spans(block)) {
+      std::fill(a.begin() + begin, a.begin() + end, 0);
+      std::fill(b.begin() + begin, b.begin() + end, 0);
+    }
+  }
+  if (a != b) {
+    size_t i = 0;
+    while (a[i] == b[i]) ++i;
+    mismatch(absl::StrCat(where, "pool byte ", i,
+                          " changed outside the lost and committed blocks"));
+  }
+  // The step in flight is refused, naming it.
+  v1::CommitRequest again;
+  again.set_step(step_id);
+  absl::StatusOr<v1::CommitResponse> refused = session.Commit(again);
+  if (refused.status().code() != absl::StatusCode::kFailedPrecondition ||
+      !absl::StrContains(refused.status().message(), absl::StrCat("step ", step_id))) {
+    mismatch(absl::StrCat(where, "a Commit of the step in flight after Resume got ",
+                          refused.status().ToString()));
+  }
+  return out;
+}
+
+}  // namespace client
+}  // namespace specstate
