@@ -33,7 +33,7 @@
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/restart_drill.h"
-#include "client/simulator.h"
+#include "client/simulator/simulator.h"
 #include "google/protobuf/util/json_util.h"
 #include "kernels/kda_kernels.h"
 

@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
-#include "client/simulator.h"
+#include "client/simulator/simulator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_process.h"

@@ -38,7 +38,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "client/restart_drill.h"
-#include "client/simulator.h"
+#include "client/simulator/simulator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "keeper/fd_passing.h"

@@ -21,7 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "client/client.h"
 #include "client/shared_memory.h"
-#include "client/simulator.h"
+#include "client/simulator/simulator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_process.h"

@@ -9,8 +9,8 @@
 //   soak --server=ADDR --role=hash
 //
 // Drivers take turns (a file lock orders their runs as the log does): each
-// turn is one simulation (client/simulator.h: a decode loop checked bit for
-// bit) in a driving session of its own, appended to the log once it passed;
+// turn is one simulation (client/simulator/simulator.h: a decode loop checked
+// bit for bit) in a driving session of its own, appended to the log once it passed;
 // now and then a driver then dies abruptly (its session ends when its
 // stream breaks). A contender keeps trying to drive, and drops the session
 // at once when it gets one. Readers read everything and register and drop
@@ -44,7 +44,7 @@
 #include "absl/strings/str_format.h"
 #include "client/client.h"
 #include "client/shared_memory.h"
-#include "client/simulator.h"
+#include "client/simulator/simulator.h"
 
 ABSL_FLAG(std::string, server, "", "specstated's address");
 ABSL_FLAG(std::string, role, "", "driver, contender, reader, hostile, replay or hash");

@@ -39,8 +39,8 @@
 // the stock kernel over all H heads (the TP=1 run) and compares every
 // committed state (boundary states too) and every Verify output of its
 // service, head by head, with the TP=1 run's heads of the rank.
-#ifndef SPECSTATE_CLIENT_SIMULATOR_H_
-#define SPECSTATE_CLIENT_SIMULATOR_H_
+#ifndef SPECSTATE_CLIENT_SIMULATOR_SIMULATOR_H_
+#define SPECSTATE_CLIENT_SIMULATOR_SIMULATOR_H_
 
 #include <cstdint>
 #include <functional>
@@ -178,4 +178,4 @@ std::string FormatReport(const SimulationReport& report);
 }  // namespace client
 }  // namespace specstate
 
-#endif  // SPECSTATE_CLIENT_SIMULATOR_H_
+#endif  // SPECSTATE_CLIENT_SIMULATOR_SIMULATOR_H_

@@ -1,4 +1,4 @@
-#include "client/simulator.h"
+#include "client/simulator/simulator.h"
 
 #include <signal.h>
 
