@@ -298,19 +298,26 @@ class DeferredCommitTest : public KdaKernelsTest {
     return Finish(kernels_->Commit(a, stream()), "Commit", a.status, /*mirrored=*/false);
   }
 
-  // blocks empty: every pending block.
-  CallResult Flush(Memory& m, const std::vector<int32_t>& blocks, int layer, bool discard) {
-    CallData cd;
+  // A Flush of every pending block, of every layer (the layer tables in `cd`).
+  FlushArgs FlushArgsFor(Memory& m, CallData* cd) {
     FlushArgs a;
     a.shape = shape_;
     a.spec_query_len = spec_.q;
     a.num_layers = spec_.layers;
-    for (const LayerMemory& lm : m.layers) cd.layers.push_back(lm.table);
-    a.layers = cd.layers.data();
+    for (const LayerMemory& lm : m.layers) cd->layers.push_back(lm.table);
+    a.layers = cd->layers.data();
     a.device_layers = m.layer_table.As<CommitLayer>();
     a.pending = m.pending;
     a.jobs = ReplayJobs{m.flush_jobs.As<ReplayJob>(), m.flush_job_count.As<int32_t>(),
                         static_cast<int>(FlushJobsCapacity(max_rows_, spec_.layers))};
+    a.status = m.status.As<DeviceStatus>();
+    return a;
+  }
+
+  // blocks empty: every pending block.
+  CallResult Flush(Memory& m, const std::vector<int32_t>& blocks, int layer, bool discard) {
+    CallData cd;
+    FlushArgs a = FlushArgsFor(m, &cd);
     if (!blocks.empty()) {
       a.blocks = Ints(&cd, blocks);
       a.num_blocks_given = static_cast<int>(blocks.size());
@@ -699,18 +706,8 @@ TEST_P(DeferredMisuseTest, AFlushOfABlockPastThePoolChangesNothing) {
     EXPECT_EQ(FirstDifference(before[i], after[i]), -1) << "buffer " << i << " was written";
   }
   // On the host: more blocks than the pool has, a layer past the layout.
-  FlushArgs a;
   CallData cd;
-  a.shape = shape_;
-  a.spec_query_len = spec_.q;
-  a.num_layers = spec_.layers;
-  for (const LayerMemory& lm : m.layers) cd.layers.push_back(lm.table);
-  a.layers = cd.layers.data();
-  a.device_layers = m.layer_table.As<CommitLayer>();
-  a.pending = m.pending;
-  a.jobs = ReplayJobs{m.flush_jobs.As<ReplayJob>(), m.flush_job_count.As<int32_t>(),
-                      static_cast<int>(FlushJobsCapacity(max_rows_, spec_.layers))};
-  a.status = m.status.As<DeviceStatus>();
+  FlushArgs a = FlushArgsFor(m, &cd);
   a.layer = spec_.layers;
   absl::Status st = kernels_->Flush(a, stream());
   EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;

@@ -731,35 +731,29 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
     }
     return nullptr;
   };
-  std::printf("\n| N | stock, 1 layer (us) | EAGER: verify + commit/layer (us) | ratio | "
-              "DEFERRED: verify + commit/layer (us) | ratio |\n|---:|---:|---:|---:|---:|---:|\n");
-  for (int N : ns) {
-    const Row* stock = find(N, "stock");
-    const Row* verify = find(N, "verify");
-    const Row* commit = find(N, "commit");
-    const Row* dverify = find(N, "DEFERRED verify");
-    const Row* dcommit = find(N, "DEFERRED commit");
-    if (!stock || !verify || !commit || !dverify || !dcommit) continue;
-    const double eager = verify->t.best() + commit->t.best() / s.L;
-    const double deferred = dverify->t.best() + dcommit->t.best() / s.L;
-    std::printf("| %d | %.1f | %.1f | %.2fx | %.1f | %.2fx |\n", N, stock->t.best(), eager,
-                eager / stock->t.best(), deferred, deferred / stock->t.best());
-  }
-  // The same, cold L2 (graph replays).
-  std::printf("\n| N (cold L2) | stock (us) | EAGER step/layer (us) | ratio | DEFERRED step/layer "
-              "(us) | ratio |\n|---:|---:|---:|---:|---:|---:|\n");
-  for (int N : ns) {
-    const Row* stock = find(N, "stock");
-    const Row* verify = find(N, "verify");
-    const Row* commit = find(N, "commit");
-    const Row* dverify = find(N, "DEFERRED verify");
-    const Row* dcommit = find(N, "DEFERRED commit");
-    if (!stock || !verify || !commit || !dverify || !dcommit || stock->cold.graph_us <= 0) continue;
-    const double eager = verify->cold.graph_us + commit->cold.graph_us / s.L;
-    const double deferred = dverify->cold.graph_us + dcommit->cold.graph_us / s.L;
-    std::printf("| %d | %.1f | %.1f | %.2fx | %.1f | %.2fx |\n", N, stock->cold.graph_us, eager,
-                eager / stock->cold.graph_us, deferred, deferred / stock->cold.graph_us);
-  }
+  // `time` picks a row's time: warm L2 (the better of launched and graph),
+  // or cold L2 (graph replays).
+  const auto table = [&](const char* header, const std::function<double(const Row&)>& time) {
+    std::printf("%s|---:|---:|---:|---:|---:|---:|\n", header);
+    for (int N : ns) {
+      const Row* stock = find(N, "stock");
+      const Row* verify = find(N, "verify");
+      const Row* commit = find(N, "commit");
+      const Row* dverify = find(N, "DEFERRED verify");
+      const Row* dcommit = find(N, "DEFERRED commit");
+      if (!stock || !verify || !commit || !dverify || !dcommit || time(*stock) <= 0) continue;
+      const double eager = time(*verify) + time(*commit) / s.L;
+      const double deferred = time(*dverify) + time(*dcommit) / s.L;
+      std::printf("| %d | %.1f | %.1f | %.2fx | %.1f | %.2fx |\n", N, time(*stock), eager,
+                  eager / time(*stock), deferred, deferred / time(*stock));
+    }
+  };
+  table("\n| N | stock, 1 layer (us) | EAGER: verify + commit/layer (us) | ratio | "
+        "DEFERRED: verify + commit/layer (us) | ratio |\n",
+        [](const Row& r) { return r.t.best(); });
+  table("\n| N (cold L2) | stock (us) | EAGER step/layer (us) | ratio | DEFERRED step/layer "
+        "(us) | ratio |\n",
+        [](const Row& r) { return r.cold.graph_us; });
   PrintTargets(s, rows, copy_bps);
 }
 
