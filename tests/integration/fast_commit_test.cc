@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -405,6 +406,24 @@ TEST_F(FastCommitTest, MisuseIsRefusedAndChangesNothing) {
   ExpectError(reader->Flush(v1::FlushRequest()).status(), absl::StatusCode::kFailedPrecondition,
               "drive");
   EXPECT_EQ(fast_->Pools(), pools);
+}
+
+// The config file selects the mode as the flags do.
+TEST(FastCommitStartTest, AConfigFileSelectsFast) {
+  const std::string path = ::testing::TempDir() + "/fast.json";
+  {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs(R"({"layout": {"backend": "CPU", "commitMode": "FAST", "foldEvery": 3}})", f);
+    std::fclose(f);
+  }
+  const std::unique_ptr<ServerProcess> server =
+      ValueOrDie(ServerProcess::Start({"--config=" + path}));
+  const std::unique_ptr<Client> client = ValueOrDie(Client::Connect(server->address()));
+  const v1::Layout layout = ValueOrDie(client->GetLayout());
+  EXPECT_EQ(layout.commit_mode(), v1::FAST);
+  EXPECT_EQ(layout.fold_every(), 3);
+  EXPECT_THAT(server->Log(), HasSubstr("commit mode FAST (fold every 3)"));
 }
 
 // Layouts commit mode FAST cannot serve: refused at start, naming the bound.
