@@ -148,9 +148,9 @@ int Layout(Client& c) {
       "max_rows         %d\n"
       "dtypes           activations %s, state %s\n"
       "cache mode       %s%s\n"
-      "commit mode      %s\n"
+      "commit mode      %s%s\n"
       "lower_bound      %g\n"
-      "bytes            state block %d, conv block %d, pools %d, records %d\n",
+      "bytes            state block %d, conv block %d, pools %d, %s %d\n",
       v1::Backend_Name(l->backend()).c_str(), l->device(), l->num_layers(),
       l->layer_kind() == v1::GDN ? "GDN" : "KDA",
       l->layer_kind() == v1::KDA && l->kda_gate() == v1::PLAIN_GATE ? " (plain gate)" : "",
@@ -161,8 +161,14 @@ int Layout(Client& c) {
       v1::CacheMode_Name(l->cache_mode()).c_str(),
       l->cache_mode() == v1::ALIGN ? absl::StrCat(" (block size ", l->mamba_block_size(), ")").c_str()
                                    : "",
-      v1::CommitMode_Name(l->commit_mode()).c_str(), l->lower_bound(), l->state_block_bytes(), l->conv_block_bytes(), l->pool_bytes(),
-      l->record_bytes());
+      v1::CommitMode_Name(l->commit_mode()).c_str(),
+      l->commit_mode() == v1::FAST
+          ? absl::StrCat(" (fold every ", l->fold_every(), " steps: rings of ",
+                         l->fold_every() * (l->num_spec() + 1), " tokens a block)")
+                .c_str()
+          : "",
+      l->lower_bound(), l->state_block_bytes(), l->conv_block_bytes(), l->pool_bytes(),
+      l->commit_mode() == v1::FAST ? "rings" : "records", l->record_bytes());
   if (l->backend() == v1::CUDA) {
     std::printf("mps client       %s\n", l->mps_client() ? "yes" : "NO (see `stats`)");
   }

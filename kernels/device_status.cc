@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace specstate {
@@ -37,6 +38,8 @@ absl::string_view CheckedFieldName(CheckedField field) {
       return "inputs";
     case CheckedField::kBlocks:
       return "blocks";
+    case CheckedField::kRingCursors:
+      return "rings.cursors";
   }
   return "unknown";
 }
@@ -47,6 +50,15 @@ std::string Element(const DeviceStatus& s) {
   const std::string name(CheckedFieldName(static_cast<CheckedField>(s.field)));
   if (s.col >= 0) return absl::StrCat(name, "[", s.index, ", ", s.col, "]");
   return absl::StrCat(name, "[", s.index, "]");
+}
+
+// The two numbers packed into one int64 of a FAST fault (internal::PackPair).
+int32_t High(int64_t packed) { return static_cast<int32_t>(packed >> 32); }
+int32_t Low(int64_t packed) { return static_cast<int32_t>(static_cast<uint32_t>(packed)); }
+
+// "layer 2: " for faults of a call over several layers (col), "" otherwise.
+std::string LayerOf(const DeviceStatus& s) {
+  return s.col >= 0 ? absl::StrCat("layer ", s.col, ": ") : std::string();
 }
 
 }  // namespace
@@ -129,6 +141,35 @@ absl::Status DeviceStatusToStatus(const DeviceStatus& s, absl::string_view opera
           where, element, " = ", s.value, " (row ", s.row, ") is to be written, but layer ",
           s.bound, " still has tokens pending on it from an earlier DEFERRED commit that no "
           "Verify took: Flush a block before giving it to another request"));
+    case CheckProblem::kFastShared:
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, "state_indices[", s.index, "]: rows ", s.other_row, " and ", s.row, " both ",
+          absl::StrContains(operation, "Commit") ? "commit" : "verify", " from block ", s.value,
+          ": commit mode FAST keeps each row's candidates in its checkpoint block's ring, so one "
+          "row a step may use a block"));
+    case CheckProblem::kFastCursor:
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, LayerOf(s), "rings.cursors[", s.index, "] = {tokens ", High(s.value),
+          ", candidates ", Low(s.value), "}", s.row >= 0 ? absl::StrCat(" (row ", s.row, ")") : "",
+          " is not a cursor a Commit leaves in a ring of ", s.bound,
+          " tokens: the ring's memory was written by something else"));
+    case CheckProblem::kFastRingFull:
+      return absl::OutOfRangeError(absl::StrCat(
+          where, "state_indices[", s.index, "] = ", High(s.value), " (row ", s.row,
+          "): the block's ring holds ", Low(s.value), " of ", Low(s.bound),
+          " tokens: no room for the window's ", High(s.bound),
+          " (a Commit folds the ring before tokens + Q exceeds its capacity)"));
+    case CheckProblem::kFastCandidates:
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, LayerOf(s), "row ", s.row, " commits ", s.value, " tokens to block ", s.index,
+          " but its last Verify left ", s.bound,
+          " candidates in the block's ring (every layer's Verify of the step comes before the "
+          "Commit)"));
+    case CheckProblem::kFastRingInUse:
+      return absl::FailedPreconditionError(absl::StrCat(
+          where, element, " = ", s.value, " (row ", s.row, ") is to be written, but layer ",
+          s.bound, "'s ring of it still holds tokens of another request (commit mode FAST): "
+          "Flush a block (discard) before giving it to another request"));
     case CheckProblem::kNone:
       break;
   }

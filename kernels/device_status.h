@@ -38,6 +38,7 @@ enum class CheckedField : int32_t {
   kDtBias = 11,
   kInputs = 12,  // the call's inputs as a whole (a region they were read from)
   kBlocks = 13,  // a Flush's block list
+  kRingCursors = 14,  // FAST: a layer's ring cursors (FastRings::cursors), indexed by block
 };
 
 // What was wrong with it.
@@ -61,6 +62,19 @@ enum class CheckProblem : int32_t {
   kInputFault = 16,         // reading the inputs faulted (CPU: a region truncated by its owner)
   kPendingShared = 17,      // rows share a checkpoint block that has pending tokens (DEFERRED)
   kPendingBlock = 18,       // a commit writes a block another commit left pending (DEFERRED)
+  // FAST (docs/semantics.md, "Fast mode (FAST)"). Where a fault needs two
+  // numbers in `value` or `bound`, they are packed: high 32 bits, low 32 bits.
+  kFastShared = 19,      // two rows verify (or commit) from one block: their candidates
+                         // would share its ring's slots (other_row, row; value: the block)
+  kFastCursor = 20,      // rings.cursors[index] is no cursor a Commit leaves (value: tokens,
+                         // candidates; bound: the capacity; col: the layer, or -1)
+  kFastRingFull = 21,    // the ring has no room for the row's window (value: block, tokens;
+                         // bound: the window's tokens, the capacity)
+  kFastCandidates = 22,  // a row commits more tokens than its block's last Verify left
+                         // candidates (index: block, col: layer; value: commit_len; bound:
+                         // candidates)
+  kFastRingInUse = 23,   // a commit writes a block whose ring holds another request's tokens
+                         // (value: block; bound: the layer)
 };
 
 // Written by the first kernel of every call (plain data: lives in device
@@ -83,7 +97,8 @@ absl::string_view CheckedFieldName(CheckedField field);
 // bound, INVALID_ARGUMENT for inconsistent values (decreasing offsets,
 // conflicting writes), FAILED_PRECONDITION where the service's state forbids
 // the call (a failed earlier call of the step; a block with tokens pending
-// from a DEFERRED commit); the message starts "In <operation>: " and names the
+// from a DEFERRED commit, or a FAST ring another request left or no Commit
+// could have left); the message starts "In <operation>: " and names the
 // field, its index, the row and the bound.
 absl::Status DeviceStatusToStatus(const DeviceStatus& status, absl::string_view operation);
 

@@ -153,6 +153,45 @@ struct ReplayJobs {
   int capacity = 0;
 };
 
+// FAST commits (docs/semantics.md, "Fast mode (FAST)"; kernels/fast/ has the
+// CPU implementation, kernels/fast/fast_args.h the details): a block's state
+// is written every few steps. Per (layer, state block) the service keeps,
+// beside the checkpoint in the pool, a ring of the tokens accepted since the
+// checkpoint; Verify computes its outputs from the checkpoint, the ring and
+// the window (the chunked form) and leaves the window's tokens in the ring as
+// candidates; Commit advances the ring over the accepted ones and folds the
+// ring into the checkpoint when the next window might not fit; Flush (and
+// ReadState) fold on demand. Zeroed once when allocated (every ring empty);
+// only the kernels write them, in stream order.
+
+// A FAST window (Q) has at most this many tokens.
+inline constexpr int kMaxFastQueryLen = 8;
+
+// The ring of one (layer, block): how many of its tokens are accepted ones,
+// and how many candidates the last Verify of the block wrote after them.
+struct FastCursor {
+  int32_t tokens;
+  int32_t candidates;
+};
+
+// One layer's rings, one per state block, indexed like the state pool (block
+// b's ring belongs to block b's checkpoint; block 0, the null block, is never
+// used). Each is dense, token-major:
+//   k          [num_blocks, R, H, K]  activation dtype (the raw k, bit for bit)
+//   u          [num_blocks, R, HV, V] fp32: u = beta * (v - S k)
+//   log_decay  [num_blocks, R, GateWidth] fp32 (KDA [H, K]; GDN [HV]): each
+//              token's own gamma, not a cumulative sum (semantics.md says why)
+//   cursors    [num_blocks]
+// `cursors` null: not FAST.
+struct FastRings {
+  void* k = nullptr;
+  float* u = nullptr;
+  float* log_decay = nullptr;
+  FastCursor* cursors = nullptr;
+  int64_t num_blocks = 0;
+  int capacity = 0;  // R tokens: fold_every * Q
+};
+
 // Statuses of earlier calls this call depends on (device memory on CUDA).
 // When one of them failed, this call's checks fail with problem
 // kPrerequisiteFailed and nothing of it runs: the service chains a step's
@@ -244,8 +283,18 @@ struct VerifyArgs {
   int layer = 0;
   Records records_alt;
   int32_t* replay_plan = nullptr;  // [N]: each row's entry, as the checks took it
-  void* workspace = nullptr;       // VerifyWorkspaceBytes(); zeroed once when allocated
+  void* workspace = nullptr;       // VerifyWorkspaceBytes(); zeroed once when allocated (DEFERRED, FAST)
   size_t workspace_bytes = 0;
+
+  // FAST (fast.cursors set; not with `pending`): the layer's rings. Each
+  // row's outputs come from its checkpoint block, that block's ring and the
+  // window; the window's raw k, u and log-decay go to the block's ring as
+  // candidates (slots [tokens, tokens + T)); no records and no state are
+  // written (records.q still bounds the window: Q <= kMaxFastQueryLen; the
+  // records' buffers may be null). The checks also refuse two rows verifying
+  // from one block (their candidates would share the ring's slots), a cursor
+  // no Commit leaves and a window the ring has no room for.
+  FastRings fast;
 };
 
 // Crash bookkeeping of commits (optional; null `record`: none). The service
@@ -300,6 +349,7 @@ struct CommitLayer {
   LayerParams params;
   Records records;
   Records records_alt;  // DEFERRED: the other records buffer (records[1])
+  FastRings fast;       // FAST: the layer's rings (CommitArgs::fast, FlushArgs::fast)
 };
 
 // RecoverSSM commit of every layer of a group at once: plan, conv compaction,
@@ -340,6 +390,20 @@ struct CommitArgs {
   PendingBlocks pending;
   ReplayJobs jobs;
 
+  // FAST (not with `pending`): every layer's rings are in its CommitLayer
+  // (`fast`), the table's for the kernels included. After the plan and the
+  // conv compaction (as EAGER), each committing row's ring takes its first
+  // commit_len candidates (a fold into the checkpoint when the next window
+  // might not fit); align mode: a row that leaves its checkpoint's block or
+  // crosses a boundary has its boundary and final states folded and stored
+  // (those blocks' rings emptied). The records are not read (their buffers
+  // may be null). The checks also refuse a row that commits more tokens than
+  // its block's last Verify left candidates in some layer, a cursor no
+  // Commit leaves, two rows committing from one block, and a final or
+  // boundary block (other than the row's checkpoint) whose ring still holds
+  // tokens (another request's, not flushed).
+  bool fast = false;
+
   // Optional: the commit's crash bookkeeping (see CommitJournal).
   CommitJournal journal;
 };
@@ -357,6 +421,12 @@ struct CommitPlanRow {
 
 // DEFERRED: materializes pending blocks (replays their pending tokens into
 // the pool) or, with `discard`, forgets them (for blocks being freed).
+// FAST (`fast`): folds the given blocks' rings (every non-empty ring when
+// `blocks` is null) into their checkpoints and empties them; the candidates
+// of a Verify whose Commit has not come yet are kept (moved to the ring's
+// start), so a Flush or a ReadState between a step's Verify and its Commit
+// changes no result. With `discard` the rings are emptied, candidates
+// included, and nothing is folded. `pending` and `jobs` are unused.
 struct FlushArgs {
   KdaShape shape;
   int spec_query_len = 0;  // Q
@@ -375,6 +445,7 @@ struct FlushArgs {
   Prerequisites prerequisites;       // input_fault only (the block list may be a region)
   DeviceStatus* status = nullptr;
   DeviceStatus* status_mirror = nullptr;  // optional, as in VerifyArgs
+  bool fast = false;                 // FAST: the rings are in the layers' `fast`
 };
 
 // Align mode, after the commit: point each request at the block holding its
@@ -426,7 +497,7 @@ size_t StockWorkspaceBytes(int64_t num_blocks);
 size_t CommitWorkspaceBytes(int max_rows, int spec_query_len, int64_t num_blocks);
 // For calls of at most `max_rows` spec rows and `max_rows` request rows.
 size_t RecordStateBlocksWorkspaceBytes(int max_rows);
-// DEFERRED: a Verify's owner table (one per block).
+// DEFERRED and FAST: a Verify's owner table (one per block).
 size_t VerifyWorkspaceBytes(int64_t num_blocks);
 // DEFERRED: PendingBlocks::header's and ::entries' sizes.
 size_t PendingHeaderBytes(int capacity);

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/check_shape.h"
 #include "kernels/internal/checks.h"
 
 namespace specstate {
@@ -68,44 +69,6 @@ absl::Status OutOfRange(absl::string_view op, absl::string_view what) {
 }
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-absl::Status CheckShape(absl::string_view op, const KdaShape& s) {
-  if (s.num_heads < 1) return Invalid(op, absl::StrCat("num_heads = ", s.num_heads, " must be >= 1"));
-  if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) {
-    return Invalid(op, absl::StrCat("head_dim = ", s.head_dim,
-                                    " is not supported (a power of two: 64, 128 or 256)"));
-  }
-  if (s.act_dtype != DType::kBFloat16 && s.act_dtype != DType::kFloat16 &&
-      s.act_dtype != DType::kFloat32) {
-    return Invalid(op, absl::StrCat("activation dtype ", DTypeName(s.act_dtype),
-                                    " is not supported (bf16, fp16 or fp32)"));
-  }
-  if (s.state_dtype != DType::kFloat32 && s.state_dtype != DType::kBFloat16) {
-    return Invalid(op, absl::StrCat("state dtype ", DTypeName(s.state_dtype),
-                                    " is not supported (fp32 or bf16)"));
-  }
-  if (s.kind != LayerKind::kKda && s.kind != LayerKind::kGdn) {
-    return Invalid(op, absl::StrCat("layer kind ", static_cast<int>(s.kind), " is not KDA or GDN"));
-  }
-  const int hv = ValueHeads(s);
-  if (s.num_value_heads < 0 || hv % s.num_heads != 0) {
-    return Invalid(op, absl::StrCat("num_value_heads = ", s.num_value_heads,
-                                    " must be a multiple of num_heads = ", s.num_heads));
-  }
-  if (s.kind == LayerKind::kKda) {
-    if (hv != s.num_heads) {
-      return Invalid(op, absl::StrCat("KDA layers have as many value heads as heads: ",
-                                      "num_value_heads = ", hv, ", num_heads = ", s.num_heads));
-    }
-    if (s.gate != KdaGate::kSafe && s.gate != KdaGate::kPlain) {
-      return Invalid(op, absl::StrCat("KDA gate ", static_cast<int>(s.gate), " is not safe or plain"));
-    }
-    if (s.gate == KdaGate::kSafe && (!std::isfinite(s.lower_bound) || s.lower_bound >= 0.0f)) {
-      return Invalid(op, absl::StrCat("lower_bound = ", s.lower_bound, " must be negative"));
-    }
-  }
-  return absl::OkStatus();
-}
 
 // Dense [H, D] tokens with token_stride >= H * D; `dense` demands equality.
 absl::Status CheckActivation(absl::string_view op, absl::string_view name, const Activation& a,
@@ -173,9 +136,11 @@ absl::Status CheckIndexMatrix(absl::string_view op, absl::string_view name, cons
   return absl::OkStatus();
 }
 
+// `buffers`: the call reads or writes the records (FAST uses only their
+// rows and window q).
 absl::Status CheckRecords(absl::string_view op, const Records& r, int num_rows,
-                          absl::string_view layer) {
-  if (r.kv == nullptr || r.g == nullptr || r.beta == nullptr) {
+                          absl::string_view layer, bool buffers = true) {
+  if (buffers && (r.kv == nullptr || r.g == nullptr || r.beta == nullptr)) {
     return Invalid(op, absl::StrCat(layer, "records are null"));
   }
   if (r.q < 1 || r.q > kMaxSpecQueryLen) {
@@ -253,6 +218,31 @@ absl::Status CheckAltRecords(absl::string_view op, const Records& r, const Recor
   return ValidateDeferredWindow(r.q);
 }
 
+// FAST: one layer's rings, for a pool of `num_blocks` blocks and windows of
+// q tokens.
+absl::Status CheckFastRings(absl::string_view op, const FastRings& r, int64_t num_blocks, int q,
+                            absl::string_view layer) {
+  if (r.k == nullptr || r.u == nullptr || r.log_decay == nullptr || r.cursors == nullptr) {
+    return Invalid(op, absl::StrCat(layer, "fast: the rings' k, u, log_decay and cursors must be "
+                                    "set"));
+  }
+  if (r.num_blocks != num_blocks) {
+    return Invalid(op, absl::StrCat(layer, "fast.num_blocks = ", r.num_blocks,
+                                    " differs from the pool's ", num_blocks,
+                                    " (a ring per state block)"));
+  }
+  if (q > kMaxFastQueryLen) {
+    return OutOfRange(op, absl::StrCat("commit mode FAST verifies at most ", kMaxFastQueryLen,
+                                       " tokens a row: the window q = ", q, " is past it"));
+  }
+  if (r.capacity < q) {
+    return OutOfRange(op, absl::StrCat(layer, "fast.capacity = ", r.capacity,
+                                       " is below the window's ", q,
+                                       " tokens (a ring holds at least one window)"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status ValidateDeferredWindow(int spec_query_len) {
@@ -288,8 +278,9 @@ absl::Status ValidateVerifyArgs(const VerifyArgs& a) {
   if (st.ok()) st = CheckActivations(op, a.shape, a.q, a.k, a.v, a.g, a.beta, a.num_tokens, a.out);
   if (st.ok()) st = CheckStatePool(op, a.shape, a.state, "state pool");
   if (st.ok()) st = CheckParams(op, a.shape, a.params, "");
+  const bool fast = a.fast.cursors != nullptr;
   if (st.ok()) st = CheckRows(op, a.num_rows, a.query_start_loc);
-  if (st.ok()) st = CheckRecords(op, a.records, a.num_rows, "");
+  if (st.ok()) st = CheckRecords(op, a.records, a.num_rows, "", /*buffers=*/!fast);
   if (st.ok()) st = CheckIndexMatrix(op, "state_indices", a.state_indices, a.num_rows, 1);
   if (st.ok()) {
     const bool snapshot =
@@ -306,6 +297,9 @@ absl::Status ValidateVerifyArgs(const VerifyArgs& a) {
   }
   if (st.ok()) st = CheckPrerequisites(op, a.prerequisites);
   if (st.ok() && a.status == nullptr) st = Invalid(op, "status is null");
+  if (st.ok() && fast && a.pending.entries != nullptr) {
+    st = Invalid(op, "fast and pending are two commit modes: set one (FAST or DEFERRED)");
+  }
   if (st.ok() && a.pending.entries != nullptr) {
     st = CheckPending(op, a.pending, a.pending.num_layers, a.state.num_blocks, 0);
     if (st.ok() && (a.layer < 0 || a.layer >= a.pending.num_layers)) {
@@ -314,6 +308,13 @@ absl::Status ValidateVerifyArgs(const VerifyArgs& a) {
     }
     if (st.ok()) st = CheckAltRecords(op, a.records, a.records_alt, "");
     if (st.ok() && a.num_rows > 0 && a.replay_plan == nullptr) st = Invalid(op, "replay_plan is null");
+    if (st.ok()) {
+      st = CheckWorkspace(op, a.workspace, a.workspace_bytes,
+                          VerifyWorkspaceBytes(a.state.num_blocks));
+    }
+  }
+  if (st.ok() && fast) {
+    st = CheckFastRings(op, a.fast, a.state.num_blocks, a.records.q, "");
     if (st.ok()) {
       st = CheckWorkspace(op, a.workspace, a.workspace_bytes,
                           VerifyWorkspaceBytes(a.state.num_blocks));
@@ -371,8 +372,12 @@ absl::Status ValidateCommitArgs(const CommitArgs& a) {
     }
     st = CheckParams(op, a.shape, layer.params, name);
     if (!st.ok()) return st;
-    st = CheckRecords(op, layer.records, a.num_rows, name);
+    st = CheckRecords(op, layer.records, a.num_rows, name, /*buffers=*/!a.fast);
     if (!st.ok()) return st;
+    if (a.fast) {
+      st = CheckFastRings(op, layer.fast, first.state.num_blocks, a.spec_query_len, name);
+      if (!st.ok()) return st;
+    }
     if (layer.records.q != a.spec_query_len) {
       return Invalid(op, absl::StrCat(name, "records hold windows of ", layer.records.q,
                                       " tokens, the commit expects ", a.spec_query_len));
@@ -420,6 +425,13 @@ absl::Status ValidateCommitArgs(const CommitArgs& a) {
       return Invalid(op, "journal: DEFERRED commits keep no journal yet (their pending tokens "
                          "live in the records, which do not outlive the service)");
     }
+    if (a.fast) {
+      return Invalid(op, "journal: FAST commits keep no journal yet (their accepted tokens "
+                         "live in the rings, which do not outlive the service)");
+    }
+  }
+  if (a.fast && a.pending.entries != nullptr) {
+    return Invalid(op, "fast and pending are two commit modes: set one (FAST or DEFERRED)");
   }
   if (a.pending.entries != nullptr) {
     st = CheckPending(op, a.pending, a.num_layers, first.state.num_blocks, a.num_rows);
@@ -447,10 +459,15 @@ absl::Status ValidateFlushArgs(const FlushArgs& a) {
                                        kMaxSpecQueryLen, "]"));
   }
   const int64_t num_blocks = a.layers[0].state.num_blocks;
-  st = CheckPending(op, a.pending, a.num_layers, num_blocks, 0);
-  if (!st.ok()) return st;
-  st = CheckJobs(op, a.jobs, FlushJobsCapacity(a.pending.capacity, a.num_layers));
-  if (!st.ok()) return st;
+  if (a.fast && a.pending.entries != nullptr) {
+    return Invalid(op, "fast and pending are two commit modes: set one (FAST or DEFERRED)");
+  }
+  if (!a.fast) {
+    st = CheckPending(op, a.pending, a.num_layers, num_blocks, 0);
+    if (!st.ok()) return st;
+    st = CheckJobs(op, a.jobs, FlushJobsCapacity(a.pending.capacity, a.num_layers));
+    if (!st.ok()) return st;
+  }
   if (a.layer < -1 || a.layer >= a.num_layers) {
     return OutOfRange(op, absl::StrCat("layer ", a.layer, " is out of range: -1 (every layer) or "
                                        "below ", a.num_layers));
@@ -467,8 +484,13 @@ absl::Status ValidateFlushArgs(const FlushArgs& a) {
     if (!st.ok()) return st;
     st = CheckParams(op, a.shape, a.layers[l].params, absl::StrCat("layer ", l, ": "));
     if (!st.ok()) return st;
-    st = CheckAltRecords(op, a.layers[l].records, a.layers[l].records_alt,
-                         absl::StrCat("layer ", l, ": "));
+    if (a.fast) {
+      st = CheckFastRings(op, a.layers[l].fast, num_blocks, a.spec_query_len,
+                          absl::StrCat("layer ", l, ": "));
+    } else {
+      st = CheckAltRecords(op, a.layers[l].records, a.layers[l].records_alt,
+                           absl::StrCat("layer ", l, ": "));
+    }
     if (!st.ok()) return st;
     if (a.layers[l].records.q != a.spec_query_len) {
       return Invalid(op, absl::StrCat("layer ", l, ": records hold windows of ",

@@ -45,17 +45,25 @@ class KdaKernels {
   absl::Status Stock(const StockArgs& args, Stream stream) const;
 
   // RecoverSSM verify (one layer): outputs and records, no state writes.
+  // DEFERRED (args.pending) replays a row's pending tokens first; FAST
+  // (args.fast) computes the outputs from the checkpoint and the block's ring
+  // and leaves the window in the ring as candidates (kda_args.h).
+  // \returns UNIMPLEMENTED for FAST on the CUDA backend (no kernels yet).
   absl::Status Verify(const VerifyArgs& args, Stream stream) const;
 
   // RecoverSSM commit of every layer of a group, with a number of kernel
-  // launches that does not depend on the number of layers.
+  // launches that does not depend on the number of layers. FAST
+  // (args.fast): the rings advance and fold instead of a replay.
+  // \returns UNIMPLEMENTED for FAST on the CUDA backend.
   absl::Status Commit(const CommitArgs& args, Stream stream) const;
 
   // Align mode: record each request's state block and reset its accepted count.
   absl::Status RecordStateBlocks(const RecordStateBlocksArgs& args, Stream stream) const;
 
   // DEFERRED commits: materializes (or, with `discard`, forgets) the pending
-  // tokens of the given blocks, or of every pending block.
+  // tokens of the given blocks, or of every pending block. FAST
+  // (args.fast): folds (or empties) the blocks' rings.
+  // \returns UNIMPLEMENTED for FAST on the CUDA backend.
   absl::Status Flush(const FlushArgs& args, Stream stream) const;
 
   // Copies a layer's gate parameters after checking them finite on the

@@ -5,6 +5,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/fast/fast_args.h"
 #include "kernels/kda_kernels.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
@@ -118,13 +119,38 @@ absl::Status ValidateLayout(const v1::Layout& l) {
   }
   const int q = l.num_spec() + 1;
   if (l.commit_mode() != v1::COMMIT_MODE_UNSPECIFIED && l.commit_mode() != v1::EAGER &&
-      l.commit_mode() != v1::DEFERRED) {
-    return Bad("commit_mode", "must be EAGER or DEFERRED");
+      l.commit_mode() != v1::DEFERRED && l.commit_mode() != v1::FAST) {
+    return Bad("commit_mode", "must be EAGER, DEFERRED or FAST");
   }
   if (IsDeferred(l)) {
     if (absl::Status window = kernels::ValidateDeferredWindow(q); !window.ok()) {
       return Bad("commit_mode", absl::StrCat("DEFERRED with num_spec = ", l.num_spec(), ": ",
                                              window.message()));
+    }
+  }
+  if (!IsFast(l) && l.fold_every() != 0) {
+    return Bad("fold_every", absl::StrCat("= ", l.fold_every(),
+                                          " is for commit_mode FAST only (0 in the other modes)"));
+  }
+  if (IsFast(l)) {
+    if (q > kernels::kMaxFastQueryLen) {
+      return Bad("commit_mode", absl::StrCat("FAST with num_spec = ", l.num_spec(),
+                                             ": FAST verifies at most ",
+                                             kernels::kMaxFastQueryLen, " tokens a row (num_spec <= ",
+                                             kernels::kMaxFastQueryLen - 1, ")"));
+    }
+    const int max_fold_every = kernels::fast::kMaxFastRingCapacity / q;
+    if (l.fold_every() < 0 || l.fold_every() > max_fold_every) {
+      return Bad("fold_every",
+                 absl::StrCat("= ", l.fold_every(), " must be in [1, ", max_fold_every,
+                              "] (0: ", kernels::fast::kDefaultFoldEvery,
+                              "): the rings hold fold_every * Q tokens a block, at most ",
+                              kernels::fast::kMaxFastRingCapacity, " (Q = ", q, ")"));
+    }
+    if (l.backend() == v1::CUDA) {
+      return absl::FailedPreconditionError(
+          "layout.commit_mode FAST: commit mode FAST has no CUDA kernels yet: serve it with the "
+          "CPU backend (--backend=cpu)");
     }
   }
   if (l.cache_mode() == v1::ALIGN && l.mamba_block_size() < q) {
@@ -183,11 +209,27 @@ LayoutSizes ComputeLayoutSizes(const v1::Layout& l) {
                               Align256(tokens * kernels::GateWidth(shape) * act) +
                               Align256(tokens * kernels::ValueHeads(shape) * act);
   // DEFERRED double-buffers the records (a step's live until its blocks'
-  // next Verify) and keeps the pending bookkeeping.
+  // next Verify) and keeps the pending bookkeeping; FAST keeps rings instead.
   const int buffers = IsDeferred(l) ? 2 : 1;
   s.record_bytes = s.records_per_layer_bytes * l.num_layers() * buffers;
+  if (IsFast(l)) {
+    s.records_per_layer_bytes = 0;
+    s.fast_ring_capacity = kernels::fast::FastRingCapacity(FoldEveryOf(l), s.spec_query_len);
+    s.fast_ring_k_bytes =
+        Align256(int64_t(kernels::fast::FastRingKBytes(shape, l.num_blocks(), s.fast_ring_capacity)));
+    s.fast_ring_u_bytes =
+        Align256(int64_t(kernels::fast::FastRingUBytes(shape, l.num_blocks(), s.fast_ring_capacity)));
+    s.fast_ring_log_decay_bytes = Align256(int64_t(
+        kernels::fast::FastRingLogDecayBytes(shape, l.num_blocks(), s.fast_ring_capacity)));
+    s.fast_cursor_bytes = Align256(int64_t(kernels::fast::FastCursorBytes(l.num_blocks())));
+    s.record_bytes = (s.fast_ring_k_bytes + s.fast_ring_u_bytes + s.fast_ring_log_decay_bytes +
+                      s.fast_cursor_bytes) *
+                     l.num_layers();
+    s.mode_bytes = int64_t(kernels::VerifyWorkspaceBytes(l.num_blocks())) +
+                   Align256(int64_t{l.num_blocks()} * 4) + 512;  // a Flush's checked blocks, status
+  }
   if (IsDeferred(l)) {
-    s.pending_bytes =
+    s.mode_bytes =
         int64_t(kernels::PendingEntriesBytes(l.num_layers(), l.num_blocks())) +
         int64_t(kernels::PendingHeaderBytes(l.max_rows())) +
         int64_t(kernels::VerifyWorkspaceBytes(l.num_blocks())) +
@@ -254,6 +296,13 @@ kernels::KdaShape ShapeOf(const v1::Layout& l) {
 }
 
 bool IsDeferred(const v1::Layout& l) { return l.commit_mode() == v1::DEFERRED; }
+
+bool IsFast(const v1::Layout& l) { return l.commit_mode() == v1::FAST; }
+
+int FoldEveryOf(const v1::Layout& l) {
+  if (!IsFast(l)) return 0;
+  return l.fold_every() > 0 ? l.fold_every() : kernels::fast::kDefaultFoldEvery;
+}
 
 int ValueHeadsOf(const v1::Layout& l) {
   return l.num_value_heads() > 0 ? l.num_value_heads() : l.num_heads();

@@ -32,7 +32,9 @@ v1::ServiceConfig DefaultServiceConfig();
 // values. NOT_FOUND / INVALID_ARGUMENT naming the file and the problem.
 absl::StatusOr<v1::ServiceConfig> LoadServiceConfig(const std::string& path);
 
-// Every field in range (INVALID_ARGUMENT naming the field and the bound).
+// Every field in range (INVALID_ARGUMENT naming the field and the bound);
+// FAILED_PRECONDITION for commit_mode FAST on the CUDA backend (no kernels
+// yet).
 absl::Status ValidateLayout(const v1::Layout& layout);
 
 // Sizes in bytes; every pool starts 256-byte aligned.
@@ -44,10 +46,21 @@ struct LayoutSizes {
   int64_t state_pool_bytes = 0;  // per layer
   int64_t conv_pool_bytes = 0;   // per layer
   int64_t pool_bytes = 0;        // every layer's pools, in one exported allocation
-  int64_t record_bytes = 0;      // every layer's records
-  int64_t records_per_layer_bytes = 0;
+  // Every layer's token scratch: the records (EAGER), both records buffers
+  // (DEFERRED), or the rings (FAST, which keeps no records).
+  int64_t record_bytes = 0;
+  int64_t records_per_layer_bytes = 0;  // one records buffer of one layer (0 under FAST)
   int64_t workspace_bytes = 0;   // commit + record-state-blocks workspaces
-  int64_t pending_bytes = 0;     // DEFERRED's bookkeeping and replay lists (0 under EAGER)
+  // What the commit mode keeps beside: DEFERRED's bookkeeping and replay
+  // lists, FAST's Verify owner table and a Flush's block list (0 under EAGER).
+  int64_t mode_bytes = 0;
+  // FAST: R = fold_every * Q ring tokens per block, and one layer's rings
+  // (k, u, log-decay, cursors, each 256-byte aligned).
+  int fast_ring_capacity = 0;
+  int64_t fast_ring_k_bytes = 0;
+  int64_t fast_ring_u_bytes = 0;
+  int64_t fast_ring_log_decay_bytes = 0;
+  int64_t fast_cursor_bytes = 0;
 };
 
 LayoutSizes ComputeLayoutSizes(const v1::Layout& layout);
@@ -71,6 +84,10 @@ kernels::KdaShape ShapeOf(const v1::Layout& layout);
 int ValueHeadsOf(const v1::Layout& layout);
 // commit_mode DEFERRED (EAGER otherwise, COMMIT_MODE_UNSPECIFIED included).
 bool IsDeferred(const v1::Layout& layout);
+// commit_mode FAST.
+bool IsFast(const v1::Layout& layout);
+// FAST: fold_every in use (the layout's, or 4 where it is 0); 0 otherwise.
+int FoldEveryOf(const v1::Layout& layout);
 
 }  // namespace server
 }  // namespace specstate

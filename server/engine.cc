@@ -30,6 +30,11 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const v1::ServiceConfig& 
                                                        std::unique_ptr<Device> device) {
   absl::Status st = ValidateLayout(config.layout());
   if (!st.ok()) return st;
+  if (IsFast(config.layout()) && device->kind() == kernels::Backend::kCuda) {
+    // (--backend=auto chose CUDA: ValidateLayout refuses an explicit one.)
+    return absl::FailedPreconditionError(
+        "commit mode FAST has no CUDA kernels yet: serve it with the CPU backend (--backend=cpu)");
+  }
   std::unique_ptr<Engine> engine(new Engine(config, std::move(device)));
   st = engine->Allocate();
   if (!st.ok()) return st;
@@ -47,6 +52,7 @@ absl::Status Engine::Allocate() {
 
   layout_.set_backend(device_->kind() == kernels::Backend::kCuda ? v1::CUDA : v1::CPU);
   if (layout_.commit_mode() == v1::COMMIT_MODE_UNSPECIFIED) layout_.set_commit_mode(v1::EAGER);
+  layout_.set_fold_every(FoldEveryOf(layout_));
   layout_.set_device(device_->ordinal());
   layout_.set_mps_client(device_->mps_client());
   layout_.set_conv_width(sizes_.conv_width);
@@ -63,7 +69,7 @@ absl::Status Engine::Allocate() {
   const uint64_t needed = uint64_t(sizes_.pool_bytes) + uint64_t(sizes_.record_bytes) +
                           commit_workspace_bytes_ + record_workspace_bytes_ + params_bytes +
                           slot_bytes + L * sizeof(kernels::CommitLayer) +
-                          uint64_t(sizes_.pending_bytes);
+                          uint64_t(sizes_.mode_bytes);
   absl::StatusOr<uint64_t> free = device_->FreeBytes();
   if (!free.ok()) return free.status();
   if (needed > *free) {
@@ -82,6 +88,10 @@ absl::Status Engine::Allocate() {
   record_workspace_ = *ws;
   if (IsDeferred(layout_)) {
     st = AllocatePending();
+    if (!st.ok()) return st;
+  }
+  if (IsFast(layout_)) {
+    st = AllocateFast();
     if (!st.ok()) return st;
   }
   absl::StatusOr<std::vector<StepSlot>> slots = AllocateSlots();
@@ -129,17 +139,28 @@ absl::Status Engine::AllocateLayers() {
     // GDN's gate arrives computed (g is the log-decay): nothing to load.
     layer.params_loaded = shape_.kind == kernels::LayerKind::kGdn;
     absl::Status st;
-    layer.records = AllocateRecords(&st);
-    if (!st.ok()) return st;
-    // DEFERRED double-buffers them; EAGER's second buffer is the first.
-    layer.records_alt = IsDeferred(layout_) ? AllocateRecords(&st) : layer.records;
-    if (!st.ok()) return st;
+    if (IsFast(layout_)) {
+      // FAST keeps its windows in the rings: records of no buffers, whose
+      // rows and window still bound a step.
+      layer.records.rows = layout_.max_rows();
+      layer.records.q = sizes_.spec_query_len;
+      layer.records_alt = layer.records;
+      st = AllocateRings(&layer.fast);
+      if (!st.ok()) return st;
+    } else {
+      layer.records = AllocateRecords(&st);
+      if (!st.ok()) return st;
+      // DEFERRED double-buffers them; EAGER's second buffer is the first.
+      layer.records_alt = IsDeferred(layout_) ? AllocateRecords(&st) : layer.records;
+      if (!st.ok()) return st;
+    }
     kernels::CommitLayer& entry = host_layer_table_[l];
     entry.state = layer.state;
     entry.conv = layer.conv;
     entry.params = kernels::LayerParams{layer.a_log, layer.dt_bias};
     entry.records = layer.records;
     entry.records_alt = layer.records_alt;
+    entry.fast = layer.fast;
   }
   absl::StatusOr<void*> staging = device_->AllocateDevice((H + hk) * sizeof(float));
   if (!staging.ok()) return staging.status();
@@ -206,6 +227,46 @@ absl::Status Engine::AllocatePending() {
   if (st.ok()) st = allocate(uint64_t(blocks) * 4, &flush_checked_blocks_);
   if (st.ok()) st = allocate(sizeof(kernels::DeviceStatus), &flush_status_);
   return st;
+}
+
+// One layer's FAST rings, zeroed (every ring empty).
+absl::Status Engine::AllocateRings(kernels::FastRings* rings) {
+  const auto allocate = [this](int64_t bytes) -> absl::StatusOr<char*> {
+    absl::StatusOr<void*> p = device_->AllocateDevice(uint64_t(bytes));
+    if (!p.ok()) return p.status();
+    return static_cast<char*>(*p);
+  };
+  absl::StatusOr<char*> k = allocate(sizes_.fast_ring_k_bytes);
+  if (!k.ok()) return k.status();
+  absl::StatusOr<char*> u = allocate(sizes_.fast_ring_u_bytes);
+  if (!u.ok()) return u.status();
+  absl::StatusOr<char*> log_decay = allocate(sizes_.fast_ring_log_decay_bytes);
+  if (!log_decay.ok()) return log_decay.status();
+  absl::StatusOr<char*> cursors = allocate(sizes_.fast_cursor_bytes);
+  if (!cursors.ok()) return cursors.status();
+  rings->k = *k;
+  rings->u = reinterpret_cast<float*>(*u);
+  rings->log_decay = reinterpret_cast<float*>(*log_decay);
+  rings->cursors = reinterpret_cast<kernels::FastCursor*>(*cursors);
+  rings->num_blocks = layout_.num_blocks();
+  rings->capacity = sizes_.fast_ring_capacity;
+  return absl::OkStatus();
+}
+
+// FAST's Verify owner table and a Flush's checked blocks and status (the
+// rings are the layers').
+absl::Status Engine::AllocateFast() {
+  verify_workspace_bytes_ = kernels::VerifyWorkspaceBytes(layout_.num_blocks());
+  absl::StatusOr<void*> p = device_->AllocateDevice(verify_workspace_bytes_);
+  if (!p.ok()) return p.status();
+  verify_workspace_ = *p;
+  p = device_->AllocateDevice(uint64_t(layout_.num_blocks()) * 4);
+  if (!p.ok()) return p.status();
+  flush_checked_blocks_ = static_cast<int32_t*>(*p);
+  p = device_->AllocateDevice(sizeof(kernels::DeviceStatus));
+  if (!p.ok()) return p.status();
+  flush_status_ = static_cast<kernels::DeviceStatus*>(*p);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<StepSlot>> Engine::AllocateSlots() {
@@ -292,8 +353,9 @@ void Engine::ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateR
   const int64_t state_bytes = sizes_.state_block_bytes;
   const int64_t conv_bytes = sizes_.conv_block_bytes;
   Work work;
-  // DEFERRED: the block's pending tokens in this layer are replayed first,
-  // so the summary is of its current state.
+  // DEFERRED: the block's pending tokens in this layer are replayed first;
+  // FAST: its ring in this layer is folded into it (the candidates of a step
+  // in flight kept). So the summary is of its current state.
   auto block = std::make_shared<IndexInput>();
   block->present = true;
   block->values = {request.block()};
@@ -835,6 +897,11 @@ absl::StatusOr<kernels::VerifyArgs> Engine::VerifyArgsFor(const VerifyInputs& in
     args.workspace = verify_workspace_;
     args.workspace_bytes = verify_workspace_bytes_;
   }
+  if (IsFast(layout_)) {
+    args.fast = layer.fast;
+    args.workspace = verify_workspace_;
+    args.workspace_bytes = verify_workspace_bytes_;
+  }
   args.num_rows = step.num_rows;
   args.prerequisites = StepPrerequisites(slot, step, layout_.num_layers());
   args.status = slot.status_device + layer_index;
@@ -951,6 +1018,7 @@ absl::StatusOr<kernels::CommitArgs> Engine::CommitArgsFor(const CommitIndices& i
     args.pending = pending_;
     args.jobs = commit_jobs_;
   }
+  args.fast = IsFast(layout_);  // the rings are in the layer table
   if (journal_.record != nullptr) {
     args.journal = journal_;
     args.journal.step = step.id;
@@ -1114,15 +1182,20 @@ void Engine::RecordStateBlocks(const std::string& session,
 std::function<absl::Status(kernels::Stream, Scratch&)> Engine::FlushLaunch(
     std::shared_ptr<const IndexInput> blocks, int layer, bool discard,
     kernels::DeviceStatus* mirror) const {
-  if (!IsDeferred(layout_)) return [](kernels::Stream, Scratch&) { return absl::OkStatus(); };
+  if (!IsDeferred(layout_) && !IsFast(layout_)) {
+    return [](kernels::Stream, Scratch&) { return absl::OkStatus(); };
+  }
   kernels::FlushArgs args;
   args.shape = shape_;
   args.spec_query_len = sizes_.spec_query_len;
   args.num_layers = layout_.num_layers();
   args.layers = host_layer_table_.data();
   args.device_layers = device_layer_table_;
-  args.pending = pending_;
-  args.jobs = flush_jobs_;
+  if (IsDeferred(layout_)) {
+    args.pending = pending_;
+    args.jobs = flush_jobs_;
+  }
+  args.fast = IsFast(layout_);
   args.layer = layer;
   args.discard = discard;
   args.prerequisites.input_fault = device_->input_fault_word();
@@ -1253,7 +1326,7 @@ void Engine::EndSession(const std::string& session) {
     }
   }
   regions_.ReleaseSession(session);
-  if (drove && IsDeferred(layout_)) {
+  if (drove && (IsDeferred(layout_) || IsFast(layout_))) {
     // The pools outlive the driver: whoever maps or drives them next finds
     // every block's current state.
     Work flush;

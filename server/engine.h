@@ -85,8 +85,8 @@ class Engine {
               Reply<v1::CommitResponse> reply);
   void RecordStateBlocks(const std::string& session, const v1::RecordStateBlocksRequest& request,
                          Reply<v1::RecordStateBlocksResponse> reply);
-  // DEFERRED: materializes (or forgets) pending tokens of blocks; under
-  // EAGER only orders its wait and signal.
+  // DEFERRED: materializes (or forgets) pending tokens of blocks; FAST: folds
+  // (or empties) their rings; under EAGER only orders its wait and signal.
   void Flush(const std::string& session, const v1::FlushRequest& request,
              Reply<v1::FlushResponse> reply);
   // Verify of each of `request.verifies`, in order, then Commit; stops at the
@@ -99,8 +99,9 @@ class Engine {
   void OpenSession(const std::string& session);
   // The session ended: its regions go (once their work is done), waits on
   // its doorbells are released, its pending errors are dropped; it may
-  // register and wait no more. DEFERRED: when it drove steps, every pending
-  // block is materialized (the pools are then current for whoever comes next).
+  // register and wait no more. DEFERRED and FAST: when it drove steps, every
+  // pending block (every non-empty ring) is materialized (the pools are then
+  // current for whoever comes next).
   void EndSession(const std::string& session);
 
   EngineCounters counters() const;
@@ -129,8 +130,9 @@ class Engine {
     float* a_log = nullptr;    // device [H]
     float* dt_bias = nullptr;  // device [H * K]
     bool params_loaded = false;
-    kernels::Records records;
+    kernels::Records records;      // FAST: no buffers (rows and window only)
     kernels::Records records_alt;  // DEFERRED's second records buffer
+    kernels::FastRings fast;       // FAST's rings (cursors null otherwise)
   };
 
   struct Ordering {
@@ -151,11 +153,13 @@ class Engine {
   absl::Status AllocateLayers();
   absl::StatusOr<std::vector<StepSlot>> AllocateSlots();
   absl::Status AllocatePending();
+  absl::Status AllocateFast();
+  absl::Status AllocateRings(kernels::FastRings* rings);
   kernels::Records AllocateRecords(absl::Status* status);
 
-  // DEFERRED: the launch of a flush of `blocks` (absent: every pending
-  // block) in `layer` (-1: every layer), its status mirrored to `mirror`
-  // (may be null). Under EAGER: nothing to launch.
+  // DEFERRED and FAST: the launch of a flush of `blocks` (absent: every
+  // pending block, every non-empty ring) in `layer` (-1: every layer), its
+  // status mirrored to `mirror` (may be null). Under EAGER: nothing to launch.
   std::function<absl::Status(kernels::Stream, Scratch&)> FlushLaunch(
       std::shared_ptr<const IndexInput> blocks, int layer, bool discard,
       kernels::DeviceStatus* mirror) const;
@@ -255,13 +259,13 @@ class Engine {
   size_t commit_workspace_bytes_ = 0;
   void* record_workspace_ = nullptr;
   size_t record_workspace_bytes_ = 0;
-  // DEFERRED (pending_.entries null under EAGER).
+  // DEFERRED (pending_.entries null under EAGER and FAST).
   kernels::PendingBlocks pending_;
   int32_t* replay_plans_ = nullptr;  // [layers, max_rows]
-  void* verify_workspace_ = nullptr;
+  void* verify_workspace_ = nullptr;  // DEFERRED and FAST
   size_t verify_workspace_bytes_ = 0;
   kernels::ReplayJobs commit_jobs_, flush_jobs_;
-  int32_t* flush_checked_blocks_ = nullptr;          // [num_blocks]
+  int32_t* flush_checked_blocks_ = nullptr;          // [num_blocks] (DEFERRED and FAST)
   kernels::DeviceStatus* flush_status_ = nullptr;    // every Flush's (stream-ordered)
   float* params_staging_ = nullptr;                  // LoadLayerParams: [H + H * K]
   kernels::DeviceStatus* params_status_ = nullptr;  // LoadLayerParams' device status
@@ -273,7 +277,7 @@ class Engine {
   std::vector<char*> read_buffers_ ABSL_GUARDED_BY(mu_);  // ReadState's host buffers
   std::vector<kernels::DeviceStatus*> param_mirrors_ ABSL_GUARDED_BY(mu_);  // LoadLayerParams'
   std::vector<kernels::DeviceStatus*> flush_mirrors_ ABSL_GUARDED_BY(mu_);  // Flush's
-  // The sessions that drove steps (DEFERRED flushes when one ends).
+  // The sessions that drove steps (DEFERRED and FAST flush when one ends).
   std::set<std::string> drivers_ ABSL_GUARDED_BY(mu_);
 
   // Per layer, its binding (BindVerifyInputs), or null. Its own lock: a

@@ -73,8 +73,14 @@ ABSL_FLAG(std::string, activation_dtype, "bf16", "bf16, fp16 or fp32");
 ABSL_FLAG(std::string, state_dtype, "fp32", "fp32 or bf16");
 ABSL_FLAG(std::string, cache_mode, "none", "none or align");
 ABSL_FLAG(std::string, commit_mode, "eager",
-          "eager (Commit replays the accepted tokens) or deferred (the next Verify of the block "
-          "replays them first: one state read and one write a step; needs num_spec <= 7)");
+          "eager (Commit replays the accepted tokens), deferred (the next Verify of the block "
+          "replays them first: one state read and one write a step; needs num_spec <= 7) or "
+          "fast (the state is written every --fold_every steps; Verify reads the checkpoint and "
+          "a ring of the accepted tokens; within 2x the exact path's error, not bit-identical; "
+          "needs num_spec <= 7; CPU backend only)");
+ABSL_FLAG(int, fold_every, 0,
+          "commit mode fast: steps (at full acceptance) between two folds of a block's ring into "
+          "its state; the ring holds fold_every * Q tokens, at most 256; 0: 4");
 ABSL_FLAG(int, mamba_block_size, 0, "align mode: tokens per state block (>= Q)");
 ABSL_FLAG(float, lower_bound, -5.0f, "the KDA gate's lower bound (negative)");
 ABSL_FLAG(int, default_lease_ms, 10000, "session lease when a client asks for none (ms)");
@@ -142,6 +148,7 @@ absl::Status CheckFlagDefaults() {
   check(differs(FLAGS_blocks, absl::StrCat(l.num_blocks())), "blocks");
   check(differs(FLAGS_max_rows, absl::StrCat(l.max_rows())), "max_rows");
   check(differs(FLAGS_mamba_block_size, absl::StrCat(l.mamba_block_size())), "mamba_block_size");
+  check(differs(FLAGS_fold_every, absl::StrCat(l.fold_every())), "fold_every");
   check(differs(FLAGS_lower_bound, absl::StrCat(l.lower_bound())), "lower_bound");
   check(differs(FLAGS_default_lease_ms, absl::StrCat(d.default_lease_ms())), "default_lease_ms");
   check(differs(FLAGS_stuck_stream_ms, absl::StrCat(d.stuck_stream_ms())), "stuck_stream_ms");
@@ -239,11 +246,14 @@ absl::StatusOr<v1::ServiceConfig> BuildConfig() {
       l->set_commit_mode(v1::EAGER);
     } else if (mode == "deferred") {
       l->set_commit_mode(v1::DEFERRED);
+    } else if (mode == "fast") {
+      l->set_commit_mode(v1::FAST);
     } else {
       return absl::InvalidArgumentError(
-          absl::StrCat("--commit_mode=", mode, ": expected eager or deferred"));
+          absl::StrCat("--commit_mode=", mode, ": expected eager, deferred or fast"));
     }
   }
+  if (Given(FLAGS_fold_every)) l->set_fold_every(absl::GetFlag(FLAGS_fold_every));
   if (Given(FLAGS_mamba_block_size)) l->set_mamba_block_size(absl::GetFlag(FLAGS_mamba_block_size));
   if (Given(FLAGS_lower_bound)) l->set_lower_bound(absl::GetFlag(FLAGS_lower_bound));
   for (auto [flag, name] : {std::make_pair(&FLAGS_submit_spin_us, "submit_spin_us"),
@@ -481,11 +491,12 @@ int Run() {
   const v1::Layout& l = (*engine)->layout();
   std::printf(
       "specstated: serving on %s (backend %s, %d %s layers, %d heads (%d value heads) x %d, "
-      "%d blocks, %d rows, Q=%d, %s activations, %s state, cache mode %s, commit mode %s)\n",
+      "%d blocks, %d rows, Q=%d, %s activations, %s state, cache mode %s, commit mode %s%s)\n",
       listen.c_str(), l.backend() == v1::CUDA ? "cuda" : "cpu", l.num_layers(),
       l.layer_kind() == v1::GDN ? "GDN" : "KDA", l.num_heads(), ValueHeadsOf(l), l.head_dim(), l.num_blocks(), l.max_rows(), l.num_spec() + 1,
       v1::DType_Name(l.activation_dtype()).c_str(), v1::DType_Name(l.state_dtype()).c_str(),
-      v1::CacheMode_Name(l.cache_mode()).c_str(), v1::CommitMode_Name(l.commit_mode()).c_str());
+      v1::CacheMode_Name(l.cache_mode()).c_str(), v1::CommitMode_Name(l.commit_mode()).c_str(),
+      IsFast(l) ? absl::StrCat(" (fold every ", l.fold_every(), ")").c_str() : "");
   std::fflush(stdout);
   if (l.backend() == v1::CUDA) {
     if (l.mps_client()) {

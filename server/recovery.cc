@@ -50,6 +50,14 @@ absl::StatusOr<std::unique_ptr<Recovery>> Recovery::Start(const v1::Layout& layo
         "outlive specstated: keeping the pools across restarts (--keeper, systemd's "
         "file-descriptor store) needs commit_mode EAGER");
   }
+  if (IsFast(layout)) {
+    // Its accepted tokens live in the rings, beside the pools but not kept
+    // with them: a restart would lose them silently.
+    return absl::FailedPreconditionError(
+        "commit_mode FAST keeps accepted tokens in rings beside the pools, which do not outlive "
+        "specstated: keeping the pools across restarts (--keeper, systemd's file-descriptor "
+        "store) needs commit_mode EAGER");
+  }
   std::unique_ptr<Recovery> r(new Recovery(device, options));
   r->pool_bytes_ = static_cast<uint64_t>(ComputeLayoutSizes(layout).pool_bytes);
   r->num_blocks_ = layout.num_blocks();

@@ -245,6 +245,16 @@ TEST_F(RecoveryTest, DeferredCommitsAreRefused) {
               HasSubstr("commit_mode DEFERRED keeps accepted tokens pending"));
 }
 
+TEST_F(RecoveryTest, FastCommitsAreRefused) {
+  Keeper keeper(options_.keeper);
+  v1::Layout fast = layout_;
+  fast.set_commit_mode(v1::FAST);
+  absl::StatusOr<Instance> refused = StartInstance(fast);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("commit_mode FAST keeps accepted tokens in rings"));
+}
+
 TEST_F(RecoveryTest, DescriptorsThatAreNotSpecstatedsAreRefused) {
   Keeper keeper(options_.keeper);
   auto client = keeper::KeeperClient::Connect(options_.keeper);

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kernels/fast/cpu/fast_cpu.h"
+#include "kernels/fast/fast_args.h"
 #include "kernels/internal/checks.h"
 #include "kernels/internal/journal.h"
 #include "kernels/internal/dispatch.h"
@@ -82,6 +84,39 @@ bool CheckCrossRow(int num_rows, int32_t* owner, DeviceStatus* status, Writes wr
     writes(n, [&](int32_t block, CheckedField, int32_t, int32_t) { owner[block] = 0; });
   }
   return ok;
+}
+
+// FAST: no two rows use one block (`block_of(n)`; null blocks skipped): the
+// lowest row using a block owns it, and the first other row using it is the
+// fault. `owner` is all zero on entry and on return.
+template <typename BlockOf>
+bool CheckOneRowABlock(int num_rows, int32_t* owner, DeviceStatus* status, BlockOf block_of) {
+  for (int n = 0; n < num_rows; ++n) {
+    const int32_t b = block_of(n);
+    if (IsBlock(b)) owner[b] = std::max(owner[b], internal::OwnerTag(n));
+  }
+  bool ok = true;
+  for (int n = 0; n < num_rows && ok; ++n) {
+    const int32_t b = block_of(n);
+    if (!IsBlock(b) || internal::OwnerRow(owner[b]) == n) continue;
+    *status = internal::StatusFromFault(internal::FastSharedFault(b, n), n,
+                                        internal::OwnerRow(owner[b]));
+    ok = false;
+  }
+  for (int n = 0; n < num_rows; ++n) {
+    const int32_t b = block_of(n);
+    if (IsBlock(b)) owner[b] = 0;
+  }
+  return ok;
+}
+
+// FAST: each layer of a commit or flush as kernels/fast takes it.
+std::vector<fast::FastLayer> FastLayersOf(const CommitLayer* layers, int num_layers) {
+  std::vector<fast::FastLayer> out(num_layers);
+  for (int l = 0; l < num_layers; ++l) {
+    out[l] = fast::FastLayer{layers[l].state, layers[l].fast, layers[l].params};
+  }
+  return out;
 }
 
 // False (with the status written) when a prerequisite failed.
@@ -446,6 +481,10 @@ class CpuKernels final : public KdaKernels {
         })) {
       return;
     }
+    if (a.fast.cursors != nullptr) {
+      RunFastVerify(a, rows);
+      return;
+    }
     const bool deferred = a.pending.entries != nullptr;
     if (deferred && !TakePendingTokens(a, rows)) return;
     // DEFERRED: the pending tokens' records are in one buffer, this
@@ -500,6 +539,39 @@ class CpuKernels final : public KdaKernels {
       }
     });
     return;
+  }
+
+  // FAST Verify, after the checks every Verify runs: each row's block has a
+  // cursor a Commit leaves and room in its ring for the window, and no two
+  // rows verify from one block (their candidates would share its ring's
+  // slots). Then kernels/fast's Verify on the checked snapshot.
+  void RunFastVerify(const VerifyArgs& a, const std::vector<internal::VerifyRow>& rows) const {
+    if (!CheckRows(a.num_rows, a.status, [&](int n) {
+          return internal::CheckFastVerifyRow(a.fast, n, rows[n].source, rows[n].tokens);
+        })) {
+      return;
+    }
+    if (!CheckOneRowABlock(a.num_rows, static_cast<int32_t*>(a.workspace), a.status,
+                           [&](int n) { return rows[n].source; })) {
+      return;
+    }
+    fast::FastVerifyArgs f;
+    f.shape = a.shape;
+    f.q = a.q;
+    f.k = a.k;
+    f.v = a.v;
+    f.g = a.g;
+    f.beta = a.beta;
+    f.num_tokens = a.num_tokens;
+    f.out = a.out;
+    f.state = a.state;
+    f.rings = a.fast;
+    f.params = a.params;
+    f.spec_query_len = a.records.q;
+    f.num_rows = a.num_rows;
+    f.query_start_loc = internal::VerifiedQueryStartLoc(a);
+    f.state_indices = internal::VerifiedStateIndices(a);
+    fast::RunFastVerifyCpu(f, fast::FastNumerics());
   }
 
   // DEFERRED Verify, after the other checks: no two rows may verify from a
@@ -564,6 +636,21 @@ class CpuKernels final : public KdaKernels {
         })) {
       return;
     }
+    // FAST: every layer's cursors and candidates, each written block's ring
+    // empty, one row a checkpoint block.
+    if (a.fast && !CheckRows(a.num_rows, a.status, [&](int i) {
+          for (int l = 0; l < a.num_layers; ++l) {
+            const RowFault f = internal::CheckFastCommitRow(a, a.layers[l].fast, l, ws.plan[i], i);
+            if (f.problem != 0) return f;
+          }
+          return internal::NoFault();
+        })) {
+      return;
+    }
+    if (a.fast && !CheckOneRowABlock(a.num_rows, ws.owner, a.status,
+                                     [&](int i) { return ws.plan[i].source; })) {
+      return;
+    }
     const int Q = a.spec_query_len;
     for (int i = 0; i < a.num_rows; ++i) {
       for (int col = 0; col <= Q; ++col) {
@@ -588,6 +675,26 @@ class CpuKernels final : public KdaKernels {
       }
     });
     if (journal.test_hook != nullptr) journal.test_hook("conv");
+    if (a.fast) {
+      // kernels/fast's Commit along the checked plan: rings advance, folds.
+      const std::vector<fast::FastLayer> layers = FastLayersOf(a.layers, a.num_layers);
+      fast::FastCommitArgs f;
+      f.shape = a.shape;
+      f.spec_query_len = Q;
+      f.num_layers = a.num_layers;
+      f.layers = layers.data();
+      f.num_rows = a.num_rows;
+      f.query_start_loc = a.query_start_loc;
+      f.state_indices = a.state_indices;
+      f.batch = a.batch;
+      f.num_accepted = a.num_accepted;
+      f.request_indices = a.request_indices;
+      f.block_table = a.block_table;
+      f.num_computed_tokens = a.num_computed_tokens;
+      f.mamba_block_size = a.mamba_block_size;
+      fast::RunFastCommitCpu(f, ws.plan, fast::FastNumerics());
+      return;
+    }
     if (deferred) {
       RunReplayJobs(a.shape, a.layers, Q, DeferCommit(a, ws.plan));
       return;
@@ -670,10 +777,16 @@ class CpuKernels final : public KdaKernels {
     *a.status = internal::OkStatus();
     std::vector<RowFault> faults(a.num_blocks_given);
     for (int i = 0; i < a.num_blocks_given; ++i) {
-      faults[i] = internal::CheckFlushBlock(a, i);
+      faults[i] = a.fast ? internal::CheckListedBlock(a.blocks, a.checked_blocks, i,
+                                                      a.layers[0].state.num_blocks)
+                         : internal::CheckFlushBlock(a, i);
     }
     if (!InputsIntact(a.prerequisites.input_fault, a.status)) return;
     if (!CheckRows(a.num_blocks_given, a.status, [&](int i) { return faults[i]; })) return;
+    if (a.fast) {
+      RunFastFlush(a);
+      return;
+    }
     const bool listed = a.blocks == nullptr;
     const int count = listed ? *internal::PendingListSize(a.pending) : a.num_blocks_given;
     const int32_t* blocks = listed ? internal::PendingList(a.pending) : a.checked_blocks;
@@ -693,6 +806,50 @@ class CpuKernels final : public KdaKernels {
     }
     PublishJobs(jobs, a.jobs);
     RunReplayJobs(a.shape, a.layers, a.spec_query_len, jobs);
+  }
+
+  // FAST Flush, after the block list's checks: every listed block's cursor
+  // in every layer it covers (without a list: every block whose ring holds
+  // tokens or candidates), then kernels/fast's Materialize in place.
+  void RunFastFlush(const FlushArgs& a) const {
+    const auto covers = [&](int l) { return a.layer < 0 || l == a.layer; };
+    std::vector<int32_t> every;
+    const int32_t* blocks = a.checked_blocks;
+    int count = a.num_blocks_given;
+    if (a.blocks == nullptr) {
+      for (int32_t b = 1; b < a.layers[0].state.num_blocks; ++b) {
+        for (int l = 0; l < a.num_layers; ++l) {
+          const FastCursor c = a.layers[l].fast.cursors[b];
+          if (covers(l) && (c.tokens != 0 || c.candidates != 0)) {
+            every.push_back(b);
+            break;
+          }
+        }
+      }
+      blocks = every.data();
+      count = static_cast<int>(every.size());
+    }
+    for (int i = 0; i < count; ++i) {
+      if (!IsBlock(blocks[i])) continue;
+      for (int l = 0; l < a.num_layers; ++l) {
+        if (!covers(l)) continue;
+        const RowFault f = internal::CheckFastCursor(a.layers[l].fast, blocks[i], l);
+        if (f.problem != 0) {
+          *a.status = internal::StatusFromFault(f, -1, -1);
+          return;
+        }
+      }
+    }
+    const std::vector<fast::FastLayer> layers = FastLayersOf(a.layers, a.num_layers);
+    fast::FastMaterializeArgs m;
+    m.shape = a.shape;
+    m.num_layers = a.num_layers;
+    m.layers = layers.data();
+    m.blocks = blocks;
+    m.num_blocks_given = count;
+    m.layer = a.layer;
+    m.discard = a.discard;
+    fast::RunFastMaterializeCpu(m, fast::FastNumerics());
   }
 
   absl::Status LaunchLoadParams(const LoadParamsArgs& a, Stream) const override {

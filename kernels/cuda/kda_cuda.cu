@@ -1044,6 +1044,13 @@ cudaError_t Recurrent(const RecurrentLaunch& p, int num_layers, cudaStream_t str
   }
 }
 
+// Commit mode FAST (kda_args.h, FastRings) has CPU kernels only so far
+// (kernels/fast); its tensor-core kernels are a later issue.
+absl::Status FastUnimplemented(const char* op) {
+  return absl::UnimplementedError(absl::StrCat(
+      "In ", op, ": commit mode FAST has no CUDA kernels yet: serve it with the CPU backend"));
+}
+
 template <typename Layout, bool kAllShapes, bool kPipelined = false>
 class CudaKernels final : public KdaKernels {
  public:
@@ -1078,6 +1085,7 @@ class CudaKernels final : public KdaKernels {
   }
 
   absl::Status LaunchVerify(const VerifyArgs& a, Stream stream) const override {
+    if (a.fast.cursors != nullptr) return FastUnimplemented("Verify");
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     VerifyCheckKernel<<<1, kCheckThreads, 0, s>>>(a);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.num_rows == 0) {
@@ -1125,6 +1133,7 @@ class CudaKernels final : public KdaKernels {
   }
 
   absl::Status LaunchCommit(const CommitArgs& a, Stream stream) const override {
+    if (a.fast) return FastUnimplemented("Commit");
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int64_t num_blocks = a.layers[0].state.num_blocks;
     const int history_len = a.layers[0].conv.width - a.spec_query_len + 1;
@@ -1190,6 +1199,7 @@ class CudaKernels final : public KdaKernels {
   }
 
   absl::Status LaunchFlush(const FlushArgs& a, Stream stream) const override {
+    if (a.fast) return FastUnimplemented("Flush");
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     FlushPlanKernel<<<1, kCheckThreads, 0, s>>>(a);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.discard) {

@@ -40,29 +40,11 @@ namespace specstate {
 namespace kernels {
 namespace fast {
 
-// The ring of one (layer, block): how many of its tokens are accepted ones,
-// and how many candidates the last Verify of the block wrote after them.
-struct FastCursor {
-  int32_t tokens;
-  int32_t candidates;
-};
-
-// One layer's rings, one per state block, indexed like the state pool (block
-// b's ring belongs to block b's checkpoint; block 0, the null block, is never
-// used). Each is dense, token-major:
-//   k          [num_blocks, R, H, K]  activation dtype (the raw k, bit for bit)
-//   u          [num_blocks, R, HV, V] fp32
-//   log_decay  [num_blocks, R, GateWidth] fp32 (KDA [H, K]; GDN [HV]): each
-//              token's own gamma, not a cumulative sum (see semantics.md for why)
-//   cursors    [num_blocks]
-struct FastRings {
-  void* k = nullptr;
-  float* u = nullptr;
-  float* log_decay = nullptr;
-  FastCursor* cursors = nullptr;
-  int64_t num_blocks = 0;
-  int capacity = 0;  // R tokens
-};
+// The rings (FastRings: per block of a layer, its ring and cursor) are
+// defined in kernels/kda_args.h, where the kernel interface's VerifyArgs and
+// CommitLayer carry them (commit mode FAST through KdaKernels).
+using ::specstate::kernels::FastCursor;
+using ::specstate::kernels::FastRings;
 
 // Elements per ring token of each buffer.
 SPECSTATE_HD int64_t RingKWidth(const KdaShape& s) { return KeyWidth(s); }
@@ -73,6 +55,13 @@ SPECSTATE_HD int64_t RingLogDecayWidth(const KdaShape& s) { return GateWidth(s);
 inline int FastRingCapacity(int fold_every, int spec_query_len) {
   return fold_every * spec_query_len;
 }
+
+// The largest ring the service allocates (Layout.fold_every * Q): Verify
+// reads a block's whole ring every step, so its cost grows with R, and the
+// accuracy tables (docs/semantics.md) cover R up to 128 (F = 16, Q = 8).
+inline constexpr int kMaxFastRingCapacity = 256;
+// fold_every when a layout leaves it at 0.
+inline constexpr int kDefaultFoldEvery = 4;
 
 // Bytes of each ring buffer for `num_blocks` blocks of capacity R.
 size_t FastRingKBytes(const KdaShape& shape, int64_t num_blocks, int capacity);
@@ -142,8 +131,11 @@ struct FastCommitArgs {
 // FAST Materialize: the current state of given blocks (Flush, ReadState, a
 // block about to be handed to another request).
 //  - `out` null: folds each block's ring into its checkpoint in place and
-//    empties the ring (the pool then holds the current state); candidates
-//    are forgotten.
+//    empties the ring (the pool then holds the current state). The
+//    candidates of the block's last Verify stay, moved to the ring's start
+//    (u was computed against the state they follow, which the fold does
+//    not change): a Flush or ReadState between a step's Verify and its
+//    Commit changes no result of the step.
 //  - `out` set (one layer): writes each block's current state to
 //    out[i] ([HV, V, K], the state dtype, as the pool would hold it after a
 //    fold) and changes nothing.
@@ -155,7 +147,7 @@ struct FastMaterializeArgs {
   int num_blocks_given = 0;
   int layer = -1;       // only this layer; -1: every layer (not with `out`)
   void* out = nullptr;  // [num_blocks_given, HV, V, K], state dtype
-  bool discard = false; // with `out` null: empty the rings without folding
+  bool discard = false; // with `out` null: empty the rings (candidates too) without folding
 };
 
 }  // namespace fast

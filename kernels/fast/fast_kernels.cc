@@ -10,7 +10,7 @@
 #include "absl/strings/string_view.h"
 #include "kernels/dtype.h"
 #include "kernels/fast/fast_math.h"
-#include "kernels/kda_kernels.h"
+#include "kernels/check_shape.h"
 
 namespace specstate {
 namespace kernels {
@@ -40,9 +40,7 @@ absl::Status OutOfRange(absl::string_view op, absl::string_view what) {
 }
 
 absl::Status CheckShapeFor(absl::string_view op, const KdaShape& shape) {
-  const absl::Status st = ValidateShape(shape);
-  if (st.ok()) return st;
-  return absl::Status(st.code(), absl::StrCat("In ", op, ": ", st.message()));
+  return CheckShape(op, shape);
 }
 
 absl::Status CheckQ(absl::string_view op, int q) {

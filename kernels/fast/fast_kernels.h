@@ -1,9 +1,12 @@
 // The FAST commit mode's kernels (issue 23) on the CPU: Verify from a
 // checkpoint and a ring of accepted tokens, Commit that advances the ring and
 // folds it into the checkpoint when the next window might not fit, and
-// Materialize (Flush, ReadState). Not yet wired into the service; the CUDA
-// implementation is to be tested against this one. See fast_args.h for the
-// data and docs/semantics.md, "Fast mode (FAST)", for the math.
+// Materialize (Flush, ReadState). The service reaches the same work through
+// the kernel interface (kda_kernels.h: VerifyArgs::fast, CommitArgs::fast,
+// FlushArgs::fast; its CPU backend runs cpu/fast_cpu.h after its device
+// checks); the CUDA implementation is to be tested against this one. See
+// fast_args.h for the data and docs/semantics.md, "Fast mode (FAST)", for
+// the math.
 //
 //   FastVerifyArgs v = ...;  // host pointers
 //   absl::Status s = FastVerifyCpu(v);
@@ -14,8 +17,10 @@
 //
 // Each call checks its host-visible arguments (Validate*), then every value
 // it reads from the buffers (query_start_loc, indices, cursors, the plan's
-// inputs), and writes nothing unless all pass. Errors start "In FastVerify: ",
-// "In FastCommit: " or "In FastMaterialize: ".
+// inputs) with the device checks of kernels/internal/checks.h, as the kernel
+// interface does (the same faults, the same messages), and writes nothing
+// unless all pass. Errors start "In FastVerify: ", "In FastCommit: " or
+// "In FastMaterialize: ".
 #ifndef SPECSTATE_KERNELS_FAST_FAST_KERNELS_H_
 #define SPECSTATE_KERNELS_FAST_FAST_KERNELS_H_
 
@@ -71,11 +76,14 @@ absl::Status FastVerifyCpu(const FastVerifyArgs& args, const FastNumerics& numer
 // \returns INVALID_ARGUMENT / OUT_OF_RANGE as the EAGER Commit's checks (the
 //   same plan), FAILED_PRECONDITION when a row commits more tokens than its
 //   block's last Verify left candidates in some layer (every layer's Verify
-//   must come first).
+//   must come first), for a cursor no Commit leaves, or for a final or
+//   boundary block (other than the row's checkpoint) whose ring holds tokens
+//   (another request's, not flushed).
 absl::Status FastCommitCpu(const FastCommitArgs& args, const FastNumerics& numerics = {});
 
 // FAST Materialize (fast_args.h).
-// \returns OUT_OF_RANGE for a block past the pool or a layer past the group.
+// \returns OUT_OF_RANGE for a block past the pool or a layer past the group,
+//   FAILED_PRECONDITION for a cursor no Commit leaves.
 absl::Status FastMaterializeCpu(const FastMaterializeArgs& args,
                                 const FastNumerics& numerics = {});
 

@@ -618,10 +618,10 @@ TEST(FastKernelsTest, MisuseIsRefusedWithNothingWritten) {
     EXPECT_EQ(w.Everything(), after_first);
   }
   {
-    // Two rows committing from one block.
+    // Two rows committing from one block (both would write it).
     const auto before = w.Everything();
     expect_refused(FastCommitCpu(w.CommitArgs(&layer, {0, 1, 2}, {2, 2}, {1, 1})),
-                   absl::StatusCode::kInvalidArgument, "both commit from block 2");
+                   absl::StatusCode::kInvalidArgument, "rows 0 and 1 both write block 2");
     EXPECT_EQ(w.Everything(), before);
   }
   {

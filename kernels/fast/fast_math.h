@@ -49,8 +49,9 @@
 namespace specstate {
 namespace fast {
 
-// The most tokens a FAST Verify window may have.
-inline constexpr int kMaxWindow = 8;
+// The most tokens a FAST Verify window may have (kda_args.h's bound, which
+// the kernel interface checks).
+inline constexpr int kMaxWindow = ::specstate::kernels::kMaxFastQueryLen;
 
 // sum_j x[j] * y[j] over n floats, four partial sums (as kda_math's dots).
 SPECSTATE_HD float Dot(const float* x, const float* y, int n) {

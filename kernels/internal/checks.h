@@ -599,11 +599,87 @@ SPECSTATE_HD RowFault PendingSharedFault(int32_t block, int n) {
   return MakeFault(CheckedField::kStateIndices, CheckProblem::kPendingShared, n, -1, block, 0);
 }
 
+// Element i of a block list (a Flush's), read once into `checked`: null
+// (<= 0) or below the pool's `num_blocks`.
+SPECSTATE_HD RowFault CheckListedBlock(const int32_t* blocks, int32_t* checked, int i,
+                                       int64_t num_blocks) {
+  const int32_t block = blocks[i];
+  checked[i] = block;
+  return CheckBlock(CheckedField::kBlocks, block, num_blocks, i, -1);
+}
+
 // Flush: element i of the block list, read once into the checked copy.
 SPECSTATE_HD RowFault CheckFlushBlock(const FlushArgs& a, int i) {
-  const int32_t block = a.blocks[i];
-  a.checked_blocks[i] = block;
-  return CheckBlock(CheckedField::kBlocks, block, a.pending.num_blocks, i, -1);
+  return CheckListedBlock(a.blocks, a.checked_blocks, i, a.pending.num_blocks);
+}
+
+// ---------------------------------------------------------------------------
+// FAST commits (kda_args.h, FastRings). The kernels' own memory, written only
+// by them in stream order; a fault here means a scheduler's misuse (rows
+// sharing a block, a block reused without a Flush) or memory something else
+// wrote.
+
+// Two int32 in one int64 of a fault (device_status.h): high, then low.
+SPECSTATE_HD int64_t PackPair(int32_t high, int32_t low) {
+  return static_cast<int64_t>((static_cast<uint64_t>(static_cast<uint32_t>(high)) << 32) |
+                              static_cast<uint64_t>(static_cast<uint32_t>(low)));
+}
+
+// `block`'s cursor as Verify and Commit leave it: 0 <= tokens <= capacity and
+// 0 <= candidates <= capacity - tokens. `layer`: the layer of a call over
+// several (Commit, Flush), -1 for a Verify.
+SPECSTATE_HD RowFault CheckFastCursor(const FastRings& r, int32_t block, int layer) {
+  const FastCursor c = r.cursors[block];
+  if (c.tokens < 0 || c.tokens > r.capacity || c.candidates < 0 ||
+      c.candidates > r.capacity - c.tokens) {
+    return MakeFault(CheckedField::kRingCursors, CheckProblem::kFastCursor, block, layer,
+                     PackPair(c.tokens, c.candidates), r.capacity);
+  }
+  return NoFault();
+}
+
+// FAST Verify, row n (`tokens` tokens verified from `block`): the block's
+// cursor, and room in its ring for the window's candidates.
+SPECSTATE_HD RowFault CheckFastVerifyRow(const FastRings& r, int n, int32_t block, int tokens) {
+  if (!IsBlock(block)) return NoFault();
+  const RowFault f = CheckFastCursor(r, block, -1);
+  if (f.problem != 0) return f;
+  const int32_t held = r.cursors[block].tokens;
+  if (held + tokens > r.capacity) {
+    return MakeFault(CheckedField::kStateIndices, CheckProblem::kFastRingFull, n, -1,
+                     PackPair(block, held), PackPair(tokens, r.capacity));
+  }
+  return NoFault();
+}
+
+// Row n uses (verifies or commits from) `block`, which a lower row uses too
+// (the caller names it as the other row).
+SPECSTATE_HD RowFault FastSharedFault(int32_t block, int n) {
+  return MakeFault(CheckedField::kStateIndices, CheckProblem::kFastShared, n, -1, block, 0);
+}
+
+// FAST Commit, row i in layer `layer` (its rings `r`): the checkpoint's
+// cursor; the candidates the block's last Verify left cover the row's
+// commit_len; and every block the row writes other than its checkpoint holds
+// no ring tokens (they would be another request's: the block was reused
+// without a Flush).
+SPECSTATE_HD RowFault CheckFastCommitRow(const CommitArgs& a, const FastRings& r, int layer,
+                                         const CommitPlanRow& p, int i) {
+  if (!IsBlock(p.source)) return NoFault();
+  const RowFault f = CheckFastCursor(r, p.source, layer);
+  if (f.problem != 0 || !CommitsAnything(p)) return f;
+  const int32_t candidates = r.cursors[p.source].candidates;
+  if (candidates < p.commit_len) {
+    return MakeFault(CheckedField::kRingCursors, CheckProblem::kFastCandidates, p.source, layer,
+                     p.commit_len, candidates);
+  }
+  RowFault fault = NoFault();
+  ForEachCommitWrite(a, p, i, [&](int32_t b, CheckedField field, int32_t index, int32_t col) {
+    if (fault.problem == 0 && b != p.source && r.cursors[b].tokens != 0) {
+      fault = MakeFault(field, CheckProblem::kFastRingInUse, index, col, b, layer);
+    }
+  });
+  return fault;
 }
 
 // Workspace layout of a commit: the owner table first (its place must not

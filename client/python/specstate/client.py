@@ -751,10 +751,12 @@ class Session:
         """Commit mode DEFERRED: replays the tokens a Commit left pending on
         `blocks` (int32 [n], inline or in a registered buffer; entries <= 0 are
         skipped) into the pools, or on every pending block when `blocks` is
-        None (Flush). Call it before reading, copying, swapping or freeing a
-        block yourself; with `discard`, the pending tokens are forgotten (a
-        block being freed). `layer` limits it to one layer. Under EAGER it has
-        nothing to do. OUT_OF_RANGE for a block past the pools."""
+        None (Flush). Commit mode FAST: folds the blocks' rings of accepted
+        tokens into the pools (every non-empty ring when None). Call it before
+        reading, copying, swapping or freeing a block yourself; with
+        `discard`, the pending tokens are forgotten (a block being freed).
+        `layer` limits it to one layer. Under EAGER it has nothing to do.
+        OUT_OF_RANGE for a block past the pools."""
         request = pb.FlushRequest(session_id=self.id, discard=discard,
                                   ordering=_ordering(ordering, wait, signal))
         t = self.index(blocks)

@@ -85,6 +85,11 @@ class Harness:
         self.act = lo.activation_dtype
         self.align = lo.cache_mode == pb.ALIGN
         self.deferred = lo.commit_mode == pb.DEFERRED
+        # FAST: each request's ring of accepted tokens, as the Commits left it
+        # (a fold empties it when the next window might not fit).
+        self.fast = lo.commit_mode == pb.FAST
+        self.ring_capacity = lo.fold_every * (lo.num_spec + 1)
+        self.ring_tokens: List[int] = []
         self.bs = lo.mamba_block_size
         self.R = requests
         self.gdn = lo.layer_kind == pb.GDN
@@ -202,9 +207,11 @@ class Harness:
         table[(nc - 1) // self.bs if self.align else 0] = self.free.pop()
         if i < len(self.tables):
             self.tables[i], self.nc[i] = table, nc
+            self.ring_tokens[i] = 0
         else:
             self.tables.append(table)
             self.nc.append(nc)
+            self.ring_tokens.append(0)
             self.states.append([None] * self.L)
             self.windows.append([None] * self.L)
         block = self.checkpoint(i)
@@ -228,7 +235,12 @@ class Harness:
         Commit mode DEFERRED: the blocks a Commit leaves pending hold their
         checkpoint until `flush` ("all": Flush every block; "blocks": Flush the
         step's blocks) or the next step's Verify materializes them; without a
-        flush their states are checked through the next step's outputs."""
+        flush their states are checked through the next step's outputs.
+        Commit mode FAST: the same, for the blocks whose ring took the
+        accepted tokens without folding (a fold, and a row that leaves its
+        block or crosses a boundary in align mode, store real states); with
+        `flush` "read", each such block's state is read through ReadState
+        (which materializes it in its layer) instead of a Flush."""
         R, Q = self.R, self.Q
         tokens = [Q if full else int(self.rng.integers(1, Q + 1)) for _ in range(R)]
         accepted = [t if full else int(self.rng.integers(1, t + 1)) for t in tokens]
@@ -336,9 +348,9 @@ class Harness:
         again = self.session.commit(step, num_accepted, **kwargs)
         self.t.assertTrue(again.replayed_from_cache)
         self.t.assertTrue(after == self.pools.snapshot(), f"step {s}: a retried Commit wrote")
-        # (DEFERRED writes no state at Commit: when every row accepts one
-        # token, its conv windows stay where they are too.)
-        if not self.deferred:
+        # (DEFERRED and FAST may write no state at Commit: when every row
+        # accepts one token, its conv windows stay where they are too.)
+        if not self.deferred and not self.fast:
             self.t.assertTrue(before != after, f"step {s}: the Commit wrote nothing")
 
         if self.align:
@@ -360,26 +372,48 @@ class Harness:
 
         # DEFERRED: a row whose state stays in its checkpoint block and crosses
         # no boundary is pending there; the block still holds the checkpoint.
-        pending = set()
+        # FAST: a row that stays in its block appends to its ring, which
+        # folds (a real state in the pool) when the next window might not fit.
+        pending, folds = set(), 0
         for i in range(R):
-            if not live[i] or not self.deferred:
+            if not live[i] or not (self.deferred or self.fast):
                 continue
             if self.align:
                 _, final, boundary, _ = ref.align_plan(self.nc[i], accepted[i], tokens[i], Q,
                                                        self.bs, self.tables[i], checkpoint[i])
                 if final != checkpoint[i] or (boundary is not None and boundary > 0):
+                    self.ring_tokens[i] = 0  # real states; the final block's ring is empty
+                    continue
+            if self.fast:
+                self.ring_tokens[i] += accepted[i]
+                if self.ring_tokens[i] + Q > self.ring_capacity:
+                    self.ring_tokens[i] = 0  # folded: a real state
+                    folds += 1
                     continue
             pending.add(i)
             for layer in range(self.L):
                 np.testing.assert_array_equal(
                     self.pools.recurrent(layer)[checkpoint[i]], checkpoints_before[i][layer],
                     f"step {s}: pending block {checkpoint[i]} changed before it was flushed")
+        flushed = set(range(R)) if flush == "all" else set(pending) if flush else set()
         if flush == "all":
             self.session.flush()
             pending.clear()
         elif flush == "blocks":
             self.session.flush([checkpoint[i] for i in sorted(pending)] + [0])
             pending.clear()
+        elif flush == "read":  # ReadState of each layer materializes its block there
+            for i in sorted(pending):
+                for layer in range(self.L):
+                    read = self.client.read_state(layer, checkpoint[i], values=True)
+                    got = np.array(read.recurrent.values, dtype=np.float64).reshape(
+                        self.pools.recurrent(layer)[checkpoint[i]].shape)
+                    np.testing.assert_array_equal(
+                        got, self.pools.recurrent(layer)[checkpoint[i]],
+                        f"step {s}: ReadState's values are not the pool's after it")
+            pending.clear()
+        for i in flushed:  # (FAST: their rings folded)
+            self.ring_tokens[i] = 0
 
         # Committed states and conv windows against the reference.
         state_errors, boundaries = [], 0
@@ -423,7 +457,8 @@ class Harness:
             self.nc[i] += commit_len
         return {"tokens": T, "accepted": sum(accepted[i] for i in range(R) if live[i]),
                 "max_out_err": max(out_errors, default=0.0),
-                "max_state_err": max(state_errors, default=0.0), "boundaries": boundaries}
+                "max_state_err": max(state_errors, default=0.0), "boundaries": boundaries,
+                "folds": folds, "states_checked": len(state_errors)}
 
     def close(self) -> None:
         self.pools.close()
@@ -664,6 +699,77 @@ class DeferredAlignModeTest(_ServerTest):
                 session.flush([1, client.layout().num_blocks])
             self.assertEqual(e.exception.code, grpc.StatusCode.OUT_OF_RANGE)
             self.assertIn("blocks[1]", e.exception.message)
+
+
+class FastBf16Test(_ServerTest):
+    """Commit mode FAST (fold_every 2: rings of 2 * Q tokens a block): a Commit
+    appends the accepted tokens to the block's ring and writes no state until
+    the ring folds; Verify's outputs come from the checkpoint and the ring.
+    Against the float64 reference with this file's tolerances (FAST's
+    contract, within 2x the exact path's error, sits well inside them: both
+    paths are at a few fp32 ulps, docs/semantics.md): the outputs every step
+    (through the rings), the states where they are materialized: at a fold,
+    after a Flush of some blocks or of all, through ReadState. A block whose
+    ring took tokens without folding holds its checkpoint."""
+
+    FLAGS = dict(SMALL, activation_dtype="bf16", state_dtype="fp32", cache_mode="none",
+                 commit_mode="fast", fold_every=2)
+
+    def test_scheduler_loop(self) -> None:
+        seed = int.from_bytes(os.urandom(4), "little")
+        with self.server.client() as client, client.session("e2e-fast", drive=True) as session:
+            lo = client.layout()
+            self.assertEqual((lo.commit_mode, lo.fold_every), (pb.FAST, 2))
+            h = Harness(self, client, session, requests=4, seed=seed)
+            failed_before = client.stats().steps_failed  # (this server's other tests')
+            flushes = (None, None, "blocks", None, "read", None, None, "all", None, None)
+            folds = checked = 0
+            for s, flush in enumerate(flushes):
+                r = h.step(s, remap=s % 2 == 1, null_rows=(2,) if s == 3 else (), flush=flush)
+                folds += r["folds"]
+                checked += r["states_checked"]
+            h.close()
+            self.assertEqual(client.stats().steps_failed, failed_before)
+            self.assertGreater(folds, 0, f"no ring folded at Commit (seed {seed})")
+            self.assertGreater(checked, 0, f"no state was checked (seed {seed})")
+
+    def test_rows_sharing_a_block_are_refused(self) -> None:
+        with self.server.client() as client, client.session("e2e-fast-shared",
+                                                            drive=True) as session:
+            h = Harness(self, client, session, requests=2, seed=8)
+            h.fill_inputs(0, 2)
+            with self.assertRaises(specstate.SpecStateError) as cm:
+                session.verify(session.next_step(), 0, **h.inputs(0, 0, 2), o=h.o[0][:2],
+                               query_start_loc=[0, 1, 2],
+                               state_indices=[h.checkpoint(0), h.checkpoint(0)])
+            self.assertEqual(cm.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("rows 0 and 1 both verify from block", cm.exception.message)
+            h.close()
+
+
+class FastAlignModeTest(_ServerTest):
+    """FAST in align mode: a row that leaves its block or crosses a block
+    boundary stores real states at Commit (a block handed to the prefix cache
+    is never a checkpoint with a ring), the others append to their ring."""
+
+    FLAGS = dict(SMALL, blocks=40, activation_dtype="fp32", state_dtype="fp32",
+                 cache_mode="align", mamba_block_size=4, commit_mode="fast", fold_every=3)
+
+    def test_scheduler_loop(self) -> None:
+        seed = int.from_bytes(os.urandom(4), "little")
+        with self.server.client() as client, client.session("e2e-fast-align",
+                                                            drive=True) as session:
+            h = Harness(self, client, session, requests=3, seed=seed)
+            boundaries = 0
+            for s in range(8):
+                r = h.step(s, remap=s % 2 == 1, full=s == 5,
+                           flush="all" if s % 4 == 3 else "read" if s == 6 else None)
+                boundaries += r["boundaries"]
+                self.assertLess(r["max_out_err"], 1e-5, f"seed {seed}")
+                self.assertLess(r["max_state_err"], 1e-5, f"seed {seed}")
+            h.close()
+            self.assertGreater(boundaries, 0, f"no row crossed a block boundary (seed {seed})")
+            self.assertEqual(client.stats().steps_failed, 0)
 
 
 class GatedDeltaNetAlignModeTest(AlignModeTest):

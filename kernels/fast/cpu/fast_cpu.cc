@@ -14,6 +14,7 @@
 #include "kernels/device_status.h"
 #include "kernels/fast/fast_args.h"
 #include "kernels/fast/fast_kernels.h"
+#include "kernels/fast/cpu/fast_cpu.h"
 #include "kernels/fast/fast_math.h"
 #include "kernels/internal/checks.h"
 #include "kernels/internal/dispatch.h"
@@ -88,10 +89,6 @@ float SplitDot(const float* x_hi, const float* x_lo, const float* y_hi, const fl
 void RoundInPlace(float* x, size_t n, bool bf16) {
   if (!bf16) return;
   for (size_t i = 0; i < n; ++i) x[i] = Bf16(x[i]);
-}
-
-absl::Status FromFault(const internal::RowFault& f, int row, const char* op) {
-  return DeviceStatusToStatus(internal::StatusFromFault(f, row, -1), op);
 }
 
 // The layer's view of one block's ring.
@@ -463,75 +460,28 @@ void StoreBlock(const KdaShape& s, const StatePool& pool, int32_t block,
   }
 }
 
-// A cursor no Commit could have left (the ring's memory was not zeroed, or
-// another writer touched it).
-absl::Status CheckCursor(const char* op, const FastCursor& c, int capacity, int32_t block,
-                         int layer) {
-  if (c.tokens < 0 || c.tokens > capacity || c.candidates < 0 ||
-      c.candidates > capacity - c.tokens) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "In ", op, ": layer ", layer, ": rings.cursors[", block, "] = {tokens ", c.tokens,
-        ", candidates ", c.candidates, "} is not a cursor of a ring of ", capacity,
-        " tokens (was the ring memory zeroed?)"));
-  }
-  return absl::OkStatus();
+// Moves the ring slots [from, from + n) of `block` to [0, n) (k, u, gamma).
+template <typename Act>
+void MoveSlotsToFront(const KdaShape& s, const FastRings& rings, int32_t block, int from, int n) {
+  if (from == 0 || n == 0) return;
+  const int64_t base = int64_t{block} * rings.capacity;
+  Act* k = static_cast<Act*>(rings.k);
+  std::memmove(k + base * RingKWidth(s), k + (base + from) * RingKWidth(s),
+               sizeof(Act) * n * RingKWidth(s));
+  std::memmove(rings.u + base * RingUWidth(s), rings.u + (base + from) * RingUWidth(s),
+               sizeof(float) * n * RingUWidth(s));
+  std::memmove(rings.log_decay + base * RingLogDecayWidth(s),
+               rings.log_decay + (base + from) * RingLogDecayWidth(s),
+               sizeof(float) * n * RingLogDecayWidth(s));
 }
 
-}  // namespace
-
-absl::Status FastVerifyCpu(const FastVerifyArgs& a, const FastNumerics& num) {
-  constexpr const char* op = "FastVerify";
-  absl::Status st = ValidateFastVerifyArgs(a);
-  if (!st.ok()) return st;
-  // Checks of every value read, before anything is written.
-  std::vector<int> tokens(a.num_rows);
-  std::unordered_map<int32_t, int> reader;
-  for (int n = 0; n < a.num_rows; ++n) {
-    internal::RowFault f = internal::CheckRowTokens(a.query_start_loc, n, a.num_rows,
-                                                    a.spec_query_len, a.num_tokens, &tokens[n]);
-    if (f.problem == 0) {
-      f = internal::CheckBlock(CheckedField::kStateIndices, a.state_indices[n],
-                               a.state.num_blocks, n, -1);
-    }
-    if (f.problem != 0) return FromFault(f, n, op);
-    const int32_t b = a.state_indices[n];
-    if (!IsBlock(b)) continue;
-    const auto [it, inserted] = reader.emplace(b, n);
-    if (!inserted) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "In ", op, ": rows ", it->second, " and ", n, " both verify from block ", b,
-          " (state_indices[", n, "]): their candidates would share the block's ring slots"));
-    }
-    const FastCursor c = a.rings.cursors[b];
-    st = CheckCursor(op, c, a.rings.capacity, b, 0);
-    if (!st.ok()) return st;
-    if (c.tokens + tokens[n] > a.rings.capacity) {
-      return absl::OutOfRangeError(absl::StrCat(
-          "In ", op, ": row ", n, ": block ", b, "'s ring holds ", c.tokens, " of ",
-          a.rings.capacity, " tokens: no room for the window's ", tokens[n],
-          " (FastCommit folds before tokens + spec_query_len exceeds the capacity)"));
-    }
-  }
-  DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
-    using Act = typename decltype(act)::type;
-    using State = typename decltype(state)::type;
-    constexpr int K = decltype(head_dim)::value;
-    VerifyWork<Act, State, K> work(a, num);
-    for (int n = 0; n < a.num_rows; ++n) {
-      const int32_t b = a.state_indices[n];
-      if (!IsBlock(b)) continue;
-      work.Row(a.query_start_loc[n], tokens[n], b);
-    }
-  });
-  return absl::OkStatus();
+// A fault of the checks, as the kernel interface reports it (DeviceStatus).
+absl::Status Refused(const internal::RowFault& f, int row, int other_row, const char* op) {
+  return DeviceStatusToStatus(internal::StatusFromFault(f, row, other_row), op);
 }
 
-absl::Status FastCommitCpu(const FastCommitArgs& a, const FastNumerics& num) {
-  constexpr const char* op = "FastCommit";
-  absl::Status st = ValidateFastCommitArgs(a);
-  if (!st.ok()) return st;
-  const int64_t num_blocks = a.layers[0].state.num_blocks;
-  // The plan, exactly as EAGER plans (checks.h's PlanCommitRow).
+// The CommitArgs the plan and the checks of checks.h read.
+CommitArgs PlanArgsOf(const FastCommitArgs& a) {
   CommitArgs plan_args;
   plan_args.shape = a.shape;
   plan_args.spec_query_len = a.spec_query_len;
@@ -544,63 +494,34 @@ absl::Status FastCommitCpu(const FastCommitArgs& a, const FastNumerics& num) {
   plan_args.block_table = a.block_table;
   plan_args.num_computed_tokens = a.num_computed_tokens;
   plan_args.mamba_block_size = a.mamba_block_size;
-  std::vector<CommitPlanRow> plan(a.num_rows);
-  for (int i = 0; i < a.num_rows; ++i) {
-    const internal::RowFault f = internal::PlanCommitRow(plan_args, num_blocks, i, &plan[i]);
-    if (f.problem != 0) return FromFault(f, i, op);
-  }
-  // Cross-row: no block written by two rows, none written by one and read
-  // (as a checkpoint) by another.
-  std::unordered_map<int32_t, int> writer, reader;
+  return plan_args;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// The work, after the checks (fast_cpu.h).
+
+void RunFastVerifyCpu(const FastVerifyArgs& a, const FastNumerics& num) {
+  DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+    using Act = typename decltype(act)::type;
+    using State = typename decltype(state)::type;
+    constexpr int K = decltype(head_dim)::value;
+    VerifyWork<Act, State, K> work(a, num);
+    for (int n = 0; n < a.num_rows; ++n) {
+      const int32_t b = a.state_indices[n];
+      if (!IsBlock(b)) continue;
+      work.Row(a.query_start_loc[n], a.query_start_loc[n + 1] - a.query_start_loc[n], b);
+    }
+  });
+}
+
+void RunFastCommitCpu(const FastCommitArgs& a, const CommitPlanRow* plan,
+                      const FastNumerics& num) {
+  const int Q = a.spec_query_len;
   const auto in_ring = [](const CommitPlanRow& p) {
     return p.final_block == p.source && !IsBlock(p.boundary_block);
   };
-  for (int i = 0; i < a.num_rows; ++i) {
-    const CommitPlanRow& p = plan[i];
-    if (IsBlock(p.source)) {
-      const auto [it, inserted] = reader.emplace(p.source, i);
-      if (!inserted) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("In ", op, ": rows ", it->second, " and ", i, " both commit from block ",
-                         p.source, " (state_indices[", i, "])"));
-      }
-    }
-    if (!internal::CommitsAnything(p)) continue;
-    for (const int32_t w : {p.final_block, p.boundary_block}) {
-      if (!IsBlock(w)) continue;
-      const auto [it, inserted] = writer.emplace(w, i);
-      if (!inserted && it->second != i) {
-        return absl::InvalidArgumentError(absl::StrCat("In ", op, ": rows ", it->second, " and ",
-                                                       i, " both write block ", w));
-      }
-    }
-  }
-  for (const auto& [block, row] : writer) {
-    const auto it = reader.find(block);
-    if (it != reader.end() && it->second != row) {
-      return absl::InvalidArgumentError(absl::StrCat("In ", op, ": row ", row, " writes block ",
-                                                     block, ", row ", it->second,
-                                                     "'s checkpoint"));
-    }
-  }
-  // Every layer's Verify left each committing row's candidates.
-  for (int l = 0; l < a.num_layers; ++l) {
-    const FastRings& rings = a.layers[l].rings;
-    for (int i = 0; i < a.num_rows; ++i) {
-      const CommitPlanRow& p = plan[i];
-      if (!IsBlock(p.source)) continue;
-      const FastCursor c = rings.cursors[p.source];
-      st = CheckCursor(op, c, rings.capacity, p.source, l);
-      if (!st.ok()) return st;
-      if (internal::CommitsAnything(p) && c.candidates < p.commit_len) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "In ", op, ": layer ", l, ": row ", i, " commits ", p.commit_len, " tokens to block ",
-            p.source, " but its last FastVerify left ", c.candidates,
-            " candidates (every layer's FastVerify of the step comes before the Commit)"));
-      }
-    }
-  }
-  const int Q = a.spec_query_len;
   DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
     using Act = typename decltype(act)::type;
     using State = typename decltype(state)::type;
@@ -644,27 +565,9 @@ absl::Status FastCommitCpu(const FastCommitArgs& a, const FastNumerics& num) {
       }
     }
   });
-  return absl::OkStatus();
 }
 
-absl::Status FastMaterializeCpu(const FastMaterializeArgs& a, const FastNumerics& num) {
-  constexpr const char* op = "FastMaterialize";
-  absl::Status st = ValidateFastMaterializeArgs(a);
-  if (!st.ok()) return st;
-  for (int i = 0; i < a.num_blocks_given; ++i) {
-    const int32_t b = a.blocks[i];
-    for (int l = 0; l < a.num_layers; ++l) {
-      if (a.layer >= 0 && l != a.layer) continue;
-      if (b >= a.layers[l].state.num_blocks) {
-        return absl::OutOfRangeError(absl::StrCat("In ", op, ": blocks[", i, "] = ", b,
-                                                  " is past the pool's ",
-                                                  a.layers[l].state.num_blocks, " blocks"));
-      }
-      if (!IsBlock(b)) continue;
-      st = CheckCursor(op, a.layers[l].rings.cursors[b], a.layers[l].rings.capacity, b, l);
-      if (!st.ok()) return st;
-    }
-  }
+void RunFastMaterializeCpu(const FastMaterializeArgs& a, const FastNumerics& num) {
   DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
     using Act = typename decltype(act)::type;
     using State = typename decltype(state)::type;
@@ -684,14 +587,136 @@ absl::Status FastMaterializeCpu(const FastMaterializeArgs& a, const FastNumerics
           for (int64_t e = 0; e < block_elems; ++e) dst[e] = FromFloat<State>(folded[e]);
           continue;
         }
-        if (!a.discard && cursor.tokens > 0) {
-          FoldBlock<Act, State, K>(a.shape, layer, b, cursor.tokens, num, &folded);
-          StoreBlock<State, K>(a.shape, layer.state, b, folded);
+        if (a.discard) {
+          cursor = FastCursor{0, 0};
+          continue;
         }
-        cursor = FastCursor{0, 0};
+        if (cursor.tokens == 0) continue;  // (a block listed twice: folded once)
+        FoldBlock<Act, State, K>(a.shape, layer, b, cursor.tokens, num, &folded);
+        StoreBlock<State, K>(a.shape, layer.state, b, folded);
+        // The last Verify's candidates stay: their u holds against the state
+        // they follow, which the fold changes only by its rounding.
+        MoveSlotsToFront<Act>(a.shape, layer.rings, b, cursor.tokens, cursor.candidates);
+        cursor.tokens = 0;
       }
     }
   });
+}
+
+// ---------------------------------------------------------------------------
+// The direct calls: their host checks, the device checks of checks.h (as
+// the kernel interface runs them, with the same messages), then the work.
+
+absl::Status FastVerifyCpu(const FastVerifyArgs& a, const FastNumerics& num) {
+  constexpr const char* op = "FastVerify";
+  absl::Status st = ValidateFastVerifyArgs(a);
+  if (!st.ok()) return st;
+  std::vector<int> tokens(a.num_rows);
+  for (int n = 0; n < a.num_rows; ++n) {
+    internal::RowFault f = internal::CheckRowTokens(a.query_start_loc, n, a.num_rows,
+                                                    a.spec_query_len, a.num_tokens, &tokens[n]);
+    if (f.problem == 0) {
+      f = internal::CheckBlock(CheckedField::kStateIndices, a.state_indices[n],
+                               a.state.num_blocks, n, -1);
+    }
+    if (f.problem != 0) return Refused(f, n, -1, op);
+  }
+  for (int n = 0; n < a.num_rows; ++n) {
+    const internal::RowFault f =
+        internal::CheckFastVerifyRow(a.rings, n, a.state_indices[n], tokens[n]);
+    if (f.problem != 0) return Refused(f, n, -1, op);
+  }
+  std::unordered_map<int32_t, int> reader;
+  for (int n = 0; n < a.num_rows; ++n) {
+    const int32_t b = a.state_indices[n];
+    if (!IsBlock(b)) continue;
+    const auto [it, inserted] = reader.emplace(b, n);
+    if (!inserted) return Refused(internal::FastSharedFault(b, n), n, it->second, op);
+  }
+  RunFastVerifyCpu(a, num);
+  return absl::OkStatus();
+}
+
+absl::Status FastCommitCpu(const FastCommitArgs& a, const FastNumerics& num) {
+  constexpr const char* op = "FastCommit";
+  absl::Status st = ValidateFastCommitArgs(a);
+  if (!st.ok()) return st;
+  const int64_t num_blocks = a.layers[0].state.num_blocks;
+  // The plan, exactly as EAGER plans (checks.h's PlanCommitRow).
+  const CommitArgs plan_args = PlanArgsOf(a);
+  std::vector<CommitPlanRow> plan(a.num_rows);
+  for (int i = 0; i < a.num_rows; ++i) {
+    const internal::RowFault f = internal::PlanCommitRow(plan_args, num_blocks, i, &plan[i]);
+    if (f.problem != 0) return Refused(f, i, -1, op);
+  }
+  // Cross-row, as EAGER: no block written by two rows, none written by one
+  // row and read by another.
+  std::unordered_map<int32_t, int> writer;
+  for (int i = 0; i < a.num_rows; ++i) {
+    absl::Status conflict;
+    internal::ForEachCommitWrite(
+        plan_args, plan[i], i, [&](int32_t b, CheckedField field, int32_t index, int32_t col) {
+          const auto [it, inserted] = writer.emplace(b, i);
+          if (conflict.ok() && !inserted && it->second != i) {
+            conflict = Refused(internal::MakeFault(field, CheckProblem::kDuplicateWrite, index,
+                                                   col, b, 0),
+                               i, it->second, op);
+          }
+        });
+    if (!conflict.ok()) return conflict;
+  }
+  for (int i = 0; i < a.num_rows; ++i) {
+    absl::Status conflict;
+    internal::ForEachCommitRead(
+        plan[i], i, [&](int32_t b, CheckedField field, int32_t index, int32_t col) {
+          const auto it = writer.find(b);
+          if (conflict.ok() && it != writer.end() && it->second != i) {
+            conflict = Refused(
+                internal::MakeFault(field, CheckProblem::kWriteOfRead, index, col, b, 0), i,
+                it->second, op);
+          }
+        });
+    if (!conflict.ok()) return conflict;
+  }
+  // FAST: every layer's cursors and candidates; then one row a block.
+  for (int i = 0; i < a.num_rows; ++i) {
+    for (int l = 0; l < a.num_layers; ++l) {
+      const internal::RowFault f =
+          internal::CheckFastCommitRow(plan_args, a.layers[l].rings, l, plan[i], i);
+      if (f.problem != 0) return Refused(f, i, -1, op);
+    }
+  }
+  std::unordered_map<int32_t, int> reader;
+  for (int i = 0; i < a.num_rows; ++i) {
+    if (!IsBlock(plan[i].source)) continue;
+    const auto [it, inserted] = reader.emplace(plan[i].source, i);
+    if (!inserted) return Refused(internal::FastSharedFault(plan[i].source, i), i, it->second, op);
+  }
+  RunFastCommitCpu(a, plan.data(), num);
+  return absl::OkStatus();
+}
+
+absl::Status FastMaterializeCpu(const FastMaterializeArgs& a, const FastNumerics& num) {
+  constexpr const char* op = "FastMaterialize";
+  absl::Status st = ValidateFastMaterializeArgs(a);
+  if (!st.ok()) return st;
+  std::vector<int32_t> checked(a.num_blocks_given);
+  for (int i = 0; i < a.num_blocks_given; ++i) {
+    const internal::RowFault f =
+        internal::CheckListedBlock(a.blocks, checked.data(), i, a.layers[0].state.num_blocks);
+    if (f.problem != 0) return Refused(f, i, -1, op);
+  }
+  for (int i = 0; i < a.num_blocks_given; ++i) {
+    if (!IsBlock(checked[i])) continue;
+    for (int l = 0; l < a.num_layers; ++l) {
+      if (a.layer >= 0 && l != a.layer) continue;
+      const internal::RowFault f = internal::CheckFastCursor(a.layers[l].rings, checked[i], l);
+      if (f.problem != 0) return Refused(f, -1, -1, op);
+    }
+  }
+  FastMaterializeArgs work = a;
+  work.blocks = checked.data();
+  RunFastMaterializeCpu(work, num);
   return absl::OkStatus();
 }
 
