@@ -1,0 +1,716 @@
+// The FAST kernels on CUDA (fast_cuda.h): fp32 on CUDA cores, the math of
+// kernels/fast/fast_math.h (docs/semantics.md, "Fast mode (FAST)").
+//
+// Verify: one thread block per (row, value head), 256 threads (8 warps):
+//  1. the window: q, k normalized (a warp per token), gammas, v, beta; the
+//     window's pair coefficients a, b (a warp per pair, exponents summed
+//     from token s + 1 on, as WindowExponents);
+//  2. the ring, in chunks from the newest token back: raw k normalized (a
+//     warp per token), decayed by H_i (a thread per column, summing gammas
+//     from the near end, as RingExponents), and its coefficients
+//     kw_t . kr_i, qw_t . kr_i (a warp per pair);
+//  3. kc_t, qc_t; the ring's values sum_i A_r[t][i] u_i[v] (a thread per
+//     state row, oldest first); the checkpoint's S0[v] . kc_t, S0[v] . qc_t
+//     (a warp per state row, the checkpoint read once, 16-byte loads);
+//  4. the forward substitution (SolveWindowRow) per state row: outputs and
+//     the candidates' u.
+// Fold (Commit, Materialize): one block per (block, value head, tile of 32
+// state rows); exponents per column from the near end; the chain over ring
+// tokens oldest first, as FoldRow.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda_status.h"
+#include "kernels/fast/cuda/fast_cuda.h"
+#include "kernels/fast/fast_args.h"
+#include "kernels/fast/fast_kernels.h"
+#include "kernels/fast/fast_math.h"
+#include "kernels/internal/checks.h"
+#include "kernels/internal/dispatch.h"
+#include "kernels/kda_math.h"
+#include "kernels/numeric.h"
+
+namespace specstate {
+namespace kernels {
+namespace fast {
+namespace {
+
+using ::specstate::fast::kMaxWindow;
+using ::specstate::fast::SolveWindowRow;
+using internal::DispatchKda;
+using internal::IsBlock;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+// Ring tokens per chunk of Verify's and the fold's shared memory.
+constexpr int kRingChunk = 32;
+// State rows per fold block.
+constexpr int kFoldRows = 32;
+
+__device__ __forceinline__ float WarpSum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ kda::GateRule RuleOf(const KdaShape& s, const LayerParams& p, int h) {
+  const bool kda_kind = s.kind == LayerKind::kKda;
+  return kda::GateRule{s.kind, s.gate, kda_kind ? expf(p.a_log[h]) : 0.0f, s.lower_bound};
+}
+
+// Element index of ring token `slot` of `block`, in a buffer of `width`
+// elements per token.
+__device__ __forceinline__ int64_t RingAt(const FastRings& r, int32_t block, int slot,
+                                          int64_t width) {
+  return (int64_t{block} * r.capacity + slot) * width;
+}
+
+// Normalizes one head of raw values (K of them) into `out` with a warp:
+// x / sqrt(sum x^2 + eps) * scale.
+template <typename Act, int K>
+__device__ void WarpNormalize(const Act* raw, float scale, float* out, int lane) {
+  float sum = 0.0f;
+  for (int j = lane; j < K; j += 32) {
+    const float x = ToFloat(raw[j]);
+    out[j] = x;
+    sum = kda::MulAdd(x, x, sum);
+  }
+  const float norm = kda::L2Norm(WarpSum(sum));
+  __syncwarp();
+  for (int j = lane; j < K; j += 32) out[j] = kda::Normalize(out[j], norm, scale);
+}
+
+// Four state elements of a row as floats (16 bytes of fp32, 8 of bf16).
+__device__ __forceinline__ float4 Load4(const float* p) {
+  return __ldcs(reinterpret_cast<const float4*>(p));
+}
+__device__ __forceinline__ float4 Load4(const BFloat16* p) {
+  const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(p));
+  return make_float4(BitsToFloat(raw.x << 16), BitsToFloat(raw.x & 0xffff0000u),
+                     BitsToFloat(raw.y << 16), BitsToFloat(raw.y & 0xffff0000u));
+}
+
+// ---------------------------------------------------------------------------
+// Verify.
+
+// Shared memory of one Verify block (floats), Q window tokens at most, ring
+// capacity R.
+struct VerifySmem {
+  int k, q, r;
+  __host__ __device__ int Window() const { return q * k; }
+  // qn, kn, gam (then W), v, kx (kw then kc), qx (qw then qc), kr chunk,
+  // ar, br [Q][R], a, b [8][8], beta [8], gc [K].
+  __host__ __device__ size_t Floats() const {
+    return size_t(6) * Window() + size_t(kRingChunk) * k + size_t(2) * q * r +
+           2 * kMaxWindow * kMaxWindow + kMaxWindow + k;
+  }
+};
+
+template <typename Act, typename State, int K>
+__global__ void __launch_bounds__(kThreads) FastVerifyKernel(FastVerifyArgs a) {
+  extern __shared__ float smem[];
+  const int n = blockIdx.x, hv = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const KdaShape& s = a.shape;
+  const int32_t block = a.state_indices[n];
+  if (!IsBlock(block) || block >= a.state.num_blocks || block >= a.rings.num_blocks) return;
+  const int64_t bos = a.query_start_loc[n];
+  const int T = a.query_start_loc[n + 1] - a.query_start_loc[n];
+  const int Q = a.spec_query_len, R = a.rings.capacity;
+  FastCursor* cursor = a.rings.cursors + block;
+  const int c = cursor->tokens;
+  if (T < 0 || T > Q || bos < 0 || bos + T > a.num_tokens || c < 0 || c + T > R) return;
+  if (T == 0) {
+    if (hv == 0 && tid == 0) cursor->candidates = 0;
+    return;
+  }
+  const bool gdn = s.kind == LayerKind::kGdn;
+  const int HV = ValueHeads(s), H = s.num_heads;
+  const int h = KeyHeadOf(s, hv);
+  const bool first_of_group = hv % (HV / H) == 0;
+  const kda::GateRule rule = RuleOf(s, a.params, h);
+
+  const VerifySmem layout{K, Q, R};
+  float* qn = smem;
+  float* kn = qn + layout.Window();
+  float* gam = kn + layout.Window();
+  float* vw = gam + layout.Window();
+  float* kx = vw + layout.Window();
+  float* qx = kx + layout.Window();
+  float* kr = qx + layout.Window();
+  float* ar = kr + kRingChunk * K;
+  float* br = ar + Q * R;
+  float* aw = br + Q * R;
+  float* bw = aw + kMaxWindow * kMaxWindow;
+  float* beta = bw + kMaxWindow * kMaxWindow;
+  float* gc = beta + kMaxWindow;
+
+  // 1. The window (a warp per token), and its candidates' k and gamma.
+  Act* ring_k = static_cast<Act*>(a.rings.k);
+  const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s);
+  for (int t = warp; t < T; t += kWarps) {
+    const int64_t tok = bos + t;
+    const Act* q_raw = static_cast<const Act*>(a.q.data) + tok * a.q.token_stride + int64_t{h} * K;
+    const Act* k_raw = static_cast<const Act*>(a.k.data) + tok * a.k.token_stride + int64_t{h} * K;
+    WarpNormalize<Act, K>(q_raw, kda::QueryScale(K), qn + t * K, lane);
+    WarpNormalize<Act, K>(k_raw, 1.0f, kn + t * K, lane);
+    const Act* g = static_cast<const Act*>(a.g.data) + tok * a.g.token_stride +
+                   (gdn ? int64_t{hv} : int64_t{h} * K);
+    const float g0 = gdn ? rule.LogDecay(ToFloat(g[0]), 0.0f) : 0.0f;
+    for (int j = lane; j < K; j += 32) {
+      gam[t * K + j] = gdn ? g0 : rule.LogDecay(ToFloat(g[j]), a.params.dt_bias[int64_t{h} * K + j]);
+    }
+    const Act* v = static_cast<const Act*>(a.v.data) + tok * a.v.token_stride + int64_t{hv} * K;
+    for (int j = lane; j < K; j += 32) vw[t * K + j] = ToFloat(v[j]);
+    if (lane == 0) {
+      beta[t] = rule.Beta(
+          ToFloat(static_cast<const Act*>(a.beta.data)[tok * a.beta.token_stride + hv]));
+    }
+    // Candidates: raw k and (KDA) gammas once per key head; GDN's gamma per value head.
+    if (first_of_group) {
+      Act* dst = ring_k + RingAt(a.rings, block, c + t, kw_width) + int64_t{h} * K;
+      for (int j = lane; j < K; j += 32) dst[j] = k_raw[j];
+      if (!gdn) {
+        float* gd = a.rings.log_decay + RingAt(a.rings, block, c + t, g_width) + int64_t{h} * K;
+        for (int j = lane; j < K; j += 32) gd[j] = gam[t * K + j];
+      }
+    }
+    if (gdn && lane == 0) a.rings.log_decay[RingAt(a.rings, block, c + t, g_width) + hv] = g0;
+  }
+  __syncthreads();
+
+  // The window's pairs (t, s), s <= t: a warp per pair.
+  const int pairs = T * (T + 1) / 2;
+  for (int p = warp; p < pairs; p += kWarps) {
+    int t = 0;
+    while ((t + 1) * (t + 2) / 2 <= p) ++t;
+    const int x = p - t * (t + 1) / 2;  // s
+    float sa = 0.0f, sb = 0.0f;
+    for (int j = lane; j < K; j += 32) {
+      float e = 0.0f;
+      for (int r = x + 1; r <= t; ++r) e += gam[r * K + j];
+      const float ks = kn[x * K + j] * (x < t ? expf(e) : 1.0f);
+      sa = kda::MulAdd(kn[t * K + j], ks, sa);
+      sb = kda::MulAdd(qn[t * K + j], ks, sb);
+    }
+    sa = WarpSum(sa);
+    sb = WarpSum(sb);
+    if (lane == 0) {
+      if (x < t) aw[t * kMaxWindow + x] = sa;
+      bw[t * kMaxWindow + x] = sb;
+    }
+  }
+  __syncthreads();
+
+  // W_t per column (in place of the gammas), kw_t and qw_t.
+  for (int j = tid; j < K; j += kThreads) {
+    float acc = 0.0f;
+    for (int t = 0; t < T; ++t) {
+      acc += gam[t * K + j];
+      gam[t * K + j] = acc;
+      kx[t * K + j] = ::specstate::fast::Decayed(kn[t * K + j], acc);
+      qx[t * K + j] = ::specstate::fast::Decayed(qn[t * K + j], acc);
+    }
+  }
+
+  // 2. The ring, newest chunk first: kr_i, then A_r, B_r.
+  float col_acc[K / kThreads > 0 ? K / kThreads : 1];
+  for (int x = 0; x < (K + kThreads - 1) / kThreads; ++x) col_acc[x] = 0.0f;
+  for (int i1 = c; i1 > 0; i1 -= kRingChunk) {
+    const int i0 = max(0, i1 - kRingChunk);
+    __syncthreads();  // kr free; kx, qx ready
+    for (int i = i0 + warp; i < i1; i += kWarps) {
+      WarpNormalize<Act, K>(ring_k + RingAt(a.rings, block, i, kw_width) + int64_t{h} * K, 1.0f,
+                            kr + (i - i0) * K, lane);
+    }
+    __syncthreads();
+    for (int j = tid, x = 0; j < K; j += kThreads, ++x) {
+      float acc = col_acc[x];
+      for (int i = i1 - 1; i >= i0; --i) {
+        kr[(i - i0) * K + j] = ::specstate::fast::Decayed(kr[(i - i0) * K + j], acc);
+        const float* g = a.rings.log_decay + RingAt(a.rings, block, i, g_width);
+        acc += gdn ? g[hv] : g[int64_t{h} * K + j];
+      }
+      col_acc[x] = acc;
+    }
+    __syncthreads();
+    const int count = (i1 - i0) * T;
+    for (int p = warp; p < count; p += kWarps) {
+      const int t = p / (i1 - i0), i = i0 + p % (i1 - i0);
+      float sa = 0.0f, sb = 0.0f;
+      for (int j = lane; j < K; j += 32) {
+        const float kv = kr[(i - i0) * K + j];
+        sa = kda::MulAdd(kx[t * K + j], kv, sa);
+        sb = kda::MulAdd(qx[t * K + j], kv, sb);
+      }
+      sa = WarpSum(sa);
+      sb = WarpSum(sb);
+      if (lane == 0) {
+        ar[t * R + i] = sa;
+        br[t * R + i] = sb;
+      }
+    }
+  }
+  for (int j = tid, x = 0; j < K; j += kThreads, ++x) gc[j] = col_acc[x];
+  __syncthreads();
+
+  // 3. kc_t, qc_t (in place of kw, qw).
+  for (int j = tid; j < K; j += kThreads) {
+    for (int t = 0; t < T; ++t) {
+      const float e = gc[j] + gam[t * K + j];
+      kx[t * K + j] = ::specstate::fast::Decayed(kn[t * K + j], e);
+      qx[t * K + j] = ::specstate::fast::Decayed(qn[t * K + j], e);
+    }
+  }
+  // The ring's values: a thread per state row, oldest token first.
+  float rk[kMaxWindow], rq[kMaxWindow];
+  const int v_own = tid;
+  if (v_own < K) {
+#pragma unroll
+    for (int t = 0; t < kMaxWindow; ++t) rk[t] = rq[t] = 0.0f;
+    const int64_t u_width = RingUWidth(s);
+    for (int i = 0; i < c; ++i) {
+      const float ui = a.rings.u[RingAt(a.rings, block, i, u_width) + int64_t{hv} * K + v_own];
+#pragma unroll
+      for (int t = 0; t < kMaxWindow; ++t) {
+        if (t < T) {
+          rk[t] = kda::MulAdd(ar[t * R + i], ui, rk[t]);
+          rq[t] = kda::MulAdd(br[t * R + i], ui, rq[t]);
+        }
+      }
+    }
+  }
+  __syncthreads();  // kc, qc ready; qn, kn free
+
+  // The checkpoint: a warp per state row; S0[v] . kc_t into kn[t][v],
+  // S0[v] . qc_t into qn[t][v].
+  const State* s0 = static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
+                    int64_t{hv} * K * K;
+  // A lane's columns of a row: 4 * (lane + 32 x) .. + 3 (K >= 128), or
+  // 2 lane, 2 lane + 1 (K = 64).
+  constexpr int kQuads = K >= 128 ? K / 128 : 1;
+  for (int v = warp; v < K; v += kWarps) {
+    float4 row[kQuads];
+    if constexpr (K >= 128) {
+#pragma unroll
+      for (int x = 0; x < kQuads; ++x) row[x] = Load4(s0 + int64_t{v} * K + 4 * (lane + 32 * x));
+    } else {
+      row[0] = make_float4(ToFloat(s0[int64_t{v} * K + 2 * lane]),
+                           ToFloat(s0[int64_t{v} * K + 2 * lane + 1]), 0.0f, 0.0f);
+    }
+    float sk[kMaxWindow], sq[kMaxWindow];
+#pragma unroll
+    for (int t = 0; t < kMaxWindow; ++t) {
+      sk[t] = sq[t] = 0.0f;
+      if (t < T) {
+        if constexpr (K >= 128) {
+#pragma unroll
+          for (int x = 0; x < kQuads; ++x) {
+            const int j = 4 * (lane + 32 * x);
+            const float4 kc = *reinterpret_cast<const float4*>(kx + t * K + j);
+            const float4 qc = *reinterpret_cast<const float4*>(qx + t * K + j);
+            sk[t] = kda::MulAdd(row[x].x, kc.x, sk[t]);
+            sk[t] = kda::MulAdd(row[x].y, kc.y, sk[t]);
+            sk[t] = kda::MulAdd(row[x].z, kc.z, sk[t]);
+            sk[t] = kda::MulAdd(row[x].w, kc.w, sk[t]);
+            sq[t] = kda::MulAdd(row[x].x, qc.x, sq[t]);
+            sq[t] = kda::MulAdd(row[x].y, qc.y, sq[t]);
+            sq[t] = kda::MulAdd(row[x].z, qc.z, sq[t]);
+            sq[t] = kda::MulAdd(row[x].w, qc.w, sq[t]);
+          }
+        } else {
+          const int j = 2 * lane;
+          sk[t] = kda::MulAdd(row[0].y, kx[t * K + j + 1], kda::MulAdd(row[0].x, kx[t * K + j], 0.0f));
+          sq[t] = kda::MulAdd(row[0].y, qx[t * K + j + 1], kda::MulAdd(row[0].x, qx[t * K + j], 0.0f));
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kMaxWindow; ++t) {
+      if (t < T) {
+        sk[t] = WarpSum(sk[t]);
+        sq[t] = WarpSum(sq[t]);
+      }
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int t = 0; t < kMaxWindow; ++t) {
+        if (t < T) {
+          kn[t * K + v] = sk[t];
+          qn[t * K + v] = sq[t];
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // 4. The forward substitution per state row: outputs and u.
+  if (v_own < K) {
+    float sk[kMaxWindow], sq[kMaxWindow], vr[kMaxWindow], u[kMaxWindow], o[kMaxWindow];
+    for (int t = 0; t < T; ++t) {
+      sk[t] = kn[t * K + v_own];
+      sq[t] = qn[t * K + v_own];
+      vr[t] = vw[t * K + v_own];
+    }
+    SolveWindowRow(T, sk, sq, rk, rq, aw, bw, vr, beta, u, o);
+    Act* out = static_cast<Act*>(a.out);
+    const int64_t u_width = RingUWidth(s);
+    for (int t = 0; t < T; ++t) {
+      out[((bos + t) * HV + hv) * K + v_own] = FromFloat<Act>(o[t]);
+      a.rings.u[RingAt(a.rings, block, c + t, u_width) + int64_t{hv} * K + v_own] = u[t];
+    }
+  }
+  if (hv == 0 && tid == 0) cursor->candidates = T;
+}
+
+// ---------------------------------------------------------------------------
+// Folds.
+
+enum class FoldMode { kCommit, kMaterialize };
+
+// Shared memory of one fold block (floats): kr chunk, u chunk, the chunk
+// boundaries' exponents [R / kRingChunk + 1][K], Gc [K].
+__host__ __device__ inline size_t FoldSmemFloats(int k, int r) {
+  return size_t(kRingChunk) * k + size_t(kRingChunk) * kFoldRows +
+         size_t(r / kRingChunk + 1) * k + k;
+}
+
+struct FoldParams {
+  KdaShape shape;
+  FastLayer layer;
+  int spec_query_len;
+  // kCommit: the plan's inputs.
+  CommitArgs plan;
+  // kMaterialize.
+  const int32_t* blocks;
+  void* out;
+};
+
+// Which block this fold block folds, its n ring tokens and its destination;
+// false when there is nothing to fold.
+template <FoldMode kMode>
+__device__ bool FoldTarget(const FoldParams& f, int i, int32_t* block, int* n, void** dst,
+                           int64_t block_elems, int state_bytes) {
+  const FastRings& rings = f.layer.rings;
+  const int64_t num_blocks = f.layer.state.num_blocks;
+  if constexpr (kMode == FoldMode::kCommit) {
+    CommitPlanRow p;
+    if (internal::PlanCommitRow(f.plan, num_blocks, i, &p).problem != 0) return false;
+    if (!IsBlock(p.source) || p.source >= rings.num_blocks || !internal::CommitsAnything(p)) {
+      return false;
+    }
+    const FastCursor cur = rings.cursors[p.source];
+    if (p.commit_len > cur.candidates) return false;
+    *n = cur.tokens + p.commit_len;
+    if (*n + f.spec_query_len <= rings.capacity || *n > rings.capacity) return false;
+    *block = p.source;
+    *dst = static_cast<char*>(f.layer.state.data) +
+           int64_t{p.source} * f.layer.state.block_stride * state_bytes;
+    return true;
+  } else {
+    const int32_t b = f.blocks[i];
+    if (!IsBlock(b) || b >= num_blocks || b >= rings.num_blocks) return false;
+    for (int x = 0; x < i; ++x) {
+      if (f.blocks[x] == b && f.out == nullptr) return false;  // listed twice: folded once
+    }
+    *n = rings.cursors[b].tokens;
+    if (*n < 0 || *n > rings.capacity) return false;
+    *block = b;
+    if (f.out != nullptr) {
+      *dst = static_cast<char*>(f.out) + int64_t{i} * block_elems * state_bytes;
+      return true;
+    }
+    *dst = static_cast<char*>(f.layer.state.data) +
+           int64_t{b} * f.layer.state.block_stride * state_bytes;
+    return *n > 0;
+  }
+}
+
+// The fold of a block's first n ring tokens, one value head, kFoldRows
+// state rows: out[v][j] = S0[v][j] exp(Gc[j]) + sum_i u_i[v] kr_i[j].
+template <typename Act, typename State, int K, FoldMode kMode>
+__global__ void __launch_bounds__(kThreads) FastFoldKernel(FoldParams f) {
+  extern __shared__ float smem[];
+  const int hv = blockIdx.y, v0 = blockIdx.z * kFoldRows;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const KdaShape& s = f.shape;
+  const int HV = ValueHeads(s);
+  const int64_t block_elems = int64_t{HV} * K * K;
+  int32_t block;
+  int n;
+  void* dst_void;
+  if (!FoldTarget<kMode>(f, blockIdx.x, &block, &n, &dst_void, block_elems, sizeof(State))) {
+    return;
+  }
+  const FastRings& rings = f.layer.rings;
+  const bool gdn = s.kind == LayerKind::kGdn;
+  const int h = KeyHeadOf(s, hv);
+  const int R = rings.capacity;
+  float* kr = smem;
+  float* uc = kr + kRingChunk * K;
+  float* bound = uc + kRingChunk * kFoldRows;
+  float* gc = bound + (R / kRingChunk + 1) * K;
+  const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s), u_width = RingUWidth(s);
+  const int chunks = (n + kRingChunk - 1) / kRingChunk;
+  // Exponents per column from the newest token back; each chunk's starting
+  // value (the sum over the tokens after it) kept.
+  for (int j = tid; j < K; j += kThreads) {
+    float acc = 0.0f;
+    for (int i = n - 1; i >= 0; --i) {
+      if ((i + 1) % kRingChunk == 0 || i == n - 1) bound[(i / kRingChunk) * K + j] = acc;
+      const float* g = rings.log_decay + RingAt(rings, block, i, g_width);
+      acc += gdn ? g[hv] : g[int64_t{h} * K + j];
+    }
+    gc[j] = acc;
+  }
+  __syncthreads();
+  constexpr int kGroups = kThreads / K > 0 ? kThreads / K : 1;
+  constexpr int kRowsEach = kFoldRows / kGroups;
+  static_assert(K <= kThreads, "a thread per column");
+  const int j = tid % K, group = tid / K;
+  const State* s0 = static_cast<const State*>(f.layer.state.data) +
+                    int64_t{block} * f.layer.state.block_stride + int64_t{hv} * K * K;
+  float acc[kRowsEach];
+#pragma unroll
+  for (int m = 0; m < kRowsEach; ++m) {
+    const int v = v0 + group + kGroups * m;
+    acc[m] = ::specstate::fast::Decayed(ToFloat(s0[int64_t{v} * K + j]), gc[j]);
+  }
+  const Act* ring_k = static_cast<const Act*>(rings.k);
+  for (int chunk = 0; chunk < chunks; ++chunk) {
+    const int i0 = chunk * kRingChunk, i1 = min(n, i0 + kRingChunk);
+    __syncthreads();
+    for (int i = i0 + warp; i < i1; i += kWarps) {
+      WarpNormalize<Act, K>(ring_k + RingAt(rings, block, i, kw_width) + int64_t{h} * K, 1.0f,
+                            kr + (i - i0) * K, lane);
+    }
+    for (int e = tid; e < (i1 - i0) * kFoldRows; e += kThreads) {
+      const int i = i0 + e / kFoldRows, v = v0 + e % kFoldRows;
+      uc[e] = rings.u[RingAt(rings, block, i, u_width) + int64_t{hv} * K + v];
+    }
+    __syncthreads();
+    for (int jj = tid; jj < K; jj += kThreads) {
+      float e = bound[chunk * K + jj];
+      for (int i = i1 - 1; i >= i0; --i) {
+        kr[(i - i0) * K + jj] = ::specstate::fast::Decayed(kr[(i - i0) * K + jj], e);
+        const float* g = rings.log_decay + RingAt(rings, block, i, g_width);
+        e += gdn ? g[hv] : g[int64_t{h} * K + jj];
+      }
+    }
+    __syncthreads();
+    for (int i = i0; i < i1; ++i) {
+      const float k_ij = kr[(i - i0) * K + j];
+#pragma unroll
+      for (int m = 0; m < kRowsEach; ++m) {
+        acc[m] = kda::MulAdd(uc[(i - i0) * kFoldRows + group + kGroups * m], k_ij, acc[m]);
+      }
+    }
+  }
+  State* dst = static_cast<State*>(dst_void) + int64_t{hv} * K * K;
+#pragma unroll
+  for (int m = 0; m < kRowsEach; ++m) {
+    const int v = v0 + group + kGroups * m;
+    dst[int64_t{v} * K + j] = FromFloat<State>(acc[m]);
+  }
+}
+
+// Commit's cursors, after the folds: a thread per row.
+__global__ void FastCommitCursorKernel(CommitArgs plan_args, FastRings rings, int64_t num_blocks,
+                                       int spec_query_len) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= plan_args.num_rows) return;
+  CommitPlanRow p;
+  if (internal::PlanCommitRow(plan_args, num_blocks, i, &p).problem != 0) return;
+  if (!IsBlock(p.source) || p.source >= rings.num_blocks) return;
+  FastCursor& cur = rings.cursors[p.source];
+  if (!internal::CommitsAnything(p) || p.commit_len > cur.candidates) {
+    cur.candidates = 0;
+    return;
+  }
+  cur.tokens += p.commit_len;
+  cur.candidates = 0;
+  if (cur.tokens + spec_query_len > rings.capacity) cur.tokens = 0;
+}
+
+// Materialize's cursors, after the folds: discard, or the candidates moved
+// to the ring's start (each thread one element of a token, copied oldest
+// first: the destination never passes its source) and the ring emptied.
+template <typename Act>
+__global__ void FastMaterializeCursorKernel(KdaShape s, FastRings rings, const int32_t* blocks,
+                                            bool discard) {
+  const int i = blockIdx.x;
+  const int32_t b = blocks[i];
+  if (!IsBlock(b) || b >= rings.num_blocks) return;
+  for (int x = 0; x < i; ++x) {
+    if (blocks[x] == b) return;
+  }
+  FastCursor& cur = rings.cursors[b];
+  if (discard) {
+    __syncthreads();
+    if (threadIdx.x == 0) cur = FastCursor{0, 0};
+    return;
+  }
+  const int from = cur.tokens, count = cur.candidates;
+  if (from <= 0) return;
+  const int64_t kw = RingKWidth(s), uw = RingUWidth(s), gw = RingLogDecayWidth(s);
+  Act* k = static_cast<Act*>(rings.k);
+  for (int64_t e = threadIdx.x; e < kw; e += blockDim.x) {
+    for (int t = 0; t < count; ++t) k[RingAt(rings, b, t, kw) + e] = k[RingAt(rings, b, from + t, kw) + e];
+  }
+  for (int64_t e = threadIdx.x; e < uw; e += blockDim.x) {
+    for (int t = 0; t < count; ++t) {
+      rings.u[RingAt(rings, b, t, uw) + e] = rings.u[RingAt(rings, b, from + t, uw) + e];
+    }
+  }
+  for (int64_t e = threadIdx.x; e < gw; e += blockDim.x) {
+    for (int t = 0; t < count; ++t) {
+      rings.log_decay[RingAt(rings, b, t, gw) + e] = rings.log_decay[RingAt(rings, b, from + t, gw) + e];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) cur.tokens = 0;
+}
+
+bool DefaultNumerics(const FastNumerics& n) {
+  using O = FastNumerics::Operands;
+  return !n.ring_k_normalized_bf16 && !n.ring_u_bf16 && !n.ring_cumulative_log_decay &&
+         n.ring_keys == O::kFp32 && n.ring_values == O::kFp32 && n.checkpoint == O::kFp32 &&
+         n.fold == O::kFp32;
+}
+
+absl::Status NumericsUnimplemented(const char* op) {
+  return absl::UnimplementedError(absl::StrCat(
+      "In ", op, ": the CUDA kernels run fp32 throughout (FastNumerics' default) only"));
+}
+
+CommitArgs PlanArgsOf(const FastCommitArgs& a) {
+  CommitArgs p;
+  p.shape = a.shape;
+  p.spec_query_len = a.spec_query_len;
+  p.num_rows = a.num_rows;
+  p.query_start_loc = a.query_start_loc;
+  p.state_indices = a.state_indices;
+  p.batch = a.batch;
+  p.num_accepted = a.num_accepted;
+  p.request_indices = a.request_indices;
+  p.block_table = a.block_table;
+  p.num_computed_tokens = a.num_computed_tokens;
+  p.mamba_block_size = a.mamba_block_size;
+  return p;
+}
+
+template <typename Act, typename State, int K, FoldMode kMode>
+cudaError_t LaunchFold(const FoldParams& f, int grid_x, cudaStream_t stream) {
+  const size_t smem = FoldSmemFloats(K, f.layer.rings.capacity) * sizeof(float);
+  auto kernel = FastFoldKernel<Act, State, K, kMode>;
+  if (smem > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(grid_x, ValueHeads(f.shape), K / kFoldRows);
+  kernel<<<grid, kThreads, smem, stream>>>(f);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+absl::Status FastVerifyCuda(const FastVerifyArgs& a, const FastNumerics& num,
+                            cudaStream_t stream) {
+  constexpr const char* op = "FastVerify";
+  if (absl::Status st = ValidateFastVerifyArgs(a); !st.ok()) return st;
+  if (!DefaultNumerics(num)) return NumericsUnimplemented(op);
+  if (a.num_rows == 0) return absl::OkStatus();
+  cudaError_t err = cudaSuccess;
+  DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+    using Act = typename decltype(act)::type;
+    using State = typename decltype(state)::type;
+    constexpr int K = decltype(head_dim)::value;
+    const size_t smem =
+        VerifySmem{K, a.spec_query_len, a.rings.capacity}.Floats() * sizeof(float);
+    auto kernel = FastVerifyKernel<Act, State, K>;
+    if (smem > 48 * 1024) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+      if (err != cudaSuccess) return;
+    }
+    const dim3 grid(a.num_rows, ValueHeads(a.shape));
+    kernel<<<grid, kThreads, smem, stream>>>(a);
+    err = cudaGetLastError();
+  });
+  if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
+  return absl::OkStatus();
+}
+
+absl::Status FastCommitCuda(const FastCommitArgs& a, const FastNumerics& num,
+                            cudaStream_t stream) {
+  constexpr const char* op = "FastCommit";
+  if (absl::Status st = ValidateFastCommitArgs(a); !st.ok()) return st;
+  if (!DefaultNumerics(num)) return NumericsUnimplemented(op);
+  if (a.block_table.data != nullptr) {
+    return absl::UnimplementedError(
+        "In FastCommit: align mode (block_table set) has no CUDA kernel yet; cache mode none only");
+  }
+  if (a.num_rows == 0) return absl::OkStatus();
+  const CommitArgs plan = PlanArgsOf(a);
+  cudaError_t err = cudaSuccess;
+  for (int l = 0; l < a.num_layers && err == cudaSuccess; ++l) {
+    FoldParams f{};
+    f.shape = a.shape;
+    f.layer = a.layers[l];
+    f.spec_query_len = a.spec_query_len;
+    f.plan = plan;
+    DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+      using Act = typename decltype(act)::type;
+      using State = typename decltype(state)::type;
+      constexpr int K = decltype(head_dim)::value;
+      err = LaunchFold<Act, State, K, FoldMode::kCommit>(f, a.num_rows, stream);
+    });
+    if (err != cudaSuccess) break;
+    FastCommitCursorKernel<<<(a.num_rows + 255) / 256, 256, 0, stream>>>(
+        plan, a.layers[l].rings, a.layers[l].state.num_blocks, a.spec_query_len);
+    err = cudaGetLastError();
+  }
+  if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
+  return absl::OkStatus();
+}
+
+absl::Status FastMaterializeCuda(const FastMaterializeArgs& a, const FastNumerics& num,
+                                 cudaStream_t stream) {
+  constexpr const char* op = "FastMaterialize";
+  if (absl::Status st = ValidateFastMaterializeArgs(a); !st.ok()) return st;
+  if (!DefaultNumerics(num)) return NumericsUnimplemented(op);
+  if (a.num_blocks_given == 0) return absl::OkStatus();
+  cudaError_t err = cudaSuccess;
+  for (int l = 0; l < a.num_layers && err == cudaSuccess; ++l) {
+    if (a.layer >= 0 && l != a.layer) continue;
+    FoldParams f{};
+    f.shape = a.shape;
+    f.layer = a.layers[l];
+    f.blocks = a.blocks;
+    f.out = a.out;
+    DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+      using Act = typename decltype(act)::type;
+      using State = typename decltype(state)::type;
+      constexpr int K = decltype(head_dim)::value;
+      if (!a.discard || a.out != nullptr) {
+        err = LaunchFold<Act, State, K, FoldMode::kMaterialize>(f, a.num_blocks_given, stream);
+        if (err != cudaSuccess) return;
+      }
+      if (a.out == nullptr) {
+        FastMaterializeCursorKernel<Act><<<a.num_blocks_given, kThreads, 0, stream>>>(
+            a.shape, a.layers[l].rings, a.blocks, a.discard);
+        err = cudaGetLastError();
+      }
+    });
+  }
+  if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
+  return absl::OkStatus();
+}
+
+}  // namespace fast
+}  // namespace kernels
+}  // namespace specstate

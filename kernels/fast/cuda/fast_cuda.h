@@ -1,0 +1,60 @@
+// The FAST commit mode's kernels (issue 23) on CUDA: the same arguments as
+// the CPU reference (fast_kernels.h), with device pointers, launched on the
+// caller's stream; no launcher synchronizes.
+//
+//   FastVerifyArgs v = ...;  // device pointers
+//   absl::Status s = FastVerifyCuda(v, FastNumerics{}, stream);
+//   FastCommitArgs c = ...;  // `layers` in host memory, their buffers on the device
+//   s = FastCommitCuda(c, FastNumerics{}, stream);
+//
+// The arithmetic is fp32 on CUDA cores, in the CPU reference's order
+// wherever that order is serial (the exponent sums from the near end, the
+// forward substitution, the fold's chain over ring tokens); dot products
+// are reduced across a warp, so results differ from the CPU's by rounding.
+//
+// Checks: the host-visible arguments (the Validate* functions of
+// fast_kernels.h). The values in device buffers (query_start_loc, indices,
+// cursors) are not checked with the device checks of kernels/internal: a
+// row whose block, window or cursor is out of bounds is skipped, so memory
+// is never touched out of bounds, but no fault is reported.
+#ifndef SPECSTATE_KERNELS_FAST_CUDA_FAST_CUDA_H_
+#define SPECSTATE_KERNELS_FAST_CUDA_FAST_CUDA_H_
+
+#include <cuda_runtime.h>
+
+#include "absl/status/status.h"
+#include "kernels/fast/fast_args.h"
+#include "kernels/fast/fast_kernels.h"
+
+namespace specstate {
+namespace kernels {
+namespace fast {
+
+// FAST Verify of one layer (fast_args.h): outputs, and the window's
+// candidates in ring slots [tokens, tokens + T).
+// \returns INVALID_ARGUMENT as ValidateFastVerifyArgs, UNIMPLEMENTED for
+//   numerics other than the default (fp32 throughout), a CUDA launch error.
+absl::Status FastVerifyCuda(const FastVerifyArgs& args, const FastNumerics& numerics,
+                            cudaStream_t stream);
+
+// FAST Commit of every layer (fast_args.h), cache mode none: each row's
+// accepted candidates join its ring; a ring that has no room for another
+// window is folded into its checkpoint (fp32, stored in the state dtype).
+// `args.layers` is host memory (its pools and rings device memory).
+// \returns INVALID_ARGUMENT as ValidateFastCommitArgs, UNIMPLEMENTED for
+//   align mode (block_table set) and non-default numerics, a launch error.
+absl::Status FastCommitCuda(const FastCommitArgs& args, const FastNumerics& numerics,
+                            cudaStream_t stream);
+
+// FAST Materialize (fast_args.h): folds the given blocks in place (keeping
+// the last Verify's candidates, moved to the ring's start), writes their
+// current states to `out`, or with `discard` empties their rings.
+// `args.layers` is host memory, `args.blocks` device memory.
+absl::Status FastMaterializeCuda(const FastMaterializeArgs& args, const FastNumerics& numerics,
+                                 cudaStream_t stream);
+
+}  // namespace fast
+}  // namespace kernels
+}  // namespace specstate
+
+#endif  // SPECSTATE_KERNELS_FAST_CUDA_FAST_CUDA_H_

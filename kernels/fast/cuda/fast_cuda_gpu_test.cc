@@ -1,0 +1,421 @@
+// The CUDA FAST kernels (fast_cuda.h) against the CPU ones (fast_kernels.h)
+// on the same inputs: loops of random windows, random accepted counts and
+// the folds they trigger, over two layers and several rows; outputs, rings,
+// cursors and states compared after every Verify and Commit, Materialize
+// (into `out`, and in place between a Verify and its Commit) now and then.
+//
+// Tolerances, per element, with M = max |want| over the buffer:
+//   |got - want| <= ulp * |want| + tol * M
+// ulp: 2^-7 for bf16 (one bf16 ulp), 2^-10 for fp16, 0 for fp32 (buffers
+// stored in those dtypes); tol: 2e-6 when every step restarts from the CPU's
+// buffers (`resync`: the error of one step), 2e-4 for a loop left to drift
+// (the two fp32 implementations' rounding differences compounding over
+// 60 steps). Needs a GPU (tagged "gpu").
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/dtype.h"
+#include "kernels/fast/cuda/fast_cuda.h"
+#include "kernels/fast/fast_args.h"
+#include "kernels/fast/fast_kernels.h"
+#include "kernels/kda_args.h"
+#include "kernels/numeric.h"
+
+namespace specstate {
+namespace kernels {
+namespace fast {
+namespace {
+
+#define ASSERT_CUDA(x) ASSERT_EQ((x), cudaSuccess) << cudaGetErrorString(x)
+
+bool HaveGpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+// Host bytes of one dtype, with a device mirror.
+struct Buffer {
+  DType dtype = DType::kFloat32;
+  std::vector<uint8_t> host;
+  void* device = nullptr;
+
+  void Init(DType d, size_t count) {
+    dtype = d;
+    host.assign(count * DTypeSize(d), 0);
+    if (device != nullptr) cudaFree(device);
+    cudaMalloc(&device, host.size());
+    cudaMemset(device, 0, host.size());
+  }
+  ~Buffer() {
+    if (device != nullptr) cudaFree(device);
+  }
+  size_t count() const { return host.size() / DTypeSize(dtype); }
+  void Set(size_t i, float x) {
+    switch (dtype) {
+      case DType::kFloat32:
+        reinterpret_cast<float*>(host.data())[i] = x;
+        break;
+      case DType::kBFloat16:
+        reinterpret_cast<BFloat16*>(host.data())[i] = FromFloat<BFloat16>(x);
+        break;
+      default:
+        reinterpret_cast<Float16*>(host.data())[i] = FromFloat<Float16>(x);
+    }
+  }
+  static double Get(const std::vector<uint8_t>& bytes, DType d, size_t i) {
+    switch (d) {
+      case DType::kFloat32:
+        return reinterpret_cast<const float*>(bytes.data())[i];
+      case DType::kBFloat16:
+        return ToFloat(reinterpret_cast<const BFloat16*>(bytes.data())[i]);
+      default:
+        return ToFloat(reinterpret_cast<const Float16*>(bytes.data())[i]);
+    }
+  }
+  void Upload() { cudaMemcpy(device, host.data(), host.size(), cudaMemcpyHostToDevice); }
+  std::vector<uint8_t> Download() const {
+    std::vector<uint8_t> out(host.size());
+    cudaMemcpy(out.data(), device, out.size(), cudaMemcpyDeviceToHost);
+    return out;
+  }
+};
+
+double UlpOf(DType d) {
+  return d == DType::kBFloat16 ? std::ldexp(1.0, -7) : d == DType::kFloat16 ? std::ldexp(1.0, -10) : 0.0;
+}
+
+// The worst excess of a buffer's device copy over the tolerance, and its
+// largest error relative to max |want|.
+struct Diff {
+  double worst_ratio = 0.0;  // max |got - want| / (ulp |want| + tol M); <= 1 passes
+  double rel = 0.0;          // max |got - want| / M
+};
+
+Diff Compare(const Buffer& b, double tol, size_t limit = SIZE_MAX) {
+  const std::vector<uint8_t> got = b.Download();
+  const size_t n = std::min(b.count(), limit);
+  double m = 0.0;
+  for (size_t i = 0; i < n; ++i) m = std::max(m, std::fabs(Buffer::Get(b.host, b.dtype, i)));
+  Diff d;
+  const double ulp = UlpOf(b.dtype);
+  for (size_t i = 0; i < n; ++i) {
+    const double want = Buffer::Get(b.host, b.dtype, i), have = Buffer::Get(got, b.dtype, i);
+    const double err = std::fabs(have - want);
+    if (!std::isfinite(have)) return Diff{1e30, 1e30};
+    const double allowed = ulp * std::fabs(want) + tol * m;
+    if (err > 0) d.worst_ratio = std::max(d.worst_ratio, allowed > 0 ? err / allowed : 1e30);
+    if (m > 0) d.rel = std::max(d.rel, err / m);
+  }
+  return d;
+}
+
+struct Case {
+  std::string name;
+  LayerKind kind = LayerKind::kKda;
+  KdaGate gate = KdaGate::kSafe;
+  int H = 2, HV = 0, K = 128, Q = 4, F = 4;
+  DType act = DType::kBFloat16, state = DType::kFloat32;
+  bool resync = true;
+  int steps = 60;
+  uint64_t seed = 1;
+};
+
+class FastCudaTest : public ::testing::TestWithParam<Case> {};
+
+struct Layer {
+  Buffer pool, ring_k, ring_u, ring_g, cursors, a_log, dt_bias;
+  Buffer q, k, v, g, beta, out;
+};
+
+TEST_P(FastCudaTest, AgreesWithCpu) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU";
+  const Case c = GetParam();
+  KdaShape s;
+  s.num_heads = c.H;
+  s.head_dim = c.K;
+  s.act_dtype = c.act;
+  s.state_dtype = c.state;
+  s.kind = c.kind;
+  s.gate = c.gate;
+  s.num_value_heads = c.HV;
+  const bool gdn = c.kind == LayerKind::kGdn;
+  const int HV = ValueHeads(s), K = c.K, Q = c.Q, R = FastRingCapacity(c.F, c.Q);
+  const int rows = 3, num_layers = 2;
+  const int64_t num_blocks = rows + 2;  // the null block, one a row, one spare
+  const int64_t block_elems = int64_t{HV} * K * K;
+  std::mt19937_64 rng(c.seed);
+  auto normal = [&](float sd) { return std::normal_distribution<float>(0.0f, sd)(rng); };
+  auto uniform = [&](float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(rng); };
+  auto integer = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  const double tol = c.resync ? 2e-6 : 2e-4;
+
+  std::vector<Layer> layers(num_layers);
+  for (Layer& L : layers) {
+    L.pool.Init(c.state, num_blocks * block_elems);
+    for (size_t i = block_elems; i < L.pool.count(); ++i) L.pool.Set(i, normal(0.1f));
+    L.ring_k.Init(c.act, FastRingKBytes(s, num_blocks, R) / DTypeSize(c.act));
+    L.ring_u.Init(DType::kFloat32, FastRingUBytes(s, num_blocks, R) / 4);
+    L.ring_g.Init(DType::kFloat32, FastRingLogDecayBytes(s, num_blocks, R) / 4);
+    L.cursors.Init(DType::kFloat32, FastCursorBytes(num_blocks) / 4);
+    L.a_log.Init(DType::kFloat32, c.H);
+    L.dt_bias.Init(DType::kFloat32, int64_t{c.H} * K);
+    for (size_t i = 0; i < L.a_log.count(); ++i) L.a_log.Set(i, normal(0.5f));
+    for (size_t i = 0; i < L.dt_bias.count(); ++i) L.dt_bias.Set(i, normal(0.5f));
+    for (Buffer* b : {&L.pool, &L.ring_k, &L.ring_u, &L.ring_g, &L.cursors, &L.a_log, &L.dt_bias}) {
+      b->Upload();
+    }
+  }
+  auto rings_of = [&](Layer& L, bool dev) {
+    return FastRings{dev ? L.ring_k.device : L.ring_k.host.data(),
+                     static_cast<float*>(dev ? L.ring_u.device : L.ring_u.host.data()),
+                     static_cast<float*>(dev ? L.ring_g.device : L.ring_g.host.data()),
+                     static_cast<FastCursor*>(dev ? L.cursors.device : L.cursors.host.data()),
+                     num_blocks, R};
+  };
+  auto pool_of = [&](Layer& L, bool dev) {
+    return StatePool{dev ? L.pool.device : L.pool.host.data(), num_blocks, block_elems};
+  };
+  auto params_of = [&](Layer& L, bool dev) {
+    return LayerParams{static_cast<const float*>(dev ? L.a_log.device : L.a_log.host.data()),
+                       static_cast<const float*>(dev ? L.dt_bias.device : L.dt_bias.host.data())};
+  };
+  Buffer qsl, indices, accepted, listed, materialized;
+  qsl.Init(DType::kFloat32, rows + 1);
+  indices.Init(DType::kFloat32, rows);
+  accepted.Init(DType::kFloat32, rows);
+  listed.Init(DType::kFloat32, rows + 1);
+  materialized.Init(c.state, (rows + 1) * block_elems);
+  auto ints = [](Buffer& b) { return reinterpret_cast<int32_t*>(b.host.data()); };
+  for (int n = 0; n < rows; ++n) ints(indices)[n] = n + 1;
+  indices.Upload();
+  // Materialize's list: the rows' blocks and the null block (skipped).
+  ints(listed)[0] = 1;
+  ints(listed)[1] = 0;
+  ints(listed)[2] = 2;
+  ints(listed)[3] = 3;
+  listed.Upload();
+
+  auto check = [&](const Buffer& b, const std::string& what, int step) {
+    const Diff d = Compare(b, tol);
+    EXPECT_LE(d.worst_ratio, 1.0) << c.name << " step " << step << ": " << what
+                                  << " error " << d.rel << " of max";
+    return d.rel;
+  };
+  auto check_exact = [&](const Buffer& b, const std::string& what, int step) {
+    EXPECT_EQ(b.Download(), b.host) << c.name << " step " << step << ": " << what;
+  };
+  double worst_out = 0, worst_u = 0, worst_state = 0;
+  int folds = 0;
+  for (int step = 0; step < c.steps; ++step) {
+    // Windows: T in [1, Q] a row.
+    std::vector<int> T(rows);
+    ints(qsl)[0] = 0;
+    for (int n = 0; n < rows; ++n) {
+      T[n] = integer(1, Q);
+      ints(qsl)[n + 1] = ints(qsl)[n] + T[n];
+    }
+    qsl.Upload();
+    const int tokens = ints(qsl)[rows];
+    for (int l = 0; l < num_layers; ++l) {
+      Layer& L = layers[l];
+      L.q.Init(c.act, int64_t{tokens} * c.H * K);
+      L.k.Init(c.act, int64_t{tokens} * c.H * K);
+      L.v.Init(c.act, int64_t{tokens} * HV * K);
+      L.g.Init(c.act, int64_t{tokens} * GateWidth(s));
+      L.beta.Init(c.act, int64_t{tokens} * HV);
+      L.out.Init(c.act, int64_t{tokens} * HV * K);
+      for (size_t i = 0; i < L.q.count(); ++i) L.q.Set(i, normal(1.0f));
+      for (size_t i = 0; i < L.k.count(); ++i) L.k.Set(i, normal(1.0f));
+      for (size_t i = 0; i < L.v.count(); ++i) L.v.Set(i, normal(1.0f));
+      for (size_t i = 0; i < L.g.count(); ++i) L.g.Set(i, gdn ? -uniform(0.0f, 1.0f) : normal(1.0f));
+      for (size_t i = 0; i < L.beta.count(); ++i) L.beta.Set(i, gdn ? uniform(0.0f, 1.0f) : normal(1.0f));
+      for (Buffer* b : {&L.q, &L.k, &L.v, &L.g, &L.beta}) b->Upload();
+      for (bool dev : {false, true}) {
+        FastVerifyArgs a;
+        a.shape = s;
+        a.q = Activation{dev ? L.q.device : L.q.host.data(), int64_t{c.H} * K};
+        a.k = Activation{dev ? L.k.device : L.k.host.data(), int64_t{c.H} * K};
+        a.v = Activation{dev ? L.v.device : L.v.host.data(), int64_t{HV} * K};
+        a.g = Activation{dev ? L.g.device : L.g.host.data(), GateWidth(s)};
+        a.beta = Activation{dev ? L.beta.device : L.beta.host.data(), HV};
+        a.num_tokens = tokens;
+        a.out = dev ? L.out.device : L.out.host.data();
+        a.state = pool_of(L, dev);
+        a.rings = rings_of(L, dev);
+        a.params = params_of(L, dev);
+        a.spec_query_len = Q;
+        a.num_rows = rows;
+        a.query_start_loc = static_cast<const int32_t*>(dev ? qsl.device : qsl.host.data());
+        a.state_indices = static_cast<const int32_t*>(dev ? indices.device : indices.host.data());
+        const absl::Status st = dev ? FastVerifyCuda(a, FastNumerics{}, nullptr) : FastVerifyCpu(a);
+        ASSERT_TRUE(st.ok()) << st;
+      }
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      worst_out = std::max(worst_out, check(L.out, absl::StrCat("layer ", l, " outputs"), step));
+      worst_u = std::max(worst_u, check(L.ring_u, absl::StrCat("layer ", l, " ring u"), step));
+      check(L.ring_g, absl::StrCat("layer ", l, " ring gamma"), step);
+      check_exact(L.ring_k, absl::StrCat("layer ", l, " ring k"), step);
+      check_exact(L.cursors, absl::StrCat("layer ", l, " cursors"), step);
+    }
+    std::vector<FastLayer> host_layers, dev_layers;
+    for (Layer& L : layers) {
+      host_layers.push_back(FastLayer{pool_of(L, false), rings_of(L, false), params_of(L, false)});
+      dev_layers.push_back(FastLayer{pool_of(L, true), rings_of(L, true), params_of(L, true)});
+    }
+    // Now and then a Materialize in place between the Verify and its Commit
+    // (layer 1): the candidates move to the ring's start.
+    if (step % 9 == 4) {
+      for (bool dev : {false, true}) {
+        FastMaterializeArgs m;
+        m.shape = s;
+        m.num_layers = num_layers;
+        m.layers = dev ? dev_layers.data() : host_layers.data();
+        m.blocks = static_cast<const int32_t*>(dev ? listed.device : listed.host.data());
+        m.num_blocks_given = rows + 1;
+        m.layer = 1;
+        const absl::Status st = dev ? FastMaterializeCuda(m, FastNumerics{}, nullptr)
+                                    : FastMaterializeCpu(m);
+        ASSERT_TRUE(st.ok()) << st;
+      }
+    }
+    // Accepted counts in [1, T].
+    for (int n = 0; n < rows; ++n) ints(accepted)[n] = integer(1, T[n]);
+    accepted.Upload();
+    const std::vector<uint8_t> cursors_before = layers[0].cursors.host;
+    for (bool dev : {false, true}) {
+      FastCommitArgs a;
+      a.shape = s;
+      a.spec_query_len = Q;
+      a.num_layers = num_layers;
+      a.layers = dev ? dev_layers.data() : host_layers.data();
+      a.num_rows = rows;
+      a.query_start_loc = static_cast<const int32_t*>(dev ? qsl.device : qsl.host.data());
+      a.state_indices = IndexMatrix{static_cast<const int32_t*>(dev ? indices.device : indices.host.data()), 1, 1};
+      a.batch = rows;
+      a.num_accepted = static_cast<const int32_t*>(dev ? accepted.device : accepted.host.data());
+      const absl::Status st = dev ? FastCommitCuda(a, FastNumerics{}, nullptr) : FastCommitCpu(a);
+      ASSERT_TRUE(st.ok()) << st;
+    }
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    for (int n = 0; n < rows; ++n) {
+      const auto* after = reinterpret_cast<const FastCursor*>(layers[0].cursors.host.data());
+      const auto* before = reinterpret_cast<const FastCursor*>(cursors_before.data());
+      if (after[n + 1].tokens == 0 && before[n + 1].tokens + ints(accepted)[n] > 0) ++folds;
+    }
+    for (int l = 0; l < num_layers; ++l) {
+      Layer& L = layers[l];
+      worst_state = std::max(worst_state, check(L.pool, absl::StrCat("layer ", l, " state"), step));
+      check(L.ring_u, absl::StrCat("layer ", l, " ring u after commit"), step);
+      check(L.ring_g, absl::StrCat("layer ", l, " ring gamma after commit"), step);
+      check_exact(L.ring_k, absl::StrCat("layer ", l, " ring k after commit"), step);
+      check_exact(L.cursors, absl::StrCat("layer ", l, " cursors after commit"), step);
+    }
+    // Now and then every row's current state into `out` (layer 0).
+    if (step % 7 == 3) {
+      for (bool dev : {false, true}) {
+        FastMaterializeArgs m;
+        m.shape = s;
+        m.num_layers = num_layers;
+        m.layers = dev ? dev_layers.data() : host_layers.data();
+        m.blocks = static_cast<const int32_t*>(dev ? listed.device : listed.host.data());
+        m.num_blocks_given = rows + 1;
+        m.layer = 0;
+        m.out = dev ? materialized.device : materialized.host.data();
+        const absl::Status st = dev ? FastMaterializeCuda(m, FastNumerics{}, nullptr)
+                                    : FastMaterializeCpu(m);
+        ASSERT_TRUE(st.ok()) << st;
+      }
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      // Entry 1 is the null block: neither writes it.
+      const Diff d = Compare(materialized, tol);
+      EXPECT_LE(d.worst_ratio, 1.0) << c.name << " step " << step << ": materialized states, error "
+                                    << d.rel;
+      worst_state = std::max(worst_state, d.rel);
+    }
+    if (::testing::Test::HasFailure()) break;
+    if (c.resync) {
+      for (Layer& L : layers) {
+        for (Buffer* b : {&L.pool, &L.ring_u, &L.ring_g}) b->Upload();
+      }
+    }
+  }
+  // The end: every ring folded in place (both layers), then discarded.
+  for (bool discard : {false, true}) {
+    std::vector<FastLayer> host_layers, dev_layers;
+    for (Layer& L : layers) {
+      host_layers.push_back(FastLayer{pool_of(L, false), rings_of(L, false), params_of(L, false)});
+      dev_layers.push_back(FastLayer{pool_of(L, true), rings_of(L, true), params_of(L, true)});
+    }
+    for (bool dev : {false, true}) {
+      FastMaterializeArgs m;
+      m.shape = s;
+      m.num_layers = num_layers;
+      m.layers = dev ? dev_layers.data() : host_layers.data();
+      m.blocks = static_cast<const int32_t*>(dev ? listed.device : listed.host.data());
+      m.num_blocks_given = rows + 1;
+      m.discard = discard;
+      const absl::Status st =
+          dev ? FastMaterializeCuda(m, FastNumerics{}, nullptr) : FastMaterializeCpu(m);
+      ASSERT_TRUE(st.ok()) << st;
+    }
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    for (int l = 0; l < num_layers; ++l) {
+      worst_state = std::max(worst_state, check(layers[l].pool, "final state", c.steps));
+      check_exact(layers[l].cursors, "final cursors", c.steps);
+    }
+  }
+  std::printf("%-44s resync=%d steps=%d folds=%d  max error / max|want|: out %.3g  ring u %.3g  "
+              "state %.3g\n",
+              c.name.c_str(), c.resync, c.steps, folds, worst_out, worst_u, worst_state);
+}
+
+std::vector<Case> Cases() {
+  std::vector<Case> cases;
+  uint64_t seed = 0x5eed2311;
+  auto add = [&](Case c) {
+    c.seed = seed++;
+    cases.push_back(c);
+  };
+  for (int K : {64, 128, 256}) {
+    add(Case{absl::StrCat("KDA_safe_bf16act_f32state_K", K, "_Q4_F4"), LayerKind::kKda,
+             KdaGate::kSafe, 2, 0, K, 4, 4});
+  }
+  add(Case{"KDA_plain_f32act_f32state_K128_Q8_F2", LayerKind::kKda, KdaGate::kPlain, 2, 0, 128, 8,
+           2, DType::kFloat32});
+  add(Case{"KDA_safe_fp16act_bf16state_K128_Q3_F8", LayerKind::kKda, KdaGate::kSafe, 2, 0, 128, 3,
+           8, DType::kFloat16, DType::kBFloat16});
+  add(Case{"KDA_safe_bf16act_f32state_K128_Q8_F16", LayerKind::kKda, KdaGate::kSafe, 1, 0, 128, 8,
+           16});  // R = 128: ring chunks
+  add(Case{"GDN_bf16act_f32state_H1_HV2_K128_Q4_F4", LayerKind::kGdn, KdaGate::kSafe, 1, 2, 128,
+           4, 4});
+  add(Case{"GDN_bf16act_bf16state_H2_HV4_K64_Q8_F4", LayerKind::kGdn, KdaGate::kSafe, 2, 4, 64, 8,
+           4, DType::kBFloat16, DType::kBFloat16});
+  add(Case{"GDN_f32act_f32state_H1_HV1_K256_Q2_F8", LayerKind::kGdn, KdaGate::kSafe, 1, 1, 256, 2,
+           8, DType::kFloat32});
+  Case drift{"KDA_safe_bf16act_f32state_K128_Q4_F4_drift", LayerKind::kKda, KdaGate::kSafe, 2, 0,
+             128, 4, 4};
+  drift.resync = false;
+  add(drift);
+  Case drift_gdn{"GDN_f32act_f32state_H1_HV2_K128_Q8_F4_drift", LayerKind::kGdn, KdaGate::kSafe, 1,
+                 2, 128, 8, 4, DType::kFloat32};
+  drift_gdn.resync = false;
+  add(drift_gdn);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, FastCudaTest, ::testing::ValuesIn(Cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) { return i.param.name; });
+
+}  // namespace
+}  // namespace fast
+}  // namespace kernels
+}  // namespace specstate
