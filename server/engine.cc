@@ -27,7 +27,8 @@ Engine::Engine(const v1::ServiceConfig& config, std::unique_ptr<Device> device)
 Engine::~Engine() = default;
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const v1::ServiceConfig& config,
-                                                       std::unique_ptr<Device> device) {
+                                                       std::unique_ptr<Device> device,
+                                                       const DeferredParts* kept) {
   absl::Status st = ValidateLayout(config.layout());
   if (!st.ok()) return st;
   if (IsFast(config.layout()) && device->kind() == kernels::Backend::kCuda) {
@@ -36,6 +37,17 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const v1::ServiceConfig& 
         "commit mode FAST has no CUDA kernels yet: serve it with the CPU backend (--backend=cpu)");
   }
   std::unique_ptr<Engine> engine(new Engine(config, std::move(device)));
+  if (kept != nullptr && kept->pending.entries != nullptr) {
+    if (!IsDeferred(config.layout()) ||
+        static_cast<int>(kept->records.size()) != 2 * config.layout().num_layers() ||
+        kept->pending.num_layers != config.layout().num_layers() ||
+        kept->pending.num_blocks != config.layout().num_blocks() ||
+        kept->pending.capacity != config.layout().max_rows()) {
+      return absl::InternalError(
+          "the kept DEFERRED parts were not made for this layout (Recovery checks that first)");
+    }
+    engine->kept_deferred_ = *kept;
+  }
   st = engine->Allocate();
   if (!st.ok()) return st;
   return engine;
@@ -148,10 +160,14 @@ absl::Status Engine::AllocateLayers() {
       st = AllocateRings(&layer.fast);
       if (!st.ok()) return st;
     } else {
-      layer.records = AllocateRecords(&st);
+      const bool kept = kept_deferred_.pending.entries != nullptr;
+      layer.records = AllocateRecords(&st, kept ? kept_deferred_.records[2 * l] : nullptr);
       if (!st.ok()) return st;
       // DEFERRED double-buffers them; EAGER's second buffer is the first.
-      layer.records_alt = IsDeferred(layout_) ? AllocateRecords(&st) : layer.records;
+      layer.records_alt =
+          IsDeferred(layout_)
+              ? AllocateRecords(&st, kept ? kept_deferred_.records[2 * l + 1] : nullptr)
+              : layer.records;
       if (!st.ok()) return st;
     }
     kernels::CommitLayer& entry = host_layer_table_[l];
@@ -176,13 +192,15 @@ absl::Status Engine::AllocateLayers() {
 }
 
 // One layer's records: kv [rows * Q, H K + HV V], g, beta, each 256-byte aligned.
-kernels::Records Engine::AllocateRecords(absl::Status* status) {
+kernels::Records Engine::AllocateRecords(absl::Status* status, char* at) {
   const int Q = sizes_.spec_query_len;
   const int64_t hk = kernels::KeyWidth(shape_), vw = kernels::ValueWidth(shape_);
   const int64_t act_size = DTypeSize(shape_.act_dtype);
   const int64_t tokens = int64_t{layout_.max_rows()} * Q;
   kernels::Records records;
-  absl::StatusOr<void*> rec = device_->AllocateDevice(sizes_.records_per_layer_bytes);
+  absl::StatusOr<void*> rec =
+      at != nullptr ? absl::StatusOr<void*>(at)
+                    : device_->AllocateDevice(sizes_.records_per_layer_bytes);
   if (!rec.ok()) {
     *status = rec.status();
     return records;
@@ -196,6 +214,13 @@ kernels::Records Engine::AllocateRecords(absl::Status* status) {
   records.rows = layout_.max_rows();
   records.q = Q;
   return records;
+}
+
+void Engine::SetCommitJournal(const kernels::CommitJournal& journal) {
+  journal_ = journal;
+  if (journal.test_hook != nullptr && pending_.journal != nullptr) {
+    pending_.test_hook = &PendingTestHook;
+  }
 }
 
 // DEFERRED's bookkeeping (zeroed: nothing pending), each layer's replay plan,
@@ -213,8 +238,14 @@ absl::Status Engine::AllocatePending() {
   pending_.num_layers = L;
   pending_.num_blocks = blocks;
   pending_.capacity = rows;
-  absl::Status st = allocate(kernels::PendingEntriesBytes(L, blocks), &pending_.entries);
-  if (st.ok()) st = allocate(kernels::PendingHeaderBytes(rows), &pending_.header);
+  absl::Status st;
+  if (kept_deferred_.pending.entries != nullptr) {
+    // Kept: the table (and its journal) as the last instance left it.
+    pending_ = kept_deferred_.pending;
+  } else {
+    st = allocate(kernels::PendingEntriesBytes(L, blocks), &pending_.entries);
+    if (st.ok()) st = allocate(kernels::PendingHeaderBytes(rows), &pending_.header);
+  }
   if (st.ok()) st = allocate(uint64_t(L) * rows * 4, &replay_plans_);
   verify_workspace_bytes_ = kernels::VerifyWorkspaceBytes(blocks);
   if (st.ok()) st = allocate(verify_workspace_bytes_, reinterpret_cast<char**>(&verify_workspace_));
