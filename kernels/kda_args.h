@@ -137,15 +137,16 @@ struct Records {
 // after its last write it marks it idle. After a crash the listed blocks of
 // a started record are reported lost (their states may be half-written)
 // and their entries cleared, in every layer.
-inline constexpr uint32_t kPendingMaterialize = 1;  // Verify's replay, Flush
-inline constexpr uint32_t kPendingDiscard = 2;      // Flush with discard: no state write
-inline constexpr uint32_t kPendingCommit = 3;       // Commit: the old list, the rows' blocks
+inline constexpr uint32_t kPendingFlush = 1;    // Flush (ReadState: of one layer)
+inline constexpr uint32_t kPendingDiscard = 2;  // Flush with discard: no state write
+inline constexpr uint32_t kPendingCommit = 3;   // Commit: the old list, the rows' blocks
+inline constexpr uint32_t kPendingVerify = 4;   // Verify's replay of its rows' pending blocks
 
 struct PendingJournalRecord {
   uint32_t state = 0;  // kJournalIdle (0) or kJournalStarted (1)
   uint32_t kind = 0;   // kPending*
   int32_t count = 0;   // blocks listed in journal_blocks
-  int32_t layer = -1;  // Verify: its layer; -1 otherwise (for the report only)
+  int32_t layer = -1;  // Verify's layer, a Flush's (-1: every layer); for the report only
   uint64_t step = 0;   // Commit: its step id; 0 otherwise
   uint64_t reserved[2] = {};
 };

@@ -150,8 +150,10 @@ std::string BadEntry(const PendingView& v, int32_t packed) {
 
 std::string CallName(const kernels::PendingJournalRecord& j) {
   switch (j.kind) {
-    case kernels::kPendingMaterialize:
-      return j.layer >= 0 ? absl::StrCat("Verify of layer ", j.layer) : "Flush";
+    case kernels::kPendingVerify:
+      return absl::StrCat("Verify of layer ", j.layer);
+    case kernels::kPendingFlush:
+      return j.layer >= 0 ? absl::StrCat("Flush of layer ", j.layer) : "Flush";
     case kernels::kPendingDiscard:
       return "Flush (discard)";
     case kernels::kPendingCommit:

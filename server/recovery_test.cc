@@ -285,7 +285,7 @@ TEST_F(RecoveryTest, DeferredKeepsItsPendingTableAndRecordsAcrossInstances) {
   // A Verify of layer 0 killed while it materialized block 5: block 5 is
   // lost, its entries are gone in every layer, block 7 stays pending.
   parts.pending.journal_blocks[0] = 5;
-  parts.pending.journal->kind = kernels::kPendingMaterialize;
+  parts.pending.journal->kind = kernels::kPendingVerify;
   parts.pending.journal->layer = 0;
   parts.pending.journal->count = 1;
   parts.pending.journal->state = kernels::kJournalStarted;

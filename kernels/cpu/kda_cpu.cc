@@ -605,7 +605,7 @@ class CpuKernels final : public KdaKernels {
         const int32_t b = rows[n].source;
         if (IsBlock(b) && entries[b] != 0) internal::PendingJournalList(a.pending, listed++, b);
       }
-      internal::PendingJournalMarkStarted(a.pending, kPendingMaterialize, listed, a.layer, 0);
+      internal::PendingJournalMarkStarted(a.pending, kPendingVerify, listed, a.layer, 0);
     }
     for (int n = 0; n < a.num_rows; ++n) {
       const int32_t b = rows[n].source;
@@ -841,7 +841,7 @@ class CpuKernels final : public KdaKernels {
         }
       }
       internal::PendingJournalMarkStarted(
-          a.pending, a.discard ? kPendingDiscard : kPendingMaterialize, journaled, a.layer, 0);
+          a.pending, a.discard ? kPendingDiscard : kPendingFlush, journaled, a.layer, 0);
     }
     std::vector<ReplayJob> jobs;
     for (int i = 0; i < count; ++i) {
@@ -858,7 +858,7 @@ class CpuKernels final : public KdaKernels {
       }
     }
     PublishJobs(jobs, a.jobs);
-    if (a.pending.test_hook != nullptr) a.pending.test_hook("flush:taken");
+    if (a.pending.test_hook != nullptr && !a.discard) a.pending.test_hook("flush:taken");
     RunReplayJobs(a.shape, a.layers, a.spec_query_len, jobs);
   }
 

@@ -677,7 +677,7 @@ __device__ bool BlockTakePendingTokens(const VerifyArgs& a) {
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      internal::PendingJournalMarkStarted(a.pending, kPendingMaterialize, journaled, a.layer, 0);
+      internal::PendingJournalMarkStarted(a.pending, kPendingVerify, journaled, a.layer, 0);
     }
     __syncthreads();
   }
@@ -780,7 +780,7 @@ __global__ void __launch_bounds__(kCheckThreads) FlushPlanKernel(const FlushArgs
       __syncthreads();
       if (threadIdx.x == 0) {
         internal::PendingJournalMarkStarted(
-            a.pending, a.discard ? kPendingDiscard : kPendingMaterialize, journaled, a.layer, 0);
+            a.pending, a.discard ? kPendingDiscard : kPendingFlush, journaled, a.layer, 0);
       }
       __syncthreads();
     }
