@@ -273,6 +273,12 @@ int Recover(Client& c, bool verify) {
     if (r->interrupted()) {
       std::printf("interrupted  the commit of step %llu\n",
                   static_cast<unsigned long long>(r->interrupted_step()));
+    } else if (!r->interrupted_call().empty()) {  // DEFERRED: a Verify's replay, a Flush
+      std::printf("interrupted  a %s (commit mode DEFERRED)\n", r->interrupted_call().c_str());
+    }
+    if (r->pending_blocks() > 0) {
+      std::printf("pending      %d blocks hold tokens pending (commit mode DEFERRED)\n",
+                  r->pending_blocks());
     }
     std::vector<std::string> lost;
     for (int32_t b : r->lost_blocks()) lost.push_back(absl::StrCat(b));
