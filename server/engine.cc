@@ -78,7 +78,10 @@ absl::Status Engine::Allocate() {
   const uint64_t params_bytes = uint64_t(L) * (H + int64_t{H} * K) * sizeof(float);
   const uint64_t slot_bytes = StepTable::kSlots * (uint64_t(L + 2) * sizeof(kernels::DeviceStatus) +
                                                    uint64_t(2 * rows + 1) * 4);
-  const uint64_t needed = uint64_t(sizes_.pool_bytes) + uint64_t(sizes_.record_bytes) +
+  // Kept DEFERRED records are in the kept allocation already (not counted twice).
+  const uint64_t record_bytes =
+      kept_deferred_.pending.entries != nullptr ? 0 : uint64_t(sizes_.record_bytes);
+  const uint64_t needed = uint64_t(sizes_.pool_bytes) + record_bytes +
                           commit_workspace_bytes_ + record_workspace_bytes_ + params_bytes +
                           slot_bytes + L * sizeof(kernels::CommitLayer) +
                           uint64_t(sizes_.mode_bytes);

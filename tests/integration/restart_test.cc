@@ -421,6 +421,16 @@ TEST(RestartTest, SpecstatectlSimulateRestartEvery) {
   EXPECT_THAT(r->output, HasSubstr("restart drill: "));
   EXPECT_THAT(r->output, HasSubstr("verdict: PASS"));
   EXPECT_THAT(r->output, HasSubstr("restarts of the service"));
+  // commit_mode DEFERRED: its own service serves it, with its own kill points.
+  r = RunProcess({RunfilePath("client/specstatectl"), "simulate", "--restart_every=3",
+                  "--steps=40", "--commit_mode=deferred", "--service_flags=--layers=2 --blocks=64",
+                  "--specstated=" + RunfilePath("server/specstated"),
+                  "--keeper_binary=" + RunfilePath("keeper/specstate-keeper")});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->exit_code, 0) << r->output;
+  EXPECT_THAT(r->output, HasSubstr("commit mode DEFERRED"));
+  EXPECT_THAT(r->output, HasSubstr("inside Verify's replay"));
+  EXPECT_THAT(r->output, HasSubstr("verdict: PASS"));
   // With --server it refuses: it only restarts a service of its own.
   r = RunProcess({RunfilePath("client/specstatectl"), "--server=unix:///tmp/x.sock", "simulate",
                   "--restart_every=5"});
