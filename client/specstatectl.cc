@@ -69,7 +69,7 @@ ABSL_FLAG(int, abandon_commit_at_step, -1,
 ABSL_FLAG(int, corrupt_after_step, -1,
           "simulate: flip one bit of a committed state after this step (tests the verdict)");
 ABSL_FLAG(std::string, commit_mode, "",
-          "simulate: the commit mode the service must run (eager or deferred; empty: any); "
+          "simulate: the commit mode the service must run (eager, deferred or fast; empty: any); "
           "the checks follow the service's mode");
 ABSL_FLAG(int, corrupt_rank, 0, "simulate with --servers: the rank whose state --corrupt_after_step flips");
 ABSL_FLAG(int, restart_every, 0,

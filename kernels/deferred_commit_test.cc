@@ -11,7 +11,8 @@
 // every block a flush materialized; conv windows never differ. Then the
 // misuse the kernels detect: rows sharing a pending block, a commit writing
 // a block another commit left pending, a bad block list; each rejected with
-// its field, nothing written.
+// its field, nothing written. And batch invariance: a request alone and in a
+// batch of 64 computes the same bits.
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -808,6 +809,112 @@ TEST_P(DeferredMisuseTest, AFlushOfABlockPastThePoolChangesNothing) {
   const auto unchanged = Everything(m);
   for (size_t i = 0; i < before.size(); ++i) {
     EXPECT_EQ(FirstDifference(before[i], unchanged[i]), -1) << "buffer " << i << " was written";
+  }
+}
+
+// Batch invariance in DEFERRED: a request's outputs and state do not depend
+// on the other rows of its steps or on N, whether its pending tokens are
+// replayed inside the next Verify or by a Flush. Request 0 runs 5 steps
+// inside a batch of 64 requests (a new order every step) in one memory and
+// alone (N = 1) in another, on the same inputs and initial states: every
+// output of its tokens, and after the final Flush its block and conv window
+// in every layer, bit for bit.
+TEST_P(DeferredMisuseTest, ARowComputesTheSameAloneAndInABatch) {
+  const Config configs[] = {
+      {DType::kBFloat16, DType::kFloat32, 2, 128, true},
+      {DType::kBFloat16, DType::kBFloat16, 2, 64, true, LayerKind::kGdn, 4},
+  };
+  for (const Config& config : configs) {
+    const LoopSpec spec{config, 4, 2, 64, 5};
+    Init(spec);
+    const int H = shape_.num_heads, K = shape_.head_dim;
+    const std::vector<uint8_t> states =
+        RandomBytes(shape_.state_dtype, size_t(spec.layers) * num_blocks_ * block_elems_, 0.1f);
+    const std::vector<uint8_t> convs =
+        RandomBytes(shape_.act_dtype, size_t(spec.layers) * num_blocks_ * conv_block_elems_, 1.0f);
+    const std::vector<uint8_t> params =
+        RandomBytes(DType::kFloat32, size_t(spec.layers) * H * (K + 1), 0.5f);
+    Memory batch = MakeMemory(true, states, convs, params);
+    Memory alone = MakeMemory(true, states, convs, params);
+    const std::vector<int32_t> block0 = {SourceOf(0)};
+    int replayed_by_verify = 0;
+    for (int step = 0; step < spec.steps; ++step) {
+      const std::string when = absl::StrCat("step ", step);
+      // The batch: every request, in a new order, 1 to Q tokens each.
+      std::vector<int> order(spec.requests);
+      for (int r = 0; r < spec.requests; ++r) order[r] = r;
+      rng().Shuffle(&order);
+      std::vector<int> tokens(spec.requests);
+      for (int& t : tokens) t = rng().Int(1, spec.q);
+      std::vector<int32_t> accepted;
+      int first = 0, at = 0;  // request 0's first token in the batch, its row
+      const auto batch_rows = [&] {
+        rows_ = order;
+        qsl_.assign(1, 0);
+        sources_.clear();
+        for (size_t i = 0; i < order.size(); ++i) {
+          if (order[i] == 0) first = qsl_.back(), at = static_cast<int>(i);
+          qsl_.push_back(qsl_.back() + tokens[order[i]]);
+          sources_.push_back(SourceOf(order[i]));
+        }
+      };
+      const auto alone_rows = [&] {
+        rows_ = {0};
+        qsl_ = {0, tokens[0]};
+        sources_ = block0;
+      };
+      batch_rows();
+      for (size_t i = 0; i < order.size(); ++i) {
+        accepted.push_back(rng().Int(1, tokens[order[i]]));
+      }
+      const int n0 = tokens[0];
+      for (int l = 0; l < spec.layers; ++l) {
+        batch_rows();
+        const Inputs in = DrawInputs(qsl_.back());
+        // Request 0's tokens of each input, for the memory where it is alone.
+        const auto slice = [&](const Tensor& t, int64_t width) {
+          const size_t row = size_t(width) * act_size();
+          return Upload(std::vector<uint8_t>(t.host.begin() + first * row,
+                                             t.host.begin() + (first + n0) * row));
+        };
+        const Inputs mine{slice(in.q, KeyWidth(shape_)), slice(in.k, KeyWidth(shape_)),
+                          slice(in.v, ValueWidth(shape_)), slice(in.g, GateWidth(shape_)),
+                          slice(in.beta, ValueHeads(shape_))};
+        CallData cd_batch, cd_alone;
+        ASSERT_TRUE(CallOk(Verify(batch, l, in, l == 0, &cd_batch))) << when;
+        if (l == 0) {
+          replayed_by_verify += FromBytes<int32_t>(batch.replay_plans.Read())[at] != 0;
+        }
+        alone_rows();
+        ASSERT_TRUE(CallOk(Verify(alone, l, mine, l == 0, &cd_alone))) << when;
+        const size_t row = size_t(ValueWidth(shape_)) * act_size();
+        const std::vector<uint8_t> b = batch.layers[l].out.Read();
+        const std::vector<uint8_t> a = alone.layers[l].out.Read();
+        ASSERT_EQ(FirstDifference(std::vector<uint8_t>(b.begin() + first * row,
+                                                       b.begin() + (first + n0) * row),
+                                  std::vector<uint8_t>(a.begin(), a.begin() + n0 * row)),
+                  -1)
+            << when << ", layer " << l << ": request 0's outputs differ alone and in the batch";
+      }
+      CallData cd_batch, cd_alone;
+      batch_rows();
+      ASSERT_TRUE(CallOk(Commit(batch, accepted, &cd_batch))) << when;
+      alone_rows();
+      ASSERT_TRUE(CallOk(Commit(alone, {accepted[at]}, &cd_alone))) << when;
+    }
+    EXPECT_GE(replayed_by_verify, spec.steps - 1) << "request 0's Verify replayed too rarely";
+    ASSERT_TRUE(CallOk(Flush(batch, {}, -1, false)));
+    ASSERT_TRUE(CallOk(Flush(alone, {}, -1, false)));
+    for (int l = 0; l < spec.layers; ++l) {
+      EXPECT_EQ(FirstDifference(BlockOf(batch, l, block0[0]), BlockOf(alone, l, block0[0])), -1)
+          << "layer " << l << ": request 0's state differs alone and in the batch";
+      const size_t conv_bytes = conv_block_elems_ * act_size();
+      const size_t at_conv = block0[0] * conv_bytes;
+      const std::vector<uint8_t> b = batch.layers[l].conv.Read();
+      const std::vector<uint8_t> a = alone.layers[l].conv.Read();
+      EXPECT_EQ(std::memcmp(b.data() + at_conv, a.data() + at_conv, conv_bytes), 0)
+          << "layer " << l << ": request 0's conv window differs alone and in the batch";
+    }
   }
 }
 

@@ -2,7 +2,7 @@
 # Prints `specstatectl simulate`'s reports over a matrix of layouts and
 # simulate flags (KDA with fp32, bf16 and fp16 activations and bf16 state,
 # the plain gate, GDN, align mode, SYNC, ASYNC, SubmitStep, bound inputs,
-# commit modes EAGER and DEFERRED, a planted corruption that must FAIL, the
+# commit modes EAGER, DEFERRED and FAST, a planted corruption that must FAIL, the
 # crash tests, refused options, tensor parallelism over two services, and
 # restart drills), each against fresh CPU-backend specstated processes (a
 # drill starts its own, with a keeper). What varies from run to run is
@@ -17,9 +17,14 @@
 #   ... change the simulator, rebuild ...
 #   tools/simulate_matrix.sh > /tmp/after.txt && diff /tmp/before.txt /tmp/after.txt
 #
+# With an argument, only the configurations whose names start with it
+# (`tools/simulate_matrix.sh fast-1000`: the runs of docs/results/
+# simulate_fast_cpu_1000.md).
+#
 # Builds nothing: run `bazel build //server:specstated //client:specstatectl
 # //keeper:specstate-keeper` first, or set SPECSTATED, SPECSTATECTL and
-# SPECSTATE_KEEPER to the binaries. Takes about 30 s.
+# SPECSTATE_KEEPER to the binaries. Takes about 2 minutes (the FAST 1,000-step
+# runs take most of it).
 # Exit status: 0 once every configuration ran (whatever its verdict, which
 # is part of the output), 1 when a service did not start.
 set -uo pipefail
@@ -40,9 +45,11 @@ trap 'stop; rm -rf "$dir"' EXIT
 
 # run NAME RANKS "SPECSTATED FLAGS" SIMULATE FLAGS...
 # RANKS 0: no service here (a restart drill starts its own).
+only=${1:-}
 run() {
   local name=$1 ranks=$2 server_flags=$3
   shift 3
+  [[ $name == "$only"* ]] || return 0
   local addresses=() r sock
   for ((r = 0; r < ranks; r++)); do
     sock="$dir/$name-$r.sock"
@@ -126,3 +133,14 @@ run restart-align 0 "" --restart_every=3 --steps=20 --requests=4 "--service_flag
 run restart-gdn-bound 0 "" --restart_every=5 --steps=20 --bound_inputs "--service_flags=$gdn"
 run restart-async-refused 0 "" --restart_every=4 --steps=5 --async
 run restart-deferred-refused 0 "" --restart_every=4 --steps=5 "--service_flags=$deferred"
+fast="--commit_mode=fast"
+run fast-sync 1 "$fast --fold_every=4" --steps=40 --requests=8 --commit_mode=fast
+run fast-fp32-act-bound 1 "$fast --fold_every=8 --activation_dtype=fp32 $small" --steps=40 --bound_inputs
+run fast-align-bf16-async 1 "$fast --fold_every=2 --state_dtype=bf16 $align" --steps=40 --requests=8 --async --batch
+run fast-gdn 1 "$fast --fold_every=16 $gdn" --steps=40 --requests=6
+run fast-corrupt 1 "$fast" --steps=20 --corrupt_after_step=5
+run fast-refused-by-eager 1 "" --steps=5 --commit_mode=fast
+run fast-refused-under-tp 2 "$fast --heads=2 --conv_dim=64" --steps=5
+run fast-1000-kda-fp32-act 1 "$fast --fold_every=4 --activation_dtype=fp32" --steps=1000 --requests=4 --seed=23
+run fast-1000-kda-bf16-state-align 1 "$fast --fold_every=8 --state_dtype=bf16 --kda_gate=plain --cache_mode=align --mamba_block_size=16 --blocks=1200" --steps=1000 --requests=4 --seed=23
+run fast-1000-gdn-f16 1 "$fast --fold_every=16 --activation_dtype=fp32 $gdn" --steps=1000 --requests=4 --seed=23

@@ -6,11 +6,13 @@
 // imply. Under tensor parallelism each check of an output or a state is
 // followed by the TP=1 check's (Tp1Checks); in commit mode DEFERRED a
 // pending row's committed state is checked where it is materialized
-// (DeferredChecks). Every comparison is counted in the report, and the first
+// (DeferredChecks); in commit mode FAST outputs and states are measured by
+// its accuracy contract instead (FastChecks), conv windows still bit for
+// bit. Every comparison is counted in the report, and the first
 // mismatch described there.
 //
 //   Checks checks(memory, pools, stock, outputs, model, dims, report, /*tp1=*/nullptr,
-//                 /*deferred=*/nullptr);
+//                 /*deferred=*/nullptr, /*fast=*/nullptr);
 //   absl::Status st = checks.CompareOutputs(plan);          // after Verify
 //   if (st.ok()) st = checks.CompareCommitted(plan);        // after Commit
 #ifndef SPECSTATE_CLIENT_SIMULATOR_CHECKS_H_
@@ -23,6 +25,7 @@
 #include "absl/strings/string_view.h"
 #include "client/shared_memory.h"
 #include "client/simulator/deferred_checks.h"
+#include "client/simulator/fast_checks.h"
 #include "client/simulator/model.h"
 #include "client/simulator/pools.h"
 #include "client/simulator/ranks.h"
@@ -37,12 +40,12 @@ namespace simulator_internal {
 class Checks {
  public:
   // Everything given must outlive this; `outputs` are the service's Verify
-  // outputs per layer; `tp1` is null with one rank, `deferred` in commit
-  // mode EAGER. A returned error is one of reading memory: a mismatch is
+  // outputs per layer; `tp1` is null with one rank, `deferred` but in
+  // commit mode DEFERRED, `fast` but in commit mode FAST. A returned error is one of reading memory: a mismatch is
   // counted, not returned.
   Checks(SharedMemory& memory, const ServicePools& pools, const StockPath& stock,
          const LayerBuffers& outputs, const Model& model, const Dims& dims,
-         SimulationReport& report, Tp1Checks* tp1, DeferredChecks* deferred);
+         SimulationReport& report, Tp1Checks* tp1, DeferredChecks* deferred, FastChecks* fast);
 
   // After Verify: every layer's output against the stock kernel's (then,
   // under tensor parallelism, against the TP=1 run's).
@@ -79,6 +82,7 @@ class Checks {
   Tally tally_;
   Tp1Checks* const tp1_;
   DeferredChecks* const deferred_;
+  FastChecks* const fast_;
 };
 
 }  // namespace simulator_internal

@@ -31,6 +31,8 @@ Dims LayoutDims(const v1::Layout& layout, int rank, int tp) {
   d.max_rows = layout.max_rows();
   d.align = layout.cache_mode() == v1::ALIGN;
   d.deferred = layout.commit_mode() == v1::DEFERRED;
+  d.fast = layout.commit_mode() == v1::FAST;
+  d.fold_every = layout.fold_every();
   d.bs = layout.mamba_block_size();
   d.act = layout.activation_dtype() == v1::FP32   ? DType::kFloat32
           : layout.activation_dtype() == v1::FP16 ? DType::kFloat16
@@ -63,11 +65,19 @@ Dims LayoutDims(const v1::Layout& layout, int rank, int tp) {
 absl::StatusOr<Dims> ReadDims(const v1::Layout& layout, const SimulationOptions& options,
                               int rank, int tp) {
   Dims d = LayoutDims(layout, rank, tp);
-  const std::string mode = d.deferred ? "deferred" : "eager";
+  const std::string mode = d.deferred ? "deferred" : d.fast ? "fast" : "eager";
   if (!options.commit_mode.empty() && options.commit_mode != mode) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the service runs commit mode ", v1::CommitMode_Name(layout.commit_mode()), ", not ",
         options.commit_mode, " (specstated --commit_mode=", options.commit_mode, ")"));
+  }
+  if (d.fast && (tp > 1 || options.drill != nullptr)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "commit mode FAST is checked by its accuracy contract against a float64 reference, with "
+        "one service and no restart drill (", tp > 1 ? "tensor parallelism's checks are bit for "
+                                                        "bit against the TP=1 run"
+                                                      : "FAST's rings are not kept across a restart",
+        ")"));
   }
   d.R = options.requests;
   if (d.R < 1 || d.R > d.max_rows) {

@@ -43,6 +43,8 @@ struct Dims {
   int L = 0, H = 0, K = 0, Q = 0, D = 0, W = 0, hl = 0, B = 0, bs = 0, max_rows = 0;
   bool align = false;
   bool deferred = false;  // commit mode DEFERRED
+  bool fast = false;      // commit mode FAST, folding every fold_every steps
+  int fold_every = 0;
   DType act = DType::kBFloat16, state = DType::kFloat32;
   int64_t as = 2, ss = 4;  // bytes per activation, per state element
   int64_t HK = 0, state_block_bytes = 0;

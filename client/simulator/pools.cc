@@ -76,13 +76,17 @@ absl::Status ServicePools::UpdateConv(int layer, int32_t block, const std::vecto
   return WriteConv(layer, block, dw);
 }
 
-absl::Status ServicePools::FlipStateBit(int layer, int32_t block) {
-  char* p = StateBlock(layer, block);
-  uint32_t word = 0;
-  absl::Status st = memory_.CopyOut(&word, p, d_.ss);
-  if (!st.ok()) return st;
-  word ^= d_.ss == 4 ? (1u << 20) : (1u << 5);
-  return memory_.CopyIn(p, &word, d_.ss);
+absl::Status ServicePools::FlipStateBit(int layer, int32_t block, int64_t elements) {
+  for (int64_t i = 0; i < elements; ++i) {
+    char* p = StateBlock(layer, block) + i * d_.ss;
+    uint32_t word = 0;
+    absl::Status st = memory_.CopyOut(&word, p, d_.ss);
+    if (!st.ok()) return st;
+    word ^= d_.ss == 4 ? (1u << 20) : (1u << 5);
+    st = memory_.CopyIn(p, &word, d_.ss);
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ServicePools::ReadAll(std::vector<char>* out) const {

@@ -42,9 +42,9 @@ class ServicePools {
   // `columns` [D][cols]; the rest of the block stays.
   absl::Status UpdateConv(int layer, int32_t block, const std::vector<char>& columns, int cols);
 
-  // Flips one mantissa bit of the first element of the state in `block`
-  // (the verdict's own test).
-  absl::Status FlipStateBit(int layer, int32_t block);
+  // Flips one mantissa bit of the first `elements` elements of the state in
+  // `block` (the verdict's own test).
+  absl::Status FlipStateBit(int layer, int32_t block, int64_t elements = 1);
 
   // Every byte of the pools' allocation.
   absl::Status ReadAll(std::vector<char>* out) const;

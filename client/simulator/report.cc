@@ -59,6 +59,13 @@ std::string Verdict(const SimulationReport& r) {
         "TP=1 run's (%d of the comparisons)\n",
         r.comparisons, r.tensor_parallel, r.tp1_comparisons);
   }
+  if (r.passed() && r.fast) {
+    return absl::StrFormat(
+        "verdict: PASS: %d comparisons, outputs and states within FAST's accuracy contract "
+        "(errors against the float64 reference within 2x the stock path's), every conv window "
+        "bit-identical to the stock path\n",
+        r.comparisons);
+  }
   if (r.passed()) {
     return absl::StrFormat(
         "verdict: PASS: %d comparisons, every output, state and conv window bit-identical to "
@@ -94,6 +101,21 @@ std::string FormatReport(const SimulationReport& r) {
         "Verify %d, by Flush %d, by ReadState %d (layer, block); %d discarded at a request's end\n",
         r.pending_checked, r.materialized_by_verify, r.materialized_by_flush,
         r.materialized_by_read, r.discarded);
+  }
+  if (r.fast) {
+    out += absl::StrFormat(
+        "commit mode FAST, fold every %d steps: %d rows kept their ring after Commit; %d states "
+        "measured (materialized by Flush %d, by ReadState %d; %d discarded at a request's end)\n"
+        "  largest error against the float64 reference   FAST       exact (stock path)  ratio\n",
+        r.fold_every, r.pending_checked, r.fast_states_checked, r.materialized_by_flush,
+        r.materialized_by_read, r.discarded);
+    const char* names[4] = {"outputs, element-wise", "outputs, norm-wise", "states, element-wise",
+                            "states, norm-wise"};
+    for (int q = 0; q < 4; ++q) {
+      out += absl::StrFormat("    %-42s %9.3g  %9.3g  %9.2f\n", names[q], r.fast_error[q],
+                             r.exact_error[q],
+                             r.fast_error[q] / std::max(r.exact_error[q], 1e-7));
+    }
   }
   if (r.tensor_parallel > 1) {
     out += absl::StrFormat("tensor parallelism: TP=%d, one service per rank\n", r.tensor_parallel);

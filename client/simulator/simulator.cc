@@ -2,8 +2,9 @@
 // session, shared buffers, the stock path's memory and the layer parameters)
 // and runs the decode steps on it, as a scheduler does, calling on the model
 // (model.h) for the draws, the stock path (stock_path.h) for the reference
-// and the checks (checks.h, deferred_checks.h) after each phase; in commit
-// mode DEFERRED it also flushes and reads pending blocks; under a restart
+// and the checks (checks.h, deferred_checks.h, fast_checks.h) after each
+// phase; in commit modes DEFERRED and FAST it also flushes and reads pending
+// blocks (FAST: and runs the float64 reference beside); under a restart
 // drill it resumes its session across the service's restarts; under tensor
 // parallelism one driver per rank, on worker threads (ranks.h for the group).
 #include "client/simulator/simulator.h"
@@ -23,6 +24,7 @@
 #include "client/restart_drill.h"
 #include "client/simulator/checks.h"
 #include "client/simulator/deferred_checks.h"
+#include "client/simulator/fast_checks.h"
 #include "client/simulator/model.h"
 #include "client/simulator/pools.h"
 #include "client/simulator/ranks.h"
@@ -36,6 +38,7 @@ namespace {
 using simulator_internal::Checks;
 using simulator_internal::Clock;
 using simulator_internal::DeferredChecks;
+using simulator_internal::FastChecks;
 using simulator_internal::Dims;
 using simulator_internal::GateParams;
 using simulator_internal::LayerBuffers;
@@ -112,10 +115,12 @@ class Simulator {
   v1::CommitRequest BuildCommit(const StepPlan& p);
   absl::Status CommitStep(const StepPlan& p);
   absl::Status RecordStateBlocks(const StepPlan& p);
-  absl::Status CorruptARunningState(bool flip);
+  absl::Status CorruptARunningState(bool flip, int step);
   [[noreturn]] void Crash();
 
-  // ---- commit mode DEFERRED ----
+  // ---- commit modes DEFERRED and FAST ----
+  // Per request slot, its block with pending tokens (0: none).
+  std::vector<int32_t> PendingBlocks() const;
   absl::Status FlushAndCheck(const std::vector<int32_t>& blocks, int step, absl::string_view how);
   absl::Status MaterializeSome(int step);
   absl::Status MaterializeSomeOnce(int step);
@@ -165,6 +170,7 @@ class Simulator {
   std::unique_ptr<IpcEvent> inputs_ready_, work_done_;
   std::unique_ptr<Tp1Checks> tp1_;
   std::unique_ptr<DeferredChecks> deferred_;  // commit mode DEFERRED only
+  std::unique_ptr<FastChecks> fast_;          // commit mode FAST only
   std::unique_ptr<Checks> checks_;
 };
 
@@ -181,11 +187,13 @@ absl::StatusOr<SimulationReport> Simulator::Run() {
                                            report_.mismatches});
     }
   }
-  if (deferred_ != nullptr) {  // what is still pending, materialized and checked
-    st = options_.drill != nullptr ? BetweenStepsAcrossRestarts([this] { return FinalFlush(); })
-                                   : FinalFlush();
+  if (deferred_ != nullptr || fast_ != nullptr) {  // what is still pending, materialized and checked
+    st = options_.drill != nullptr && deferred_ != nullptr
+             ? BetweenStepsAcrossRestarts([this] { return FinalFlush(); })
+             : FinalFlush();
     if (!st.ok()) return st;
   }
+  if (fast_ != nullptr) fast_->Verdict();
   report_.latency = latencies_.Summaries();
   if (options_.drill != nullptr) report_.restart_summary = options_.drill->Summary();
   st = session_->Close();
@@ -206,6 +214,9 @@ absl::Status Simulator::Setup() {
       client_.OpenSession("specstatectl simulate", /*drive=*/true);
   if (!session.ok()) return session.status();
   session_ = *std::move(session);
+  if (d_.fast) {  // before the parameters and the first prefill: it keeps copies
+    fast_ = std::make_unique<FastChecks>(*memory_, *pools_, *stock_, *model_, d_, report_);
+  }
   st = AllocateSharedBuffers();
   if (st.ok()) st = stock_->Allocate();
   if (st.ok()) st = LoadLayerParams();
@@ -219,7 +230,7 @@ absl::Status Simulator::Setup() {
     deferred_ = std::make_unique<DeferredChecks>(*memory_, *pools_, *stock_, *model_, d_, report_);
   }
   checks_ = std::make_unique<Checks>(*memory_, *pools_, *stock_, o_, *model_, d_, report_,
-                                     tp1_.get(), deferred_.get());
+                                     tp1_.get(), deferred_.get(), fast_.get());
   return absl::OkStatus();
 }
 
@@ -234,6 +245,8 @@ absl::Status Simulator::ReadLayout() {
   if (!dims.ok()) return dims.status();
   d_ = *dims;
   report_.deferred = d_.deferred;
+  report_.fast = d_.fast;
+  report_.fold_every = d_.fold_every;
   at_ = simulator_internal::MetaLayout(d_);
   model_ = std::make_unique<Model>(d_, options_, report_);
   return absl::OkStatus();
@@ -296,6 +309,7 @@ absl::Status Simulator::LoadLayerParams() {
     absl::Status st =
         latencies_.Time("LoadLayerParams", [&] { return session_->LoadLayerParams(req); });
     if (st.ok()) st = stock_->LoadParams(params);
+    if (st.ok() && fast_ != nullptr) fast_->LoadParams(l, params);
     if (!st.ok()) return st;
   }
   return absl::OkStatus();
@@ -389,9 +403,9 @@ absl::Status Simulator::Step(int s) {
     }
     last_step_id_ = p.step_id;
   }
-  if (deferred_ != nullptr) st = MaterializeSome(p.step);
+  if (deferred_ != nullptr || fast_ != nullptr) st = MaterializeSome(p.step);
   if (st.ok() && s == options_.corrupt_after_step) {
-    st = CorruptARunningState(/*flip=*/rank_ == options_.corrupt_rank);
+    st = CorruptARunningState(/*flip=*/rank_ == options_.corrupt_rank, s);
   }
   return st;
 }
@@ -468,18 +482,20 @@ absl::Status Simulator::ChurnRequests(int s) {
   return absl::OkStatus();
 }
 
-// DEFERRED: a finished request's blocks go back to the pool, so their
-// pending tokens must not land on the next request's state: Flush with
-// `discard` first.
+// DEFERRED and FAST: a finished request's blocks go back to the pool, so
+// their pending tokens must not land on the next request's state: Flush
+// with `discard` first.
 absl::Status Simulator::FinishRequest(int slot) {
-  if (deferred_ != nullptr && deferred_->PendingBlock(slot) > 0) {
+  const std::vector<int32_t> pending = PendingBlocks();
+  if (!pending.empty() && pending[slot] > 0) {
     v1::FlushRequest discard;
-    discard.mutable_blocks()->mutable_values()->add_values(deferred_->PendingBlock(slot));
+    discard.mutable_blocks()->mutable_values()->add_values(pending[slot]);
     discard.set_discard(true);
     absl::StatusOr<v1::FlushResponse> flushed =
         latencies_.Time("Flush (discard)", [&] { return session_->Flush(discard); });
     if (!flushed.ok()) return flushed.status();
-    deferred_->Discarded(slot);
+    if (deferred_ != nullptr) deferred_->Discarded(slot);
+    if (fast_ != nullptr) fast_->Discarded(slot);
   }
   model_->Finish(slot);
   return absl::OkStatus();
@@ -493,6 +509,7 @@ absl::Status Simulator::Prefill(int slot) {
     const PrefillLayer prefill = model_->DrawPrefill(slot, l);
     absl::Status st = pools_->WriteState(l, block, prefill.state());
     if (st.ok()) st = stock_->StartRequest(l, slot, prefill);
+    if (st.ok() && fast_ != nullptr) fast_->StartRequest(l, slot, prefill);
     if (st.ok()) st = pools_->WriteConv(l, block, prefill.conv);
     if (!st.ok()) return st;
   }
@@ -569,6 +586,9 @@ absl::Status Simulator::WriteInputs(const StepPlan& p) {
     const LayerInputs model = model_->DrawLayerInputs();
     if (tp_ == 1) {
       st = WriteLayerInputs(l, model, poison);
+      if (fast_ != nullptr) {
+        fast_->RunReference(l, model, model_->requests(), p.qsl, p.num_tokens);
+      }
     } else {
       st = WriteLayerInputs(l, model_->RankPart(model), poison);
       if (st.ok()) st = stock_->WriteModelInputs(l, model, poison);
@@ -701,12 +721,20 @@ absl::Status Simulator::RecordStateBlocks(const StepPlan& p) {
 // service's pool, through the exported handle; the request never finishes.
 // Under tensor parallelism only `corrupt_rank` flips the bit, but every
 // rank pins the request (which changes the random draws that follow).
-absl::Status Simulator::CorruptARunningState(bool flip) {
+// FAST: the block is flushed first (a checkpoint behind a ring is decayed
+// by the ring's gates, which can hide any flip in it) and the bit flipped in
+// every element of the block: one element's flip changes bf16 outputs by
+// less than their rounding, which the contract tolerates.
+absl::Status Simulator::CorruptARunningState(bool flip, int step) {
   const int slot = model_->FirstLive();
   if (slot < 0) return absl::OkStatus();
+  const int32_t block = model_->CheckpointBlock(model_->requests()[slot]);
+  if (fast_ != nullptr && fast_->PendingBlock(slot) > 0) {
+    absl::Status st = FlushAndCheck({block}, step, "a Flush before the planted corruption");
+    if (!st.ok()) return st;
+  }
   if (flip) {
-    absl::Status st =
-        pools_->FlipStateBit(0, model_->CheckpointBlock(model_->requests()[slot]));
+    absl::Status st = pools_->FlipStateBit(0, block, fast_ != nullptr ? d_.VW * d_.K : 1);
     if (!st.ok()) return st;
   }
   model_->Pin(slot);
@@ -723,7 +751,13 @@ void Simulator::Crash() {
   std::abort();
 }
 
-// ---- commit mode DEFERRED ----
+// ---- commit modes DEFERRED and FAST ----
+
+std::vector<int32_t> Simulator::PendingBlocks() const {
+  if (deferred_ != nullptr) return deferred_->PendingBlocks();
+  if (fast_ != nullptr) return fast_->PendingBlocks();
+  return {};
+}
 
 // Flush of `blocks` (empty: every pending block), SYNC, then each flushed
 // pending block checked.
@@ -734,7 +768,8 @@ absl::Status Simulator::FlushAndCheck(const std::vector<int32_t>& blocks, int st
   absl::StatusOr<v1::FlushResponse> r =
       latencies_.Time("Flush", [&] { return session_->Flush(flush); });
   if (!r.ok()) return r.status();
-  return deferred_->CheckFlushed(blocks, step, how);
+  return fast_ != nullptr ? fast_->CheckFlushed(blocks, step, how)
+                          : deferred_->CheckFlushed(blocks, step, how);
 }
 
 Simulator::DeferredSnapshot Simulator::SnapshotPending(bool between_steps) const {
@@ -800,7 +835,7 @@ absl::Status Simulator::BetweenStepsAcrossRestarts(const std::function<absl::Sta
 absl::Status Simulator::FinalFlush() { return FlushAndCheck({}, options_.steps, "the final Flush"); }
 
 absl::Status Simulator::MaterializeSome(int step) {
-  if (options_.drill == nullptr) return MaterializeSomeOnce(step);
+  if (options_.drill == nullptr || deferred_ == nullptr) return MaterializeSomeOnce(step);
   return BetweenStepsAcrossRestarts([this, step] { return MaterializeSomeOnce(step); });
 }
 
@@ -808,7 +843,8 @@ absl::Status Simulator::MaterializeSome(int step) {
 // pending block, of some of them, or a ReadState of one pending block in
 // one layer (its checksum, and the block's bytes in that layer).
 absl::Status Simulator::MaterializeSomeOnce(int step) {
-  const Materialization m = model_->DrawMaterialization(deferred_->PendingBlocks());
+  const std::vector<int32_t> pending = PendingBlocks();
+  const Materialization m = model_->DrawMaterialization(pending);
   switch (m.kind) {
     case Materialization::kNone:
       return absl::OkStatus();
@@ -819,11 +855,12 @@ absl::Status Simulator::MaterializeSomeOnce(int step) {
     case Materialization::kRead:
       break;
   }
-  const int32_t block = deferred_->PendingBlock(m.slot);
+  const int32_t block = pending[m.slot];
   absl::StatusOr<v1::ReadStateResponse> r =
       latencies_.Time("ReadState", [&] { return client_.ReadState(m.layer, block, false); });
   if (!r.ok()) return r.status();
-  return deferred_->CheckRead(step, m.slot, m.layer, *r);
+  return fast_ != nullptr ? fast_->CheckRead(step, m.slot, m.layer, *r)
+                          : deferred_->CheckRead(step, m.slot, m.layer, *r);
 }
 
 // ---- the metadata buffer and its doorbells ----

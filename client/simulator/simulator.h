@@ -23,6 +23,13 @@
 // state it kept for the block. A finished request's blocks are flushed with
 // `discard` before they are reused, as a scheduler must.
 //
+// Against a service in commit mode FAST (docs/semantics.md, "Fast mode
+// (FAST)") outputs and states are checked by FAST's accuracy contract
+// instead (fast_checks.h): the simulator also runs a float64 reference, and
+// FAST's errors against it must stay within 2x its stock path's over the
+// run; the conv windows stay bit for bit. One service (no tensor
+// parallelism, no restart drill: FAST's rings are not kept).
+//
 //   SimulationOptions options;
 //   options.steps = 50;
 //   absl::StatusOr<SimulationReport> report = RunSimulation(*client, options);
@@ -81,7 +88,8 @@ struct SimulationOptions {
   bool bound_inputs = false;
   double finish_probability = 0.15;
   // After this step's checks, flip one bit of a committed state in the
-  // service's pool through the exported handle (tests of the verdict).
+  // service's pool through the exported handle (tests of the verdict; FAST:
+  // the block flushed first, the bit flipped in each of its elements).
   int corrupt_after_step = -1;
   // Crash tests: after sending the Verify calls of this step (before its
   // Commit), print "CRASH POINT pools=<FNV-1a of every pool byte>" and die by
@@ -93,8 +101,9 @@ struct SimulationOptions {
   int abandon_commit_at_step = -1;
   // Tensor parallelism: the rank whose service `corrupt_after_step` corrupts.
   int corrupt_rank = 0;
-  // The commit mode the service must run: "" (any), "eager" or "deferred"
-  // (FAILED_PRECONDITION otherwise). The checks follow the service's mode.
+  // The commit mode the service must run: "" (any), "eager", "deferred" or
+  // "fast" (FAILED_PRECONDITION otherwise). The checks follow the service's
+  // mode.
   std::string commit_mode;
   // Restart drills (client/restart_drill.h; specstatectl simulate
   // --restart_every): the drill kills the service now and then (between
@@ -152,6 +161,18 @@ struct SimulationReport {
   uint64_t materialized_by_flush = 0;
   uint64_t materialized_by_read = 0;  // (layer, block) pairs ReadState materialized
   uint64_t discarded = 0;             // finished requests' pending blocks flushed with discard
+  // Commit mode FAST: the service's mode and fold_every; how many states
+  // were measured; the largest errors over the run against the float64
+  // reference, FAST's (the service's) and the exact path's (the stock
+  // path's): [0] outputs element-wise, [1] outputs norm-wise, [2] states
+  // element-wise, [3] states norm-wise. The contract: fast <= 2x
+  // max(exact, 1e-7) in each. The DEFERRED counters above count FAST's
+  // materializations too (pending_checked: rows whose block kept its ring).
+  bool fast = false;
+  int fold_every = 0;
+  uint64_t fast_states_checked = 0;
+  double fast_error[4] = {0, 0, 0, 0};
+  double exact_error[4] = {0, 0, 0, 0};
   // Restart drills: restarts survived, steps re-run, blocks reported lost
   // (and re-prefilled), and the drill's summary.
   int restarts = 0;

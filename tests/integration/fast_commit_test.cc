@@ -10,7 +10,9 @@
 // of that layer or the end of the driving session materializes it; a Flush
 // with discard forgets the ring. Misuse the service can detect is refused
 // with the field and the rows, nothing written; layouts FAST cannot serve are
-// refused at start.
+// refused at start. FastSimulationTest runs `specstatectl simulate
+// --commit_mode=fast`'s simulation, which judges FAST against a float64
+// reference by the contract itself, over 1,000 steps.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "client/simulator/simulator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_process.h"
@@ -453,6 +456,87 @@ TEST(FastCommitStartTest, LayoutsFastCannotServeAreRefused) {
   r = start({"--backend=cpu", "--commit_mode=fast", "--keeper=/tmp/specstate-no-keeper.sock"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.output, HasSubstr("commit_mode FAST keeps accepted tokens in rings"));
+}
+
+// The simulator's verdict in FAST: outputs and materialized states within the
+// contract of the float64 reference, conv windows bit for bit.
+class FastSimulationTest : public ::testing::Test {
+ protected:
+  client::SimulationReport Simulate(std::vector<std::string> flags, client::SimulationOptions o) {
+    flags.push_back("--commit_mode=fast");
+    server_ = ValueOrDie(ServerProcess::Start(flags));
+    client_ = ValueOrDie(Client::Connect(server_->address()));
+    o.commit_mode = "fast";
+    o.seed = std::random_device()();
+    SCOPED_TRACE(absl::StrCat("seed ", o.seed));
+    return ValueOrDie(client::RunSimulation(*client_, o));
+  }
+  std::unique_ptr<ServerProcess> server_;
+  std::unique_ptr<Client> client_;
+};
+
+void ExpectFastPass(const client::SimulationReport& r) {
+  EXPECT_TRUE(r.passed()) << client::FormatReport(r);
+  EXPECT_TRUE(r.fast);
+  EXPECT_GT(r.pending_checked, 0u) << client::FormatReport(r);
+  EXPECT_GT(r.materialized_by_flush, 0u) << client::FormatReport(r);
+  EXPECT_GT(r.fast_states_checked, 0u) << client::FormatReport(r);
+  for (int q = 0; q < 4; ++q) EXPECT_GT(r.exact_error[q], 0.0) << "quantity " << q;
+}
+
+TEST_F(FastSimulationTest, AThousandStepsWithinTheContract) {
+  client::SimulationOptions o;
+  o.steps = 1000;
+  o.requests = 4;
+  o.bound_inputs = true;
+  const client::SimulationReport r =
+      Simulate({"--fold_every=4", "--layers=2", "--activation_dtype=fp32", "--blocks=64"}, o);
+  ExpectFastPass(r);
+  EXPECT_EQ(r.fold_every, 4);
+  EXPECT_GT(r.materialized_by_read, 0u) << client::FormatReport(r);
+  EXPECT_GT(r.discarded, 0u) << client::FormatReport(r);
+}
+
+TEST_F(FastSimulationTest, AlignModeBf16StateAsync) {
+  client::SimulationOptions o;
+  o.steps = 150;
+  o.requests = 4;
+  o.async = true;
+  o.batch = true;
+  const client::SimulationReport r =
+      Simulate({"--fold_every=2", "--cache_mode=align", "--mamba_block_size=4",
+                "--state_dtype=bf16", "--kda_gate=plain", "--blocks=900"},
+               o);
+  ExpectFastPass(r);
+  EXPECT_GT(r.boundary_states, 0u) << "no row crossed a block boundary";
+}
+
+TEST_F(FastSimulationTest, GatedDeltaNet) {
+  client::SimulationOptions o;
+  o.steps = 150;
+  o.requests = 4;
+  ExpectFastPass(
+      Simulate({"--fold_every=16", "--kind=gdn", "--heads=2", "--value_heads=4"}, o));
+}
+
+TEST_F(FastSimulationTest, APlantedCorruptionFailsTheVerdict) {
+  client::SimulationOptions o;
+  o.steps = 12;
+  o.requests = 3;
+  o.corrupt_after_step = 4;
+  const client::SimulationReport r = Simulate({"--fold_every=4"}, o);
+  EXPECT_FALSE(r.passed()) << client::FormatReport(r);
+  EXPECT_THAT(r.first_mismatch, HasSubstr("the accuracy contract is broken"));
+}
+
+TEST_F(FastSimulationTest, TheModeIsChecked) {
+  server_ = ValueOrDie(ServerProcess::Start({"--commit_mode=deferred"}));
+  client_ = ValueOrDie(Client::Connect(server_->address()));
+  client::SimulationOptions o;
+  o.commit_mode = "fast";
+  const absl::StatusOr<client::SimulationReport> r = client::RunSimulation(*client_, o);
+  ExpectError(r.status(), absl::StatusCode::kFailedPrecondition,
+              "the service runs commit mode DEFERRED, not fast");
 }
 
 }  // namespace
