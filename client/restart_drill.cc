@@ -194,6 +194,12 @@ const char* KillPointName(KillPoint point) {
       return "Commit replayed, not marked";
     case KillPoint::kCommitEnqueued:
       return "Commit done, unanswered";
+    case KillPoint::kVerifyReplayed:
+      return "inside Verify's replay";
+    case KillPoint::kCommitDeferred:
+      return "Commit, table updated";
+    case KillPoint::kFlushTaken:
+      return "inside Flush";
   }
   return "?";
 }
@@ -204,12 +210,19 @@ constexpr KillPoint kPoints[] = {KillPoint::kBetweenCalls,   KillPoint::kVerify,
                                  KillPoint::kCommitLayer,    KillPoint::kCommitReplayed,
                                  KillPoint::kCommitEnqueued};
 constexpr int kNumPoints = sizeof(kPoints) / sizeof(kPoints[0]);
+// DEFERRED: no per-layer replay hook; its table, its Verify replay, its Flush.
+constexpr KillPoint kDeferredPoints[] = {
+    KillPoint::kBetweenCalls,   KillPoint::kVerify,          KillPoint::kVerifyReplayed,
+    KillPoint::kCommitStarted,  KillPoint::kCommitConv,      KillPoint::kCommitDeferred,
+    KillPoint::kCommitReplayed, KillPoint::kCommitEnqueued,  KillPoint::kFlushTaken};
+constexpr int kNumDeferredPoints = sizeof(kDeferredPoints) / sizeof(kDeferredPoints[0]);
 }  // namespace
 
-RestartDrill::RestartDrill(OwnService* service, int every, uint64_t seed, int layers, bool cuda)
+RestartDrill::RestartDrill(OwnService* service, int every, uint64_t seed, int layers, bool cuda,
+                           bool deferred)
     : service_(service), every_(every < 1 ? 1 : every), layers_(layers < 1 ? 1 : layers),
-      rng_(seed), cuda_(cuda) {
-  next_point_ = static_cast<int>(rng_() % kNumPoints);
+      rng_(seed), cuda_(cuda), deferred_(deferred) {
+  next_point_ = static_cast<int>(rng_() % kinds());
   // The service runs unarmed: its first death is a kill between calls.
   armed_ = KillPoint::kBetweenCalls;
   kill_at_step_ = every_;
@@ -222,13 +235,20 @@ void RestartDrill::BeforeStep(int s) {
   }
 }
 
+int RestartDrill::kinds() const { return deferred_ ? kNumDeferredPoints : kNumPoints; }
+
 std::vector<std::string> RestartDrill::ArmNext(int from_step) {
-  armed_ = kPoints[next_point_];
-  next_point_ = (next_point_ + 1) % kNumPoints;
+  armed_ = deferred_ ? kDeferredPoints[next_point_] : kPoints[next_point_];
+  next_point_ = (next_point_ + 1) % kinds();
   if (cuda_) {  // no hooks inside the CUDA kernels: a commit dies while they run
     const bool hooked = armed_ == KillPoint::kCommitStarted || armed_ == KillPoint::kCommitConv ||
-                        armed_ == KillPoint::kCommitLayer || armed_ == KillPoint::kCommitReplayed;
+                        armed_ == KillPoint::kCommitLayer || armed_ == KillPoint::kCommitReplayed ||
+                        armed_ == KillPoint::kCommitDeferred;
     if (hooked) armed_ = KillPoint::kCommitEnqueued;
+    // Nor inside a Verify's replay or a Flush: those die at a Verify's start.
+    if (armed_ == KillPoint::kVerifyReplayed || armed_ == KillPoint::kFlushTaken) {
+      armed_ = KillPoint::kVerify;
+    }
   }
   kill_at_step_ = -1;
   const int verifies = (every_ - 1) * layers_ + 1 + static_cast<int>(rng_() % layers_);
@@ -250,6 +270,12 @@ std::vector<std::string> RestartDrill::ArmNext(int from_step) {
       return {absl::StrCat("--test_crash_at=commit:replayed:", every_)};
     case KillPoint::kCommitEnqueued:
       return {absl::StrCat("--test_crash_at=commit:enqueued:", every_)};
+    case KillPoint::kVerifyReplayed:  // once per row whose block is pending, per Verify
+      return {absl::StrCat("--test_crash_at=verify:replayed:", every_)};
+    case KillPoint::kCommitDeferred:
+      return {absl::StrCat("--test_crash_at=commit:deferred:", every_)};
+    case KillPoint::kFlushTaken:  // the simulator's Flush and ReadState calls are a draw
+      return {"--test_crash_at=flush:taken:1"};
   }
   return {};
 }
@@ -295,7 +321,7 @@ absl::StatusOr<ResumeOutcome> ResumeAfterRestart(
     RestartDrill& drill, Session& session, uint64_t step_id, const std::vector<int32_t>& writes,
     const std::vector<char>& before, const ReadPools& read_now,
     const std::function<std::vector<std::pair<uint64_t, uint64_t>>(int32_t)>& spans,
-    const std::function<void(const std::string&)>& mismatch) {
+    const std::function<void(const std::string&)>& mismatch, const DeferredExpect* deferred) {
   absl::Status st = drill.Restart();
   if (!st.ok()) return st;
   ResumeOutcome out;
@@ -309,7 +335,8 @@ absl::StatusOr<ResumeOutcome> ResumeAfterRestart(
   if (!kept->kept()) mismatch(where + "the service did not keep its pools");
   out.lost.assign(kept->lost_blocks().begin(), kept->lost_blocks().end());
   std::vector<int32_t> want_lost;
-  out.committed = kept->last_committed_step() == step_id;
+  const bool between_steps = deferred != nullptr && deferred->between_steps;
+  out.committed = !between_steps && kept->last_committed_step() == step_id;
   if (out.committed) {
     if (kept->interrupted()) mismatch(where + "a finished Commit is reported interrupted");
   } else if (kept->interrupted()) {
@@ -323,9 +350,13 @@ absl::StatusOr<ResumeOutcome> ResumeAfterRestart(
   const bool in_commit = out.point == KillPoint::kCommitStarted ||
                          out.point == KillPoint::kCommitConv ||
                          out.point == KillPoint::kCommitLayer ||
+                         out.point == KillPoint::kCommitDeferred ||
                          out.point == KillPoint::kCommitReplayed;
   const bool enqueued = out.point == KillPoint::kCommitEnqueued;
-  if (!(enqueued && drill.cuda())) {
+  if (between_steps && out.point != KillPoint::kBetweenCalls && out.point != KillPoint::kFlushTaken) {
+    mismatch(absl::StrCat(where, "the service died outside a step"));
+  }
+  if (!(enqueued && drill.cuda()) && !between_steps) {
     if (in_commit != kept->interrupted()) {
       mismatch(absl::StrCat(where, "Recover says interrupted=", kept->interrupted()));
     }
@@ -341,9 +372,49 @@ absl::StatusOr<ResumeOutcome> ResumeAfterRestart(
                                          : "not started");
   std::sort(want_lost.begin(), want_lost.end());
   want_lost.erase(std::unique(want_lost.begin(), want_lost.end()), want_lost.end());
-  if (out.lost != want_lost) {
-    mismatch(absl::StrCat(where, "lost blocks [", absl::StrJoin(out.lost, ","),
-                          "], the step's Commit writes [", absl::StrJoin(want_lost, ","), "]"));
+  if (deferred == nullptr) {
+    if (out.lost != want_lost) {
+      mismatch(absl::StrCat(where, "lost blocks [", absl::StrJoin(out.lost, ","),
+                            "], the step's Commit writes [", absl::StrJoin(want_lost, ","), "]"));
+    }
+  } else {
+    // DEFERRED: the lost blocks are those the interrupted call journaled:
+    // at least what an interrupted Commit writes, and otherwise only blocks
+    // that had tokens pending (or that the pending list may name).
+    std::vector<int32_t> may = want_lost;
+    may.insert(may.end(), deferred->pending.begin(), deferred->pending.end());
+    if (kept->interrupted()) may.insert(may.end(), deferred->listed.begin(), deferred->listed.end());
+    const auto in = [](const std::vector<int32_t>& v, int32_t b) {
+      return std::find(v.begin(), v.end(), b) != v.end();
+    };
+    for (int32_t b : want_lost) {
+      if (!in(out.lost, b)) mismatch(absl::StrCat(where, "block ", b, " the Commit writes is not lost"));
+    }
+    for (int32_t b : out.lost) {
+      if (!in(may, b)) {
+        mismatch(absl::StrCat(where, "block ", b, " is lost: the interrupted call (",
+                              kept->interrupted_call(), ") could not have written it"));
+      }
+    }
+    const bool replaying = out.point == KillPoint::kVerifyReplayed;
+    const bool flushing = out.point == KillPoint::kFlushTaken;
+    if (replaying && (out.lost.empty() || !absl::StartsWith(kept->interrupted_call(), "Verify"))) {
+      mismatch(absl::StrCat(where, "a Verify killed in its replay is reported as \"",
+                            kept->interrupted_call(), "\" losing ", out.lost.size(), " blocks"));
+    }
+    if (flushing && !absl::StartsWith(kept->interrupted_call(), "Flush")) {
+      mismatch(absl::StrCat(where, "a Flush killed inside is reported as \"",
+                            kept->interrupted_call(), "\""));
+    }
+    // On CUDA the kernels enqueued before the death run on while the
+    // process dies, or not: a Commit or a Verify's replay may be found
+    // interrupted after any kill.
+    const bool may_lose = replaying || flushing || in_commit || kept->interrupted() ||
+                          (drill.cuda() && !kept->interrupted_call().empty());
+    if (!may_lose && !out.lost.empty()) {
+      mismatch(absl::StrCat(where, "lost blocks [", absl::StrJoin(out.lost, ","),
+                            "] though no call was writing"));
+    }
   }
   // Every other byte of the pools is as before the step (or as its finished
   // Commit left it, in the blocks it wrote).
@@ -354,6 +425,9 @@ absl::StatusOr<ResumeOutcome> ResumeAfterRestart(
   std::vector<char> a = before, b = now;
   std::vector<int32_t> skip = out.lost;
   if (out.committed) skip.insert(skip.end(), writes.begin(), writes.end());
+  if (deferred != nullptr) {  // materialized in some layers, or not: checked when materialized
+    skip.insert(skip.end(), deferred->pending.begin(), deferred->pending.end());
+  }
   for (int32_t block : skip) {
     for (const auto& [begin, end] : spans(block)) {
       std::fill(a.begin() + begin, a.begin() + end, 0);
@@ -366,6 +440,7 @@ absl::StatusOr<ResumeOutcome> ResumeAfterRestart(
     mismatch(absl::StrCat(where, "pool byte ", i,
                           " changed outside the lost and committed blocks"));
   }
+  if (between_steps) return out;  // no step in flight
   // The step in flight is refused, naming it.
   v1::CommitRequest again;
   again.set_step(step_id);

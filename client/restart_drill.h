@@ -98,6 +98,10 @@ enum class KillPoint {
   kCommitLayer,     // some layers' states replayed, not all
   kCommitReplayed,  // every state written, the journal not yet committed
   kCommitEnqueued,  // the commit done (CPU) and its answer never sent
+  // commit_mode DEFERRED (CPU hooks):
+  kVerifyReplayed,  // a Verify stored part of a pending block's materialized checkpoint
+  kCommitDeferred,  // the pending table updated, no replay run
+  kFlushTaken,      // a Flush (or ReadState) took its blocks' entries, replayed none
 };
 const char* KillPointName(KillPoint point);
 
@@ -109,7 +113,11 @@ class RestartDrill {
   // hook: the points are between calls, inside Verify, and right after the
   // Commit's kernels were enqueued (the process dies while they run, so the
   // Commit may be found not started, interrupted or finished).
-  RestartDrill(OwnService* service, int every, uint64_t seed, int layers, bool cuda = false);
+  // `deferred`: commit_mode DEFERRED: its own points too (inside a Verify's
+  // replay, the Commit with its table updated, inside a Flush), and no
+  // "layers half replayed" (a DEFERRED Commit replays through one list).
+  RestartDrill(OwnService* service, int every, uint64_t seed, int layers, bool cuda = false,
+               bool deferred = false);
 
   // Before step `s`'s calls: kills the service when a kill between calls
   // is due.
@@ -121,6 +129,9 @@ class RestartDrill {
   KillPoint last_point() const { return last_point_; }
 
   bool cuda() const { return cuda_; }
+  bool deferred() const { return deferred_; }
+  // How many kinds of kill the drill takes in turn.
+  int kinds() const;
   // ResumeAfterRestart's measurements: how long the session took to resume
   // (from the restarted service's start), the bytes it kept, and what a
   // kill at kCommitEnqueued found ("not started", "interrupted", "finished").
@@ -149,6 +160,7 @@ class RestartDrill {
   std::map<std::string, int> kills_;
   absl::Duration max_restart_;
   bool cuda_ = false;
+  bool deferred_ = false;
   absl::Duration max_resume_;
   absl::Duration total_kill_to_resumed_;
   uint64_t kept_bytes_ = 0;
@@ -174,6 +186,21 @@ class RestartDrill {
 // Each failed check calls `mismatch` (the verdict's). The caller then puts
 // `before`'s bytes back in the lost blocks (a re-prefill) and re-runs the
 // step under a new id unless `committed`.
+// commit_mode DEFERRED: what else a death may have touched. Blocks pending
+// when the step (or the call) began may hold their materialized state, in
+// some layers, rather than the checkpoint: their bytes are not compared
+// (the simulator checks them when they are materialized). A death inside a
+// Verify's replay loses some of them; an interrupted Commit loses the blocks
+// it writes and may lose those the service's pending list names (what the
+// previous Commit left pending); a death inside a Flush loses some of its
+// pending blocks. Outside a step (`between_steps`: a Flush or ReadState after
+// the step's Commit) no step is in flight.
+struct DeferredExpect {
+  std::vector<int32_t> pending;
+  std::vector<int32_t> listed;
+  bool between_steps = false;
+};
+
 struct ResumeOutcome {
   bool committed = false;
   std::vector<int32_t> lost;
@@ -186,7 +213,8 @@ absl::StatusOr<ResumeOutcome> ResumeAfterRestart(
     RestartDrill& drill, Session& session, uint64_t step_id, const std::vector<int32_t>& writes,
     const std::vector<char>& before, const ReadPools& read_now,
     const std::function<std::vector<std::pair<uint64_t, uint64_t>>(int32_t)>& spans,
-    const std::function<void(const std::string&)>& mismatch);
+    const std::function<void(const std::string&)>& mismatch,
+    const DeferredExpect* deferred = nullptr);
 
 }  // namespace client
 }  // namespace specstate

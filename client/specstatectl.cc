@@ -18,6 +18,7 @@
 // finds the bookkeeping inconsistent.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -27,6 +28,7 @@
 #include "absl/flags/internal/parse.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -271,6 +273,12 @@ int Recover(Client& c, bool verify) {
     if (r->interrupted()) {
       std::printf("interrupted  the commit of step %llu\n",
                   static_cast<unsigned long long>(r->interrupted_step()));
+    } else if (!r->interrupted_call().empty()) {  // DEFERRED: a Verify's replay, a Flush
+      std::printf("interrupted  a %s (commit mode DEFERRED)\n", r->interrupted_call().c_str());
+    }
+    if (r->pending_blocks() > 0) {
+      std::printf("pending      %d blocks hold tokens pending (commit mode DEFERRED)\n",
+                  r->pending_blocks());
     }
     std::vector<std::string> lost;
     for (int32_t b : r->lost_blocks()) lost.push_back(absl::StrCat(b));
@@ -377,6 +385,15 @@ int main(int argc, char** argv) {
     own.specstated = absl::GetFlag(FLAGS_specstated);
     own.keeper = absl::GetFlag(FLAGS_keeper_binary);
     own.flags = absl::StrSplit(absl::GetFlag(FLAGS_service_flags), ' ', absl::SkipWhitespace());
+    // --commit_mode names the mode the simulation expects: its own service
+    // serves it, unless --service_flags says otherwise.
+    const std::string mode = absl::GetFlag(FLAGS_commit_mode);
+    if (!mode.empty() &&
+        std::none_of(own.flags.begin(), own.flags.end(), [](const std::string& f) {
+          return absl::StartsWith(f, "--commit_mode");
+        })) {
+      own.flags.push_back(absl::StrCat("--commit_mode=", mode));
+    }
     absl::StatusOr<std::unique_ptr<OwnService>> service = OwnService::Start(own);
     if (!service.ok()) return Fail(service.status());
     std::fprintf(stderr, "restart drill: specstate-keeper and specstated in %s\n",
@@ -386,7 +403,8 @@ int main(int argc, char** argv) {
     absl::StatusOr<v1::Layout> layout = (*client)->GetLayout();
     if (!layout.ok()) return Fail(layout.status());
     RestartDrill drill(service->get(), restart_every, absl::GetFlag(FLAGS_seed),
-                       layout->num_layers(), layout->backend() == v1::CUDA);
+                       layout->num_layers(), layout->backend() == v1::CUDA,
+                       layout->commit_mode() == v1::DEFERRED);
     return Simulate({client->get()}, &drill);
   }
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(absl::GetFlag(FLAGS_server));

@@ -46,6 +46,9 @@ struct LoopSpec {
   bool align = false;
   int block_size = 0;  // align: tokens per block
   int width = 0;       // align: block-table columns per request
+  // DEFERRED keeps both journals (kept pools): the results must not change,
+  // and each call leaves its pending journal idle, its kind recorded.
+  bool journaled = false;
 };
 
 // One layer's buffers of one commit mode's memory.
@@ -66,6 +69,10 @@ struct Memory {
   Tensor entries, header, verify_workspace, replay_plans, commit_jobs, commit_job_count,
       flush_jobs, flush_job_count, checked_blocks;
   PendingBlocks pending{};
+  // Journaled: the pending journal and the commit journal.
+  Tensor pending_journal, pending_journal_blocks, journal_record, journal_entries, journal_blocks;
+  CommitJournal journal{};
+  uint64_t step = 0;
 };
 
 class DeferredCommitTest : public KdaKernelsTest {
@@ -166,6 +173,21 @@ class DeferredCommitTest : public KdaKernelsTest {
       m.flush_jobs = Zeroed(FlushJobsCapacity(max_rows_, spec_.layers) * sizeof(ReplayJob));
       m.flush_job_count = Zeroed(4);
       m.checked_blocks = Zeroed(num_blocks_ * 4);
+      if (spec_.journaled) {
+        const size_t capacity = PendingJournalCapacity(max_rows_, num_blocks_);
+        m.pending_journal = Zeroed(sizeof(PendingJournalRecord));
+        m.pending_journal_blocks = Zeroed(capacity * 4);
+        m.pending.journal = m.pending_journal.As<PendingJournalRecord>();
+        m.pending.journal_blocks = m.pending_journal_blocks.As<int32_t>();
+        m.pending.journal_capacity = static_cast<int>(capacity);
+        m.journal_record = Zeroed(sizeof(JournalRecord));
+        m.journal_entries = Zeroed(2 * 4 * max_rows_);
+        m.journal_blocks = Zeroed(sizeof(BlockRecord) * num_blocks_);
+        m.journal.record = m.journal_record.As<JournalRecord>();
+        m.journal.entries = m.journal_entries.As<int32_t>();
+        m.journal.capacity_rows = max_rows_;
+        m.journal.blocks = m.journal_blocks.As<BlockRecord>();
+      }
     }
     return m;
   }
@@ -257,7 +279,19 @@ class DeferredCommitTest : public KdaKernelsTest {
       a.workspace = m.verify_workspace.data();
       a.workspace_bytes = m.verify_workspace.dev.size();
     }
-    return Finish(kernels_->Verify(a, stream()), "Verify", a.status, /*mirrored=*/false);
+    CallResult r = Finish(kernels_->Verify(a, stream()), "Verify", a.status, /*mirrored=*/false);
+    if (m.deferred) ExpectJournalIdle(m, kPendingVerify, "Verify");
+    return r;
+  }
+
+  // Journaled: the pending journal is idle after the call, and names it.
+  void ExpectJournalIdle(const Memory& m, uint32_t kind, const char* op) {
+    if (m.pending.journal == nullptr) return;
+    const PendingJournalRecord j = FromBytes<PendingJournalRecord>(m.pending_journal.Read())[0];
+    EXPECT_EQ(j.state, kJournalIdle) << op << " left its pending journal started";
+    EXPECT_EQ(j.kind, kind) << op;
+    EXPECT_GE(j.count, 0) << op;
+    EXPECT_LE(j.count, m.pending.journal_capacity) << op;
   }
 
   CallResult Commit(Memory& m, const std::vector<int32_t>& accepted, CallData* cd) {
@@ -296,7 +330,20 @@ class DeferredCommitTest : public KdaKernelsTest {
       a.jobs = ReplayJobs{m.commit_jobs.As<ReplayJob>(), m.commit_job_count.As<int32_t>(),
                           static_cast<int>(CommitJobsCapacity(max_rows_, spec_.layers))};
     }
-    return Finish(kernels_->Commit(a, stream()), "Commit", a.status, /*mirrored=*/false);
+    if (m.journal.record != nullptr) {
+      a.journal = m.journal;
+      a.journal.step = ++m.step;
+    }
+    CallResult r = Finish(kernels_->Commit(a, stream()), "Commit", a.status, /*mirrored=*/false);
+    if (m.journal.record != nullptr) {
+      ExpectJournalIdle(m, kPendingCommit, "Commit");
+      const JournalRecord j = FromBytes<JournalRecord>(m.journal_record.Read())[0];
+      EXPECT_EQ(j.state, kJournalCommitted);
+      EXPECT_EQ(j.last_committed_step, m.step);
+      const PendingJournalRecord p = FromBytes<PendingJournalRecord>(m.pending_journal.Read())[0];
+      EXPECT_EQ(p.step, m.step);
+    }
+    return r;
   }
 
   // A Flush of every pending block, of every layer (the layer tables in `cd`).
@@ -327,7 +374,9 @@ class DeferredCommitTest : public KdaKernelsTest {
     a.layer = layer;
     a.discard = discard;
     a.status = m.status.As<DeviceStatus>();
-    return Finish(kernels_->Flush(a, stream()), "Flush", a.status, /*mirrored=*/false);
+    CallResult r = Finish(kernels_->Flush(a, stream()), "Flush", a.status, /*mirrored=*/false);
+    ExpectJournalIdle(m, discard ? kPendingDiscard : kPendingFlush, "Flush");
+    return r;
   }
 
   std::vector<uint8_t> BlockOf(const Memory& m, int l, int32_t block) const {
@@ -555,6 +604,21 @@ TEST_P(DeferredCommitTest, EqualsEagerOverManySteps) {
   }
 }
 
+// With kept pools both journals bracket every call: nothing else changes.
+TEST_P(DeferredCommitTest, JournaledEqualsEagerOverManySteps) {
+  LoopSpec loop{{DType::kBFloat16, DType::kFloat32, 2, 64, true}, 4, 2, 6, 120};
+  loop.journaled = true;
+  RunLoop(loop);
+  if (HasFatalFailure()) return;
+  LoopSpec align{{DType::kBFloat16, DType::kBFloat16, 2, 64, true, LayerKind::kGdn, 4}, 4, 2, 4,
+                 80};
+  align.align = true;
+  align.block_size = 5;
+  align.width = 14;
+  align.journaled = true;
+  RunLoop(align);
+}
+
 TEST_P(DeferredCommitTest, AlignModeEqualsEagerOverManySteps) {
   LoopSpec fp32{{DType::kBFloat16, DType::kFloat32, 2, 64, true}, 4, 2, 5, 200};
   fp32.align = true;
@@ -720,6 +784,32 @@ TEST_P(DeferredMisuseTest, AFlushOfABlockPastThePoolChangesNothing) {
   // And a Verify of Q = 9 (the window and its pending tokens exceed 16).
   EXPECT_EQ(ValidateDeferredWindow(9).code(), absl::StatusCode::kOutOfRange);
   EXPECT_TRUE(ValidateDeferredWindow(8).ok());
+  // A pending journal without its block list, or one too short for a call.
+  Tensor record = Zeroed(sizeof(PendingJournalRecord));
+  Tensor list = Zeroed(4 * PendingJournalCapacity(max_rows_, num_blocks_));
+  a.num_blocks_given = 0;
+  a.pending.journal = record.As<PendingJournalRecord>();
+  st = kernels_->Flush(a, stream());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("a journal needs its block list"), std::string::npos) << st;
+  a.pending.journal_blocks = list.As<int32_t>();
+  a.pending.journal_capacity = static_cast<int>(PendingJournalCapacity(max_rows_, num_blocks_)) - 1;
+  st = kernels_->Flush(a, stream());
+  EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
+  EXPECT_NE(st.message().find("the journal lists"), std::string::npos) << st;
+  // A DEFERRED Commit with the pending journal and no commit journal.
+  CallData commit_cd;
+  m.pending.journal = record.As<PendingJournalRecord>();
+  m.pending.journal_blocks = list.As<int32_t>();
+  m.pending.journal_capacity = static_cast<int>(PendingJournalCapacity(max_rows_, num_blocks_));
+  const CallResult refused = Commit(m, {1}, &commit_cd);
+  EXPECT_EQ(refused.launch.code(), absl::StatusCode::kInvalidArgument) << refused.launch;
+  EXPECT_NE(refused.launch.message().find("keeps both journals or neither"), std::string::npos)
+      << refused.launch;
+  const auto unchanged = Everything(m);
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_EQ(FirstDifference(before[i], unchanged[i]), -1) << "buffer " << i << " was written";
+  }
 }
 
 // Batch invariance in DEFERRED: a request's outputs and state do not depend

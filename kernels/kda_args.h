@@ -127,12 +127,45 @@ struct Records {
 //    blocks the last commit left pending, then those blocks: every nonzero
 //    entry is one of them (each commit materializes what the previous one
 //    left and no Verify took).
+//
+// With kept pools (server/pool_header.h) the table, both records buffers
+// and `journal` live in memory that outlives the service. The journal then
+// brackets every call that changes the table or materializes pending
+// tokens into the pool (a Verify that replays, a Commit, a Flush): once its
+// checks have passed and before its first such write, the call lists the
+// blocks it may change (`journal_blocks`) and marks the record started;
+// after its last write it marks it idle. After a crash the listed blocks of
+// a started record are reported lost (their states may be half-written)
+// and their entries cleared, in every layer.
+inline constexpr uint32_t kPendingFlush = 1;    // Flush (ReadState: of one layer)
+inline constexpr uint32_t kPendingDiscard = 2;  // Flush with discard: no state write
+inline constexpr uint32_t kPendingCommit = 3;   // Commit: the old list, the rows' blocks
+inline constexpr uint32_t kPendingVerify = 4;   // Verify's replay of its rows' pending blocks
+
+struct PendingJournalRecord {
+  uint32_t state = 0;  // kJournalIdle (0) or kJournalStarted (1)
+  uint32_t kind = 0;   // kPending*
+  int32_t count = 0;   // blocks listed in journal_blocks
+  int32_t layer = -1;  // Verify's layer, a Flush's (-1: every layer); for the report only
+  uint64_t step = 0;   // Commit: its step id; 0 otherwise
+  uint64_t reserved[2] = {};
+};
+
 struct PendingBlocks {
   int32_t* entries = nullptr;  // null: commits are EAGER
   int32_t* header = nullptr;
   int num_layers = 0;
   int64_t num_blocks = 0;
   int capacity = 0;  // the most rows a commit may have
+  // Optional (kept pools): the crash bookkeeping above.
+  PendingJournalRecord* journal = nullptr;
+  int32_t* journal_blocks = nullptr;  // [journal_capacity]
+  int journal_capacity = 0;           // >= PendingJournalCapacity(capacity, num_blocks)
+  // Tests only, CPU backend: called on the worker inside a call that
+  // materializes ("verify:replayed" after a row's first head is stored,
+  // "flush:taken" once a Flush took its entries), so a test can kill the
+  // process there. Null in production.
+  void (*test_hook)(const char* point) = nullptr;
 };
 
 // The replays of a DEFERRED commit or a Flush, one per (layer, block), as a
@@ -307,7 +340,8 @@ struct VerifyArgs {
 // writes none) and marks the record started; after the commit's last write
 // its final kernel records the step in the BlockRecord of each listed block
 // and marks the record committed. A commit whose checks fail leaves it
-// untouched. Not for DEFERRED commits (ValidateCommitArgs refuses both).
+// untouched. DEFERRED commits keep it too (with PendingBlocks::journal,
+// required then); FAST commits do not (ValidateCommitArgs refuses both).
 inline constexpr uint32_t kJournalIdle = 0;
 inline constexpr uint32_t kJournalStarted = 1;
 inline constexpr uint32_t kJournalCommitted = 2;
@@ -502,6 +536,9 @@ size_t VerifyWorkspaceBytes(int64_t num_blocks);
 // DEFERRED: PendingBlocks::header's and ::entries' sizes.
 size_t PendingHeaderBytes(int capacity);
 size_t PendingEntriesBytes(int num_layers, int64_t num_blocks);
+// DEFERRED with kept pools: the blocks a pending journal lists at most (a
+// Commit: the old list and two blocks a row; a Flush: its block list).
+size_t PendingJournalCapacity(int capacity, int64_t num_blocks);
 // DEFERRED: a commit's or a Flush's replay list, for `rows` rows (a Flush's
 // capacity is that of pending blocks: the rows of a commit).
 size_t CommitJobsCapacity(int max_rows, int num_layers);

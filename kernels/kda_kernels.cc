@@ -47,6 +47,10 @@ size_t PendingEntriesBytes(int num_layers, int64_t num_blocks) {
   return internal::AlignUp(static_cast<size_t>(num_layers) * num_blocks * sizeof(int32_t));
 }
 
+size_t PendingJournalCapacity(int capacity, int64_t num_blocks) {
+  return 3 * static_cast<size_t>(capacity) + static_cast<size_t>(num_blocks);
+}
+
 // Every row of a commit replayed now (align mode), and every block the
 // previous commit left pending, in every layer.
 size_t CommitJobsCapacity(int max_rows, int num_layers) {
@@ -193,6 +197,16 @@ absl::Status CheckPending(absl::string_view op, const PendingBlocks& p, int num_
   if (rows > p.capacity) {
     return OutOfRange(op, absl::StrCat("pending: ", rows, " rows exceed its capacity of ",
                                        p.capacity));
+  }
+  if (p.journal != nullptr) {
+    if (p.journal_blocks == nullptr) {
+      return Invalid(op, "pending: a journal needs its block list");
+    }
+    const size_t need = PendingJournalCapacity(p.capacity, p.num_blocks);
+    if (p.journal_capacity < 0 || static_cast<size_t>(p.journal_capacity) < need) {
+      return OutOfRange(op, absl::StrCat("pending: the journal lists ", p.journal_capacity,
+                                         " blocks, a call may need ", need));
+    }
   }
   return absl::OkStatus();
 }
@@ -421,9 +435,9 @@ absl::Status ValidateCommitArgs(const CommitArgs& a) {
       return OutOfRange(op, absl::StrCat("journal: entries for ", a.journal.capacity_rows,
                                          " rows, the commit has ", a.num_rows));
     }
-    if (a.pending.entries != nullptr) {
-      return Invalid(op, "journal: DEFERRED commits keep no journal yet (their pending tokens "
-                         "live in the records, which do not outlive the service)");
+    if (a.pending.entries != nullptr && a.pending.journal == nullptr) {
+      return Invalid(op, "journal: a DEFERRED commit's journal needs the pending table's "
+                         "(pending.journal): the table changes too");
     }
     if (a.fast) {
       return Invalid(op, "journal: FAST commits keep no journal yet (their accepted tokens "
@@ -432,6 +446,10 @@ absl::Status ValidateCommitArgs(const CommitArgs& a) {
   }
   if (a.fast && a.pending.entries != nullptr) {
     return Invalid(op, "fast and pending are two commit modes: set one (FAST or DEFERRED)");
+  }
+  if (a.pending.journal != nullptr && a.journal.record == nullptr) {
+    return Invalid(op, "pending.journal: a DEFERRED commit keeps both journals or neither (the "
+                       "commit journal's finish closes the pending one)");
   }
   if (a.pending.entries != nullptr) {
     st = CheckPending(op, a.pending, a.num_layers, first.state.num_blocks, a.num_rows);
@@ -563,7 +581,11 @@ absl::Status KdaKernels::Stock(const StockArgs& args, Stream stream) const {
 
 absl::Status KdaKernels::Verify(const VerifyArgs& args, Stream stream) const {
   absl::Status st = ValidateVerifyArgs(args);
-  return st.ok() ? LaunchVerify(args, stream) : st;
+  if (st.ok()) st = LaunchVerify(args, stream);
+  if (st.ok() && args.pending.entries != nullptr && args.pending.journal != nullptr) {
+    st = LaunchPendingFinish(args.pending, stream);
+  }
+  return st;
 }
 
 absl::Status KdaKernels::Commit(const CommitArgs& args, Stream stream) const {
@@ -581,7 +603,11 @@ absl::Status KdaKernels::RecordStateBlocks(const RecordStateBlocksArgs& args,
 
 absl::Status KdaKernels::Flush(const FlushArgs& args, Stream stream) const {
   absl::Status st = ValidateFlushArgs(args);
-  return st.ok() ? LaunchFlush(args, stream) : st;
+  if (st.ok()) st = LaunchFlush(args, stream);
+  if (st.ok() && !args.fast && args.pending.journal != nullptr) {
+    st = LaunchPendingFinish(args.pending, stream);
+  }
+  return st;
 }
 
 }  // namespace kernels

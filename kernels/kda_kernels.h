@@ -78,6 +78,10 @@ class KdaKernels {
   // After LaunchCommit, when args.journal.record is set: marks the journal
   // committed in stream order (kda_args.h, CommitJournal).
   virtual absl::Status LaunchJournalFinish(const CommitArgs& args, Stream stream) const = 0;
+  // After LaunchVerify (DEFERRED) and LaunchFlush, when pending.journal is
+  // set: marks the pending journal idle in stream order, after the call's
+  // last write (kda_args.h, PendingBlocks).
+  virtual absl::Status LaunchPendingFinish(const PendingBlocks& pending, Stream stream) const = 0;
   virtual absl::Status LaunchRecordStateBlocks(const RecordStateBlocksArgs& args,
                                                Stream stream) const = 0;
   virtual absl::Status LaunchFlush(const FlushArgs& args, Stream stream) const = 0;

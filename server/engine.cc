@@ -27,7 +27,8 @@ Engine::Engine(const v1::ServiceConfig& config, std::unique_ptr<Device> device)
 Engine::~Engine() = default;
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const v1::ServiceConfig& config,
-                                                       std::unique_ptr<Device> device) {
+                                                       std::unique_ptr<Device> device,
+                                                       const DeferredParts* kept) {
   absl::Status st = ValidateLayout(config.layout());
   if (!st.ok()) return st;
   if (IsFast(config.layout()) && device->kind() == kernels::Backend::kCuda) {
@@ -36,6 +37,17 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const v1::ServiceConfig& 
         "commit mode FAST has no CUDA kernels yet: serve it with the CPU backend (--backend=cpu)");
   }
   std::unique_ptr<Engine> engine(new Engine(config, std::move(device)));
+  if (kept != nullptr && kept->pending.entries != nullptr) {
+    if (!IsDeferred(config.layout()) ||
+        static_cast<int>(kept->records.size()) != 2 * config.layout().num_layers() ||
+        kept->pending.num_layers != config.layout().num_layers() ||
+        kept->pending.num_blocks != config.layout().num_blocks() ||
+        kept->pending.capacity != config.layout().max_rows()) {
+      return absl::InternalError(
+          "the kept DEFERRED parts were not made for this layout (Recovery checks that first)");
+    }
+    engine->kept_deferred_ = *kept;
+  }
   st = engine->Allocate();
   if (!st.ok()) return st;
   return engine;
@@ -66,7 +78,10 @@ absl::Status Engine::Allocate() {
   const uint64_t params_bytes = uint64_t(L) * (H + int64_t{H} * K) * sizeof(float);
   const uint64_t slot_bytes = StepTable::kSlots * (uint64_t(L + 2) * sizeof(kernels::DeviceStatus) +
                                                    uint64_t(2 * rows + 1) * 4);
-  const uint64_t needed = uint64_t(sizes_.pool_bytes) + uint64_t(sizes_.record_bytes) +
+  // Kept DEFERRED records are in the kept allocation already (not counted twice).
+  const uint64_t record_bytes =
+      kept_deferred_.pending.entries != nullptr ? 0 : uint64_t(sizes_.record_bytes);
+  const uint64_t needed = uint64_t(sizes_.pool_bytes) + record_bytes +
                           commit_workspace_bytes_ + record_workspace_bytes_ + params_bytes +
                           slot_bytes + L * sizeof(kernels::CommitLayer) +
                           uint64_t(sizes_.mode_bytes);
@@ -148,10 +163,14 @@ absl::Status Engine::AllocateLayers() {
       st = AllocateRings(&layer.fast);
       if (!st.ok()) return st;
     } else {
-      layer.records = AllocateRecords(&st);
+      const bool kept = kept_deferred_.pending.entries != nullptr;
+      layer.records = AllocateRecords(&st, kept ? kept_deferred_.records[2 * l] : nullptr);
       if (!st.ok()) return st;
       // DEFERRED double-buffers them; EAGER's second buffer is the first.
-      layer.records_alt = IsDeferred(layout_) ? AllocateRecords(&st) : layer.records;
+      layer.records_alt =
+          IsDeferred(layout_)
+              ? AllocateRecords(&st, kept ? kept_deferred_.records[2 * l + 1] : nullptr)
+              : layer.records;
       if (!st.ok()) return st;
     }
     kernels::CommitLayer& entry = host_layer_table_[l];
@@ -176,13 +195,15 @@ absl::Status Engine::AllocateLayers() {
 }
 
 // One layer's records: kv [rows * Q, H K + HV V], g, beta, each 256-byte aligned.
-kernels::Records Engine::AllocateRecords(absl::Status* status) {
+kernels::Records Engine::AllocateRecords(absl::Status* status, char* at) {
   const int Q = sizes_.spec_query_len;
   const int64_t hk = kernels::KeyWidth(shape_), vw = kernels::ValueWidth(shape_);
   const int64_t act_size = DTypeSize(shape_.act_dtype);
   const int64_t tokens = int64_t{layout_.max_rows()} * Q;
   kernels::Records records;
-  absl::StatusOr<void*> rec = device_->AllocateDevice(sizes_.records_per_layer_bytes);
+  absl::StatusOr<void*> rec =
+      at != nullptr ? absl::StatusOr<void*>(at)
+                    : device_->AllocateDevice(sizes_.records_per_layer_bytes);
   if (!rec.ok()) {
     *status = rec.status();
     return records;
@@ -196,6 +217,13 @@ kernels::Records Engine::AllocateRecords(absl::Status* status) {
   records.rows = layout_.max_rows();
   records.q = Q;
   return records;
+}
+
+void Engine::SetCommitJournal(const kernels::CommitJournal& journal) {
+  journal_ = journal;
+  if (journal.test_hook != nullptr && pending_.journal != nullptr) {
+    pending_.test_hook = &PendingTestHook;
+  }
 }
 
 // DEFERRED's bookkeeping (zeroed: nothing pending), each layer's replay plan,
@@ -213,8 +241,14 @@ absl::Status Engine::AllocatePending() {
   pending_.num_layers = L;
   pending_.num_blocks = blocks;
   pending_.capacity = rows;
-  absl::Status st = allocate(kernels::PendingEntriesBytes(L, blocks), &pending_.entries);
-  if (st.ok()) st = allocate(kernels::PendingHeaderBytes(rows), &pending_.header);
+  absl::Status st;
+  if (kept_deferred_.pending.entries != nullptr) {
+    // Kept: the table (and its journal) as the last instance left it.
+    pending_ = kept_deferred_.pending;
+  } else {
+    st = allocate(kernels::PendingEntriesBytes(L, blocks), &pending_.entries);
+    if (st.ok()) st = allocate(kernels::PendingHeaderBytes(rows), &pending_.header);
+  }
   if (st.ok()) st = allocate(uint64_t(L) * rows * 4, &replay_plans_);
   verify_workspace_bytes_ = kernels::VerifyWorkspaceBytes(blocks);
   if (st.ok()) st = allocate(verify_workspace_bytes_, reinterpret_cast<char**>(&verify_workspace_));

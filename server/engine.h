@@ -26,6 +26,7 @@
 #include "specstate/v1/specstate.pb.h"
 #include "server/config.h"
 #include "server/device.h"
+#include "server/pool_header.h"
 #include "server/phase_profile.h"
 #include "server/regions.h"
 #include "server/request_tensors.h"
@@ -57,8 +58,12 @@ class Engine {
  public:
   // Validates the layout, checks that it fits in the device's free memory
   // (RESOURCE_EXHAUSTED naming the bytes otherwise) and allocates everything.
+  // `kept` (commit_mode DEFERRED with kept pools, Recovery::deferred()):
+  // the pending table and the records buffers live there, as an earlier
+  // instance left them, instead of in fresh memory.
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const v1::ServiceConfig& config,
-                                                        std::unique_ptr<Device> device);
+                                                        std::unique_ptr<Device> device,
+                                                        const DeferredParts* kept = nullptr);
   ~Engine();
 
   // The layout, with the backend and derived sizes filled in.
@@ -117,7 +122,9 @@ class Engine {
   // Pools that outlive the service (server/recovery.h): every Commit keeps
   // its crash bookkeeping in `journal` (the step id set per call). Call
   // before serving.
-  void SetCommitJournal(const kernels::CommitJournal& journal) { journal_ = journal; }
+  // DEFERRED: its pending journal is in the kept parts given to Create; a
+  // journal with a test hook installs the pending table's too.
+  void SetCommitJournal(const kernels::CommitJournal& journal);
 
   // The most Verify calls one SubmitStep may carry: 4 per layer (a step
   // verifies each layer once; the rest is room for retries).
@@ -155,7 +162,8 @@ class Engine {
   absl::Status AllocatePending();
   absl::Status AllocateFast();
   absl::Status AllocateRings(kernels::FastRings* rings);
-  kernels::Records AllocateRecords(absl::Status* status);
+  // `at`: where the records lie (kept memory); null: allocated.
+  kernels::Records AllocateRecords(absl::Status* status, char* at = nullptr);
 
   // DEFERRED and FAST: the launch of a flush of `blocks` (absent: every
   // pending block, every non-empty ring) in `layer` (-1: every layer), its
@@ -261,6 +269,7 @@ class Engine {
   size_t record_workspace_bytes_ = 0;
   // DEFERRED (pending_.entries null under EAGER and FAST).
   kernels::PendingBlocks pending_;
+  DeferredParts kept_deferred_;  // pending.entries null: DEFERRED's parts are the engine's own
   int32_t* replay_plans_ = nullptr;  // [layers, max_rows]
   void* verify_workspace_ = nullptr;  // DEFERRED and FAST
   size_t verify_workspace_bytes_ = 0;

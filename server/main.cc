@@ -405,7 +405,10 @@ int Run() {
     }
     recovery = *std::move(r);
   }
-  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(*config, *std::move(device));
+  // DEFERRED: the pending table and the records are kept with the pools.
+  const DeferredParts kept_deferred = recovery != nullptr ? recovery->deferred() : DeferredParts{};
+  absl::StatusOr<std::unique_ptr<Engine>> engine =
+      Engine::Create(*config, *std::move(device), &kept_deferred);
   if (!engine.ok()) {
     LogError(absl::StrCat("cannot serve this layout: ", engine.status().ToString()));
     return 1;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "kernels/kda_kernels.h"
 #include "server/fnv1a.h"
 
 namespace specstate {
@@ -55,11 +56,111 @@ std::string Differences(const std::string& kept, const std::string& now) {
   for (const auto& [k, v] : b) keys.insert(k);
   for (const std::string& k : keys) {
     auto x = a.find(k), y = b.find(k);
-    const std::string old_value = x == a.end() ? "(none)" : x->second;
-    const std::string new_value = y == b.end() ? "(none)" : y->second;
+    // Identities without a commit mode are EAGER's (it keeps no max_rows).
+    const std::string absent = k == "commit_mode" ? "EAGER" : k == "max_rows" ? "(not kept)" : "(none)";
+    const std::string old_value = x == a.end() ? absent : x->second;
+    const std::string new_value = y == b.end() ? absent : y->second;
     if (old_value != new_value) out.push_back(absl::StrCat(k, " ", old_value, " -> ", new_value));
   }
   return out.empty() ? "the layouts' texts differ" : absl::StrJoin(out, ", ");
+}
+
+uint64_t DeferredChecksum(const KeptDeferred& d) {
+  return Fnv1a(absl::string_view(reinterpret_cast<const char*>(&d), offsetof(KeptDeferred, checksum)));
+}
+
+// Whether a header's DEFERRED parts are well formed (present 0, or 1 with
+// its checksum and sizes in range): "" or what is wrong.
+std::string DeferredProblem(const KeptDeferred& d) {
+  if (d.present == 0) {
+    return d.num_layers == 0 && d.capacity == 0 && d.records_per_layer_bytes == 0
+               ? std::string()
+               : "its DEFERRED parts say absent but are not zero";
+  }
+  if (d.present != 1) return absl::StrCat("its DEFERRED parts' marker is ", d.present, " (0 or 1)");
+  if (DeferredChecksum(d) != d.checksum) {
+    return absl::StrFormat("its DEFERRED parts' checksum is %016x, their bytes sum to %016x",
+                           d.checksum, DeferredChecksum(d));
+  }
+  if (d.num_layers < 1 || d.capacity < 1 || d.capacity > kJournalRows || d.spec_query_len < 1 ||
+      d.spec_query_len > kernels::kMaxSpecQueryLen || d.records_per_layer_bytes == 0) {
+    return absl::StrCat("its DEFERRED parts say ", d.num_layers, " layers, ", d.capacity,
+                        " rows, Q = ", d.spec_query_len, ", ", d.records_per_layer_bytes,
+                        " bytes of records a layer");
+  }
+  return std::string();
+}
+
+const KeptDeferred& DeferredOf(const std::vector<char>& bytes) { return HeaderOf(bytes).deferred; }
+
+// The DEFERRED table in a host copy of the bookkeeping.
+struct PendingView {
+  kernels::PendingJournalRecord* journal;
+  int32_t* journal_blocks;
+  int32_t* header;  // [0] parity word, [1] list size, [2...] the list
+  int32_t* entries;
+  int num_layers;
+  int capacity;
+  int q;
+  int journal_capacity;
+  int32_t& word() const { return header[0]; }
+  int32_t& listed() const { return header[1]; }
+  int32_t* list() const { return header + 2; }
+  int32_t* layer(int l, int64_t num_blocks) const { return entries + int64_t{l} * num_blocks; }
+};
+
+PendingView PendingOf(char* base, const HeaderLayout& at, const KeptDeferred& d,
+                      int64_t num_blocks) {
+  PendingView v;
+  v.journal = reinterpret_cast<kernels::PendingJournalRecord*>(base + at.pending_journal);
+  v.journal_blocks = reinterpret_cast<int32_t*>(base + at.pending_journal_blocks);
+  v.header = reinterpret_cast<int32_t*>(base + at.pending_header);
+  v.entries = reinterpret_cast<int32_t*>(base + at.pending_entries);
+  v.num_layers = d.num_layers;
+  v.capacity = d.capacity;
+  v.q = d.spec_query_len;
+  v.journal_capacity = static_cast<int>(kernels::PendingJournalCapacity(d.capacity, num_blocks));
+  return v;
+}
+
+// Why a nonzero entry cannot be one the kernels wrote ("" when it can): a
+// record row past the capacity, another buffer than the parity word's, no
+// tokens or more than Q.
+// An entry as the kernels pack it (kernels/internal/checks.h, PackPending:
+// ((record_row + 1) << 6) | (buffer << 5) | tokens); kept, so part of the
+// format.
+struct Entry {
+  int32_t record_row, buffer, tokens;
+};
+Entry Unpack(int32_t packed) { return Entry{(packed >> 6) - 1, (packed >> 5) & 1, packed & 31}; }
+
+std::string BadEntry(const PendingView& v, int32_t packed) {
+  const Entry e = Unpack(packed);
+  if (packed < 0 || e.record_row < 0 || e.record_row >= v.capacity) {
+    return absl::StrCat("record row ", e.record_row, " (the records have ", v.capacity, " rows)");
+  }
+  if (e.buffer != v.word()) {
+    return absl::StrCat("records buffer ", e.buffer, " (the parity word says ", v.word(), ")");
+  }
+  if (e.tokens < 1 || e.tokens > v.q) {
+    return absl::StrCat(e.tokens, " tokens (1 to Q = ", v.q, ")");
+  }
+  return std::string();
+}
+
+std::string CallName(const kernels::PendingJournalRecord& j) {
+  switch (j.kind) {
+    case kernels::kPendingVerify:
+      return absl::StrCat("Verify of layer ", j.layer);
+    case kernels::kPendingFlush:
+      return j.layer >= 0 ? absl::StrCat("Flush of layer ", j.layer) : "Flush";
+    case kernels::kPendingDiscard:
+      return "Flush (discard)";
+    case kernels::kPendingCommit:
+      return absl::StrCat("Commit of step ", j.step);
+    default:
+      return absl::StrCat("a call of kind ", j.kind);
+  }
 }
 
 const kernels::JournalRecord& JournalOf(const std::vector<char>& bytes, const HeaderLayout& at) {
@@ -95,10 +196,11 @@ absl::Status CheckIntact(const std::vector<char>& bytes) {
   if (h.num_blocks < 2 || h.journal_rows != kJournalRows) {
     return damaged(absl::StrCat("num_blocks ", h.num_blocks, ", journal rows ", h.journal_rows));
   }
-  const HeaderLayout at = HeaderLayoutFor(h.num_blocks);
-  if (h.bytes != at.bytes || bytes.size() < at.bytes) {
+  if (const std::string why = DeferredProblem(h.deferred); !why.empty()) return damaged(why);
+  const HeaderLayout at = HeaderLayoutFor(h.num_blocks, h.deferred);
+  if (h.bytes != at.bytes || bytes.size() < at.bookkeeping_bytes) {
     return damaged(absl::StrCat("it says ", h.bytes, " bytes, has ", bytes.size(), ", its layout needs ",
-                                at.bytes));
+                                at.bytes, " (", at.bookkeeping_bytes, " of bookkeeping)"));
   }
   const kernels::JournalRecord& j = JournalOf(bytes, at);
   if (j.state != kernels::kJournalIdle && j.state != kernels::kJournalStarted &&
@@ -110,6 +212,25 @@ absl::Status CheckIntact(const std::vector<char>& bytes) {
     return damaged(absl::StrCat("its journal lists ", j.num_rows, " rows, at most ", kJournalRows,
                                 " fit"));
   }
+  if (h.deferred.present != 0) {
+    const PendingView v =
+        PendingOf(const_cast<char*>(bytes.data()), at, h.deferred, h.num_blocks);
+    if (v.journal->state != kernels::kJournalIdle && v.journal->state != kernels::kJournalStarted) {
+      return damaged(absl::StrCat("its pending journal's state is ", v.journal->state,
+                                  " (not idle 0 or started 1)"));
+    }
+    if (v.journal->count < 0 || v.journal->count > v.journal_capacity) {
+      return damaged(absl::StrCat("its pending journal lists ", v.journal->count,
+                                  " blocks, at most ", v.journal_capacity, " fit"));
+    }
+    if (v.word() != 0 && v.word() != 1) {
+      return damaged(absl::StrCat("its records parity word is ", v.word(), " (0 or 1)"));
+    }
+    if (v.listed() < 0 || v.listed() > v.capacity) {
+      return damaged(absl::StrCat("its pending list has ", v.listed(), " blocks, at most ",
+                                  v.capacity, " fit"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -117,13 +238,67 @@ double UnixSeconds(absl::Time t) { return absl::ToDoubleSeconds(t - absl::UnixEp
 
 }  // namespace
 
-HeaderLayout HeaderLayoutFor(int64_t num_blocks) {
+HeaderLayout HeaderLayoutFor(int64_t num_blocks, const KeptDeferred& d) {
   HeaderLayout at;
   at.journal = sizeof(KeptHeader);
   at.entries = at.journal + 256;
   at.blocks = AlignUp(at.entries + 2 * sizeof(int32_t) * uint64_t{kJournalRows}, 256);
-  at.bytes = AlignUp(at.blocks + sizeof(kernels::BlockRecord) * uint64_t(num_blocks), 4096);
+  const uint64_t end = at.blocks + sizeof(kernels::BlockRecord) * uint64_t(num_blocks);
+  if (d.present == 0) {
+    at.bookkeeping_bytes = at.bytes = AlignUp(end, 4096);
+    return at;
+  }
+  at.pending_journal = AlignUp(end, 256);
+  at.pending_journal_blocks = at.pending_journal + 256;
+  at.pending_header =
+      AlignUp(at.pending_journal_blocks +
+                  sizeof(int32_t) * kernels::PendingJournalCapacity(d.capacity, num_blocks),
+              256);
+  at.pending_entries = AlignUp(at.pending_header + kernels::PendingHeaderBytes(d.capacity), 256);
+  at.bookkeeping_bytes = AlignUp(
+      at.pending_entries + kernels::PendingEntriesBytes(d.num_layers, num_blocks), 4096);
+  at.records = at.bookkeeping_bytes;
+  at.records_stride = AlignUp(d.records_per_layer_bytes, 4096);
+  at.bytes = at.records + 2 * uint64_t(d.num_layers) * at.records_stride;
   return at;
+}
+
+KeptDeferred KeptDeferredFor(const v1::Layout& layout, uint64_t records_per_layer_bytes) {
+  KeptDeferred d;
+  if (layout.commit_mode() != v1::DEFERRED) return d;
+  d.present = 1;
+  d.num_layers = layout.num_layers();
+  d.capacity = layout.max_rows();
+  d.spec_query_len = layout.num_spec() + 1;
+  d.records_per_layer_bytes = records_per_layer_bytes;
+  d.checksum = DeferredChecksum(d);
+  return d;
+}
+
+DeferredParts DeferredPartsAt(void* base, int64_t num_blocks, const KeptDeferred& d) {
+  DeferredParts parts;
+  if (d.present == 0) return parts;
+  const HeaderLayout at = HeaderLayoutFor(num_blocks, d);
+  char* p = static_cast<char*>(base);
+  kernels::PendingBlocks& pending = parts.pending;
+  pending.entries = reinterpret_cast<int32_t*>(p + at.pending_entries);
+  pending.header = reinterpret_cast<int32_t*>(p + at.pending_header);
+  pending.num_layers = d.num_layers;
+  pending.num_blocks = num_blocks;
+  pending.capacity = d.capacity;
+  pending.journal = reinterpret_cast<kernels::PendingJournalRecord*>(p + at.pending_journal);
+  pending.journal_blocks = reinterpret_cast<int32_t*>(p + at.pending_journal_blocks);
+  pending.journal_capacity = static_cast<int>(kernels::PendingJournalCapacity(d.capacity, num_blocks));
+  for (int i = 0; i < 2 * d.num_layers; ++i) parts.records.push_back(p + at.records + i * at.records_stride);
+  return parts;
+}
+
+HeaderLayout HeaderLayoutOf(const std::vector<char>& bytes) {
+  if (bytes.size() < sizeof(KeptHeader)) return HeaderLayoutFor(2);
+  const KeptHeader& h = HeaderOf(bytes);
+  const int64_t num_blocks = std::max<int64_t>(h.num_blocks, 2);
+  if (!DeferredProblem(h.deferred).empty()) return HeaderLayoutFor(num_blocks);
+  return HeaderLayoutFor(num_blocks, h.deferred);
 }
 
 std::string LayoutIdentity(const v1::Layout& l) {
@@ -140,15 +315,21 @@ std::string LayoutIdentity(const v1::Layout& l) {
     absl::StrAppend(&s, " kda_gate=", v1::KdaGate_Name(l.kda_gate()),
                     " lower_bound=", absl::StrFormat("%.9g", l.lower_bound()));
   }
+  // DEFERRED keeps its records and pending tokens: the mode and the records'
+  // rows give them their meaning. (Absent for EAGER, whose fingerprints stay
+  // those of pools made before DEFERRED could be kept.)
+  if (l.commit_mode() == v1::DEFERRED) {
+    absl::StrAppend(&s, " commit_mode=DEFERRED max_rows=", l.max_rows());
+  }
   return s;
 }
 
 uint64_t LayoutFingerprint(const v1::Layout& layout) { return Fnv1a(LayoutIdentity(layout)); }
 
 std::vector<char> FreshHeader(const v1::Layout& layout, v1::Backend backend, int device,
-                              uint64_t pool_bytes, absl::Time now) {
-  const HeaderLayout at = HeaderLayoutFor(layout.num_blocks());
-  std::vector<char> bytes(at.bytes, 0);
+                              uint64_t pool_bytes, absl::Time now, const KeptDeferred& deferred) {
+  const HeaderLayout at = HeaderLayoutFor(layout.num_blocks(), deferred);
+  std::vector<char> bytes(at.bookkeeping_bytes, 0);
   KeptHeader& h = HeaderOf(&bytes);
   std::memcpy(h.magic, kKeptMagic, sizeof(kKeptMagic));
   h.version = kKeptFormatVersion;
@@ -165,11 +346,13 @@ std::vector<char> FreshHeader(const v1::Layout& layout, v1::Backend backend, int
   h.created_unix_s = UnixSeconds(now);
   h.checksum = HeaderChecksum(h);
   h.started_unix_s = UnixSeconds(now);
+  h.deferred = deferred;
   return bytes;
 }
 
 absl::Status CheckHeader(const std::vector<char>& bytes, const v1::Layout& layout,
-                         v1::Backend backend, int device, uint64_t pool_bytes) {
+                         v1::Backend backend, int device, uint64_t pool_bytes,
+                         const KeptDeferred& deferred) {
   absl::Status intact = CheckIntact(bytes);
   if (!intact.ok()) return intact;
   const KeptHeader& h = HeaderOf(bytes);
@@ -203,8 +386,100 @@ absl::Status CheckHeader(const std::vector<char>& bytes, const v1::Layout& layou
     return refuse(absl::StrCat("they hold ", h.pool_bytes, " bytes of pools, this layout needs ",
                                pool_bytes));
   }
+  if (std::memcmp(&h.deferred, &deferred, sizeof(KeptDeferred)) != 0) {
+    // The fingerprint says the same layout: the header's own record of it is wrong.
+    return absl::DataLossError(absl::StrCat(
+        "the kept pools' header is damaged: its DEFERRED parts (", h.deferred.num_layers,
+        " layers, ", h.deferred.capacity, " rows, ", h.deferred.records_per_layer_bytes,
+        " bytes of records a layer) are not those of the layout it names (", deferred.num_layers,
+        " layers, ", deferred.capacity, " rows, ", deferred.records_per_layer_bytes, " bytes)"));
+  }
   return absl::OkStatus();
 }
+
+namespace {
+
+// AttachHeader's DEFERRED part (after the commit journal's lost blocks are
+// marked): the interrupted call's blocks, the lost blocks' entries, entries
+// no kernel could have written, the list rebuilt.
+void AttachPending(std::vector<char>* bytes, v1::RecoverResponse* out) {
+  KeptHeader& h = HeaderOf(bytes);
+  const HeaderLayout at = HeaderLayoutFor(h.num_blocks, h.deferred);
+  const PendingView v = PendingOf(bytes->data(), at, h.deferred, h.num_blocks);
+  auto* blocks = reinterpret_cast<kernels::BlockRecord*>(bytes->data() + at.blocks);
+  const uint32_t mark = static_cast<uint32_t>(std::max<uint64_t>(h.restarts, 1));
+  const auto clear = [&](int64_t b) {
+    for (int l = 0; l < v.num_layers; ++l) v.layer(l, h.num_blocks)[b] = 0;
+  };
+  if (v.journal->state == kernels::kJournalStarted) {
+    // The call had started taking entries or writing checkpoints: each
+    // listed block may be half-materialized in some layer, or half-pending.
+    out->set_interrupted_call(CallName(*v.journal));
+    for (int e = 0; e < v.journal->count; ++e) {
+      const int32_t b = v.journal_blocks[e];
+      if (b <= kernels::kNullBlock || b >= h.num_blocks) continue;
+      if (v.journal->kind != kernels::kPendingDiscard) blocks[b].lost = mark;
+      clear(b);  // a discard forgets them anyway
+    }
+    v.journal->state = kernels::kJournalIdle;
+  }
+  std::vector<char> pending(h.num_blocks, 0);
+  for (int64_t b = 1; b < h.num_blocks; ++b) {
+    // A lost block is re-prefilled: tokens pending on it would replay onto
+    // the new state.
+    if (blocks[b].lost != 0) clear(b);
+    for (int l = 0; l < v.num_layers; ++l) {
+      const int32_t entry = v.layer(l, h.num_blocks)[b];
+      if (entry == 0) continue;
+      if (!BadEntry(v, entry).empty()) {
+        blocks[b].lost = mark;
+        clear(b);
+        pending[b] = 0;
+        break;
+      }
+      pending[b] = 1;
+    }
+  }
+  // Every block with an entry is listed, once: the old list's order, then
+  // any other (none after any call the kernels finished or the journal
+  // covers).
+  std::vector<int32_t> list;
+  for (int i = 0; i < v.listed(); ++i) {
+    const int32_t b = v.list()[i];
+    if (b > kernels::kNullBlock && b < h.num_blocks && pending[b] == 1) {
+      list.push_back(b);
+      pending[b] = 2;
+    }
+  }
+  for (int64_t b = 1; b < h.num_blocks; ++b) {
+    if (pending[b] != 1) continue;
+    if (static_cast<int>(list.size()) < v.capacity) {
+      list.push_back(static_cast<int32_t>(b));
+    } else {
+      blocks[b].lost = mark;  // cannot be listed: cannot be materialized
+      clear(b);
+    }
+  }
+  std::copy(list.begin(), list.end(), v.list());
+  v.listed() = static_cast<int32_t>(list.size());
+  out->set_pending_blocks(static_cast<int32_t>(list.size()));
+}
+
+// Blocks with an entry in some layer.
+int CountPending(const PendingView& v, int64_t num_blocks) {
+  int n = 0;
+  for (int64_t b = 1; b < num_blocks; ++b) {
+    for (int l = 0; l < v.num_layers; ++l) {
+      if (v.layer(l, num_blocks)[b] != 0) {
+        ++n;
+        break;
+      }
+    }
+  }
+  return n;
+}
+
+}  // namespace
 
 v1::RecoverResponse AttachHeader(std::vector<char>* bytes, absl::Time now, int64_t pid) {
   KeptHeader& h = HeaderOf(bytes);
@@ -228,6 +503,7 @@ v1::RecoverResponse AttachHeader(std::vector<char>* bytes, absl::Time now, int64
     }
     j.state = kernels::kJournalIdle;
   }
+  if (h.deferred.present != 0) AttachPending(bytes, &out);
   for (int64_t b = 1; b < h.num_blocks; ++b) {
     if (blocks[b].lost != 0) out.add_lost_blocks(static_cast<int32_t>(b));
   }
@@ -246,7 +522,7 @@ v1::RecoverResponse AttachHeader(std::vector<char>* bytes, absl::Time now, int64
 void ReadLiveHeader(const std::vector<char>& bytes, v1::RecoverResponse* out) {
   if (!CheckIntact(bytes).ok()) return;
   const KeptHeader& h = HeaderOf(bytes);
-  const HeaderLayout at = HeaderLayoutFor(h.num_blocks);
+  const HeaderLayout at = HeaderLayoutFor(h.num_blocks, h.deferred);
   const kernels::JournalRecord& j = JournalOf(bytes, at);
   const kernels::BlockRecord* blocks = BlocksOf(bytes, at);
   out->set_last_committed_step(j.last_committed_step);
@@ -255,7 +531,67 @@ void ReadLiveHeader(const std::vector<char>& bytes, v1::RecoverResponse* out) {
   for (int64_t b = 1; b < h.num_blocks; ++b) {
     if (blocks[b].lost != 0) out->add_lost_blocks(static_cast<int32_t>(b));
   }
+  if (h.deferred.present != 0) {
+    out->set_pending_blocks(CountPending(
+        PendingOf(const_cast<char*>(bytes.data()), at, h.deferred, h.num_blocks), h.num_blocks));
+  }
 }
+
+namespace {
+
+// verify-pools' DEFERRED part: the pending journal idle, the parity word,
+// the list in range, every entry one the kernels could have written and its
+// block listed, no lost block pending.
+void VerifyPending(const std::vector<char>& bytes, const HeaderLayout& at, std::set<int32_t>* bad,
+                   v1::RecoverResponse* out) {
+  const KeptHeader& h = HeaderOf(bytes);
+  const PendingView v = PendingOf(const_cast<char*>(bytes.data()), at, h.deferred, h.num_blocks);
+  const kernels::BlockRecord* blocks = BlocksOf(bytes, at);
+  if (v.journal->state == kernels::kJournalStarted) {
+    out->add_problems(absl::StrCat("the pending journal says a ", CallName(*v.journal),
+                                   " started and has not finished (nothing runs now: it was "
+                                   "interrupted)"));
+  }
+  std::vector<char> listed(h.num_blocks, 0);
+  for (int i = 0; i < v.listed(); ++i) {
+    const int32_t b = v.list()[i];
+    if (b <= kernels::kNullBlock || b >= h.num_blocks) {
+      out->add_problems(absl::StrCat("the pending list's entry ", i, " names block ", b,
+                                     ", outside [1, ", h.num_blocks, ")"));
+    } else {
+      listed[b] = 1;
+    }
+  }
+  int pending = 0;
+  for (int64_t b = 1; b < h.num_blocks; ++b) {
+    bool any = false;
+    for (int l = 0; l < v.num_layers; ++l) {
+      const int32_t entry = v.layer(l, h.num_blocks)[b];
+      if (entry == 0) continue;
+      any = true;
+      if (const std::string why = BadEntry(v, entry); !why.empty()) {
+        bad->insert(static_cast<int32_t>(b));
+        out->add_problems(absl::StrCat("block ", b, " has tokens pending in layer ", l,
+                                       " that no commit could have left: ", why));
+      }
+    }
+    if (!any) continue;
+    ++pending;
+    if (!listed[b]) {
+      bad->insert(static_cast<int32_t>(b));
+      out->add_problems(absl::StrCat("block ", b, " has tokens pending but is not in the pending "
+                                     "list (no Commit or Flush would materialize it)"));
+    }
+    if (blocks[b].lost != 0) {
+      bad->insert(static_cast<int32_t>(b));
+      out->add_problems(absl::StrCat("block ", b, " is marked lost and still has tokens pending "
+                                     "(they would replay onto its re-prefilled state)"));
+    }
+  }
+  out->set_pending_blocks(pending);
+}
+
+}  // namespace
 
 void VerifyHeader(const std::vector<char>& bytes, const v1::Layout& layout,
                   v1::RecoverResponse* out) {
@@ -273,7 +609,7 @@ void VerifyHeader(const std::vector<char>& bytes, const v1::Layout& layout,
         " is not the served layout's ", absl::StrFormat("%016x", Fnv1a(identity)), ": ",
         Differences(IdentityOf(h), identity)));
   }
-  const HeaderLayout at = HeaderLayoutFor(h.num_blocks);
+  const HeaderLayout at = HeaderLayoutFor(h.num_blocks, h.deferred);
   const kernels::JournalRecord& j = JournalOf(bytes, at);
   const int32_t* entries = EntriesOf(bytes, at);
   const kernels::BlockRecord* blocks = BlocksOf(bytes, at);
@@ -317,6 +653,7 @@ void VerifyHeader(const std::vector<char>& bytes, const v1::Layout& layout,
     out->add_problems(absl::StrCat(lost, " blocks are marked lost (an unfinished commit wrote "
                                    "them; no commit has written them since)"));
   }
+  if (h.deferred.present != 0) VerifyPending(bytes, at, &bad, out);
   for (int32_t b : bad) out->add_inconsistent_blocks(b);
 }
 

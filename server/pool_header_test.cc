@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -210,6 +211,206 @@ TEST(PoolHeaderTest, TheJournalPointsIntoTheAllocation) {
   EXPECT_EQ(j.capacity_rows, kJournalRows);
   EXPECT_LE(reinterpret_cast<char*>(j.blocks + 64), bytes.data() + bytes.size());
   EXPECT_GE(reinterpret_cast<char*>(j.blocks), reinterpret_cast<char*>(j.entries + 2 * kJournalRows));
+}
+
+// ---- commit_mode DEFERRED: the pending table and its journal ----
+
+v1::Layout DeferredLayout() {
+  v1::Layout l = TestLayout();
+  l.set_commit_mode(v1::DEFERRED);
+  return l;
+}
+
+KeptDeferred DeferredOf(const v1::Layout& l) {
+  return KeptDeferredFor(l, ComputeLayoutSizes(l).records_per_layer_bytes);
+}
+
+// A host copy's DEFERRED parts, where the kernels would see them.
+struct Table {
+  kernels::PendingBlocks p;
+  int32_t& word() { return p.header[0]; }
+  int32_t& listed() { return p.header[1]; }
+  int32_t* list() { return p.header + 2; }
+  int32_t& entry(int layer, int32_t block) { return p.entries[layer * p.num_blocks + block]; }
+};
+Table TableOf(std::vector<char>& bytes, const v1::Layout& l) {
+  return Table{DeferredPartsAt(bytes.data(), l.num_blocks(), DeferredOf(l)).pending};
+}
+
+int32_t Pending(int32_t record_row, int32_t buffer, int32_t tokens) {
+  return ((record_row + 1) << 6) | (buffer << 5) | tokens;
+}
+
+TEST(PoolHeaderTest, DeferredPartsFollowTheBookkeepingAndAreChecked) {
+  const v1::Layout l = DeferredLayout();
+  const KeptDeferred d = DeferredOf(l);
+  ASSERT_EQ(d.present, 1u);
+  const HeaderLayout at = HeaderLayoutFor(l.num_blocks(), d);
+  const uint64_t records = ComputeLayoutSizes(l).records_per_layer_bytes;
+  EXPECT_EQ(at.bookkeeping_bytes, at.records);
+  EXPECT_GE(at.bytes - at.records, 2 * l.num_layers() * records);
+  EXPECT_GT(at.pending_journal, HeaderLayoutFor(l.num_blocks()).blocks);
+  // EAGER's layout and fingerprint are those of pools made before.
+  EXPECT_EQ(HeaderLayoutFor(l.num_blocks()).bytes, HeaderLayoutFor(l.num_blocks(), {}).bytes);
+  EXPECT_NE(LayoutFingerprint(l), LayoutFingerprint(TestLayout()));
+  v1::Layout rows = l;
+  rows.set_max_rows(l.max_rows() * 2);  // DEFERRED keeps its records: they may not change
+  EXPECT_NE(LayoutFingerprint(rows), LayoutFingerprint(l));
+
+  std::vector<char> bytes = FreshHeader(l, v1::CPU, 0, PoolBytes(l), absl::Now(), d);
+  EXPECT_EQ(bytes.size(), at.bookkeeping_bytes);  // the host never copies the records
+  EXPECT_TRUE(CheckHeader(bytes, l, v1::CPU, 0, PoolBytes(l), d).ok());
+  // Parts that differ from the layout's though the fingerprint matches.
+  absl::Status st = CheckHeader(bytes, l, v1::CPU, 0, PoolBytes(l), KeptDeferred{});
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("DEFERRED parts"));
+  // Damage.
+  std::vector<char> damaged = bytes;
+  reinterpret_cast<KeptHeader*>(damaged.data())->deferred.capacity += 1;
+  st = CheckHeader(damaged, l, v1::CPU, 0, PoolBytes(l), d);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("DEFERRED parts' checksum"));
+  damaged = bytes;
+  TableOf(damaged, l).word() = 2;
+  st = CheckHeader(damaged, l, v1::CPU, 0, PoolBytes(l), d);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("records parity word is 2"));
+  damaged = bytes;
+  TableOf(damaged, l).listed() = l.max_rows() + 1;
+  st = CheckHeader(damaged, l, v1::CPU, 0, PoolBytes(l), d);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("pending list has"));
+  damaged = bytes;
+  TableOf(damaged, l).p.journal->state = 5;
+  st = CheckHeader(damaged, l, v1::CPU, 0, PoolBytes(l), d);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("pending journal's state is 5"));
+  // A bookkeeping copy shorter than its own layout says.
+  std::vector<char> cut(bytes.begin(), bytes.begin() + at.pending_entries);
+  EXPECT_EQ(CheckHeader(cut, l, v1::CPU, 0, PoolBytes(l), d).code(), absl::StatusCode::kDataLoss);
+}
+
+// A Commit killed with the table half updated: every block it journaled
+// (the old list, its rows' blocks) is lost, their entries are gone in every
+// layer, and the list is rebuilt from what is left.
+TEST(PoolHeaderTest, AnInterruptedDeferredCommitLosesWhatItListedAndLeavesTheTableConsistent) {
+  const v1::Layout l = DeferredLayout();
+  const int64_t B = l.num_blocks();
+  std::vector<char> bytes = FreshHeader(l, v1::CPU, 0, PoolBytes(l), absl::Now(), DeferredOf(l));
+  Table t = TableOf(bytes, l);
+  // The previous commit left 3 and 4 pending (buffer 1); a Verify took 4's
+  // layer 0 entry. Block 9 is pending too and untouched by the commit.
+  t.word() = 1;
+  t.listed() = 3;
+  t.list()[0] = 3;
+  t.list()[1] = 4;
+  t.list()[2] = 9;
+  for (int layer = 0; layer < l.num_layers(); ++layer) {
+    t.entry(layer, 3) = Pending(0, 1, 2);
+    t.entry(layer, 4) = layer == 0 ? 0 : Pending(1, 1, 3);
+    t.entry(layer, 9) = Pending(2, 1, 1);
+  }
+  // The commit of step 12 (rows writing 3 and 6) had materialized 3 and
+  // started leaving 6 pending, in buffer 0, when it died.
+  t.p.journal->kind = kernels::kPendingCommit;
+  t.p.journal->step = 12;
+  t.p.journal->count = 4;
+  t.p.journal_blocks[0] = 3;
+  t.p.journal_blocks[1] = 4;
+  t.p.journal_blocks[2] = 3;
+  t.p.journal_blocks[3] = 6;
+  t.p.journal->state = kernels::kJournalStarted;
+  t.entry(0, 3) = 0;
+  t.entry(0, 6) = Pending(1, 0, 2);
+  kernels::JournalRecord& j = Journal(bytes, B);
+  j.state = kernels::kJournalStarted;
+  j.step = 12;
+  j.num_rows = 2;
+  Entries(bytes, B)[0] = 3;
+  Entries(bytes, B)[1] = kernels::kNullBlock;
+  Entries(bytes, B)[2] = 6;
+  Entries(bytes, B)[3] = kernels::kNullBlock;
+
+  const v1::RecoverResponse r = AttachHeader(&bytes, absl::Now(), 7);
+  EXPECT_TRUE(r.interrupted());
+  EXPECT_EQ(r.interrupted_step(), 12u);
+  EXPECT_EQ(r.interrupted_call(), "Commit of step 12");
+  EXPECT_THAT(r.lost_blocks(), ::testing::ElementsAre(3, 4, 6));
+  EXPECT_EQ(r.pending_blocks(), 1);
+  t = TableOf(bytes, l);
+  EXPECT_EQ(t.p.journal->state, kernels::kJournalIdle);
+  for (int layer = 0; layer < l.num_layers(); ++layer) {
+    EXPECT_EQ(t.entry(layer, 3), 0);
+    EXPECT_EQ(t.entry(layer, 4), 0);
+    EXPECT_EQ(t.entry(layer, 6), 0);
+    EXPECT_EQ(t.entry(layer, 9), Pending(2, 1, 1)) << "untouched pending tokens survive";
+  }
+  EXPECT_EQ(t.listed(), 1);
+  EXPECT_EQ(t.list()[0], 9);
+  EXPECT_EQ(t.word(), 1);
+  v1::RecoverResponse verified;
+  VerifyHeader(bytes, l, &verified);
+  EXPECT_EQ(verified.pending_blocks(), 1);
+  EXPECT_THAT(verified.inconsistent_blocks(), ::testing::ElementsAre(3, 4, 6));  // lost only
+  for (const std::string& problem : verified.problems()) {
+    EXPECT_THAT(problem, ::testing::Not(HasSubstr("pending"))) << problem;
+  }
+}
+
+TEST(PoolHeaderTest, AnInterruptedDiscardLosesNothingAndForgetsItsBlocks) {
+  const v1::Layout l = DeferredLayout();
+  std::vector<char> bytes = FreshHeader(l, v1::CPU, 0, PoolBytes(l), absl::Now(), DeferredOf(l));
+  Table t = TableOf(bytes, l);
+  t.listed() = 1;
+  t.list()[0] = 5;
+  t.entry(1, 5) = Pending(0, 0, 4);  // layer 0's was discarded already
+  t.p.journal->kind = kernels::kPendingDiscard;
+  t.p.journal->count = 1;
+  t.p.journal_blocks[0] = 5;
+  t.p.journal->state = kernels::kJournalStarted;
+  const v1::RecoverResponse r = AttachHeader(&bytes, absl::Now(), 7);
+  EXPECT_FALSE(r.interrupted());
+  EXPECT_EQ(r.interrupted_call(), "Flush (discard)");
+  EXPECT_THAT(r.lost_blocks(), ::testing::IsEmpty());
+  EXPECT_EQ(r.pending_blocks(), 0);
+  t = TableOf(bytes, l);
+  EXPECT_EQ(t.entry(1, 5), 0);
+  EXPECT_EQ(t.listed(), 0);
+}
+
+TEST(PoolHeaderTest, VerifyFindsAnInconsistentPendingTable) {
+  const v1::Layout l = DeferredLayout();
+  std::vector<char> bytes = FreshHeader(l, v1::CPU, 0, PoolBytes(l), absl::Now(), DeferredOf(l));
+  v1::RecoverResponse ok;
+  VerifyHeader(bytes, l, &ok);
+  EXPECT_THAT(ok.problems(), ::testing::IsEmpty());
+  Table t = TableOf(bytes, l);
+  t.listed() = 2;
+  t.list()[0] = 5;
+  t.list()[1] = 6;
+  t.entry(0, 5) = Pending(0, 0, 2);                 // fine
+  t.entry(0, 6) = Pending(l.max_rows() + 3, 0, 2);  // a record row past the records
+  t.entry(1, 8) = Pending(1, 0, 1);                 // pending, not listed
+  t.entry(0, 10) = Pending(2, 1, 1);                // the other buffer than the word's
+  v1::RecoverResponse bad;
+  VerifyHeader(bytes, l, &bad);
+  EXPECT_EQ(bad.pending_blocks(), 4);
+  EXPECT_THAT(bad.inconsistent_blocks(), ::testing::ElementsAre(6, 8, 10));
+  const std::string all = absl::StrJoin(bad.problems(), "\n");
+  EXPECT_THAT(all, HasSubstr("block 6 has tokens pending in layer 0 that no commit could have "
+                             "left: record row"));
+  EXPECT_THAT(all, HasSubstr("block 8 has tokens pending but is not in the pending list"));
+  EXPECT_THAT(all, HasSubstr("block 10 has tokens pending in layer 0 that no commit could have "
+                             "left: records buffer 1 (the parity word says 0)"));
+  // At the next start: the impossible entries lose their blocks, the
+  // unlisted one is listed, and verify-pools finds only the lost blocks.
+  const v1::RecoverResponse r = AttachHeader(&bytes, absl::Now(), 7);
+  EXPECT_THAT(r.lost_blocks(), ::testing::ElementsAre(6, 10));
+  EXPECT_EQ(r.pending_blocks(), 2);
+  v1::RecoverResponse after;
+  VerifyHeader(bytes, l, &after);
+  EXPECT_THAT(after.inconsistent_blocks(), ::testing::ElementsAre(6, 10));
+  EXPECT_EQ(after.problems_size(), 1) << absl::StrJoin(after.problems(), "\n");
 }
 
 }  // namespace

@@ -42,26 +42,25 @@ absl::StatusOr<std::unique_ptr<Recovery>> Recovery::Start(const v1::Layout& layo
                                                           Device& device,
                                                           const RecoveryOptions& options,
                                                           absl::Time process_start) {
-  if (IsDeferred(layout)) {
-    // Its pending tokens live in the records, which do not outlive the
-    // process: a restart would lose them silently.
-    return absl::FailedPreconditionError(
-        "commit_mode DEFERRED keeps accepted tokens pending in the record scratch, which does not "
-        "outlive specstated: keeping the pools across restarts (--keeper, systemd's "
-        "file-descriptor store) needs commit_mode EAGER");
-  }
   if (IsFast(layout)) {
     // Its accepted tokens live in the rings, beside the pools but not kept
-    // with them: a restart would lose them silently.
+    // with them (and its folds keep no journal): a restart would lose them
+    // silently.
     return absl::FailedPreconditionError(
         "commit_mode FAST keeps accepted tokens in rings beside the pools, which do not outlive "
         "specstated: keeping the pools across restarts (--keeper, systemd's file-descriptor "
-        "store) needs commit_mode EAGER");
+        "store) needs commit_mode EAGER or DEFERRED");
   }
   std::unique_ptr<Recovery> r(new Recovery(device, options));
-  r->pool_bytes_ = static_cast<uint64_t>(ComputeLayoutSizes(layout).pool_bytes);
+  const LayoutSizes sizes = ComputeLayoutSizes(layout);
+  r->pool_bytes_ = static_cast<uint64_t>(sizes.pool_bytes);
   r->num_blocks_ = layout.num_blocks();
-  r->header_bytes_ = HeaderLayoutFor(layout.num_blocks()).bytes;
+  // DEFERRED: its pending table and both records buffers are kept in the
+  // bookkeeping allocation (never exported: no client maps the records).
+  r->deferred_ = KeptDeferredFor(layout, static_cast<uint64_t>(sizes.records_per_layer_bytes));
+  const HeaderLayout at = HeaderLayoutFor(layout.num_blocks(), r->deferred_);
+  r->header_bytes_ = at.bytes;
+  r->bookkeeping_bytes_ = at.bookkeeping_bytes;
   if (!options.keeper.empty()) {
     const absl::Time deadline = absl::Now() + options.keeper_wait;
     absl::StatusOr<std::unique_ptr<keeper::KeeperClient>> k =
@@ -194,11 +193,24 @@ absl::Status Recovery::Attach(Kept kept, const v1::Layout& layout) {
     return absl::Status(header.status().code(),
                         absl::StrCat("the kept pools' header: ", header.status().message()));
   }
-  std::vector<char> bytes(header->bytes);
+  // The header's own fields say how much bookkeeping precedes its records
+  // (DEFERRED): read that much, not the records.
+  std::vector<char> bytes(std::min<uint64_t>(header->bytes, sizeof(KeptHeader)));
   absl::Status st = device_.CopyFromDevice(bytes.data(), header->data, bytes.size());
+  const HeaderLayout at = HeaderLayoutOf(bytes);
+  if (st.ok()) {
+    bytes.resize(std::min<uint64_t>(header->bytes, at.bookkeeping_bytes));
+    st = device_.CopyFromDevice(bytes.data(), header->data, bytes.size());
+  }
   const v1::Backend backend =
       device_.kind() == kernels::Backend::kCuda ? v1::CUDA : v1::CPU;
-  if (st.ok()) st = CheckHeader(bytes, layout, backend, device_.ordinal(), pool_bytes_);
+  if (st.ok()) {
+    st = CheckHeader(bytes, layout, backend, device_.ordinal(), pool_bytes_, deferred_);
+  }
+  if (st.ok() && header->bytes < header_bytes_) {
+    st = absl::DataLossError(absl::StrCat("the kept pools' header allocation has ", header->bytes,
+                                          " bytes, its layout needs ", header_bytes_));
+  }
   if (!st.ok()) {
     close(pools_fd);
     return st;
@@ -224,7 +236,12 @@ absl::Status Recovery::Attach(Kept kept, const v1::Layout& layout) {
       report_.lost_blocks_size() > 0
           ? absl::StrCat("; ", report_.lost_blocks_size(), " blocks lost: ",
                          absl::StrJoin(report_.lost_blocks(), ","))
-          : std::string()));
+          : std::string(),
+      report_.interrupted_call().empty()
+          ? std::string()
+          : absl::StrCat("; a ", report_.interrupted_call(), " was interrupted"),
+      deferred_.present != 0 ? absl::StrCat("; ", report_.pending_blocks(), " blocks pending")
+                             : std::string()));
   return absl::OkStatus();
 }
 
@@ -236,7 +253,7 @@ absl::Status Recovery::Fresh(const v1::Layout& layout) {
   const v1::Backend backend =
       device_.kind() == kernels::Backend::kCuda ? v1::CUDA : v1::CPU;
   const std::vector<char> bytes =
-      FreshHeader(layout, backend, device_.ordinal(), pool_bytes_, absl::Now());
+      FreshHeader(layout, backend, device_.ordinal(), pool_bytes_, absl::Now(), deferred_);
   absl::Status st = device_.CopyToDevice(header->data, bytes.data(), bytes.size());
   if (!st.ok()) return st;
   pools_ = *pools;
@@ -325,6 +342,10 @@ void Recovery::Watch() {
   }
 }
 
+DeferredParts Recovery::deferred() const {
+  return DeferredPartsAt(header_.data, num_blocks_, deferred_);
+}
+
 std::string Recovery::HealthProblem() const {
   absl::MutexLock lock(&mu_);
   return problem_;
@@ -352,7 +373,7 @@ void Recovery::Recover(const v1::RecoverRequest& request, const v1::Layout& layo
     }
   }
   if (buffer == nullptr) {
-    absl::StatusOr<void*> p = device_.AllocateHost(header_bytes_);
+    absl::StatusOr<void*> p = device_.AllocateHost(bookkeeping_bytes_);
     if (!p.ok()) {
       reply(p.status(), {});
       return;
@@ -361,12 +382,12 @@ void Recovery::Recover(const v1::RecoverRequest& request, const v1::Layout& layo
   }
   Work work;
   work.launch = [](kernels::Stream, Scratch&) { return absl::OkStatus(); };
-  work.readbacks.push_back(Readback{header_.data, buffer, header_bytes_});
+  work.readbacks.push_back(Readback{header_.data, buffer, bookkeeping_bytes_});
   const bool verify = request.verify();
   work.done = [this, buffer, layout, verify, reply](absl::Status launched) {
     v1::RecoverResponse out = Report();
     if (launched.ok()) {
-      const std::vector<char> bytes(buffer, buffer + header_bytes_);
+      const std::vector<char> bytes(buffer, buffer + bookkeeping_bytes_);
       ReadLiveHeader(bytes, &out);
       if (verify) VerifyHeader(bytes, layout, &out);
     }

@@ -12,7 +12,8 @@
 //   RecoveryOptions options;
 //   options.keeper = "/run/specstate/keeper.sock";
 //   auto recovery = Recovery::Start(config.layout(), *device, options, start).value();
-//   auto engine = Engine::Create(config, std::move(device)).value();
+//   DeferredParts kept = recovery->deferred();
+//   auto engine = Engine::Create(config, std::move(device), &kept).value();
 //   engine->SetCommitJournal(recovery->journal());
 #ifndef SPECSTATE_SERVER_RECOVERY_H_
 #define SPECSTATE_SERVER_RECOVERY_H_
@@ -33,6 +34,7 @@
 #include "kernels/kda_args.h"
 #include "server/device.h"
 #include "server/fd_server.h"
+#include "server/pool_header.h"
 #include "specstate/v1/specstate.pb.h"
 
 namespace specstate {
@@ -70,6 +72,11 @@ class Recovery {
 
   // The commit journal in the kept bookkeeping (CommitArgs.journal, step unset).
   kernels::CommitJournal journal() const { return journal_; }
+
+  // commit_mode DEFERRED: the pending table (with its journal) and both
+  // records buffers of every layer, in the kept bookkeeping allocation, for
+  // Engine::Create; empty (pending.entries null) for other modes.
+  DeferredParts deferred() const;
 
   // What was kept at start (RecoverResponse without the verify fields).
   v1::RecoverResponse Report() const;
@@ -109,7 +116,9 @@ class Recovery {
   Device& device_;
   const RecoveryOptions options_;
   uint64_t pool_bytes_ = 0;
-  uint64_t header_bytes_ = 0;
+  uint64_t header_bytes_ = 0;       // the whole allocation (DEFERRED: with the records)
+  uint64_t bookkeeping_bytes_ = 0;  // what the host reads: everything but the records
+  KeptDeferred deferred_;
   int64_t num_blocks_ = 0;
   Device::KeptMemory pools_;
   Device::KeptMemory header_;

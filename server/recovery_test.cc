@@ -235,14 +235,90 @@ TEST_F(RecoveryTest, TheKeepersDeathIsAHealthProblemUntilItIsBack) {
   EXPECT_EQ(next->pools[7], 9);
 }
 
-TEST_F(RecoveryTest, DeferredCommitsAreRefused) {
+// An entry as the kernels pack it (kernels/internal/checks.h, PackPending).
+int32_t Pending(int32_t record_row, int32_t buffer, int32_t tokens) {
+  return ((record_row + 1) << 6) | (buffer << 5) | tokens;
+}
+
+TEST_F(RecoveryTest, DeferredKeepsItsPendingTableAndRecordsAcrossInstances) {
   Keeper keeper(options_.keeper);
+  v1::Layout deferred = layout_;
+  deferred.set_commit_mode(v1::DEFERRED);
+  absl::StatusOr<Instance> first = StartInstance(deferred);
+  ASSERT_TRUE(first.ok()) << first.status();
+  DeferredParts parts = first->recovery->deferred();
+  ASSERT_NE(parts.pending.entries, nullptr);
+  ASSERT_NE(parts.pending.journal, nullptr);
+  ASSERT_EQ(parts.records.size(), 2u * deferred.num_layers());
+  const int64_t B = deferred.num_blocks();
+  // As a commit leaves them: records buffer 1, blocks 5 and 7 pending.
+  parts.pending.header[0] = 1;
+  parts.pending.header[1] = 2;
+  parts.pending.header[2] = 5;
+  parts.pending.header[3] = 7;
+  parts.pending.entries[5] = Pending(0, 1, 3);          // layer 0
+  parts.pending.entries[B + 5] = Pending(0, 1, 3);      // layer 1
+  parts.pending.entries[B + 7] = Pending(1, 1, 2);      // layer 1 only (layer 0 taken)
+  parts.records[3][100] = 42;                           // layer 1, buffer 1
+  first->pools[7] = 9;
+  const uint64_t kept_bytes = first->recovery->Report().kept_bytes();
+  EXPECT_GT(kept_bytes, pool_bytes_ + 2 * deferred.num_layers() *
+                                          ComputeLayoutSizes(deferred).records_per_layer_bytes);
+  first->recovery.reset();
+  first->device.reset();
+
+  // A restart between calls: everything as it was.
+  absl::StatusOr<Instance> second = StartInstance(deferred);
+  ASSERT_TRUE(second.ok()) << second.status();
+  v1::RecoverResponse report = second->recovery->Report();
+  EXPECT_TRUE(report.kept());
+  EXPECT_THAT(report.lost_blocks(), ::testing::IsEmpty());
+  EXPECT_EQ(report.interrupted_call(), "");
+  EXPECT_EQ(report.pending_blocks(), 2);
+  parts = second->recovery->deferred();
+  EXPECT_EQ(parts.pending.header[0], 1);
+  EXPECT_EQ(parts.pending.header[1], 2);
+  EXPECT_EQ(parts.pending.entries[B + 7], Pending(1, 1, 2));
+  EXPECT_EQ(parts.records[3][100], 42);
+  EXPECT_EQ(second->pools[7], 9);
+
+  // A Verify of layer 0 killed while it materialized block 5: block 5 is
+  // lost, its entries are gone in every layer, block 7 stays pending.
+  parts.pending.journal_blocks[0] = 5;
+  parts.pending.journal->kind = kernels::kPendingVerify;
+  parts.pending.journal->layer = 0;
+  parts.pending.journal->count = 1;
+  parts.pending.journal->state = kernels::kJournalStarted;
+  parts.pending.entries[5] = 0;  // taken
+  second->recovery.reset();
+  second->device.reset();
+  absl::StatusOr<Instance> third = StartInstance(deferred);
+  ASSERT_TRUE(third.ok()) << third.status();
+  report = third->recovery->Report();
+  EXPECT_THAT(report.lost_blocks(), ::testing::ElementsAre(5));
+  EXPECT_EQ(report.interrupted_call(), "Verify of layer 0");
+  EXPECT_EQ(report.pending_blocks(), 1);
+  parts = third->recovery->deferred();
+  EXPECT_EQ(parts.pending.journal->state, kernels::kJournalIdle);
+  EXPECT_EQ(parts.pending.entries[B + 5], 0);
+  EXPECT_EQ(parts.pending.entries[B + 7], Pending(1, 1, 2));
+  EXPECT_EQ(parts.pending.header[1], 1);
+  EXPECT_EQ(parts.pending.header[2], 7);
+  EXPECT_EQ(parts.records[3][100], 42);
+}
+
+TEST_F(RecoveryTest, TheCommitModeOfKeptPoolsCannotChange) {
+  Keeper keeper(options_.keeper);
+  {
+    absl::StatusOr<Instance> eager = StartInstance(layout_);
+    ASSERT_TRUE(eager.ok()) << eager.status();
+  }
   v1::Layout deferred = layout_;
   deferred.set_commit_mode(v1::DEFERRED);
   absl::StatusOr<Instance> refused = StartInstance(deferred);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
-  EXPECT_THAT(std::string(refused.status().message()),
-              HasSubstr("commit_mode DEFERRED keeps accepted tokens pending"));
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("commit_mode EAGER -> DEFERRED"));
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("max_rows (not kept) -> "));
 }
 
 TEST_F(RecoveryTest, FastCommitsAreRefused) {

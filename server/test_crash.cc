@@ -27,11 +27,13 @@ absl::Status SetTestCrash(const std::string& spec) {
       n < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--test_crash_at=", spec, ": expected POINT:N with N >= 1 (POINT one of verify, "
-        "commit:enqueued, commit:started, commit:conv, commit:layer, commit:replayed)"));
+        "commit:enqueued, commit:started, commit:conv, commit:layer, commit:deferred, "
+        "commit:replayed, verify:replayed, flush:taken)"));
   }
   const std::string point = spec.substr(0, colon);
-  static const char* const kPoints[] = {"verify",       "commit:enqueued", "commit:started",
-                                        "commit:conv",  "commit:layer",    "commit:replayed"};
+  static const char* const kPoints[] = {
+      "verify",          "commit:enqueued", "commit:started",  "commit:conv",   "commit:layer",
+      "commit:deferred", "commit:replayed", "verify:replayed", "flush:taken"};
   bool known = false;
   for (const char* p : kPoints) known |= point == p;
   if (!known) {
@@ -57,6 +59,8 @@ void TestCrashPoint(absl::string_view point) {
 }
 
 void CommitTestHook(const char* phase) { TestCrashPoint(absl::StrCat("commit:", phase)); }
+
+void PendingTestHook(const char* point) { TestCrashPoint(point); }
 
 }  // namespace server
 }  // namespace specstate

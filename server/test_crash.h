@@ -11,7 +11,11 @@
 // hook): "commit:started" (the journal says started, nothing written yet),
 // "commit:conv" (conv windows compacted), "commit:layer" (a layer's states
 // replayed), "commit:replayed" (every state written, not yet marked
-// committed). Unset, every point costs one relaxed atomic load.
+// committed); DEFERRED adds "commit:deferred" (the pending table updated,
+// the replays not run), "verify:replayed" (a Verify stored the first head
+// of a row's materialized checkpoint) and "flush:taken" (a Flush took its
+// blocks' entries, replayed none). Unset, every point costs one relaxed
+// atomic load.
 #ifndef SPECSTATE_SERVER_TEST_CRASH_H_
 #define SPECSTATE_SERVER_TEST_CRASH_H_
 
@@ -32,6 +36,10 @@ void TestCrashPoint(absl::string_view point);
 
 // kernels::CommitJournal::test_hook: TestCrashPoint("commit:" + phase).
 void CommitTestHook(const char* phase);
+
+// kernels::PendingBlocks::test_hook: TestCrashPoint(point) ("verify:replayed",
+// "flush:taken"; CPU backend, DEFERRED with kept pools).
+void PendingTestHook(const char* point);
 
 // Whether a crash point is set (the journal's hook is installed only then).
 bool TestCrashSet();

@@ -118,6 +118,14 @@ std::vector<int32_t> DeferredChecks::PendingBlocks() const {
   return blocks;
 }
 
+std::vector<DeferredChecks::Expected> DeferredChecks::Expectations() const {
+  std::vector<Expected> out;
+  for (int i = 0; i < d_.R; ++i) {
+    if (pending_[i].block > 0) out.push_back(Expected{i, pending_[i].block, pending_[i].state});
+  }
+  return out;
+}
+
 void DeferredChecks::Discarded(int slot) {
   pending_[slot] = Pending();
   ++report_.discarded;

@@ -66,6 +66,19 @@ class DeferredChecks {
   // A finished request's pending block was flushed with `discard`.
   void Discarded(int slot);
 
+  // Restart drills: per request slot with a pending block, that block and
+  // the state each layer must become (what a scheduler re-prefills when the
+  // service reports the block lost, since its pending tokens are then gone).
+  struct Expected {
+    int slot;
+    int32_t block;
+    std::vector<std::vector<char>> state;
+  };
+  std::vector<Expected> Expectations() const;
+  // The service forgot `slot`'s pending tokens (its block was lost and
+  // re-prefilled with the materialized state).
+  void Forget(int slot) { pending_[slot] = Pending(); }
+
  private:
   // Per request slot: its block whose tokens are pending, and per layer the
   // stock state (this rank's part; under TP also the TP=1 run's) it must

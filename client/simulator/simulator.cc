@@ -123,6 +123,23 @@ class Simulator {
   std::vector<int32_t> PendingBlocks() const;
   absl::Status FlushAndCheck(const std::vector<int32_t>& blocks, int step, absl::string_view how);
   absl::Status MaterializeSome(int step);
+  absl::Status MaterializeSomeOnce(int step);
+  absl::Status FinalFlush();
+  // Restart drills, DEFERRED: what a death may have touched (DeferredExpect)
+  // and the states pending blocks must become; after the restart, lost
+  // blocks re-prefilled (a pending one with its materialized state).
+  struct DeferredSnapshot {
+    DeferredExpect expect;
+    std::vector<DeferredChecks::Expected> expected;
+  };
+  DeferredSnapshot SnapshotPending(bool between_steps) const;
+  absl::Status RePrefill(const std::vector<int32_t>& lost, const std::vector<char>& before,
+                         const DeferredSnapshot* snapshot);
+  // Runs `call` (a Flush or ReadState between steps) across the drill's
+  // restarts.
+  absl::Status BetweenStepsAcrossRestarts(const std::function<absl::Status()>& call);
+  std::vector<int32_t> last_listed_;  // DEFERRED: what the last Commit left pending
+  uint64_t last_step_id_ = 0;
 
   // ---- the metadata buffer and its doorbells ----
   int32_t* Meta(int offset) { return reinterpret_cast<int32_t*>(meta_->data()) + offset; }
@@ -171,7 +188,9 @@ absl::StatusOr<SimulationReport> Simulator::Run() {
     }
   }
   if (deferred_ != nullptr || fast_ != nullptr) {  // what is still pending, materialized and checked
-    st = FlushAndCheck({}, options_.steps, "the final Flush");
+    st = options_.drill != nullptr && deferred_ != nullptr
+             ? BetweenStepsAcrossRestarts([this] { return FinalFlush(); })
+             : FinalFlush();
     if (!st.ok()) return st;
   }
   if (fast_ != nullptr) fast_->Verdict();
@@ -377,6 +396,13 @@ absl::Status Simulator::Step(int s) {
   if (st.ok()) st = checks_->CompareCommitted(p);
   if (!st.ok()) return st;
   model_->Advance(p);
+  if (deferred_ != nullptr) {
+    last_listed_.clear();
+    for (int32_t b : deferred_->PendingBlocks()) {
+      if (b > 0) last_listed_.push_back(b);
+    }
+    last_step_id_ = p.step_id;
+  }
   if (deferred_ != nullptr || fast_ != nullptr) st = MaterializeSome(p.step);
   if (st.ok() && s == options_.corrupt_after_step) {
     st = CorruptARunningState(/*flip=*/rank_ == options_.corrupt_rank, s);
@@ -410,6 +436,8 @@ absl::Status Simulator::ServiceCallsAcrossRestarts(StepPlan& p) {
   absl::Status st = pools_->ReadAll(&before);
   if (!st.ok()) return st;
   for (int attempt = 0;; ++attempt) {
+    // DEFERRED: the pending blocks as the (re-)run begins.
+    const DeferredSnapshot snapshot = SnapshotPending(false);
     st = ServiceCalls(p);
     if (st.code() != absl::StatusCode::kUnavailable || attempt == 4) return st;
     absl::StatusOr<ResumeOutcome> resumed = ResumeAfterRestart(
@@ -418,14 +446,13 @@ absl::Status Simulator::ServiceCallsAcrossRestarts(StepPlan& p) {
         [this](int32_t block) { return pools_->Spans(block); },
         [this, s = p.step](const std::string& what) {
           Tally(report_).Mismatch(absl::StrCat("step ", s, ": ", what));
-        });
+        },
+        deferred_ != nullptr ? &snapshot.expect : nullptr);
     if (!resumed.ok()) return resumed.status();
     ++report_.restarts;
     report_.lost_blocks += resumed->lost.size();
-    for (int32_t block : resumed->lost) {  // the scheduler's re-prefill
-      st = pools_->Restore(block, before);
-      if (!st.ok()) return st;
-    }
+    st = RePrefill(resumed->lost, before, deferred_ != nullptr ? &snapshot : nullptr);
+    if (!st.ok()) return st;
     if (resumed->committed) {
       // Its Commit finished; its answer (and, in align mode, its
       // RecordStateBlocks in the old session) was lost.
@@ -745,10 +772,77 @@ absl::Status Simulator::FlushAndCheck(const std::vector<int32_t>& blocks, int st
                           : deferred_->CheckFlushed(blocks, step, how);
 }
 
+Simulator::DeferredSnapshot Simulator::SnapshotPending(bool between_steps) const {
+  DeferredSnapshot s;
+  if (deferred_ == nullptr) return s;
+  s.expected = deferred_->Expectations();
+  for (const DeferredChecks::Expected& e : s.expected) s.expect.pending.push_back(e.block);
+  s.expect.listed = last_listed_;
+  s.expect.between_steps = between_steps;
+  return s;
+}
+
+// The scheduler's re-prefill of the blocks a restart reports lost: their
+// bytes from before the step (or call); a block that had tokens pending
+// gets the state they lead to (the service forgot them).
+absl::Status Simulator::RePrefill(const std::vector<int32_t>& lost,
+                                  const std::vector<char>& before,
+                                  const DeferredSnapshot* snapshot) {
+  for (int32_t block : lost) {
+    absl::Status st = pools_->Restore(block, before);
+    if (!st.ok()) return st;
+    if (snapshot == nullptr) continue;
+    for (const DeferredChecks::Expected& e : snapshot->expected) {
+      if (e.block != block) continue;
+      for (int l = 0; l < d_.L; ++l) {
+        st = pools_->WriteState(l, block, e.state[l].data());
+        if (!st.ok()) return st;
+      }
+      if (deferred_->PendingBlock(e.slot) == block) deferred_->Forget(e.slot);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Simulator::BetweenStepsAcrossRestarts(const std::function<absl::Status()>& call) {
+  std::vector<char> before;
+  absl::Status st = pools_->ReadAll(&before);
+  if (!st.ok()) return st;
+  for (int attempt = 0;; ++attempt) {
+    const DeferredSnapshot snapshot = SnapshotPending(true);
+    st = call();
+    if (st.code() != absl::StatusCode::kUnavailable || attempt == 4) return st;
+    absl::StatusOr<ResumeOutcome> resumed = ResumeAfterRestart(
+        *options_.drill, *session_, last_step_id_, {}, before,
+        [this](std::vector<char>* now) { return pools_->ReadAll(now); },
+        [this](int32_t block) { return pools_->Spans(block); },
+        [this](const std::string& what) {
+          Tally(report_).Mismatch(absl::StrCat("between steps: ", what));
+        },
+        &snapshot.expect);
+    if (!resumed.ok()) return resumed.status();
+    ++report_.restarts;
+    report_.lost_blocks += resumed->lost.size();
+    st = RePrefill(resumed->lost, before, &snapshot);
+    if (!st.ok()) return st;
+    // Pending blocks the call did not lose are still pending, or
+    // materialized in some layers: the next call checks them.
+    st = pools_->ReadAll(&before);
+    if (!st.ok()) return st;
+  }
+}
+
+absl::Status Simulator::FinalFlush() { return FlushAndCheck({}, options_.steps, "the final Flush"); }
+
+absl::Status Simulator::MaterializeSome(int step) {
+  if (options_.drill == nullptr || deferred_ == nullptr) return MaterializeSomeOnce(step);
+  return BetweenStepsAcrossRestarts([this, step] { return MaterializeSomeOnce(step); });
+}
+
 // Between steps, now and then, as a scheduler would: a Flush of every
 // pending block, of some of them, or a ReadState of one pending block in
 // one layer (its checksum, and the block's bytes in that layer).
-absl::Status Simulator::MaterializeSome(int step) {
+absl::Status Simulator::MaterializeSomeOnce(int step) {
   const std::vector<int32_t> pending = PendingBlocks();
   const Materialization m = model_->DrawMaterialization(pending);
   switch (m.kind) {

@@ -525,6 +525,7 @@ class CpuKernels final : public KdaKernels {
                                      [](int) -> State* { return nullptr; });
             head.Store(checkpoint);
             head.template RoundTo<State>();
+            if (h == 0 && a.pending.test_hook != nullptr) a.pending.test_hook("verify:replayed");
           }
           PrepareHead<Act, K>(a.shape, a.q, a.k, a.v, a.g, a.beta, a.params, h, bos, tokens,
                               &prep);
@@ -598,6 +599,14 @@ class CpuKernels final : public KdaKernels {
       if (IsBlock(rows[n].source)) owner[rows[n].source] = 0;
     }
     if (!ok) return false;
+    if (a.pending.journal != nullptr) {  // before the table or a checkpoint changes
+      int listed = 0;
+      for (int n = 0; n < a.num_rows; ++n) {
+        const int32_t b = rows[n].source;
+        if (IsBlock(b) && entries[b] != 0) internal::PendingJournalList(a.pending, listed++, b);
+      }
+      internal::PendingJournalMarkStarted(a.pending, kPendingVerify, listed, a.layer, 0);
+    }
     for (int n = 0; n < a.num_rows; ++n) {
       const int32_t b = rows[n].source;
       a.replay_plan[n] = IsBlock(b) ? entries[b] : 0;
@@ -660,6 +669,7 @@ class CpuKernels final : public KdaKernels {
     const CommitJournal& journal = a.journal;
     if (journal.record != nullptr) {  // before the first write
       for (int i = 0; i < a.num_rows; ++i) internal::JournalListRow(a, ws.plan[i], i);
+      if (deferred && a.pending.journal != nullptr) ListDeferredCommit(a, ws.plan);
       internal::JournalMarkStarted(journal, a.num_rows);
       if (journal.test_hook != nullptr) journal.test_hook("started");
     }
@@ -696,7 +706,9 @@ class CpuKernels final : public KdaKernels {
       return;
     }
     if (deferred) {
-      RunReplayJobs(a.shape, a.layers, Q, DeferCommit(a, ws.plan));
+      const std::vector<ReplayJob> jobs = DeferCommit(a, ws.plan);
+      if (journal.test_hook != nullptr) journal.test_hook("deferred");
+      RunReplayJobs(a.shape, a.layers, Q, jobs);
       return;
     }
     // Replay: the stock kernel over the records, Q tokens per row, reading
@@ -722,11 +734,32 @@ class CpuKernels final : public KdaKernels {
     return;
   }
 
-  // After the commit's last write: its blocks' records, then "committed".
+  // DEFERRED with kept pools, before the commit's first write: the pending
+  // journal lists what the previous commit left pending (materialized now
+  // or by this step's Verify calls) and every block a row writes (some
+  // become pending), and is marked started.
+  static void ListDeferredCommit(const CommitArgs& a, const CommitPlanRow* plan) {
+    const PendingBlocks& p = a.pending;
+    int listed = 0;
+    const int32_t* list = internal::PendingList(p);
+    for (int j = 0; j < *internal::PendingListSize(p); ++j) {
+      internal::PendingJournalList(p, listed++, list[j]);
+    }
+    for (int i = 0; i < a.num_rows; ++i) {
+      internal::ForEachCommitWrite(a, plan[i], i, [&](int32_t b, CheckedField, int32_t, int32_t) {
+        internal::PendingJournalList(p, listed++, b);
+      });
+    }
+    internal::PendingJournalMarkStarted(p, kPendingCommit, listed, -1, a.journal.step);
+  }
+
+  // After the commit's last write: the pending journal closed (DEFERRED),
+  // its blocks' records, then "committed".
   absl::Status LaunchJournalFinish(const CommitArgs& a, Stream) const override {
     const CommitJournal& j = a.journal;
     if (!internal::JournalOpenFor(j)) return absl::OkStatus();  // its checks failed
     if (j.test_hook != nullptr) j.test_hook("replayed");
+    if (a.pending.journal != nullptr) internal::PendingJournalMarkDone(a.pending);
     const uint64_t sequence = j.record->commits + 1;
     const int64_t num_blocks = a.layers[0].state.num_blocks;
     const int rows = internal::JournalRows(j);
@@ -734,6 +767,11 @@ class CpuKernels final : public KdaKernels {
       internal::JournalRecordEntry(j, num_blocks, e, j.step, sequence);
     }
     internal::JournalMarkCommitted(j, sequence);
+    return absl::OkStatus();
+  }
+
+  absl::Status LaunchPendingFinish(const PendingBlocks& p, Stream) const override {
+    internal::PendingJournalMarkDone(p);
     return absl::OkStatus();
   }
 
@@ -790,6 +828,21 @@ class CpuKernels final : public KdaKernels {
     const bool listed = a.blocks == nullptr;
     const int count = listed ? *internal::PendingListSize(a.pending) : a.num_blocks_given;
     const int32_t* blocks = listed ? internal::PendingList(a.pending) : a.checked_blocks;
+    if (a.pending.journal != nullptr) {  // before the table or a state changes
+      int journaled = 0;
+      for (int i = 0; i < count; ++i) {
+        if (!IsBlock(blocks[i])) continue;
+        for (int l = 0; l < a.num_layers; ++l) {
+          if ((a.layer < 0 || l == a.layer) &&
+              internal::PendingEntriesOf(a.pending, l)[blocks[i]] != 0) {
+            internal::PendingJournalList(a.pending, journaled++, blocks[i]);
+            break;
+          }
+        }
+      }
+      internal::PendingJournalMarkStarted(
+          a.pending, a.discard ? kPendingDiscard : kPendingFlush, journaled, a.layer, 0);
+    }
     std::vector<ReplayJob> jobs;
     for (int i = 0; i < count; ++i) {
       if (!IsBlock(blocks[i])) continue;
@@ -805,6 +858,7 @@ class CpuKernels final : public KdaKernels {
       }
     }
     PublishJobs(jobs, a.jobs);
+    if (a.pending.test_hook != nullptr && !a.discard) a.pending.test_hook("flush:taken");
     RunReplayJobs(a.shape, a.layers, a.spec_query_len, jobs);
   }
 

@@ -666,6 +666,21 @@ __device__ bool BlockTakePendingTokens(const VerifyArgs& a) {
   }
   __syncthreads();
   if (failed != INT_MAX) return false;
+  if (a.pending.journal != nullptr) {  // before the table or a checkpoint changes
+    __shared__ int journaled;
+    if (threadIdx.x == 0) journaled = 0;
+    __syncthreads();
+    for (int n = threadIdx.x; n < a.num_rows; n += blockDim.x) {
+      if (IsBlock(source[n]) && entries[source[n]] != 0) {
+        internal::PendingJournalList(a.pending, atomicAdd(&journaled, 1), source[n]);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      internal::PendingJournalMarkStarted(a.pending, kPendingVerify, journaled, a.layer, 0);
+    }
+    __syncthreads();
+  }
   for (int n = threadIdx.x; n < a.num_rows; n += blockDim.x) {
     a.replay_plan[n] = IsBlock(source[n]) ? entries[source[n]] : 0;
   }
@@ -747,6 +762,28 @@ __global__ void __launch_bounds__(kCheckThreads) FlushPlanKernel(const FlushArgs
     const int count = listed ? *internal::PendingListSize(a.pending) : a.num_blocks_given;
     const int32_t* const blocks = listed ? internal::PendingList(a.pending) : a.checked_blocks;
     const int layers = a.layer >= 0 ? 1 : a.num_layers;
+    if (a.pending.journal != nullptr) {  // before the table or a state changes
+      __shared__ int journaled;
+      if (threadIdx.x == 0) journaled = 0;
+      __syncthreads();
+      for (int i = threadIdx.x; i < count; i += blockDim.x) {
+        const int32_t block = blocks[i];
+        if (!IsBlock(block)) continue;
+        for (int y = 0; y < layers; ++y) {
+          const int l = a.layer >= 0 ? a.layer : y;
+          if (internal::PendingEntriesOf(a.pending, l)[block] != 0) {
+            internal::PendingJournalList(a.pending, atomicAdd(&journaled, 1), block);
+            break;
+          }
+        }
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        internal::PendingJournalMarkStarted(
+            a.pending, a.discard ? kPendingDiscard : kPendingFlush, journaled, a.layer, 0);
+      }
+      __syncthreads();
+    }
     for (int x = threadIdx.x; x < count * layers; x += blockDim.x) {
       const int32_t block = blocks[x / layers];
       const int l = a.layer >= 0 ? a.layer : x % layers;
@@ -762,6 +799,36 @@ __global__ void __launch_bounds__(kCheckThreads) FlushPlanKernel(const FlushArgs
     if (threadIdx.x == 0) *a.jobs.count = jobs;
   }
   PublishStatus(a.status, a.status_mirror);
+}
+
+// DEFERRED with kept pools, before the commit's first write (kda_cpu.cc's
+// ListDeferredCommit, on one block): the pending journal lists the old
+// pending list and every block a row writes, and is marked started.
+__device__ void BlockListDeferredCommit(const CommitArgs& a, const CommitPlanRow* plan) {
+  const PendingBlocks& p = a.pending;
+  const int listed = *internal::PendingListSize(p);
+  const int32_t* const list = internal::PendingList(p);
+  __shared__ int journaled;
+  if (threadIdx.x == 0) journaled = listed;
+  for (int j = threadIdx.x; j < listed; j += blockDim.x) {
+    internal::PendingJournalList(p, j, list[j]);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < a.num_rows; i += blockDim.x) {
+    internal::ForEachCommitWrite(a, plan[i], i, [&](int32_t b, CheckedField, int32_t, int32_t) {
+      internal::PendingJournalList(p, atomicAdd(&journaled, 1), b);
+    });
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    internal::PendingJournalMarkStarted(p, kPendingCommit, journaled, -1, a.journal.step);
+  }
+}
+
+// After a Verify's or a Flush's last write (plain stream order): the
+// pending journal is idle again.
+__global__ void PendingJournalDoneKernel(const PendingBlocks p) {
+  internal::PendingJournalMarkDone(p);
 }
 
 // Checks, plans and writes the replay indices of a commit.
@@ -782,21 +849,26 @@ __device__ void CommitPlan(const CommitArgs& a, int64_t num_blocks) {
           [&](int i, auto fn) { internal::ForEachCommitRead(ws.plan[i], i, fn); })) {
     return;
   }
+  const bool deferred = a.pending.entries != nullptr;
+  // DEFERRED's own checks come first: a commit whose checks fail leaves
+  // the journals alone.
+  if (deferred && !BlockCheckRows(a.num_rows, a.status, [&](int i) {
+        return internal::CheckDeferredCommitRow(a, ws.plan[i], i);
+      })) {
+    return;
+  }
   if (a.journal.record != nullptr) {  // before the commit's first write
     __syncthreads();
     for (int i = threadIdx.x; i < a.num_rows; i += blockDim.x) {
       internal::JournalListRow(a, ws.plan[i], i);
     }
+    if (deferred && a.pending.journal != nullptr) BlockListDeferredCommit(a, ws.plan);
     __syncthreads();
     if (threadIdx.x == 0) internal::JournalMarkStarted(a.journal, a.num_rows);
+    __syncthreads();
   }
   const int q = a.spec_query_len;
-  if (a.pending.entries != nullptr) {
-    if (!BlockCheckRows(a.num_rows, a.status, [&](int i) {
-          return internal::CheckDeferredCommitRow(a, ws.plan[i], i);
-        })) {
-      return;
-    }
+  if (deferred) {
     BlockDeferCommit(a, ws.plan);
     return;
   }
@@ -817,8 +889,9 @@ __global__ void __launch_bounds__(kCheckThreads) CommitPlanKernel(const CommitAr
 // dependency): the listed blocks' records, then "committed". Does nothing
 // when the record does not hold this commit, started (its checks failed).
 __global__ void __launch_bounds__(kCheckThreads)
-    JournalFinishKernel(const CommitJournal j, int64_t num_blocks) {
+    JournalFinishKernel(const CommitJournal j, const PendingBlocks pending, int64_t num_blocks) {
   if (!internal::JournalOpenFor(j)) return;  // the same for every thread
+  if (pending.journal != nullptr && threadIdx.x == 0) internal::PendingJournalMarkDone(pending);
   const uint64_t sequence = j.record->commits + 1;
   const int rows = internal::JournalRows(j);
   for (int e = threadIdx.x; e < 2 * rows; e += blockDim.x) {
@@ -1194,8 +1267,13 @@ class CudaKernels final : public KdaKernels {
 
   absl::Status LaunchJournalFinish(const CommitArgs& a, Stream stream) const override {
     JournalFinishKernel<<<1, kCheckThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        a.journal, a.layers[0].state.num_blocks);
+        a.journal, a.pending, a.layers[0].state.num_blocks);
     return LaunchStatus(cudaGetLastError(), "Commit");
+  }
+
+  absl::Status LaunchPendingFinish(const PendingBlocks& p, Stream stream) const override {
+    PendingJournalDoneKernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(p);
+    return LaunchStatus(cudaGetLastError(), "pending journal");
   }
 
   absl::Status LaunchFlush(const FlushArgs& a, Stream stream) const override {

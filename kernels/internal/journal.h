@@ -87,6 +87,34 @@ SPECSTATE_HD void JournalMarkCommitted(const CommitJournal& j, uint64_t sequence
   JournalFence();
 }
 
+// DEFERRED's pending journal (kda_args.h, PendingBlocks::journal). Listing:
+// entry `index` is `block` (indices past the capacity are dropped; the host
+// checks the capacity covers every call).
+SPECSTATE_HD void PendingJournalList(const PendingBlocks& p, int index, int32_t block) {
+  if (index >= 0 && index < p.journal_capacity) p.journal_blocks[index] = block;
+}
+
+// Once the call's blocks are listed (one thread), before its first write to
+// the table or the pool.
+SPECSTATE_HD void PendingJournalMarkStarted(const PendingBlocks& p, uint32_t kind, int count,
+                                            int32_t layer, uint64_t step) {
+  PendingJournalRecord* r = p.journal;
+  r->kind = kind;
+  r->count = count < p.journal_capacity ? count : p.journal_capacity;
+  r->layer = layer;
+  r->step = step;
+  JournalFence();
+  *reinterpret_cast<volatile uint32_t*>(&r->state) = kJournalStarted;
+  JournalFence();
+}
+
+// After the call's last write (one thread): nothing is half-done.
+SPECSTATE_HD void PendingJournalMarkDone(const PendingBlocks& p) {
+  JournalFence();
+  *reinterpret_cast<volatile uint32_t*>(&p.journal->state) = kJournalIdle;
+  JournalFence();
+}
+
 }  // namespace internal
 }  // namespace kernels
 }  // namespace specstate

@@ -75,7 +75,8 @@ void RunDrill(const std::vector<std::string>& flags, int steps, int every, uint6
   ASSERT_NE(service, nullptr);
   auto c = ValueOrDie(Client::Connect(service->address()));
   const v1::Layout layout = ValueOrDie(c->GetLayout());
-  RestartDrill drill(service.get(), every, seed, layout.num_layers());
+  const bool deferred = layout.commit_mode() == v1::DEFERRED;
+  RestartDrill drill(service.get(), every, seed, layout.num_layers(), /*cuda=*/false, deferred);
   client::SimulationOptions options;
   options.steps = steps;
   options.requests = 4;
@@ -85,7 +86,8 @@ void RunDrill(const std::vector<std::string>& flags, int steps, int every, uint6
   ASSERT_TRUE(report.ok()) << report.status() << "\n" << service->Log();
   EXPECT_TRUE(report->passed()) << client::FormatReport(*report);
   EXPECT_GE(report->restarts, min_restarts) << report->restart_summary;
-  EXPECT_EQ(drill.kills().size(), 7u) << "every kind of kill: " << report->restart_summary;
+  EXPECT_EQ(static_cast<int>(drill.kills().size()), drill.kinds())
+      << "every kind of kill: " << report->restart_summary;
   EXPECT_GT(report->lost_blocks, 0u) << "interrupted commits lose their blocks";
   EXPECT_GT(report->steps_rerun, 0u);
   std::printf("%s", client::FormatReport(*report).c_str());
@@ -94,6 +96,22 @@ void RunDrill(const std::vector<std::string>& flags, int steps, int every, uint6
 // A small layout: the drill compares every pool byte around every restart.
 TEST(RestartTest, ADecodeLoopKeepsEveryCommittedStateAcrossKills) {
   RunDrill({"--layers=3", "--heads=2", "--conv_dim=128", "--blocks=32"}, 200, 7, 11, 25);
+}
+
+// commit_mode DEFERRED: pending tokens (the pending table and both records
+// buffers) survive kills between calls, inside a Verify and its replay of
+// pending blocks, at every phase of a Commit and inside a Flush or
+// ReadState; every state the service materializes is the stock path's.
+TEST(RestartTest, DeferredCommitsKeepTheirPendingTokensAcrossKills) {
+  RunDrill({"--commit_mode=deferred", "--layers=3", "--heads=2", "--conv_dim=128",
+            "--blocks=32"},
+           200, 5, 13, 30);
+}
+
+TEST(RestartTest, DeferredAlignModeKeepsItsStatesAcrossKills) {
+  RunDrill({"--commit_mode=deferred", "--cache_mode=align", "--mamba_block_size=4",
+            "--blocks=200", "--layers=2", "--heads=2", "--conv_dim=128"},
+           40, 3, 29, 10);
 }
 
 TEST(RestartTest, AlignModeKeepsItsBoundaryStatesAcrossKills) {
@@ -403,6 +421,16 @@ TEST(RestartTest, SpecstatectlSimulateRestartEvery) {
   EXPECT_THAT(r->output, HasSubstr("restart drill: "));
   EXPECT_THAT(r->output, HasSubstr("verdict: PASS"));
   EXPECT_THAT(r->output, HasSubstr("restarts of the service"));
+  // commit_mode DEFERRED: its own service serves it, with its own kill points.
+  r = RunProcess({RunfilePath("client/specstatectl"), "simulate", "--restart_every=3",
+                  "--steps=40", "--commit_mode=deferred", "--service_flags=--layers=2 --blocks=64",
+                  "--specstated=" + RunfilePath("server/specstated"),
+                  "--keeper_binary=" + RunfilePath("keeper/specstate-keeper")});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->exit_code, 0) << r->output;
+  EXPECT_THAT(r->output, HasSubstr("commit mode DEFERRED"));
+  EXPECT_THAT(r->output, HasSubstr("inside Verify's replay"));
+  EXPECT_THAT(r->output, HasSubstr("verdict: PASS"));
   // With --server it refuses: it only restarts a service of its own.
   r = RunProcess({RunfilePath("client/specstatectl"), "--server=unix:///tmp/x.sock", "simulate",
                   "--restart_every=5"});

@@ -5,8 +5,9 @@
 # (service: the service's GPU tests and the Python client's, not the kernels';
 # GPU_SERVICE_FILTER is a gtest filter for gpu_service_test; restart: the kept
 # pools on the GPU (issue 24): vmm_probe, then the restart drill on the CUDA
-# backend without and with MPS, and the kernels' commit journal tests; not
-# part of `all`. RESTART_STEPS (200), RESTART_EVERY (5) and
+# backend without and with MPS, and again with commit_mode DEFERRED (its
+# pending tokens kept), and the kernels' commit journal and DEFERRED tests
+# (both journals); not part of `all`. RESTART_STEPS (200), RESTART_EVERY (5) and
 # RESTART_SERVICE_FLAGS size the drill.)
 # Writes logs and tables into OUTDIR and prints a summary; exits non-zero when
 # a test failed.
@@ -96,27 +97,29 @@ if [ "$what" = restart ]; then
   [ $rc -eq 0 ] || status=1
   # 2. The commit journal on the GPU (CommitJournalTest.*/cuda): a commit
   #    lists its blocks before its first write and marks them after its last.
-  timeout 300 "$bin/kda_kernels_gpu_test" --gtest_brief=1 --gtest_filter='*CommitJournal*' \
+  timeout 300 "$bin/kda_kernels_gpu_test" --gtest_brief=1 --gtest_filter='*CommitJournal*:*Deferred*' \
     > "$out/commit_journal.log" 2>&1
-  rc=$?; note "kda_kernels_gpu_test CommitJournal*: exit $rc, $(grep -E '^\[  (PASSED|FAILED) ' "$out/commit_journal.log" | tr '\n' ' ')"
+  rc=$?; note "kda_kernels_gpu_test CommitJournal*:Deferred*: exit $rc, $(grep -E '^\[  (PASSED|FAILED) ' "$out/commit_journal.log" | tr '\n' ' ')"
   [ $rc -eq 0 ] || status=1
-  no_skips "$out/commit_journal.log" "CommitJournal*"
+  no_skips "$out/commit_journal.log" "CommitJournal*:Deferred*"
   # 3. The drill on the CUDA backend: its own keeper and specstated, killed
   #    between calls, inside Verify and right after a Commit's kernels were
   #    enqueued (they run on while the process dies), started again; every
   #    state compared bit for bit with the stock path; the report says the
   #    restart times and the bytes kept.
-  drill() {  # NAME
+  drill() {  # NAME [specstatectl flags]
+    local name=$1; shift
     timeout 580 "$bin/specstatectl" simulate --restart_every="${RESTART_EVERY:-5}" \
-      --steps="${RESTART_STEPS:-200}" --requests=8 \
+      --steps="${RESTART_STEPS:-200}" --requests=8 "$@" \
       --service_flags="--backend=cuda ${RESTART_SERVICE_FLAGS:---layers=8 --heads=16 --head_dim=128 --conv_dim=4096 --blocks=64 --max_rows=16}" \
       --specstated="$bin/specstated" --keeper_binary="$bin/specstate-keeper" \
-      > "$out/restart_drill_$1.log" 2>&1
-    rc=$?; note "restart drill ($1): exit $rc"
-    grep -E '^(restart drill|verdict)' "$out/restart_drill_$1.log" | tee -a "$summary"
+      > "$out/restart_drill_$name.log" 2>&1
+    rc=$?; note "restart drill ($name): exit $rc"
+    grep -E '^(restart drill|verdict)' "$out/restart_drill_$name.log" | tee -a "$summary"
     [ $rc -eq 0 ] || status=1
   }
   drill no_mps
+  drill deferred --commit_mode=deferred
   if command -v nvidia-cuda-mps-control > /dev/null; then
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/ss-restart-mps CUDA_MPS_LOG_DIRECTORY=/tmp/ss-restart-mps-log
     mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
