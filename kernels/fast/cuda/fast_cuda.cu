@@ -50,6 +50,11 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kRingChunk = 32;
 // State rows per fold block.
 constexpr int kFoldRows = 32;
+// Verify prefetches its checkpoint slice into L2 at the block's start.
+#ifndef SPECSTATE_FAST_CUDA_PREFETCH
+#define SPECSTATE_FAST_CUDA_PREFETCH 1
+#endif
+constexpr bool kPrefetchState = SPECSTATE_FAST_CUDA_PREFETCH != 0;
 // Commit's fold grid: blocks per (value head, tile) striding over the rows.
 constexpr int kCommitFoldGridX = 16;
 
@@ -230,9 +235,10 @@ struct VerifySmem {
   }
 };
 
-// Three blocks per SM at K <= 128 (at most 85 registers a thread).
+// Four blocks per SM at K <= 128 (at most 64 registers a thread, as the
+// first version: three would make N = 16 Kimi-Linear's 512 blocks two waves).
 template <typename Act, typename State, int K>
-__global__ void __launch_bounds__(kThreads, K <= 128 ? 3 : 1) FastVerifyKernel(FastVerifyArgs a) {
+__global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1) FastVerifyKernel(FastVerifyArgs a) {
   extern __shared__ float smem[];
   const int n = blockIdx.x, hv = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -257,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 3 : 1) FastVerifyKernel(F
 
   // The checkpoint slice this block reads in its last phase: into L2 now,
   // while the window and ring phases run (a line per thread per step).
-  {
+  if constexpr (kPrefetchState) {
     const char* slice = reinterpret_cast<const char*>(
         static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
         int64_t{hv} * K * K);
@@ -399,7 +405,23 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 3 : 1) FastVerifyKernel(F
       qx[t * K + j] = ::specstate::fast::Decayed(qn[t * K + j], e);
     }
   }
-  // The ring's values: a thread per state row, oldest token first.
+  __syncthreads();  // kc, qc ready; qn, kn free
+
+  // The checkpoint: S0[v] . kc_t into kn[t][v], S0[v] . qc_t into qn[t][v]
+  // (CheckpointPass: kc, qc in registers, several rows in flight per warp).
+  const State* s0 = static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
+                    int64_t{hv} * K * K;
+  if (T <= 2) {
+    CheckpointPass<State, K, 2>(s0, 0, T, kx, qx, kn, qn, lane, warp);
+  } else {
+    // kc, qc for four tokens at a time in registers (a second pass over the
+    // slice, from L2, for windows of more than four).
+    for (int t0 = 0; t0 < T; t0 += 4) CheckpointPass<State, K, 4>(s0, t0, T, kx, qx, kn, qn, lane, warp);
+  }
+  __syncthreads();
+
+  // The ring's values: a thread per state row, oldest token first (after
+  // the checkpoint pass, so that rk, rq hold no registers during it).
   float rk[kMaxWindow], rq[kMaxWindow];
   const int v_own = tid;
   if (v_own < K) {
@@ -417,21 +439,6 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 3 : 1) FastVerifyKernel(F
       }
     }
   }
-  __syncthreads();  // kc, qc ready; qn, kn free
-
-  // The checkpoint: S0[v] . kc_t into kn[t][v], S0[v] . qc_t into qn[t][v]
-  // (CheckpointPass: kc, qc in registers, several rows in flight per warp).
-  const State* s0 = static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
-                    int64_t{hv} * K * K;
-  if (T <= 2) {
-    CheckpointPass<State, K, 2>(s0, 0, T, kx, qx, kn, qn, lane, warp);
-  } else {
-    // kc, qc for four tokens at a time in registers (a second pass over the
-    // slice, from L2, for windows of more than four).
-    for (int t0 = 0; t0 < T; t0 += 4) CheckpointPass<State, K, 4>(s0, t0, T, kx, qx, kn, qn, lane, warp);
-  }
-  __syncthreads();
-
   // 4. The forward substitution per state row: outputs and u.
   if (v_own < K) {
     float sk[kMaxWindow], sq[kMaxWindow], vr[kMaxWindow], u[kMaxWindow], o[kMaxWindow];
@@ -527,15 +534,35 @@ __global__ void __launch_bounds__(kThreads) FastFoldKernel(FoldParams f) {
   const int HV = ValueHeads(s);
   const int64_t block_elems = int64_t{HV} * K * K;
   // Blocks stride over the rows (kCommit: gridDim.x is small, so that a
-  // commit with no fold costs a few blocks' plan reads, not a block per row,
-  // head and tile); the test is uniform per block.
-  for (int row = blockIdx.x; row < f.rows; row += gridDim.x) {
+  // commit with no fold costs one parallel plan read per block, not a block
+  // per row, head and tile): the block's threads test kThreads of its rows
+  // at once, the rows that fold listed in shared memory, then folded one
+  // after the other.
+  __shared__ int fold_rows[kThreads];
+  __shared__ int fold_count;
+  const int per_block = (f.rows - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
+  for (int m0 = 0; m0 < per_block; m0 += kThreads) {
+  __syncthreads();  // the previous list and shared memory reads done
+  if (tid == 0) fold_count = 0;
+  __syncthreads();
+  {
+    const int m = m0 + tid;
+    int32_t b;
+    int nn;
+    void* d;
+    if (m < per_block &&
+        FoldTarget<kMode>(f, blockIdx.x + m * gridDim.x, &b, &nn, &d, block_elems, sizeof(State))) {
+      fold_rows[atomicAdd(&fold_count, 1)] = blockIdx.x + m * gridDim.x;
+    }
+  }
+  __syncthreads();
+  const int listed = fold_count;
+  for (int e = 0; e < listed; ++e) {
+  const int row = fold_rows[e];
   int32_t block;
   int n;
   void* dst_void;
-  if (!FoldTarget<kMode>(f, row, &block, &n, &dst_void, block_elems, sizeof(State))) {
-    continue;
-  }
+  FoldTarget<kMode>(f, row, &block, &n, &dst_void, block_elems, sizeof(State));
   __syncthreads();  // the previous row's shared memory reads done
   const FastRings& rings = f.layer.rings;
   const bool gdn = s.kind == LayerKind::kGdn;
@@ -606,6 +633,7 @@ __global__ void __launch_bounds__(kThreads) FastFoldKernel(FoldParams f) {
   for (int m = 0; m < kRowsEach; ++m) {
     const int v = v0 + group + kGroups * m;
     dst[int64_t{v} * K + j] = FromFloat<State>(acc[m]);
+  }
   }
   }
 }
