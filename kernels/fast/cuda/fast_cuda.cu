@@ -50,9 +50,13 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kRingChunk = 32;
 // State rows per fold block.
 constexpr int kFoldRows = 32;
-// Verify prefetches its checkpoint slice into L2 at the block's start.
+// Verify prefetches its checkpoint slice into L2 at the block's start: off.
+// Measured on an H200 (docs/results/fast_cuda_h200.md, second run): with it,
+// N = 256 Kimi-Linear 705.5 us cold against 672.3 us without (DRAM 28%
+// against 23% of peak: prefetched lines evicted before use and read again);
+// only N = 1 gained (25.8 against 29.8 us).
 #ifndef SPECSTATE_FAST_CUDA_PREFETCH
-#define SPECSTATE_FAST_CUDA_PREFETCH 1
+#define SPECSTATE_FAST_CUDA_PREFETCH 0
 #endif
 constexpr bool kPrefetchState = SPECSTATE_FAST_CUDA_PREFETCH != 0;
 // Commit's fold grid: blocks per (value head, tile) striding over the rows.
