@@ -50,15 +50,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kRingChunk = 32;
 // State rows per fold block.
 constexpr int kFoldRows = 32;
-// Verify prefetches its checkpoint slice into L2 at the block's start: off.
-// Measured on an H200 (docs/results/fast_cuda_h200.md, second run): with it,
-// N = 256 Kimi-Linear 705.5 us cold against 672.3 us without (DRAM 28%
-// against 23% of peak: prefetched lines evicted before use and read again);
-// only N = 1 gained (25.8 against 29.8 us).
-#ifndef SPECSTATE_FAST_CUDA_PREFETCH
-#define SPECSTATE_FAST_CUDA_PREFETCH 0
-#endif
-constexpr bool kPrefetchState = SPECSTATE_FAST_CUDA_PREFETCH != 0;
 // Commit's fold grid: blocks per (value head, tile) striding over the rows.
 constexpr int kCommitFoldGridX = 16;
 
@@ -239,9 +230,17 @@ struct VerifySmem {
   }
 };
 
-// Four blocks per SM at K <= 128 (at most 64 registers a thread, as the
-// first version: three would make N = 16 Kimi-Linear's 512 blocks two waves).
-template <typename Act, typename State, int K>
+// kSmallGrid (at most one block per SM: N = 1): the checkpoint slice
+// prefetched into L2 at the block's start and CheckpointPass (kc, qc in
+// registers); otherwise the first version's checkpoint pass, no prefetch.
+// Measured on an H200, Kimi-Linear verify F=4 cold L2
+// (docs/results/fast_cuda_h200.md): N = 1 34.3 us first version, 29.8 us
+// CheckpointPass, 25.8 us CheckpointPass + prefetch; N = 16 / 64 / 256 51.4 /
+// 173.6 / 623.5 us first version against 64.8 / 197.5 / 672.3 us
+// CheckpointPass (and 68.1 / 202.0 / 705.5 us with the prefetch). Four blocks
+// per SM at K <= 128 (64 registers; three would make N = 16's 512 blocks two
+// waves: 76.6 us).
+template <typename Act, typename State, int K, bool kSmallGrid>
 __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1) FastVerifyKernel(FastVerifyArgs a) {
   extern __shared__ float smem[];
   const int n = blockIdx.x, hv = blockIdx.y;
@@ -265,9 +264,11 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1) FastVerifyKernel(F
   const bool first_of_group = hv % (HV / H) == 0;
   const kda::GateRule rule = RuleOf(s, a.params, h);
 
-  // The checkpoint slice this block reads in its last phase: into L2 now,
-  // while the window and ring phases run (a line per thread per step).
-  if constexpr (kPrefetchState) {
+  // kSmallGrid: the checkpoint slice this block reads in its last phase,
+  // into L2 now, while the window and ring phases run (a line per thread
+  // per step). At larger grids it cost more than it hid (N = 256: DRAM 28%
+  // of peak against 23%, prefetched lines evicted before use).
+  if constexpr (kSmallGrid) {
     const char* slice = reinterpret_cast<const char*>(
         static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
         int64_t{hv} * K * K);
@@ -415,12 +416,75 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1) FastVerifyKernel(F
   // (CheckpointPass: kc, qc in registers, several rows in flight per warp).
   const State* s0 = static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
                     int64_t{hv} * K * K;
-  if (T <= 2) {
-    CheckpointPass<State, K, 2>(s0, 0, T, kx, qx, kn, qn, lane, warp);
+  if constexpr (kSmallGrid) {
+    if (T <= 2) {
+      CheckpointPass<State, K, 2>(s0, 0, T, kx, qx, kn, qn, lane, warp);
+    } else {
+      // kc, qc for four tokens at a time in registers (a second pass over
+      // the slice, from L2, for windows of more than four).
+      for (int t0 = 0; t0 < T; t0 += 4) {
+        CheckpointPass<State, K, 4>(s0, t0, T, kx, qx, kn, qn, lane, warp);
+      }
+    }
   } else {
-    // kc, qc for four tokens at a time in registers (a second pass over the
-    // slice, from L2, for windows of more than four).
-    for (int t0 = 0; t0 < T; t0 += 4) CheckpointPass<State, K, 4>(s0, t0, T, kx, qx, kn, qn, lane, warp);
+    // The first version's pass: a warp per state row, kc_t, qc_t re-read
+    // from shared memory for each row (16-byte loads), 2T WarpSums per row.
+    // A lane's columns of a row: 4 * (lane + 32 x) .. + 3 (K >= 128), or
+    // 2 lane, 2 lane + 1 (K = 64).
+    constexpr int kQuads = K >= 128 ? K / 128 : 1;
+    for (int v = warp; v < K; v += kWarps) {
+      float4 row[kQuads];
+      if constexpr (K >= 128) {
+#pragma unroll
+        for (int x = 0; x < kQuads; ++x) row[x] = Load4(s0 + int64_t{v} * K + 4 * (lane + 32 * x));
+      } else {
+        row[0] = make_float4(ToFloat(s0[int64_t{v} * K + 2 * lane]),
+                             ToFloat(s0[int64_t{v} * K + 2 * lane + 1]), 0.0f, 0.0f);
+      }
+      float sk[kMaxWindow], sq[kMaxWindow];
+#pragma unroll
+      for (int t = 0; t < kMaxWindow; ++t) {
+        sk[t] = sq[t] = 0.0f;
+        if (t < T) {
+          if constexpr (K >= 128) {
+#pragma unroll
+            for (int x = 0; x < kQuads; ++x) {
+              const int j = 4 * (lane + 32 * x);
+              const float4 kc = *reinterpret_cast<const float4*>(kx + t * K + j);
+              const float4 qc = *reinterpret_cast<const float4*>(qx + t * K + j);
+              sk[t] = kda::MulAdd(row[x].x, kc.x, sk[t]);
+              sk[t] = kda::MulAdd(row[x].y, kc.y, sk[t]);
+              sk[t] = kda::MulAdd(row[x].z, kc.z, sk[t]);
+              sk[t] = kda::MulAdd(row[x].w, kc.w, sk[t]);
+              sq[t] = kda::MulAdd(row[x].x, qc.x, sq[t]);
+              sq[t] = kda::MulAdd(row[x].y, qc.y, sq[t]);
+              sq[t] = kda::MulAdd(row[x].z, qc.z, sq[t]);
+              sq[t] = kda::MulAdd(row[x].w, qc.w, sq[t]);
+            }
+          } else {
+            const int j = 2 * lane;
+            sk[t] = kda::MulAdd(row[0].y, kx[t * K + j + 1], kda::MulAdd(row[0].x, kx[t * K + j], 0.0f));
+            sq[t] = kda::MulAdd(row[0].y, qx[t * K + j + 1], kda::MulAdd(row[0].x, qx[t * K + j], 0.0f));
+          }
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < kMaxWindow; ++t) {
+        if (t < T) {
+          sk[t] = WarpSum(sk[t]);
+          sq[t] = WarpSum(sq[t]);
+        }
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < kMaxWindow; ++t) {
+          if (t < T) {
+            kn[t * K + v] = sk[t];
+            qn[t * K + v] = sq[t];
+          }
+        }
+      }
+    }
   }
   __syncthreads();
 
@@ -756,12 +820,17 @@ absl::Status FastVerifyCuda(const FastVerifyArgs& a, const FastNumerics& num,
     constexpr int K = decltype(head_dim)::value;
     const size_t smem =
         VerifySmem{K, a.spec_query_len, a.rings.capacity}.Floats() * sizeof(float);
-    auto kernel = FastVerifyKernel<Act, State, K>;
+    const dim3 grid(a.num_rows, ValueHeads(a.shape));
+    int device = 0, sms = 0;
+    err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return;
+    auto kernel = int64_t{grid.x} * grid.y <= sms ? FastVerifyKernel<Act, State, K, true>
+                                                 : FastVerifyKernel<Act, State, K, false>;
     if (smem > 48 * 1024) {
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
       if (err != cudaSuccess) return;
     }
-    const dim3 grid(a.num_rows, ValueHeads(a.shape));
     kernel<<<grid, kThreads, smem, stream>>>(a);
     err = cudaGetLastError();
   });
