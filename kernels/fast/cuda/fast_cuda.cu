@@ -9,13 +9,19 @@
 //     warp per token), decayed by H_i (a thread per column, summing gammas
 //     from the near end, as RingExponents), and its coefficients
 //     kw_t . kr_i, qw_t . kr_i (a warp per pair);
-//  3. kc_t, qc_t; the ring's values sum_i A_r[t][i] u_i[v] (a thread per
-//     state row, oldest first); the checkpoint's S0[v] . kc_t, S0[v] . qc_t
-//     (a warp per state row, the checkpoint read once, 16-byte loads);
+//  3. kc_t, qc_t; the checkpoint's S0[v] . kc_t, S0[v] . qc_t (the
+//     checkpoint read once, 16-byte loads): at most one block per SM
+//     (N = 1), CheckpointPass (kc, qc in registers, rows batched, the
+//     slice prefetched into L2 at the start); otherwise a warp per state
+//     row, kc, qc from shared memory (measured faster there); then the
+//     ring's values sum_i A_r[t][i] u_i[v] (a thread per state row, oldest
+//     first);
 //  4. the forward substitution (SolveWindowRow) per state row: outputs and
 //     the candidates' u.
-// Fold (Commit, Materialize): one block per (block, value head, tile of 32
-// state rows); exponents per column from the near end; the chain over ring
+// Fold (Commit, Materialize): blocks per (value head, tile of 32 state
+// rows) striding over the rows (Commit: 16 of them, testing their rows in
+// parallel and folding only those that fold; Materialize: one per listed
+// block); exponents per column from the near end; the chain over ring
 // tokens oldest first, as FoldRow.
 #include <cuda_runtime.h>
 
@@ -610,99 +616,101 @@ __global__ void __launch_bounds__(kThreads) FastFoldKernel(FoldParams f) {
   __shared__ int fold_count;
   const int per_block = (f.rows - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
   for (int m0 = 0; m0 < per_block; m0 += kThreads) {
-  __syncthreads();  // the previous list and shared memory reads done
-  if (tid == 0) fold_count = 0;
-  __syncthreads();
-  {
-    const int m = m0 + tid;
-    int32_t b;
-    int nn;
-    void* d;
-    if (m < per_block &&
-        FoldTarget<kMode>(f, blockIdx.x + m * gridDim.x, &b, &nn, &d, block_elems, sizeof(State))) {
-      fold_rows[atomicAdd(&fold_count, 1)] = blockIdx.x + m * gridDim.x;
-    }
-  }
-  __syncthreads();
-  const int listed = fold_count;
-  for (int e = 0; e < listed; ++e) {
-  const int row = fold_rows[e];
-  int32_t block;
-  int n;
-  void* dst_void;
-  FoldTarget<kMode>(f, row, &block, &n, &dst_void, block_elems, sizeof(State));
-  __syncthreads();  // the previous row's shared memory reads done
-  const FastRings& rings = f.layer.rings;
-  const bool gdn = s.kind == LayerKind::kGdn;
-  const int h = KeyHeadOf(s, hv);
-  const int R = rings.capacity;
-  float* kr = smem;
-  float* uc = kr + kRingChunk * K;
-  float* bound = uc + kRingChunk * kFoldRows;
-  float* gc = bound + (R / kRingChunk + 1) * K;
-  const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s), u_width = RingUWidth(s);
-  const int chunks = (n + kRingChunk - 1) / kRingChunk;
-  // Exponents per column from the newest token back; each chunk's starting
-  // value (the sum over the tokens after it) kept.
-  for (int j = tid; j < K; j += kThreads) {
-    float acc = 0.0f;
-    for (int i = n - 1; i >= 0; --i) {
-      if ((i + 1) % kRingChunk == 0 || i == n - 1) bound[(i / kRingChunk) * K + j] = acc;
-      const float* g = rings.log_decay + RingAt(rings, block, i, g_width);
-      acc += gdn ? g[hv] : g[int64_t{h} * K + j];
-    }
-    gc[j] = acc;
-  }
-  __syncthreads();
-  constexpr int kGroups = kThreads / K > 0 ? kThreads / K : 1;
-  constexpr int kRowsEach = kFoldRows / kGroups;
-  static_assert(K <= kThreads, "a thread per column");
-  const int j = tid % K, group = tid / K;
-  const State* s0 = static_cast<const State*>(f.layer.state.data) +
-                    int64_t{block} * f.layer.state.block_stride + int64_t{hv} * K * K;
-  float acc[kRowsEach];
-#pragma unroll
-  for (int m = 0; m < kRowsEach; ++m) {
-    const int v = v0 + group + kGroups * m;
-    acc[m] = ::specstate::fast::Decayed(ToFloat(s0[int64_t{v} * K + j]), gc[j]);
-  }
-  const Act* ring_k = static_cast<const Act*>(rings.k);
-  for (int chunk = 0; chunk < chunks; ++chunk) {
-    const int i0 = chunk * kRingChunk, i1 = min(n, i0 + kRingChunk);
+    __syncthreads();  // the previous list and shared memory reads done
+    if (tid == 0) fold_count = 0;
     __syncthreads();
-    for (int i = i0 + warp; i < i1; i += kWarps) {
-      WarpNormalize<Act, K>(ring_k + RingAt(rings, block, i, kw_width) + int64_t{h} * K, 1.0f,
-                            kr + (i - i0) * K, lane);
-    }
-    for (int e = tid; e < (i1 - i0) * kFoldRows; e += kThreads) {
-      const int i = i0 + e / kFoldRows, v = v0 + e % kFoldRows;
-      uc[e] = rings.u[RingAt(rings, block, i, u_width) + int64_t{hv} * K + v];
-    }
-    __syncthreads();
-    for (int jj = tid; jj < K; jj += kThreads) {
-      float e = bound[chunk * K + jj];
-      for (int i = i1 - 1; i >= i0; --i) {
-        kr[(i - i0) * K + jj] = ::specstate::fast::Decayed(kr[(i - i0) * K + jj], e);
-        const float* g = rings.log_decay + RingAt(rings, block, i, g_width);
-        e += gdn ? g[hv] : g[int64_t{h} * K + jj];
+    {
+      const int m = m0 + tid;
+      int32_t b;
+      int nn;
+      void* d;
+      const int row = blockIdx.x + m * gridDim.x;
+      if (m < per_block &&
+          FoldTarget<kMode>(f, row, &b, &nn, &d, block_elems, sizeof(State))) {
+        fold_rows[atomicAdd(&fold_count, 1)] = row;
       }
     }
     __syncthreads();
-    for (int i = i0; i < i1; ++i) {
-      const float k_ij = kr[(i - i0) * K + j];
+    const int listed = fold_count;
+    for (int li = 0; li < listed; ++li) {
+      const int row = fold_rows[li];
+      int32_t block;
+      int n;
+      void* dst_void;
+      FoldTarget<kMode>(f, row, &block, &n, &dst_void, block_elems, sizeof(State));
+      __syncthreads();  // the previous row's shared memory reads done
+      const FastRings& rings = f.layer.rings;
+      const bool gdn = s.kind == LayerKind::kGdn;
+      const int h = KeyHeadOf(s, hv);
+      const int R = rings.capacity;
+      float* kr = smem;
+      float* uc = kr + kRingChunk * K;
+      float* bound = uc + kRingChunk * kFoldRows;
+      float* gc = bound + (R / kRingChunk + 1) * K;
+      const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s),
+                    u_width = RingUWidth(s);
+      const int chunks = (n + kRingChunk - 1) / kRingChunk;
+      // Exponents per column from the newest token back; each chunk's starting
+      // value (the sum over the tokens after it) kept.
+      for (int j = tid; j < K; j += kThreads) {
+        float acc = 0.0f;
+        for (int i = n - 1; i >= 0; --i) {
+          if ((i + 1) % kRingChunk == 0 || i == n - 1) bound[(i / kRingChunk) * K + j] = acc;
+          const float* g = rings.log_decay + RingAt(rings, block, i, g_width);
+          acc += gdn ? g[hv] : g[int64_t{h} * K + j];
+        }
+        gc[j] = acc;
+      }
+      __syncthreads();
+      constexpr int kGroups = kThreads / K > 0 ? kThreads / K : 1;
+      constexpr int kRowsEach = kFoldRows / kGroups;
+      static_assert(K <= kThreads, "a thread per column");
+      const int j = tid % K, group = tid / K;
+      const State* s0 = static_cast<const State*>(f.layer.state.data) +
+                        int64_t{block} * f.layer.state.block_stride + int64_t{hv} * K * K;
+      float acc[kRowsEach];
 #pragma unroll
       for (int m = 0; m < kRowsEach; ++m) {
-        acc[m] = kda::MulAdd(uc[(i - i0) * kFoldRows + group + kGroups * m], k_ij, acc[m]);
+        const int v = v0 + group + kGroups * m;
+        acc[m] = ::specstate::fast::Decayed(ToFloat(s0[int64_t{v} * K + j]), gc[j]);
+      }
+      const Act* ring_k = static_cast<const Act*>(rings.k);
+      for (int chunk = 0; chunk < chunks; ++chunk) {
+        const int i0 = chunk * kRingChunk, i1 = min(n, i0 + kRingChunk);
+        __syncthreads();
+        for (int i = i0 + warp; i < i1; i += kWarps) {
+          WarpNormalize<Act, K>(ring_k + RingAt(rings, block, i, kw_width) + int64_t{h} * K, 1.0f,
+                                kr + (i - i0) * K, lane);
+        }
+        for (int e = tid; e < (i1 - i0) * kFoldRows; e += kThreads) {
+          const int i = i0 + e / kFoldRows, v = v0 + e % kFoldRows;
+          uc[e] = rings.u[RingAt(rings, block, i, u_width) + int64_t{hv} * K + v];
+        }
+        __syncthreads();
+        for (int jj = tid; jj < K; jj += kThreads) {
+          float e = bound[chunk * K + jj];
+          for (int i = i1 - 1; i >= i0; --i) {
+            kr[(i - i0) * K + jj] = ::specstate::fast::Decayed(kr[(i - i0) * K + jj], e);
+            const float* g = rings.log_decay + RingAt(rings, block, i, g_width);
+            e += gdn ? g[hv] : g[int64_t{h} * K + jj];
+          }
+        }
+        __syncthreads();
+        for (int i = i0; i < i1; ++i) {
+          const float k_ij = kr[(i - i0) * K + j];
+#pragma unroll
+          for (int m = 0; m < kRowsEach; ++m) {
+            acc[m] = kda::MulAdd(uc[(i - i0) * kFoldRows + group + kGroups * m], k_ij, acc[m]);
+          }
+        }
+      }
+      State* dst = static_cast<State*>(dst_void) + int64_t{hv} * K * K;
+#pragma unroll
+      for (int m = 0; m < kRowsEach; ++m) {
+        const int v = v0 + group + kGroups * m;
+        dst[int64_t{v} * K + j] = FromFloat<State>(acc[m]);
       }
     }
-  }
-  State* dst = static_cast<State*>(dst_void) + int64_t{hv} * K * K;
-#pragma unroll
-  for (int m = 0; m < kRowsEach; ++m) {
-    const int v = v0 + group + kGroups * m;
-    dst[int64_t{v} * K + j] = FromFloat<State>(acc[m]);
-  }
-  }
   }
 }
 
@@ -823,7 +831,9 @@ absl::Status FastVerifyCuda(const FastVerifyArgs& a, const FastNumerics& num,
     const dim3 grid(a.num_rows, ValueHeads(a.shape));
     int device = 0, sms = 0;
     err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess) {
+      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    }
     if (err != cudaSuccess) return;
     auto kernel = int64_t{grid.x} * grid.y <= sms ? FastVerifyKernel<Act, State, K, true>
                                                  : FastVerifyKernel<Act, State, K, false>;
