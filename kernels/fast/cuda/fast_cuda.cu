@@ -9,13 +9,19 @@
 //     warp per token), decayed by H_i (a thread per column, summing gammas
 //     from the near end, as RingExponents), and its coefficients
 //     kw_t . kr_i, qw_t . kr_i (a warp per pair);
-//  3. kc_t, qc_t; the ring's values sum_i A_r[t][i] u_i[v] (a thread per
-//     state row, oldest first); the checkpoint's S0[v] . kc_t, S0[v] . qc_t
-//     (a warp per state row, the checkpoint read once, 16-byte loads);
+//  3. kc_t, qc_t; the checkpoint's S0[v] . kc_t, S0[v] . qc_t (the
+//     checkpoint read once, 16-byte loads): at most one block per SM
+//     (N = 1), CheckpointPass (kc, qc in registers, rows batched, the
+//     slice prefetched into L2 at the start); otherwise a warp per state
+//     row, kc, qc from shared memory (measured faster there); then the
+//     ring's values sum_i A_r[t][i] u_i[v] (a thread per state row, oldest
+//     first);
 //  4. the forward substitution (SolveWindowRow) per state row: outputs and
 //     the candidates' u.
-// Fold (Commit, Materialize): one block per (block, value head, tile of 32
-// state rows); exponents per column from the near end; the chain over ring
+// Fold (Commit, Materialize): blocks per (value head, tile of 32 state
+// rows) striding over the rows (Commit: 16 of them, testing their rows in
+// parallel and folding only those that fold; Materialize: one per listed
+// block); exponents per column from the near end; the chain over ring
 // tokens oldest first, as FoldRow.
 #include <cuda_runtime.h>
 
@@ -50,6 +56,8 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kRingChunk = 32;
 // State rows per fold block.
 constexpr int kFoldRows = 32;
+// Commit's fold grid: blocks per (value head, tile) striding over the rows.
+constexpr int kCommitFoldGridX = 16;
 
 __device__ __forceinline__ float WarpSum(float x) {
 #pragma unroll
@@ -94,6 +102,124 @@ __device__ __forceinline__ float4 Load4(const BFloat16* p) {
                      BitsToFloat(raw.y << 16), BitsToFloat(raw.y & 0xffff0000u));
 }
 
+// C consecutive state elements (C = 2, 4, 8) as floats, vectorized loads.
+template <int C>
+__device__ __forceinline__ void LoadCols(const float* p, float (&out)[C]) {
+  if constexpr (C == 2) {
+    const float2 x = __ldcs(reinterpret_cast<const float2*>(p));
+    out[0] = x.x;
+    out[1] = x.y;
+  } else {
+#pragma unroll
+    for (int q = 0; q < C / 4; ++q) {
+      const float4 x = Load4(p + 4 * q);
+      out[4 * q] = x.x;
+      out[4 * q + 1] = x.y;
+      out[4 * q + 2] = x.z;
+      out[4 * q + 3] = x.w;
+    }
+  }
+}
+template <int C>
+__device__ __forceinline__ void LoadCols(const BFloat16* p, float (&out)[C]) {
+  if constexpr (C == 2) {
+    const unsigned int raw = __ldcs(reinterpret_cast<const unsigned int*>(p));
+    out[0] = BitsToFloat(raw << 16);
+    out[1] = BitsToFloat(raw & 0xffff0000u);
+  } else {
+#pragma unroll
+    for (int q = 0; q < C / 4; ++q) {
+      const float4 x = Load4(p + 4 * q);
+      out[4 * q] = x.x;
+      out[4 * q + 1] = x.y;
+      out[4 * q + 2] = x.z;
+      out[4 * q + 3] = x.w;
+    }
+  }
+}
+
+// Reduces M values per lane (M a power of two <= 32) over the warp with
+// 2 M - 2 + log2(32 / M) shuffles (a reduce-scatter: each step keeps half of
+// the values and ships the other half), instead of 5 M. Returns, in every
+// lane, the warp's sum of x[lane >> (5 - log2 M)]. Each sum is formed in the
+// same pairing as WarpSum (xor 16, 8, 4, 2, 1), so the results are those of
+// WarpSum bit for bit.
+template <int M>
+__device__ __forceinline__ float TransposeWarpSum(float (&x)[M], int lane) {
+  static_assert(M >= 1 && M <= 32 && (M & (M - 1)) == 0, "M a power of two <= 32");
+  int o = 16;
+#pragma unroll
+  for (int half = M / 2; half >= 1; half /= 2, o /= 2) {
+    const bool hi = (lane & o) != 0;
+#pragma unroll
+    for (int m = 0; m < half; ++m) {
+      const float send = hi ? x[m] : x[m + half];
+      const float keep = hi ? x[m + half] : x[m];
+      x[m] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+  }
+#pragma unroll
+  for (; o > 0; o /= 2) x[0] += __shfl_xor_sync(0xffffffffu, x[0], o);
+  return x[0];
+}
+
+// Verify's checkpoint pass for window tokens t0 .. t0 + kW - 1 (those < T):
+// S0[v] . kc_t into kn[t][v], S0[v] . qc_t into qn[t][v], every state row v.
+// Each warp owns K / 8 consecutive rows; a lane holds K / 32 consecutive
+// columns of kc_t and qc_t for those t in registers (read from shared memory
+// once, not once per row), loads kRows rows at a time (their loads in flight
+// together; the slice was prefetched into L2 at the kernel's start) and
+// reduces the batch's 2 kW kRows = 16 partial sums together
+// (TransposeWarpSum). Products summed in column order per lane, as before.
+template <typename State, int K, int kW>
+__device__ __forceinline__ void CheckpointPass(const State* s0, int t0, int T, const float* kc_s,
+                                               const float* qc_s, float* kn, float* qn, int lane,
+                                               int warp) {
+  constexpr int C = K / 32;                 // columns per lane
+  constexpr int kSums = 16;
+  constexpr int kRows = kSums / (2 * kW);   // rows per batch
+  constexpr int kWarpRows = K / kWarps;     // rows per warp
+  static_assert(kWarpRows % kRows == 0, "whole batches");
+  float kc[kW][C], qc[kW][C];
+#pragma unroll
+  for (int t = 0; t < kW; ++t) {
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const bool in = t0 + t < T;
+      kc[t][c] = in ? kc_s[(t0 + t) * K + lane * C + c] : 0.0f;
+      qc[t][c] = in ? qc_s[(t0 + t) * K + lane * C + c] : 0.0f;
+    }
+  }
+  const int v_base = warp * kWarpRows;
+#pragma unroll 1
+  for (int v0 = v_base; v0 < v_base + kWarpRows; v0 += kRows) {
+    float row[kRows][C];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) LoadCols<C>(s0 + int64_t{v0 + r} * K + lane * C, row[r]);
+    // Sum index (r * 2 + which) * kW + t; which 0: kc, 1: qc.
+    float x[kSums];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int t = 0; t < kW; ++t) {
+        float sk = 0.0f, sq = 0.0f;
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          sk = kda::MulAdd(row[r][c], kc[t][c], sk);
+          sq = kda::MulAdd(row[r][c], qc[t][c], sq);
+        }
+        x[(r * 2) * kW + t] = sk;
+        x[(r * 2 + 1) * kW + t] = sq;
+      }
+    }
+    const float sum = TransposeWarpSum<kSums>(x, lane);
+    // Lanes 2 i and 2 i + 1 hold sum i.
+    const int idx = lane >> 1;
+    const int r = idx / (2 * kW), which = (idx / kW) % 2, t = t0 + idx % kW;
+    if ((lane & 1) == 0 && t < T) (which ? qn : kn)[t * K + v0 + r] = sum;
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Verify.
 
@@ -110,8 +236,18 @@ struct VerifySmem {
   }
 };
 
-template <typename Act, typename State, int K>
-__global__ void __launch_bounds__(kThreads) FastVerifyKernel(FastVerifyArgs a) {
+// kSmallGrid (at most one block per SM: N = 1): the checkpoint slice
+// prefetched into L2 at the block's start and CheckpointPass (kc, qc in
+// registers); otherwise the first version's checkpoint pass, no prefetch.
+// Measured on an H200, Kimi-Linear verify F=4 cold L2
+// (docs/results/fast_cuda_h200.md): N = 1 34.3 us first version, 29.8 us
+// CheckpointPass, 25.8 us CheckpointPass + prefetch; N = 16 / 64 / 256 51.4 /
+// 173.6 / 623.5 us first version against 64.8 / 197.5 / 672.3 us
+// CheckpointPass (and 68.1 / 202.0 / 705.5 us with the prefetch). Four blocks
+// per SM at K <= 128 (64 registers; three would make N = 16's 512 blocks two
+// waves: 76.6 us).
+template <typename Act, typename State, int K, bool kSmallGrid>
+__global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1) FastVerifyKernel(FastVerifyArgs a) {
   extern __shared__ float smem[];
   const int n = blockIdx.x, hv = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -133,6 +269,20 @@ __global__ void __launch_bounds__(kThreads) FastVerifyKernel(FastVerifyArgs a) {
   const int h = KeyHeadOf(s, hv);
   const bool first_of_group = hv % (HV / H) == 0;
   const kda::GateRule rule = RuleOf(s, a.params, h);
+
+  // kSmallGrid: the checkpoint slice this block reads in its last phase,
+  // into L2 now, while the window and ring phases run (a line per thread
+  // per step). At larger grids it cost more than it hid (N = 256: DRAM 28%
+  // of peak against 23%, prefetched lines evicted before use).
+  if constexpr (kSmallGrid) {
+    const char* slice = reinterpret_cast<const char*>(
+        static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
+        int64_t{hv} * K * K);
+    constexpr int kSliceBytes = K * K * int(sizeof(State));
+    for (int off = tid * 128; off < kSliceBytes; off += kThreads * 128) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(slice + off));
+    }
+  }
 
   const VerifySmem layout{K, Q, R};
   float* qn = smem;
@@ -266,7 +416,86 @@ __global__ void __launch_bounds__(kThreads) FastVerifyKernel(FastVerifyArgs a) {
       qx[t * K + j] = ::specstate::fast::Decayed(qn[t * K + j], e);
     }
   }
-  // The ring's values: a thread per state row, oldest token first.
+  __syncthreads();  // kc, qc ready; qn, kn free
+
+  // The checkpoint: S0[v] . kc_t into kn[t][v], S0[v] . qc_t into qn[t][v]
+  // (CheckpointPass: kc, qc in registers, several rows in flight per warp).
+  const State* s0 = static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
+                    int64_t{hv} * K * K;
+  if constexpr (kSmallGrid) {
+    if (T <= 2) {
+      CheckpointPass<State, K, 2>(s0, 0, T, kx, qx, kn, qn, lane, warp);
+    } else {
+      // kc, qc for four tokens at a time in registers (a second pass over
+      // the slice, from L2, for windows of more than four).
+      for (int t0 = 0; t0 < T; t0 += 4) {
+        CheckpointPass<State, K, 4>(s0, t0, T, kx, qx, kn, qn, lane, warp);
+      }
+    }
+  } else {
+    // The first version's pass: a warp per state row, kc_t, qc_t re-read
+    // from shared memory for each row (16-byte loads), 2T WarpSums per row.
+    // A lane's columns of a row: 4 * (lane + 32 x) .. + 3 (K >= 128), or
+    // 2 lane, 2 lane + 1 (K = 64).
+    constexpr int kQuads = K >= 128 ? K / 128 : 1;
+    for (int v = warp; v < K; v += kWarps) {
+      float4 row[kQuads];
+      if constexpr (K >= 128) {
+#pragma unroll
+        for (int x = 0; x < kQuads; ++x) row[x] = Load4(s0 + int64_t{v} * K + 4 * (lane + 32 * x));
+      } else {
+        row[0] = make_float4(ToFloat(s0[int64_t{v} * K + 2 * lane]),
+                             ToFloat(s0[int64_t{v} * K + 2 * lane + 1]), 0.0f, 0.0f);
+      }
+      float sk[kMaxWindow], sq[kMaxWindow];
+#pragma unroll
+      for (int t = 0; t < kMaxWindow; ++t) {
+        sk[t] = sq[t] = 0.0f;
+        if (t < T) {
+          if constexpr (K >= 128) {
+#pragma unroll
+            for (int x = 0; x < kQuads; ++x) {
+              const int j = 4 * (lane + 32 * x);
+              const float4 kc = *reinterpret_cast<const float4*>(kx + t * K + j);
+              const float4 qc = *reinterpret_cast<const float4*>(qx + t * K + j);
+              sk[t] = kda::MulAdd(row[x].x, kc.x, sk[t]);
+              sk[t] = kda::MulAdd(row[x].y, kc.y, sk[t]);
+              sk[t] = kda::MulAdd(row[x].z, kc.z, sk[t]);
+              sk[t] = kda::MulAdd(row[x].w, kc.w, sk[t]);
+              sq[t] = kda::MulAdd(row[x].x, qc.x, sq[t]);
+              sq[t] = kda::MulAdd(row[x].y, qc.y, sq[t]);
+              sq[t] = kda::MulAdd(row[x].z, qc.z, sq[t]);
+              sq[t] = kda::MulAdd(row[x].w, qc.w, sq[t]);
+            }
+          } else {
+            const int j = 2 * lane;
+            sk[t] = kda::MulAdd(row[0].y, kx[t * K + j + 1], kda::MulAdd(row[0].x, kx[t * K + j], 0.0f));
+            sq[t] = kda::MulAdd(row[0].y, qx[t * K + j + 1], kda::MulAdd(row[0].x, qx[t * K + j], 0.0f));
+          }
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < kMaxWindow; ++t) {
+        if (t < T) {
+          sk[t] = WarpSum(sk[t]);
+          sq[t] = WarpSum(sq[t]);
+        }
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < kMaxWindow; ++t) {
+          if (t < T) {
+            kn[t * K + v] = sk[t];
+            qn[t * K + v] = sq[t];
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // The ring's values: a thread per state row, oldest token first (after
+  // the checkpoint pass, so that rk, rq hold no registers during it).
   float rk[kMaxWindow], rq[kMaxWindow];
   const int v_own = tid;
   if (v_own < K) {
@@ -284,70 +513,6 @@ __global__ void __launch_bounds__(kThreads) FastVerifyKernel(FastVerifyArgs a) {
       }
     }
   }
-  __syncthreads();  // kc, qc ready; qn, kn free
-
-  // The checkpoint: a warp per state row; S0[v] . kc_t into kn[t][v],
-  // S0[v] . qc_t into qn[t][v].
-  const State* s0 = static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
-                    int64_t{hv} * K * K;
-  // A lane's columns of a row: 4 * (lane + 32 x) .. + 3 (K >= 128), or
-  // 2 lane, 2 lane + 1 (K = 64).
-  constexpr int kQuads = K >= 128 ? K / 128 : 1;
-  for (int v = warp; v < K; v += kWarps) {
-    float4 row[kQuads];
-    if constexpr (K >= 128) {
-#pragma unroll
-      for (int x = 0; x < kQuads; ++x) row[x] = Load4(s0 + int64_t{v} * K + 4 * (lane + 32 * x));
-    } else {
-      row[0] = make_float4(ToFloat(s0[int64_t{v} * K + 2 * lane]),
-                           ToFloat(s0[int64_t{v} * K + 2 * lane + 1]), 0.0f, 0.0f);
-    }
-    float sk[kMaxWindow], sq[kMaxWindow];
-#pragma unroll
-    for (int t = 0; t < kMaxWindow; ++t) {
-      sk[t] = sq[t] = 0.0f;
-      if (t < T) {
-        if constexpr (K >= 128) {
-#pragma unroll
-          for (int x = 0; x < kQuads; ++x) {
-            const int j = 4 * (lane + 32 * x);
-            const float4 kc = *reinterpret_cast<const float4*>(kx + t * K + j);
-            const float4 qc = *reinterpret_cast<const float4*>(qx + t * K + j);
-            sk[t] = kda::MulAdd(row[x].x, kc.x, sk[t]);
-            sk[t] = kda::MulAdd(row[x].y, kc.y, sk[t]);
-            sk[t] = kda::MulAdd(row[x].z, kc.z, sk[t]);
-            sk[t] = kda::MulAdd(row[x].w, kc.w, sk[t]);
-            sq[t] = kda::MulAdd(row[x].x, qc.x, sq[t]);
-            sq[t] = kda::MulAdd(row[x].y, qc.y, sq[t]);
-            sq[t] = kda::MulAdd(row[x].z, qc.z, sq[t]);
-            sq[t] = kda::MulAdd(row[x].w, qc.w, sq[t]);
-          }
-        } else {
-          const int j = 2 * lane;
-          sk[t] = kda::MulAdd(row[0].y, kx[t * K + j + 1], kda::MulAdd(row[0].x, kx[t * K + j], 0.0f));
-          sq[t] = kda::MulAdd(row[0].y, qx[t * K + j + 1], kda::MulAdd(row[0].x, qx[t * K + j], 0.0f));
-        }
-      }
-    }
-#pragma unroll
-    for (int t = 0; t < kMaxWindow; ++t) {
-      if (t < T) {
-        sk[t] = WarpSum(sk[t]);
-        sq[t] = WarpSum(sq[t]);
-      }
-    }
-    if (lane == 0) {
-#pragma unroll
-      for (int t = 0; t < kMaxWindow; ++t) {
-        if (t < T) {
-          kn[t * K + v] = sk[t];
-          qn[t * K + v] = sq[t];
-        }
-      }
-    }
-  }
-  __syncthreads();
-
   // 4. The forward substitution per state row: outputs and u.
   if (v_own < K) {
     float sk[kMaxWindow], sq[kMaxWindow], vr[kMaxWindow], u[kMaxWindow], o[kMaxWindow];
@@ -383,6 +548,8 @@ struct FoldParams {
   KdaShape shape;
   FastLayer layer;
   int spec_query_len;
+  // Rows (kCommit) or listed blocks (kMaterialize).
+  int rows;
   // kCommit: the plan's inputs.
   CommitArgs plan;
   // kMaterialize.
@@ -440,81 +607,110 @@ __global__ void __launch_bounds__(kThreads) FastFoldKernel(FoldParams f) {
   const KdaShape& s = f.shape;
   const int HV = ValueHeads(s);
   const int64_t block_elems = int64_t{HV} * K * K;
-  int32_t block;
-  int n;
-  void* dst_void;
-  if (!FoldTarget<kMode>(f, blockIdx.x, &block, &n, &dst_void, block_elems, sizeof(State))) {
-    return;
-  }
-  const FastRings& rings = f.layer.rings;
-  const bool gdn = s.kind == LayerKind::kGdn;
-  const int h = KeyHeadOf(s, hv);
-  const int R = rings.capacity;
-  float* kr = smem;
-  float* uc = kr + kRingChunk * K;
-  float* bound = uc + kRingChunk * kFoldRows;
-  float* gc = bound + (R / kRingChunk + 1) * K;
-  const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s), u_width = RingUWidth(s);
-  const int chunks = (n + kRingChunk - 1) / kRingChunk;
-  // Exponents per column from the newest token back; each chunk's starting
-  // value (the sum over the tokens after it) kept.
-  for (int j = tid; j < K; j += kThreads) {
-    float acc = 0.0f;
-    for (int i = n - 1; i >= 0; --i) {
-      if ((i + 1) % kRingChunk == 0 || i == n - 1) bound[(i / kRingChunk) * K + j] = acc;
-      const float* g = rings.log_decay + RingAt(rings, block, i, g_width);
-      acc += gdn ? g[hv] : g[int64_t{h} * K + j];
-    }
-    gc[j] = acc;
-  }
-  __syncthreads();
-  constexpr int kGroups = kThreads / K > 0 ? kThreads / K : 1;
-  constexpr int kRowsEach = kFoldRows / kGroups;
-  static_assert(K <= kThreads, "a thread per column");
-  const int j = tid % K, group = tid / K;
-  const State* s0 = static_cast<const State*>(f.layer.state.data) +
-                    int64_t{block} * f.layer.state.block_stride + int64_t{hv} * K * K;
-  float acc[kRowsEach];
-#pragma unroll
-  for (int m = 0; m < kRowsEach; ++m) {
-    const int v = v0 + group + kGroups * m;
-    acc[m] = ::specstate::fast::Decayed(ToFloat(s0[int64_t{v} * K + j]), gc[j]);
-  }
-  const Act* ring_k = static_cast<const Act*>(rings.k);
-  for (int chunk = 0; chunk < chunks; ++chunk) {
-    const int i0 = chunk * kRingChunk, i1 = min(n, i0 + kRingChunk);
+  // Blocks stride over the rows (kCommit: gridDim.x is small, so that a
+  // commit with no fold costs one parallel plan read per block, not a block
+  // per row, head and tile): the block's threads test kThreads of its rows
+  // at once, the rows that fold listed in shared memory, then folded one
+  // after the other.
+  __shared__ int fold_rows[kThreads];
+  __shared__ int fold_count;
+  const int per_block = (f.rows - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
+  for (int m0 = 0; m0 < per_block; m0 += kThreads) {
+    __syncthreads();  // the previous list and shared memory reads done
+    if (tid == 0) fold_count = 0;
     __syncthreads();
-    for (int i = i0 + warp; i < i1; i += kWarps) {
-      WarpNormalize<Act, K>(ring_k + RingAt(rings, block, i, kw_width) + int64_t{h} * K, 1.0f,
-                            kr + (i - i0) * K, lane);
-    }
-    for (int e = tid; e < (i1 - i0) * kFoldRows; e += kThreads) {
-      const int i = i0 + e / kFoldRows, v = v0 + e % kFoldRows;
-      uc[e] = rings.u[RingAt(rings, block, i, u_width) + int64_t{hv} * K + v];
-    }
-    __syncthreads();
-    for (int jj = tid; jj < K; jj += kThreads) {
-      float e = bound[chunk * K + jj];
-      for (int i = i1 - 1; i >= i0; --i) {
-        kr[(i - i0) * K + jj] = ::specstate::fast::Decayed(kr[(i - i0) * K + jj], e);
-        const float* g = rings.log_decay + RingAt(rings, block, i, g_width);
-        e += gdn ? g[hv] : g[int64_t{h} * K + jj];
+    {
+      const int m = m0 + tid;
+      int32_t b;
+      int nn;
+      void* d;
+      const int row = blockIdx.x + m * gridDim.x;
+      if (m < per_block &&
+          FoldTarget<kMode>(f, row, &b, &nn, &d, block_elems, sizeof(State))) {
+        fold_rows[atomicAdd(&fold_count, 1)] = row;
       }
     }
     __syncthreads();
-    for (int i = i0; i < i1; ++i) {
-      const float k_ij = kr[(i - i0) * K + j];
+    const int listed = fold_count;
+    for (int li = 0; li < listed; ++li) {
+      const int row = fold_rows[li];
+      int32_t block;
+      int n;
+      void* dst_void;
+      FoldTarget<kMode>(f, row, &block, &n, &dst_void, block_elems, sizeof(State));
+      __syncthreads();  // the previous row's shared memory reads done
+      const FastRings& rings = f.layer.rings;
+      const bool gdn = s.kind == LayerKind::kGdn;
+      const int h = KeyHeadOf(s, hv);
+      const int R = rings.capacity;
+      float* kr = smem;
+      float* uc = kr + kRingChunk * K;
+      float* bound = uc + kRingChunk * kFoldRows;
+      float* gc = bound + (R / kRingChunk + 1) * K;
+      const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s),
+                    u_width = RingUWidth(s);
+      const int chunks = (n + kRingChunk - 1) / kRingChunk;
+      // Exponents per column from the newest token back; each chunk's starting
+      // value (the sum over the tokens after it) kept.
+      for (int j = tid; j < K; j += kThreads) {
+        float acc = 0.0f;
+        for (int i = n - 1; i >= 0; --i) {
+          if ((i + 1) % kRingChunk == 0 || i == n - 1) bound[(i / kRingChunk) * K + j] = acc;
+          const float* g = rings.log_decay + RingAt(rings, block, i, g_width);
+          acc += gdn ? g[hv] : g[int64_t{h} * K + j];
+        }
+        gc[j] = acc;
+      }
+      __syncthreads();
+      constexpr int kGroups = kThreads / K > 0 ? kThreads / K : 1;
+      constexpr int kRowsEach = kFoldRows / kGroups;
+      static_assert(K <= kThreads, "a thread per column");
+      const int j = tid % K, group = tid / K;
+      const State* s0 = static_cast<const State*>(f.layer.state.data) +
+                        int64_t{block} * f.layer.state.block_stride + int64_t{hv} * K * K;
+      float acc[kRowsEach];
 #pragma unroll
       for (int m = 0; m < kRowsEach; ++m) {
-        acc[m] = kda::MulAdd(uc[(i - i0) * kFoldRows + group + kGroups * m], k_ij, acc[m]);
+        const int v = v0 + group + kGroups * m;
+        acc[m] = ::specstate::fast::Decayed(ToFloat(s0[int64_t{v} * K + j]), gc[j]);
+      }
+      const Act* ring_k = static_cast<const Act*>(rings.k);
+      for (int chunk = 0; chunk < chunks; ++chunk) {
+        const int i0 = chunk * kRingChunk, i1 = min(n, i0 + kRingChunk);
+        __syncthreads();
+        for (int i = i0 + warp; i < i1; i += kWarps) {
+          WarpNormalize<Act, K>(ring_k + RingAt(rings, block, i, kw_width) + int64_t{h} * K, 1.0f,
+                                kr + (i - i0) * K, lane);
+        }
+        for (int e = tid; e < (i1 - i0) * kFoldRows; e += kThreads) {
+          const int i = i0 + e / kFoldRows, v = v0 + e % kFoldRows;
+          uc[e] = rings.u[RingAt(rings, block, i, u_width) + int64_t{hv} * K + v];
+        }
+        __syncthreads();
+        for (int jj = tid; jj < K; jj += kThreads) {
+          float e = bound[chunk * K + jj];
+          for (int i = i1 - 1; i >= i0; --i) {
+            kr[(i - i0) * K + jj] = ::specstate::fast::Decayed(kr[(i - i0) * K + jj], e);
+            const float* g = rings.log_decay + RingAt(rings, block, i, g_width);
+            e += gdn ? g[hv] : g[int64_t{h} * K + jj];
+          }
+        }
+        __syncthreads();
+        for (int i = i0; i < i1; ++i) {
+          const float k_ij = kr[(i - i0) * K + j];
+#pragma unroll
+          for (int m = 0; m < kRowsEach; ++m) {
+            acc[m] = kda::MulAdd(uc[(i - i0) * kFoldRows + group + kGroups * m], k_ij, acc[m]);
+          }
+        }
+      }
+      State* dst = static_cast<State*>(dst_void) + int64_t{hv} * K * K;
+#pragma unroll
+      for (int m = 0; m < kRowsEach; ++m) {
+        const int v = v0 + group + kGroups * m;
+        dst[int64_t{v} * K + j] = FromFloat<State>(acc[m]);
       }
     }
-  }
-  State* dst = static_cast<State*>(dst_void) + int64_t{hv} * K * K;
-#pragma unroll
-  for (int m = 0; m < kRowsEach; ++m) {
-    const int v = v0 + group + kGroups * m;
-    dst[int64_t{v} * K + j] = FromFloat<State>(acc[m]);
   }
 }
 
@@ -612,7 +808,7 @@ cudaError_t LaunchFold(const FoldParams& f, int grid_x, cudaStream_t stream) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid(grid_x, ValueHeads(f.shape), K / kFoldRows);
+  const dim3 grid(std::min(grid_x, f.rows), ValueHeads(f.shape), K / kFoldRows);
   kernel<<<grid, kThreads, smem, stream>>>(f);
   return cudaGetLastError();
 }
@@ -632,12 +828,19 @@ absl::Status FastVerifyCuda(const FastVerifyArgs& a, const FastNumerics& num,
     constexpr int K = decltype(head_dim)::value;
     const size_t smem =
         VerifySmem{K, a.spec_query_len, a.rings.capacity}.Floats() * sizeof(float);
-    auto kernel = FastVerifyKernel<Act, State, K>;
+    const dim3 grid(a.num_rows, ValueHeads(a.shape));
+    int device = 0, sms = 0;
+    err = cudaGetDevice(&device);
+    if (err == cudaSuccess) {
+      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    }
+    if (err != cudaSuccess) return;
+    auto kernel = int64_t{grid.x} * grid.y <= sms ? FastVerifyKernel<Act, State, K, true>
+                                                 : FastVerifyKernel<Act, State, K, false>;
     if (smem > 48 * 1024) {
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
       if (err != cudaSuccess) return;
     }
-    const dim3 grid(a.num_rows, ValueHeads(a.shape));
     kernel<<<grid, kThreads, smem, stream>>>(a);
     err = cudaGetLastError();
   });
@@ -663,11 +866,15 @@ absl::Status FastCommitCuda(const FastCommitArgs& a, const FastNumerics& num,
     f.layer = a.layers[l];
     f.spec_query_len = a.spec_query_len;
     f.plan = plan;
+    f.rows = a.num_rows;
     DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
       using Act = typename decltype(act)::type;
       using State = typename decltype(state)::type;
       constexpr int K = decltype(head_dim)::value;
-      err = LaunchFold<Act, State, K, FoldMode::kCommit>(f, a.num_rows, stream);
+      // A commit folds few rows a step (0.1-0.3 of them, fast_bench): 16
+      // strided blocks per (head, tile) keep a no-fold commit at a few
+      // microseconds and still fill the GPU when every row folds.
+      err = LaunchFold<Act, State, K, FoldMode::kCommit>(f, kCommitFoldGridX, stream);
     });
     if (err != cudaSuccess) break;
     FastCommitCursorKernel<<<(a.num_rows + 255) / 256, 256, 0, stream>>>(
@@ -691,6 +898,7 @@ absl::Status FastMaterializeCuda(const FastMaterializeArgs& a, const FastNumeric
     f.shape = a.shape;
     f.layer = a.layers[l];
     f.blocks = a.blocks;
+    f.rows = a.num_blocks_given;
     f.out = a.out;
     DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
       using Act = typename decltype(act)::type;

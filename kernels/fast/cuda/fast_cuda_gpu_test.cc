@@ -164,7 +164,10 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
   auto integer = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   // Outputs get twice the states' and rings' tolerance: the H200 run of
   // docs/results/fast_cuda_h200.md measured 2.29e-6 once (fp16 outputs from
-  // a bf16 state, K = 128), every other output within 1e-6.
+  // a bf16 state, K = 128), every other output within 1e-6. The second
+  // round's two H200 runs (CheckpointPass) passed 11 of 11 under it, with
+  // the same errors case for case. The test's grids are small (3 rows), so
+  // they exercise Verify's small-grid path only.
   const double tol = c.resync ? 2e-6 : 2e-4;
   const double out_tol = 2 * tol;
 
