@@ -129,6 +129,7 @@ struct Case {
   bool resync = true;
   int steps = 60;
   uint64_t seed = 1;
+  int rows = 3;  // more than 132 / HV: Verify's large-grid path
 };
 
 class FastCudaTest : public ::testing::TestWithParam<Case> {};
@@ -155,7 +156,7 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
   s.num_value_heads = c.HV;
   const bool gdn = c.kind == LayerKind::kGdn;
   const int HV = ValueHeads(s), K = c.K, Q = c.Q, R = FastRingCapacity(c.F, c.Q);
-  const int rows = 3, num_layers = 2;
+  const int rows = c.rows, num_layers = 2;
   const int64_t num_blocks = rows + 2;  // the null block, one a row, one spare
   const int64_t block_elems = int64_t{HV} * K * K;
   std::mt19937_64 rng(c.seed);
@@ -166,8 +167,8 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
   // docs/results/fast_cuda_h200.md measured 2.29e-6 once (fp16 outputs from
   // a bf16 state, K = 128), every other output within 1e-6. The second
   // round's two H200 runs (CheckpointPass) passed 11 of 11 under it, with
-  // the same errors case for case. The test's grids are small (3 rows), so
-  // they exercise Verify's small-grid path only.
+  // the same errors case for case. Most grids are small (3 rows: Verify's
+  // small-grid path); the `_large_grid` case has more blocks than SMs.
   const double tol = c.resync ? 2e-6 : 2e-4;
   const double out_tol = 2 * tol;
 
@@ -425,6 +426,12 @@ std::vector<Case> Cases() {
                  2, 128, 8, 4, DType::kFloat32};
   drift_gdn.resync = false;
   add(drift_gdn);
+  // 40 rows x 4 heads = 160 blocks (> 132 SMs): Verify's large-grid path.
+  Case large{"KDA_safe_bf16act_f32state_K128_Q4_F4_large_grid", LayerKind::kKda, KdaGate::kSafe, 4,
+             0, 128, 4, 4};
+  large.rows = 40;
+  large.steps = 20;
+  add(large);
   return cases;
 }
 
