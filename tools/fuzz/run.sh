@@ -42,6 +42,7 @@ sources=(
   server/truncation_guard.cc server/no_cuda_device.cc server/log.cc server/phase_profile.cc
   server/test_crash.cc
   kernels/cpu/kda_cpu.cc kernels/kda_kernels.cc kernels/no_cuda.cc kernels/device_status.cc
+  kernels/check_shape.cc kernels/fast/cpu/fast_cpu.cc kernels/fast/fast_kernels.cc
   kernels/dtype.cc "$out/gen/specstate/v1/specstate.pb.cc" tools/fuzz/engine_fuzzer.cc
 )
 objects=()
