@@ -147,11 +147,6 @@ absl::Status ValidateLayout(const v1::Layout& l) {
                               "): the rings hold fold_every * Q tokens a block, at most ",
                               kernels::fast::kMaxFastRingCapacity, " (Q = ", q, ")"));
     }
-    if (l.backend() == v1::CUDA) {
-      return absl::FailedPreconditionError(
-          "layout.commit_mode FAST: commit mode FAST has no CUDA kernels yet: serve it with the "
-          "CPU backend (--backend=cpu)");
-    }
   }
   if (l.cache_mode() == v1::ALIGN && l.mamba_block_size() < q) {
     return Bad("mamba_block_size", absl::StrCat("= ", l.mamba_block_size(),

@@ -31,11 +31,6 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const v1::ServiceConfig& 
                                                        const DeferredParts* kept) {
   absl::Status st = ValidateLayout(config.layout());
   if (!st.ok()) return st;
-  if (IsFast(config.layout()) && device->kind() == kernels::Backend::kCuda) {
-    // (--backend=auto chose CUDA: ValidateLayout refuses an explicit one.)
-    return absl::FailedPreconditionError(
-        "commit mode FAST has no CUDA kernels yet: serve it with the CPU backend (--backend=cpu)");
-  }
   std::unique_ptr<Engine> engine(new Engine(config, std::move(device)));
   if (kept != nullptr && kept->pending.entries != nullptr) {
     if (!IsDeferred(config.layout()) ||

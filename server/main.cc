@@ -77,7 +77,7 @@ ABSL_FLAG(std::string, commit_mode, "eager",
           "replays them first: one state read and one write a step; needs num_spec <= 7) or "
           "fast (the state is written every --fold_every steps; Verify reads the checkpoint and "
           "a ring of the accepted tokens; within 2x the exact path's error, not bit-identical; "
-          "needs num_spec <= 7; CPU backend only)");
+          "needs num_spec <= 7)");
 ABSL_FLAG(int, fold_every, 0,
           "commit mode fast: steps (at full acceptance) between two folds of a block's ring into "
           "its state; the ring holds fold_every * Q tokens, at most 256; 0: 4");

@@ -31,6 +31,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda_status.h"
+#include "kernels/fast/cuda/fast_cuda.h"
+#include "kernels/fast/fast_args.h"
 #include "kernels/internal/checks.h"
 #include "kernels/internal/dispatch.h"
 #include "kernels/internal/journal.h"
@@ -448,31 +450,79 @@ using PipelinedLayout = PipelineLayout<8, 2, 4>;
 // ---------------------------------------------------------------------------
 // Single-block checks.
 
-// Runs check(n) over all rows; the fault of the lowest failing row goes to
-// `status`. Returns (to every thread) whether all rows passed.
-template <typename Check>
-__device__ bool BlockCheckRows(int num_rows, DeviceStatus* status, Check check) {
+// Runs check(x) over items 0 .. count - 1; the fault of the lowest failing
+// item goes to `status`, reported for row row_of(x). Returns (to every
+// thread) whether all items passed.
+template <typename Check, typename RowOf>
+__device__ bool BlockCheckItems(int count, DeviceStatus* status, Check check, RowOf row_of) {
   __shared__ int lowest;
   if (threadIdx.x == 0) lowest = INT_MAX;
   __syncthreads();
   RowFault fault = internal::NoFault();
-  int fault_row = INT_MAX;
-  for (int n = threadIdx.x; n < num_rows; n += blockDim.x) {
-    const RowFault f = check(n);
+  int fault_item = INT_MAX;
+  for (int x = threadIdx.x; x < count; x += blockDim.x) {
+    const RowFault f = check(x);
     if (f.problem != 0) {
       fault = f;
-      fault_row = n;
-      break;  // rows grow with the loop: this is the thread's lowest
+      fault_item = x;
+      break;  // items grow with the loop: this is the thread's lowest
+    }
+  }
+  if (fault_item != INT_MAX) atomicMin(&lowest, fault_item);
+  __syncthreads();
+  const int result = lowest;
+  if (fault_item != INT_MAX && fault_item == result) {
+    *status = internal::StatusFromFault(fault, row_of(fault_item), -1);
+  }
+  __syncthreads();
+  return result == INT_MAX;
+}
+
+// Runs check(n) over all rows; the fault of the lowest failing row goes to
+// `status`. Returns (to every thread) whether all rows passed.
+template <typename Check>
+__device__ bool BlockCheckRows(int num_rows, DeviceStatus* status, Check check) {
+  return BlockCheckItems(num_rows, status, check, [](int n) { return n; });
+}
+
+// FAST: no two rows use one block (block_of(n); null blocks skipped), on one
+// block (kda_cpu.cc's CheckOneRowABlock): the lowest row using a block owns
+// it, and the lowest other row using it is the fault. `owner` is zero on
+// entry and on return.
+template <typename BlockOf>
+__device__ bool BlockCheckOneRowABlock(int num_rows, int32_t* owner, DeviceStatus* status,
+                                       BlockOf block_of) {
+  __shared__ int lowest;
+  if (threadIdx.x == 0) lowest = INT_MAX;
+  for (int n = threadIdx.x; n < num_rows; n += blockDim.x) {
+    const int32_t b = block_of(n);
+    if (IsBlock(b)) atomicMax(&owner[b], internal::OwnerTag(n));
+  }
+  __syncthreads();
+  int fault_row = INT_MAX, other_row = -1;
+  for (int n = threadIdx.x; n < num_rows; n += blockDim.x) {
+    const int32_t b = block_of(n);
+    if (!IsBlock(b)) continue;
+    const int user = internal::OwnerRow(__ldcg(&owner[b]));
+    if (user != n) {
+      fault_row = n;  // rows grow with the loop: this is the thread's lowest
+      other_row = user;
+      break;
     }
   }
   if (fault_row != INT_MAX) atomicMin(&lowest, fault_row);
   __syncthreads();
-  const int result = lowest;
-  if (fault_row != INT_MAX && fault_row == result) {
-    *status = internal::StatusFromFault(fault, fault_row, -1);
+  const int failed = lowest;
+  if (fault_row != INT_MAX && fault_row == failed) {
+    *status = internal::StatusFromFault(internal::FastSharedFault(block_of(fault_row), fault_row),
+                                        fault_row, other_row);
+  }
+  for (int n = threadIdx.x; n < num_rows; n += blockDim.x) {
+    const int32_t b = block_of(n);
+    if (IsBlock(b)) owner[b] = 0;
   }
   __syncthreads();
-  return result == INT_MAX;
+  return failed == INT_MAX;
 }
 
 // A thread's share of the prerequisites, loaded into registers: each
@@ -699,6 +749,53 @@ __global__ void __launch_bounds__(kCheckThreads) VerifyCheckKernel(const VerifyA
   if (!passed && a.status_mirror != nullptr && threadIdx.x == 0) *a.status_mirror = *a.status;
 }
 
+// FAST Verify's checks (kda_cpu.cc's RunVerify and RunFastVerify): every
+// Verify's, then each row's block has a cursor a Commit leaves and room in
+// its ring for the window, and no two rows verify from one block (their
+// candidates would share its ring's slots).
+__global__ void __launch_bounds__(kCheckThreads) FastVerifyCheckKernel(const VerifyArgs a) {
+  bool passed = VerifyChecks(a);
+  if (passed) {
+    passed = BlockCheckRows(a.num_rows, a.status, [&](int n) {
+      internal::VerifyRow row;
+      internal::CheckVerifyRow(a, n, &row);  // passed above: reads the checked snapshot
+      return internal::CheckFastVerifyRow(a.fast, n, row.source, row.tokens);
+    });
+  }
+  if (passed) {
+    passed = BlockCheckOneRowABlock(a.num_rows, static_cast<int32_t*>(a.workspace), a.status,
+                                    [&](int n) { return internal::VerifiedStateIndices(a)[n]; });
+  }
+  if (!passed && a.status_mirror != nullptr && threadIdx.x == 0) *a.status_mirror = *a.status;
+}
+
+// FAST Flush's checks (kda_cpu.cc's RunFlush and RunFastFlush): the block
+// list (into its checked copy), then the cursor of every listed block (or,
+// without a list, of every block) in every covered layer.
+__global__ void __launch_bounds__(kCheckThreads) FastFlushCheckKernel(const FlushArgs a) {
+  if (threadIdx.x == 0) *a.status = internal::OkStatus();
+  __syncthreads();
+  const int64_t num_blocks = a.device_layers[0].state.num_blocks;
+  bool passed = BlockCheckRows(a.num_blocks_given, a.status, [&](int i) {
+    return internal::CheckListedBlock(a.blocks, a.checked_blocks, i, num_blocks);
+  });
+  if (passed) {
+    const bool listed = a.blocks != nullptr;
+    const int count = listed ? a.num_blocks_given : static_cast<int>(num_blocks);
+    const int layers = a.layer >= 0 ? 1 : a.num_layers;
+    passed = BlockCheckItems(
+        count * layers, a.status,
+        [&](int x) {
+          const int32_t block = listed ? a.checked_blocks[x / layers] : x / layers;
+          const int l = a.layer >= 0 ? a.layer : x % layers;
+          return IsBlock(block) ? internal::CheckFastCursor(a.device_layers[l].fast, block, l)
+                                : internal::NoFault();
+        },
+        [](int) { return -1; });
+  }
+  PublishStatus(a.status, a.status_mirror);
+}
+
 // DEFERRED Commit, after its checks (kda_cpu.cc's DeferCommit, on one block):
 // the replay list (what the previous commit left pending that no Verify
 // took; the rows that are not deferred), then the deferred rows' pending
@@ -855,6 +952,23 @@ __device__ void CommitPlan(const CommitArgs& a, int64_t num_blocks) {
   if (deferred && !BlockCheckRows(a.num_rows, a.status, [&](int i) {
         return internal::CheckDeferredCommitRow(a, ws.plan[i], i);
       })) {
+    return;
+  }
+  // FAST: every layer's cursors and candidates, each written block's ring
+  // empty (an item per row and layer, in the CPU's order), one row a
+  // checkpoint block.
+  if (a.fast && !BlockCheckItems(
+                    a.num_rows * a.num_layers, a.status,
+                    [&](int x) {
+                      const int i = x / a.num_layers, l = x % a.num_layers;
+                      return internal::CheckFastCommitRow(a, a.device_layers[l].fast, l,
+                                                          ws.plan[i], i);
+                    },
+                    [&](int x) { return x / a.num_layers; })) {
+    return;
+  }
+  if (a.fast && !BlockCheckOneRowABlock(a.num_rows, ws.owner, a.status,
+                                        [&](int i) { return ws.plan[i].source; })) {
     return;
   }
   if (a.journal.record != nullptr) {  // before the commit's first write
@@ -1117,11 +1231,82 @@ cudaError_t Recurrent(const RecurrentLaunch& p, int num_layers, cudaStream_t str
   }
 }
 
-// Commit mode FAST (kda_args.h, FastRings) has CPU kernels only so far
-// (kernels/fast); its tensor-core kernels are a later issue.
-absl::Status FastUnimplemented(const char* op) {
-  return absl::UnimplementedError(absl::StrCat(
-      "In ", op, ": commit mode FAST has no CUDA kernels yet: serve it with the CPU backend"));
+// Commit mode FAST (kda_args.h, FastRings): kernels/fast/cuda's kernels,
+// gated on the status of this backend's checks.
+std::vector<fast::FastLayer> FastLayersOf(const CommitLayer* layers, int num_layers) {
+  std::vector<fast::FastLayer> out(num_layers);
+  for (int l = 0; l < num_layers; ++l) {
+    out[l] = fast::FastLayer{layers[l].state, layers[l].fast, layers[l].params};
+  }
+  return out;
+}
+
+absl::Status LaunchFastVerify(const VerifyArgs& a, cudaStream_t s) {
+  FastVerifyCheckKernel<<<1, kCheckThreads, 0, s>>>(a);
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.num_rows == 0) {
+    return LaunchStatus(err, "Verify");
+  }
+  fast::FastVerifyArgs f;
+  f.shape = a.shape;
+  f.q = a.q;
+  f.k = a.k;
+  f.v = a.v;
+  f.g = a.g;
+  f.beta = a.beta;
+  f.num_tokens = a.num_tokens;
+  f.out = a.out;
+  f.state = a.state;
+  f.rings = a.fast;
+  f.params = a.params;
+  f.spec_query_len = a.records.q;
+  f.num_rows = a.num_rows;
+  f.query_start_loc = internal::VerifiedQueryStartLoc(a);
+  f.state_indices = internal::VerifiedStateIndices(a);
+  f.gate = a.status;
+  return fast::RunFastVerifyCuda(f, s);
+}
+
+// After the commit's plan kernel (its checks) and the conv compaction.
+absl::Status LaunchFastCommit(const CommitArgs& a, int64_t num_blocks, cudaStream_t s) {
+  const std::vector<fast::FastLayer> layers = FastLayersOf(a.layers, a.num_layers);
+  fast::FastCommitArgs f;
+  f.shape = a.shape;
+  f.spec_query_len = a.spec_query_len;
+  f.num_layers = a.num_layers;
+  f.layers = layers.data();
+  f.num_rows = a.num_rows;
+  f.query_start_loc = a.query_start_loc;
+  f.state_indices = a.state_indices;
+  f.batch = a.batch;
+  f.num_accepted = a.num_accepted;
+  f.request_indices = a.request_indices;
+  f.block_table = a.block_table;
+  f.num_computed_tokens = a.num_computed_tokens;
+  f.mamba_block_size = a.mamba_block_size;
+  f.plan = internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks).plan;
+  f.gate = a.status;
+  return fast::RunFastCommitCuda(f, s);
+}
+
+absl::Status LaunchFastFlush(const FlushArgs& a, cudaStream_t s) {
+  FastFlushCheckKernel<<<1, kCheckThreads, 0, s>>>(a);
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return LaunchStatus(err, "Flush");
+  }
+  const std::vector<fast::FastLayer> layers = FastLayersOf(a.layers, a.num_layers);
+  fast::FastMaterializeArgs m;
+  m.shape = a.shape;
+  m.num_layers = a.num_layers;
+  m.layers = layers.data();
+  m.every_block = a.blocks == nullptr;
+  if (!m.every_block) {
+    m.blocks = a.checked_blocks;
+    m.num_blocks_given = a.num_blocks_given;
+  }
+  m.layer = a.layer;
+  m.discard = a.discard;
+  m.gate = a.status;
+  return fast::RunFastMaterializeCuda(m, s);
 }
 
 template <typename Layout, bool kAllShapes, bool kPipelined = false>
@@ -1158,8 +1343,8 @@ class CudaKernels final : public KdaKernels {
   }
 
   absl::Status LaunchVerify(const VerifyArgs& a, Stream stream) const override {
-    if (a.fast.cursors != nullptr) return FastUnimplemented("Verify");
     cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (a.fast.cursors != nullptr) return LaunchFastVerify(a, s);
     VerifyCheckKernel<<<1, kCheckThreads, 0, s>>>(a);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.num_rows == 0) {
       return LaunchStatus(err, "Verify");
@@ -1206,7 +1391,6 @@ class CudaKernels final : public KdaKernels {
   }
 
   absl::Status LaunchCommit(const CommitArgs& a, Stream stream) const override {
-    if (a.fast) return FastUnimplemented("Commit");
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int64_t num_blocks = a.layers[0].state.num_blocks;
     const int history_len = a.layers[0].conv.width - a.spec_query_len + 1;
@@ -1239,6 +1423,7 @@ class CudaKernels final : public KdaKernels {
                               a.jobs, a.status, s, "Commit",
                               /*usually_empty=*/a.block_table.data == nullptr);
     }
+    if (a.fast) return LaunchFastCommit(a, num_blocks, s);
     RecurrentLaunch p{};
     p.num_rows = a.num_rows;
     SetHeads(a.shape, &p);
@@ -1277,8 +1462,8 @@ class CudaKernels final : public KdaKernels {
   }
 
   absl::Status LaunchFlush(const FlushArgs& a, Stream stream) const override {
-    if (a.fast) return FastUnimplemented("Flush");
     cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (a.fast) return LaunchFastFlush(a, s);
     FlushPlanKernel<<<1, kCheckThreads, 0, s>>>(a);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.discard) {
       return LaunchStatus(err, "Flush");

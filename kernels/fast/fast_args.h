@@ -86,6 +86,10 @@ struct FastVerifyArgs {
   int num_rows = 0;                          // N
   const int32_t* query_start_loc = nullptr;  // [N + 1]
   const int32_t* state_indices = nullptr;    // [N]: each row's checkpoint block (<= 0: idle row)
+  // CUDA, through the kernel interface: the status its checks wrote; the
+  // kernels do nothing when it says they failed. Null: no gate. (The CPU
+  // calls check before they run and ignore it.)
+  const DeviceStatus* gate = nullptr;
 };
 
 // One layer of a FAST Commit or Materialize.
@@ -126,6 +130,12 @@ struct FastCommitArgs {
   IndexMatrix block_table;                       // [batch, width]
   const int32_t* num_computed_tokens = nullptr;  // [batch]
   int mamba_block_size = 0;
+  // CUDA, through the kernel interface: its checked plan [num_rows] (the
+  // backend's memory) and the status its checks wrote (the kernels do
+  // nothing when it failed). Null: the kernels plan each row themselves, no
+  // gate. The CPU calls plan and check before they run and ignore both.
+  const CommitPlanRow* plan = nullptr;
+  const DeviceStatus* gate = nullptr;
 };
 
 // FAST Materialize: the current state of given blocks (Flush, ReadState, a
@@ -148,6 +158,10 @@ struct FastMaterializeArgs {
   int layer = -1;       // only this layer; -1: every layer (not with `out`)
   void* out = nullptr;  // [num_blocks_given, HV, V, K], state dtype
   bool discard = false; // with `out` null: empty the rings (candidates too) without folding
+  // Instead of `blocks`: every block whose ring holds tokens or candidates
+  // in a covered layer (`blocks` null, num_blocks_given 0, `out` null).
+  bool every_block = false;
+  const DeviceStatus* gate = nullptr;  // as FastVerifyArgs::gate
 };
 
 }  // namespace fast

@@ -859,21 +859,6 @@ TEST_F(FastInterfaceChecksTest, CommitAndFlushRefuseWithNothingWritten) {
   EXPECT_TRUE(st.ok()) << st;
 }
 
-// The CUDA backend has no FAST kernels yet: UNIMPLEMENTED, before any work.
-TEST_F(FastInterfaceChecksTest, TheCudaBackendSaysUnimplemented) {
-  absl::StatusOr<const KdaKernels*> cuda = CudaKdaKernels();
-  if (!cuda.ok()) GTEST_SKIP() << "no CUDA device: " << cuda.status();
-  const Window w = TwoRows();
-  for (const absl::Status& st :
-       {(*cuda)->Verify(InterfaceVerifyArgs(via_, w, 0), nullptr),
-        (*cuda)->Commit(InterfaceCommitArgs(via_, w), nullptr),
-        (*cuda)->Flush(InterfaceFlushArgs(via_, nullptr, -1, false), nullptr)}) {
-    EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
-    EXPECT_NE(st.message().find("commit mode FAST has no CUDA kernels yet"), std::string::npos)
-        << st;
-  }
-}
-
 }  // namespace
 }  // namespace testing
 }  // namespace fast

@@ -200,6 +200,9 @@ absl::Status ValidateFastMaterializeArgs(const FastMaterializeArgs& a) {
     return Invalid(op, "out holds one layer's states: name the layer");
   }
   if (a.out != nullptr && a.discard) return Invalid(op, "discard writes no states to out");
+  if (a.every_block && (a.blocks != nullptr || a.num_blocks_given != 0 || a.out != nullptr)) {
+    return Invalid(op, "every_block takes no block list and no out");
+  }
   return absl::OkStatus();
 }
 

@@ -449,10 +449,6 @@ TEST(FastCommitStartTest, LayoutsFastCannotServeAreRefused) {
   r = start({"--backend=cpu", "--fold_every=4"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_THAT(r.output, HasSubstr("layout.fold_every = 4 is for commit_mode FAST only"));
-  r = start({"--backend=cuda", "--commit_mode=fast"});
-  EXPECT_EQ(r.exit_code, 2);
-  EXPECT_THAT(r.output, HasSubstr("FAILED_PRECONDITION"));
-  EXPECT_THAT(r.output, HasSubstr("commit mode FAST has no CUDA kernels yet"));
   r = start({"--backend=cpu", "--commit_mode=fast", "--keeper=/tmp/specstate-no-keeper.sock"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_THAT(r.output, HasSubstr("commit_mode FAST keeps accepted tokens in rings"));

@@ -119,6 +119,55 @@ TEST_F(GpuServiceTest, SimulationDeferredCommitMode) {
   }
 }
 
+// Commit mode FAST on the CUDA backend, judged by the simulator against its
+// float64 reference by the accuracy contract: the three 1,000-step layouts
+// of docs/results/simulate_fast_cpu_1000.md (KDA fp32 activations; KDA
+// plain gate, bf16 state, align mode; GDN), the same flags and seed as
+// `tools/simulate_matrix.sh fast-1000` on the CPU; then Kimi-Linear's head
+// dim with ASYNC, SubmitStep and bound inputs; then a planted corruption,
+// which must FAIL.
+TEST_F(GpuServiceTest, SimulationFastCommitMode) {
+  struct Run {
+    std::vector<std::string> layout, simulate;
+  };
+  const std::vector<Run> runs = {
+      {{"--fold_every=4", "--activation_dtype=fp32"}, {"--steps=1000", "--requests=4"}},
+      {{"--fold_every=8", "--state_dtype=bf16", "--kda_gate=plain", "--cache_mode=align",
+        "--mamba_block_size=16", "--blocks=1200"},
+       {"--steps=1000", "--requests=4"}},
+      {{"--fold_every=16", "--activation_dtype=fp32", "--kind=gdn", "--heads=2",
+        "--value_heads=4"},
+       {"--steps=1000", "--requests=4"}},
+      {{"--fold_every=4", "--heads=8", "--head_dim=128", "--conv_dim=3072", "--blocks=128",
+        "--max_rows=32"},
+       {"--steps=200", "--requests=12", "--async", "--batch", "--bound_inputs"}},
+  };
+  for (const Run& run : runs) {
+    std::vector<std::string> layout = run.layout;
+    layout.push_back("--commit_mode=fast");
+    Start(layout);
+    std::vector<std::string> flags = run.simulate;
+    flags.insert(flags.end(), {"--commit_mode=fast", "--seed=23"});
+    const testing::ProcessResult r = Simulate(flags);
+    SCOPED_TRACE(absl::StrCat(absl::StrJoin(layout, " "), ": simulate ", absl::StrJoin(flags, " "),
+                              "\n", r.output));
+    EXPECT_EQ(r.exit_code, 0);
+    EXPECT_THAT(r.output, HasSubstr("on the cuda backend"));
+    EXPECT_THAT(r.output, HasSubstr("commit mode FAST"));
+    EXPECT_THAT(r.output, HasSubstr("verdict: PASS"));
+    std::printf("== specstated %s | simulate %s\n%s", absl::StrJoin(layout, " ").c_str(),
+                absl::StrJoin(flags, " ").c_str(), r.output.c_str());
+    server_.reset();
+  }
+  Start({"--commit_mode=fast", "--fold_every=4"});
+  const testing::ProcessResult r =
+      Simulate({"--commit_mode=fast", "--steps=20", "--requests=4", "--corrupt_after_step=5"});
+  SCOPED_TRACE(r.output);
+  EXPECT_EQ(r.exit_code, 3);
+  EXPECT_THAT(r.output, HasSubstr("verdict: FAIL"));
+  EXPECT_THAT(r.output, HasSubstr("the accuracy contract is broken"));
+}
+
 // Gated DeltaNet on the CUDA backend, the Qwen3-Next head grouping at TP4
 // (4 key heads, 8 value heads, K = 128), align mode; and KDA's plain gate.
 TEST_F(GpuServiceTest, SimulationGatedDeltaNetAndPlainGate) {

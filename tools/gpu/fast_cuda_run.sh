@@ -24,6 +24,6 @@ timeout 60 "$ncu" --clock-control none --kernel-name regex:FastVerifyKernel --la
 echo "ncu: exit $?"
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 FAST_CUDA_TEST_STEPS=6 timeout 80 "$cs" --tool memcheck --leak-check no "$bundle/bin/fast_cuda_gpu_test" \
-  --gtest_filter='*K64*:*HV4*:*F16*:*K256_Q2*' > "$out/memcheck.txt" 2>&1
+  --gtest_filter='*K64*:*HV4*:*F16*:*K256_Q2*:*align*:*Interface*' > "$out/memcheck.txt" 2>&1
 echo "memcheck: exit $?"
 tail -3 "$out/memcheck.txt"

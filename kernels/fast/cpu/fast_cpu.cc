@@ -577,8 +577,9 @@ void RunFastMaterializeCpu(const FastMaterializeArgs& a, const FastNumerics& num
     for (int l = 0; l < a.num_layers; ++l) {
       if (a.layer >= 0 && l != a.layer) continue;
       const FastLayer& layer = a.layers[l];
-      for (int i = 0; i < a.num_blocks_given; ++i) {
-        const int32_t b = a.blocks[i];
+      const int64_t count = a.every_block ? layer.state.num_blocks : a.num_blocks_given;
+      for (int64_t i = 0; i < count; ++i) {
+        const int32_t b = a.every_block ? static_cast<int32_t>(i) : a.blocks[i];
         if (!IsBlock(b)) continue;
         FastCursor& cursor = layer.rings.cursors[b];
         if (a.out != nullptr) {
@@ -700,13 +701,18 @@ absl::Status FastMaterializeCpu(const FastMaterializeArgs& a, const FastNumerics
   constexpr const char* op = "FastMaterialize";
   absl::Status st = ValidateFastMaterializeArgs(a);
   if (!st.ok()) return st;
-  std::vector<int32_t> checked(a.num_blocks_given);
-  for (int i = 0; i < a.num_blocks_given; ++i) {
+  const int64_t num_blocks = a.layers[0].state.num_blocks;
+  std::vector<int32_t> checked(a.every_block ? num_blocks : a.num_blocks_given);
+  for (int64_t i = 0; i < static_cast<int64_t>(checked.size()); ++i) {
+    if (a.every_block) {
+      checked[i] = static_cast<int32_t>(i);
+      continue;
+    }
     const internal::RowFault f =
-        internal::CheckListedBlock(a.blocks, checked.data(), i, a.layers[0].state.num_blocks);
+        internal::CheckListedBlock(a.blocks, checked.data(), i, num_blocks);
     if (f.problem != 0) return Refused(f, i, -1, op);
   }
-  for (int i = 0; i < a.num_blocks_given; ++i) {
+  for (size_t i = 0; i < checked.size(); ++i) {
     if (!IsBlock(checked[i])) continue;
     for (int l = 0; l < a.num_layers; ++l) {
       if (a.layer >= 0 && l != a.layer) continue;

@@ -59,6 +59,11 @@ constexpr int kFoldRows = 32;
 // Commit's fold grid: blocks per (value head, tile) striding over the rows.
 constexpr int kCommitFoldGridX = 16;
 
+// The kernel interface's checks failed (fast_args.h, `gate`): do nothing.
+__device__ __forceinline__ bool GateFailed(const DeviceStatus* gate) {
+  return gate != nullptr && gate->failed != 0;
+}
+
 __device__ __forceinline__ float WarpSum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -251,6 +256,7 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1) FastVerifyKernel(F
   extern __shared__ float smem[];
   const int n = blockIdx.x, hv = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (GateFailed(a.gate)) return;
   const KdaShape& s = a.shape;
   const int32_t block = a.state_indices[n];
   if (!IsBlock(block) || block >= a.state.num_blocks || block >= a.rings.num_blocks) return;
@@ -537,6 +543,11 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1) FastVerifyKernel(F
 
 enum class FoldMode { kCommit, kMaterialize };
 
+// Layers per fold launch: their pools and rings travel in the kernel's
+// parameters (a commit's launches do not grow with the number of layers
+// below this; 48 layers take two).
+constexpr int kLayersPerLaunch = 24;
+
 // Shared memory of one fold block (floats): kr chunk, u chunk, the chunk
 // boundaries' exponents [R / kRingChunk + 1][K], Gc [K].
 __host__ __device__ inline size_t FoldSmemFloats(int k, int r) {
@@ -546,71 +557,117 @@ __host__ __device__ inline size_t FoldSmemFloats(int k, int r) {
 
 struct FoldParams {
   KdaShape shape;
-  FastLayer layer;
+  FastLayer layers[kLayersPerLaunch];
+  int num_layers;      // of this launch
   int spec_query_len;
-  // Rows (kCommit) or listed blocks (kMaterialize).
+  // Rows (kCommit), listed blocks or, with every_block, the pool's blocks
+  // (kMaterialize).
   int rows;
-  // kCommit: the plan's inputs.
-  CommitArgs plan;
+  // kCommit: the checked plan, or (null) the plan's inputs to plan from.
+  const CommitPlanRow* plan;
+  CommitArgs plan_args;
   // kMaterialize.
   const int32_t* blocks;
+  bool every_block;
   void* out;
+  const DeviceStatus* gate;
 };
 
-// Which block this fold block folds, its n ring tokens and its destination;
-// false when there is nothing to fold.
+// Row i's commit plan: the checked one, or planned here (the direct calls).
+__device__ __forceinline__ bool CommitPlanOf(const FoldParams& f, int64_t num_blocks, int i,
+                                             CommitPlanRow* p) {
+  if (f.plan != nullptr) {
+    *p = f.plan[i];
+    return true;
+  }
+  return internal::PlanCommitRow(f.plan_args, num_blocks, i, p).problem == 0;
+}
+
+// A row's (or a listed block's) folds: the state after the first n[t] ring
+// tokens of `block`, stored to dst[t] (a pool block or `out`). Two in align
+// mode when a commit crosses a boundary (the boundary state, then the final).
+struct FoldJob {
+  int32_t block = 0;
+  int count = 0;
+  int n[2] = {0, 0};
+  void* dst[2] = {nullptr, nullptr};
+};
+
+// Commit (fast_args.h, FastCommitArgs): within the checkpoint's block the
+// ring folds only when the next window might not fit; align mode leaving
+// the block or crossing a boundary folds the boundary and final states.
+// Materialize: each listed block (listed twice: once), into `out` or in place.
 template <FoldMode kMode>
-__device__ bool FoldTarget(const FoldParams& f, int i, int32_t* block, int* n, void** dst,
-                           int64_t block_elems, int state_bytes) {
-  const FastRings& rings = f.layer.rings;
-  const int64_t num_blocks = f.layer.state.num_blocks;
+__device__ bool FoldJobOf(const FoldParams& f, const FastLayer& layer, int i, FoldJob* job,
+                          int64_t block_elems, int state_bytes) {
+  const FastRings& rings = layer.rings;
+  const int64_t num_blocks = layer.state.num_blocks;
+  char* const pool = static_cast<char*>(layer.state.data);
+  const auto block_at = [&](int32_t b) {
+    return pool + int64_t{b} * layer.state.block_stride * state_bytes;
+  };
   if constexpr (kMode == FoldMode::kCommit) {
     CommitPlanRow p;
-    if (internal::PlanCommitRow(f.plan, num_blocks, i, &p).problem != 0) return false;
-    if (!IsBlock(p.source) || p.source >= rings.num_blocks || !internal::CommitsAnything(p)) {
-      return false;
-    }
+    if (!CommitPlanOf(f, num_blocks, i, &p)) return false;
+    if (!internal::CommitsAnything(p) || p.source >= rings.num_blocks) return false;
     const FastCursor cur = rings.cursors[p.source];
-    if (p.commit_len > cur.candidates) return false;
-    *n = cur.tokens + p.commit_len;
-    if (*n + f.spec_query_len <= rings.capacity || *n > rings.capacity) return false;
-    *block = p.source;
-    *dst = static_cast<char*>(f.layer.state.data) +
-           int64_t{p.source} * f.layer.state.block_stride * state_bytes;
-    return true;
-  } else {
-    const int32_t b = f.blocks[i];
-    if (!IsBlock(b) || b >= num_blocks || b >= rings.num_blocks) return false;
-    for (int x = 0; x < i; ++x) {
-      if (f.blocks[x] == b && f.out == nullptr) return false;  // listed twice: folded once
-    }
-    *n = rings.cursors[b].tokens;
-    if (*n < 0 || *n > rings.capacity) return false;
-    *block = b;
-    if (f.out != nullptr) {
-      *dst = static_cast<char*>(f.out) + int64_t{i} * block_elems * state_bytes;
+    if (p.commit_len > cur.candidates) return false;  // (the direct calls' unchecked misuse)
+    job->block = p.source;
+    const int n = cur.tokens + p.commit_len;
+    if (p.final_block == p.source && !IsBlock(p.boundary_block)) {
+      if (n + f.spec_query_len <= rings.capacity || n > rings.capacity) return false;
+      job->count = 1;
+      job->n[0] = n;
+      job->dst[0] = block_at(p.source);
       return true;
     }
-    *dst = static_cast<char*>(f.layer.state.data) +
-           int64_t{b} * f.layer.state.block_stride * state_bytes;
-    return *n > 0;
+    if (IsBlock(p.boundary_block) && p.boundary_len < p.commit_len) {
+      job->n[job->count] = cur.tokens + p.boundary_len;
+      job->dst[job->count++] = block_at(p.boundary_block);
+    }
+    job->n[job->count] = n;
+    job->dst[job->count++] = block_at(p.final_block);
+    return true;
+  } else {
+    const int32_t b = f.every_block ? i : f.blocks[i];
+    if (!IsBlock(b) || b >= num_blocks || b >= rings.num_blocks) return false;
+    if (!f.every_block) {
+      for (int x = 0; x < i; ++x) {
+        if (f.blocks[x] == b && f.out == nullptr) return false;  // listed twice: folded once
+      }
+    }
+    const int n = rings.cursors[b].tokens;
+    if (n < 0 || n > rings.capacity) return false;
+    job->block = b;
+    job->count = 1;
+    job->n[0] = n;
+    if (f.out != nullptr) {
+      job->dst[0] = static_cast<char*>(f.out) + int64_t{i} * block_elems * state_bytes;
+      return true;
+    }
+    job->dst[0] = block_at(b);
+    return n > 0;
   }
 }
 
-// The fold of a block's first n ring tokens, one value head, kFoldRows
-// state rows: out[v][j] = S0[v][j] exp(Gc[j]) + sum_i u_i[v] kr_i[j].
+// The folds of one layer's jobs, one value head, kFoldRows state rows:
+// out[v][j] = S0[v][j] exp(Gc[j]) + sum_i u_i[v] kr_i[j]. Grid: x strides
+// over the jobs, y the value heads, z (layer, tile of state rows).
 template <typename Act, typename State, int K, FoldMode kMode>
-__global__ void __launch_bounds__(kThreads) FastFoldKernel(FoldParams f) {
+__global__ void __launch_bounds__(kThreads) FastFoldKernel(const FoldParams f) {
   extern __shared__ float smem[];
-  const int hv = blockIdx.y, v0 = blockIdx.z * kFoldRows;
+  if (GateFailed(f.gate)) return;
+  const int tiles = K / kFoldRows;
+  const FastLayer& layer = f.layers[blockIdx.z / tiles];
+  const int hv = blockIdx.y, v0 = (blockIdx.z % tiles) * kFoldRows;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const KdaShape& s = f.shape;
   const int HV = ValueHeads(s);
   const int64_t block_elems = int64_t{HV} * K * K;
-  // Blocks stride over the rows (kCommit: gridDim.x is small, so that a
+  // Blocks stride over the jobs (kCommit: gridDim.x is small, so that a
   // commit with no fold costs one parallel plan read per block, not a block
-  // per row, head and tile): the block's threads test kThreads of its rows
-  // at once, the rows that fold listed in shared memory, then folded one
+  // per row, head and tile): the block's threads test kThreads of its jobs
+  // at once, the ones that fold listed in shared memory, then folded one
   // after the other.
   __shared__ int fold_rows[kThreads];
   __shared__ int fold_count;
@@ -621,25 +678,18 @@ __global__ void __launch_bounds__(kThreads) FastFoldKernel(FoldParams f) {
     __syncthreads();
     {
       const int m = m0 + tid;
-      int32_t b;
-      int nn;
-      void* d;
       const int row = blockIdx.x + m * gridDim.x;
-      if (m < per_block &&
-          FoldTarget<kMode>(f, row, &b, &nn, &d, block_elems, sizeof(State))) {
+      FoldJob job;
+      if (m < per_block && FoldJobOf<kMode>(f, layer, row, &job, block_elems, sizeof(State))) {
         fold_rows[atomicAdd(&fold_count, 1)] = row;
       }
     }
     __syncthreads();
     const int listed = fold_count;
     for (int li = 0; li < listed; ++li) {
-      const int row = fold_rows[li];
-      int32_t block;
-      int n;
-      void* dst_void;
-      FoldTarget<kMode>(f, row, &block, &n, &dst_void, block_elems, sizeof(State));
-      __syncthreads();  // the previous row's shared memory reads done
-      const FastRings& rings = f.layer.rings;
+      FoldJob job;
+      FoldJobOf<kMode>(f, layer, fold_rows[li], &job, block_elems, sizeof(State));
+      const FastRings& rings = layer.rings;
       const bool gdn = s.kind == LayerKind::kGdn;
       const int h = KeyHeadOf(s, hv);
       const int R = rings.capacity;
@@ -649,104 +699,129 @@ __global__ void __launch_bounds__(kThreads) FastFoldKernel(FoldParams f) {
       float* gc = bound + (R / kRingChunk + 1) * K;
       const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s),
                     u_width = RingUWidth(s);
-      const int chunks = (n + kRingChunk - 1) / kRingChunk;
-      // Exponents per column from the newest token back; each chunk's starting
-      // value (the sum over the tokens after it) kept.
-      for (int j = tid; j < K; j += kThreads) {
-        float acc = 0.0f;
-        for (int i = n - 1; i >= 0; --i) {
-          if ((i + 1) % kRingChunk == 0 || i == n - 1) bound[(i / kRingChunk) * K + j] = acc;
-          const float* g = rings.log_decay + RingAt(rings, block, i, g_width);
-          acc += gdn ? g[hv] : g[int64_t{h} * K + j];
-        }
-        gc[j] = acc;
-      }
-      __syncthreads();
       constexpr int kGroups = kThreads / K > 0 ? kThreads / K : 1;
       constexpr int kRowsEach = kFoldRows / kGroups;
       static_assert(K <= kThreads, "a thread per column");
       const int j = tid % K, group = tid / K;
-      const State* s0 = static_cast<const State*>(f.layer.state.data) +
-                        int64_t{block} * f.layer.state.block_stride + int64_t{hv} * K * K;
-      float acc[kRowsEach];
+      // The thread's checkpoint elements, read before any fold of the job
+      // stores: each thread stores only the elements it read, so a job's
+      // boundary state may go to a block its final fold still reads.
+      const State* s0 = static_cast<const State*>(layer.state.data) +
+                        int64_t{job.block} * layer.state.block_stride + int64_t{hv} * K * K;
+      float s0_own[kRowsEach];
 #pragma unroll
       for (int m = 0; m < kRowsEach; ++m) {
-        const int v = v0 + group + kGroups * m;
-        acc[m] = ::specstate::fast::Decayed(ToFloat(s0[int64_t{v} * K + j]), gc[j]);
+        s0_own[m] = ToFloat(s0[int64_t{v0 + group + kGroups * m} * K + j]);
       }
-      const Act* ring_k = static_cast<const Act*>(rings.k);
-      for (int chunk = 0; chunk < chunks; ++chunk) {
-        const int i0 = chunk * kRingChunk, i1 = min(n, i0 + kRingChunk);
-        __syncthreads();
-        for (int i = i0 + warp; i < i1; i += kWarps) {
-          WarpNormalize<Act, K>(ring_k + RingAt(rings, block, i, kw_width) + int64_t{h} * K, 1.0f,
-                                kr + (i - i0) * K, lane);
-        }
-        for (int e = tid; e < (i1 - i0) * kFoldRows; e += kThreads) {
-          const int i = i0 + e / kFoldRows, v = v0 + e % kFoldRows;
-          uc[e] = rings.u[RingAt(rings, block, i, u_width) + int64_t{hv} * K + v];
-        }
-        __syncthreads();
+      for (int target = 0; target < job.count; ++target) {
+        const int n = job.n[target];
+        const int chunks = (n + kRingChunk - 1) / kRingChunk;
+        __syncthreads();  // the previous fold's shared memory reads done
+        // Exponents per column from the newest token back; each chunk's
+        // starting value (the sum over the tokens after it) kept.
         for (int jj = tid; jj < K; jj += kThreads) {
-          float e = bound[chunk * K + jj];
-          for (int i = i1 - 1; i >= i0; --i) {
-            kr[(i - i0) * K + jj] = ::specstate::fast::Decayed(kr[(i - i0) * K + jj], e);
-            const float* g = rings.log_decay + RingAt(rings, block, i, g_width);
-            e += gdn ? g[hv] : g[int64_t{h} * K + jj];
+          float acc = 0.0f;
+          for (int i = n - 1; i >= 0; --i) {
+            if ((i + 1) % kRingChunk == 0 || i == n - 1) bound[(i / kRingChunk) * K + jj] = acc;
+            const float* g = rings.log_decay + RingAt(rings, job.block, i, g_width);
+            acc += gdn ? g[hv] : g[int64_t{h} * K + jj];
           }
+          gc[jj] = acc;
         }
         __syncthreads();
-        for (int i = i0; i < i1; ++i) {
-          const float k_ij = kr[(i - i0) * K + j];
+        float acc[kRowsEach];
 #pragma unroll
-          for (int m = 0; m < kRowsEach; ++m) {
-            acc[m] = kda::MulAdd(uc[(i - i0) * kFoldRows + group + kGroups * m], k_ij, acc[m]);
+        for (int m = 0; m < kRowsEach; ++m) acc[m] = ::specstate::fast::Decayed(s0_own[m], gc[j]);
+        const Act* ring_k = static_cast<const Act*>(rings.k);
+        for (int chunk = 0; chunk < chunks; ++chunk) {
+          const int i0 = chunk * kRingChunk, i1 = min(n, i0 + kRingChunk);
+          __syncthreads();
+          for (int i = i0 + warp; i < i1; i += kWarps) {
+            WarpNormalize<Act, K>(ring_k + RingAt(rings, job.block, i, kw_width) + int64_t{h} * K,
+                                  1.0f, kr + (i - i0) * K, lane);
+          }
+          for (int e = tid; e < (i1 - i0) * kFoldRows; e += kThreads) {
+            const int i = i0 + e / kFoldRows, v = v0 + e % kFoldRows;
+            uc[e] = rings.u[RingAt(rings, job.block, i, u_width) + int64_t{hv} * K + v];
+          }
+          __syncthreads();
+          for (int jj = tid; jj < K; jj += kThreads) {
+            float e = bound[chunk * K + jj];
+            for (int i = i1 - 1; i >= i0; --i) {
+              kr[(i - i0) * K + jj] = ::specstate::fast::Decayed(kr[(i - i0) * K + jj], e);
+              const float* g = rings.log_decay + RingAt(rings, job.block, i, g_width);
+              e += gdn ? g[hv] : g[int64_t{h} * K + jj];
+            }
+          }
+          __syncthreads();
+          for (int i = i0; i < i1; ++i) {
+            const float k_ij = kr[(i - i0) * K + j];
+#pragma unroll
+            for (int m = 0; m < kRowsEach; ++m) {
+              acc[m] = kda::MulAdd(uc[(i - i0) * kFoldRows + group + kGroups * m], k_ij, acc[m]);
+            }
           }
         }
-      }
-      State* dst = static_cast<State*>(dst_void) + int64_t{hv} * K * K;
+        State* dst = static_cast<State*>(job.dst[target]) + int64_t{hv} * K * K;
 #pragma unroll
-      for (int m = 0; m < kRowsEach; ++m) {
-        const int v = v0 + group + kGroups * m;
-        dst[int64_t{v} * K + j] = FromFloat<State>(acc[m]);
+        for (int m = 0; m < kRowsEach; ++m) {
+          dst[int64_t{v0 + group + kGroups * m} * K + j] = FromFloat<State>(acc[m]);
+        }
       }
     }
   }
 }
 
-// Commit's cursors, after the folds: a thread per row.
-__global__ void FastCommitCursorKernel(CommitArgs plan_args, FastRings rings, int64_t num_blocks,
-                                       int spec_query_len) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= plan_args.num_rows) return;
+// Commit's cursors, after the folds: a thread per (row, layer of the launch).
+//  - within the checkpoint's block: tokens += commit_len, emptied by a fold;
+//  - align mode otherwise: the boundary and final blocks' rings empty (they
+//    hold real states), the checkpoint's unchanged;
+// every row's candidates forgotten.
+__global__ void FastCommitCursorKernel(const FoldParams f) {
+  if (GateFailed(f.gate)) return;
+  const int x = blockIdx.x * blockDim.x + threadIdx.x;
+  if (x >= f.rows * f.num_layers) return;
+  const int i = x % f.rows;
+  const FastRings& rings = f.layers[x / f.rows].rings;
   CommitPlanRow p;
-  if (internal::PlanCommitRow(plan_args, num_blocks, i, &p).problem != 0) return;
+  if (!CommitPlanOf(f, f.layers[0].state.num_blocks, i, &p)) return;
   if (!IsBlock(p.source) || p.source >= rings.num_blocks) return;
   FastCursor& cur = rings.cursors[p.source];
   if (!internal::CommitsAnything(p) || p.commit_len > cur.candidates) {
     cur.candidates = 0;
     return;
   }
-  cur.tokens += p.commit_len;
   cur.candidates = 0;
-  if (cur.tokens + spec_query_len > rings.capacity) cur.tokens = 0;
+  if (p.final_block == p.source && !IsBlock(p.boundary_block)) {
+    cur.tokens += p.commit_len;
+    if (cur.tokens + f.spec_query_len > rings.capacity) cur.tokens = 0;
+    return;
+  }
+  if (IsBlock(p.boundary_block) && p.boundary_len < p.commit_len) {
+    rings.cursors[p.boundary_block] = FastCursor{0, 0};
+  }
+  rings.cursors[p.final_block] = FastCursor{0, 0};
 }
 
-// Materialize's cursors, after the folds: discard, or the candidates moved
-// to the ring's start (each thread one element of a token, copied oldest
-// first: the destination never passes its source) and the ring emptied.
+// Materialize's cursors, after the folds: a block per (listed block, layer
+// of the launch). Discard, or the candidates moved to the ring's start
+// (each thread one element of a token, copied oldest first: the destination
+// never passes its source) and the ring emptied.
 template <typename Act>
-__global__ void FastMaterializeCursorKernel(KdaShape s, FastRings rings, const int32_t* blocks,
-                                            bool discard) {
+__global__ void FastMaterializeCursorKernel(const FoldParams f, bool discard) {
+  if (GateFailed(f.gate)) return;
   const int i = blockIdx.x;
-  const int32_t b = blocks[i];
+  const KdaShape& s = f.shape;
+  const FastRings& rings = f.layers[blockIdx.y].rings;
+  const int32_t b = f.every_block ? i : f.blocks[i];
   if (!IsBlock(b) || b >= rings.num_blocks) return;
-  for (int x = 0; x < i; ++x) {
-    if (blocks[x] == b) return;
+  if (!f.every_block) {
+    for (int x = 0; x < i; ++x) {
+      if (f.blocks[x] == b) return;
+    }
   }
   FastCursor& cur = rings.cursors[b];
   if (discard) {
-    __syncthreads();
     if (threadIdx.x == 0) cur = FastCursor{0, 0};
     return;
   }
@@ -770,6 +845,8 @@ __global__ void FastMaterializeCursorKernel(KdaShape s, FastRings rings, const i
   __syncthreads();
   if (threadIdx.x == 0) cur.tokens = 0;
 }
+
+static_assert(sizeof(FoldParams) <= 4096, "a fold launch's layers fit in its parameters");
 
 bool DefaultNumerics(const FastNumerics& n) {
   using O = FastNumerics::Operands;
@@ -801,25 +878,45 @@ CommitArgs PlanArgsOf(const FastCommitArgs& a) {
 
 template <typename Act, typename State, int K, FoldMode kMode>
 cudaError_t LaunchFold(const FoldParams& f, int grid_x, cudaStream_t stream) {
-  const size_t smem = FoldSmemFloats(K, f.layer.rings.capacity) * sizeof(float);
+  const size_t smem = FoldSmemFloats(K, f.layers[0].rings.capacity) * sizeof(float);
   auto kernel = FastFoldKernel<Act, State, K, kMode>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid(std::min(grid_x, f.rows), ValueHeads(f.shape), K / kFoldRows);
+  const dim3 grid(std::min(grid_x, f.rows), ValueHeads(f.shape), (K / kFoldRows) * f.num_layers);
   kernel<<<grid, kThreads, smem, stream>>>(f);
   return cudaGetLastError();
+}
+
+// Calls launch(f) for the layers `covers` selects, kLayersPerLaunch at a time.
+template <typename Covers, typename Launch>
+cudaError_t ForLayerBatches(FoldParams f, const FastLayer* layers, int num_layers, Covers covers,
+                            Launch launch) {
+  f.num_layers = 0;
+  for (int l = 0; l < num_layers; ++l) {
+    if (!covers(l)) continue;
+    f.layers[f.num_layers++] = layers[l];
+    if (f.num_layers == kLayersPerLaunch) {
+      if (const cudaError_t err = launch(f); err != cudaSuccess) return err;
+      f.num_layers = 0;
+    }
+  }
+  return f.num_layers > 0 ? launch(f) : cudaSuccess;
 }
 
 }  // namespace
 
 absl::Status FastVerifyCuda(const FastVerifyArgs& a, const FastNumerics& num,
                             cudaStream_t stream) {
-  constexpr const char* op = "FastVerify";
   if (absl::Status st = ValidateFastVerifyArgs(a); !st.ok()) return st;
-  if (!DefaultNumerics(num)) return NumericsUnimplemented(op);
+  if (!DefaultNumerics(num)) return NumericsUnimplemented("FastVerify");
+  return RunFastVerifyCuda(a, stream);
+}
+
+absl::Status RunFastVerifyCuda(const FastVerifyArgs& a, cudaStream_t stream) {
+  constexpr const char* op = "FastVerify";
   if (a.num_rows == 0) return absl::OkStatus();
   cudaError_t err = cudaSuccess;
   DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
@@ -850,71 +947,83 @@ absl::Status FastVerifyCuda(const FastVerifyArgs& a, const FastNumerics& num,
 
 absl::Status FastCommitCuda(const FastCommitArgs& a, const FastNumerics& num,
                             cudaStream_t stream) {
-  constexpr const char* op = "FastCommit";
   if (absl::Status st = ValidateFastCommitArgs(a); !st.ok()) return st;
-  if (!DefaultNumerics(num)) return NumericsUnimplemented(op);
-  if (a.block_table.data != nullptr) {
-    return absl::UnimplementedError(
-        "In FastCommit: align mode (block_table set) has no CUDA kernel yet; cache mode none only");
-  }
+  if (!DefaultNumerics(num)) return NumericsUnimplemented("FastCommit");
+  return RunFastCommitCuda(a, stream);
+}
+
+absl::Status RunFastCommitCuda(const FastCommitArgs& a, cudaStream_t stream) {
+  constexpr const char* op = "FastCommit";
   if (a.num_rows == 0) return absl::OkStatus();
-  const CommitArgs plan = PlanArgsOf(a);
-  cudaError_t err = cudaSuccess;
-  for (int l = 0; l < a.num_layers && err == cudaSuccess; ++l) {
-    FoldParams f{};
-    f.shape = a.shape;
-    f.layer = a.layers[l];
-    f.spec_query_len = a.spec_query_len;
-    f.plan = plan;
-    f.rows = a.num_rows;
-    DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
-      using Act = typename decltype(act)::type;
-      using State = typename decltype(state)::type;
-      constexpr int K = decltype(head_dim)::value;
-      // A commit folds few rows a step (0.1-0.3 of them, fast_bench): 16
-      // strided blocks per (head, tile) keep a no-fold commit at a few
-      // microseconds and still fill the GPU when every row folds.
-      err = LaunchFold<Act, State, K, FoldMode::kCommit>(f, kCommitFoldGridX, stream);
-    });
-    if (err != cudaSuccess) break;
-    FastCommitCursorKernel<<<(a.num_rows + 255) / 256, 256, 0, stream>>>(
-        plan, a.layers[l].rings, a.layers[l].state.num_blocks, a.spec_query_len);
-    err = cudaGetLastError();
-  }
+  FoldParams f{};
+  f.shape = a.shape;
+  f.spec_query_len = a.spec_query_len;
+  f.rows = a.num_rows;
+  f.plan = a.plan;
+  f.plan_args = PlanArgsOf(a);
+  f.gate = a.gate;
+  const cudaError_t err = ForLayerBatches(
+      f, a.layers, a.num_layers, [](int) { return true; }, [&](const FoldParams& batch) {
+        cudaError_t e = cudaSuccess;
+        DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+          using Act = typename decltype(act)::type;
+          using State = typename decltype(state)::type;
+          constexpr int K = decltype(head_dim)::value;
+          // A commit folds few rows a step (0.1-0.3 of them, fast_bench): 16
+          // strided blocks per (head, tile) keep a no-fold commit at a few
+          // microseconds and still fill the GPU when every row folds.
+          e = LaunchFold<Act, State, K, FoldMode::kCommit>(batch, kCommitFoldGridX, stream);
+        });
+        if (e != cudaSuccess) return e;
+        const int threads = a.num_rows * batch.num_layers;
+        FastCommitCursorKernel<<<(threads + 255) / 256, 256, 0, stream>>>(batch);
+        return cudaGetLastError();
+      });
   if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
   return absl::OkStatus();
 }
 
 absl::Status FastMaterializeCuda(const FastMaterializeArgs& a, const FastNumerics& num,
                                  cudaStream_t stream) {
-  constexpr const char* op = "FastMaterialize";
   if (absl::Status st = ValidateFastMaterializeArgs(a); !st.ok()) return st;
-  if (!DefaultNumerics(num)) return NumericsUnimplemented(op);
-  if (a.num_blocks_given == 0) return absl::OkStatus();
-  cudaError_t err = cudaSuccess;
-  for (int l = 0; l < a.num_layers && err == cudaSuccess; ++l) {
-    if (a.layer >= 0 && l != a.layer) continue;
-    FoldParams f{};
-    f.shape = a.shape;
-    f.layer = a.layers[l];
-    f.blocks = a.blocks;
-    f.rows = a.num_blocks_given;
-    f.out = a.out;
-    DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
-      using Act = typename decltype(act)::type;
-      using State = typename decltype(state)::type;
-      constexpr int K = decltype(head_dim)::value;
-      if (!a.discard || a.out != nullptr) {
-        err = LaunchFold<Act, State, K, FoldMode::kMaterialize>(f, a.num_blocks_given, stream);
-        if (err != cudaSuccess) return;
-      }
-      if (a.out == nullptr) {
-        FastMaterializeCursorKernel<Act><<<a.num_blocks_given, kThreads, 0, stream>>>(
-            a.shape, a.layers[l].rings, a.blocks, a.discard);
-        err = cudaGetLastError();
-      }
-    });
-  }
+  if (!DefaultNumerics(num)) return NumericsUnimplemented("FastMaterialize");
+  return RunFastMaterializeCuda(a, stream);
+}
+
+absl::Status RunFastMaterializeCuda(const FastMaterializeArgs& a, cudaStream_t stream) {
+  constexpr const char* op = "FastMaterialize";
+  const int64_t jobs = a.every_block ? a.layers[0].state.num_blocks : a.num_blocks_given;
+  if (jobs == 0) return absl::OkStatus();
+  FoldParams f{};
+  f.shape = a.shape;
+  f.blocks = a.blocks;
+  f.every_block = a.every_block;
+  f.rows = static_cast<int>(jobs);
+  f.out = a.out;
+  f.gate = a.gate;
+  const cudaError_t err = ForLayerBatches(
+      f, a.layers, a.num_layers, [&](int l) { return a.layer < 0 || l == a.layer; },
+      [&](const FoldParams& batch) {
+        cudaError_t e = cudaSuccess;
+        DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+          using Act = typename decltype(act)::type;
+          using State = typename decltype(state)::type;
+          constexpr int K = decltype(head_dim)::value;
+          if (!a.discard || a.out != nullptr) {
+            // Every block: strided blocks that test their share in parallel
+            // (most rings are empty); a list: a block per entry.
+            e = LaunchFold<Act, State, K, FoldMode::kMaterialize>(
+                batch, a.every_block ? kCommitFoldGridX : f.rows, stream);
+            if (e != cudaSuccess) return;
+          }
+          if (a.out == nullptr) {
+            FastMaterializeCursorKernel<Act>
+                <<<dim3(f.rows, batch.num_layers), kThreads, 0, stream>>>(batch, a.discard);
+            e = cudaGetLastError();
+          }
+        });
+        return e;
+      });
   if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
   return absl::OkStatus();
 }

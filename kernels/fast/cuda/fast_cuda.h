@@ -14,9 +14,12 @@
 //
 // Checks: the host-visible arguments (the Validate* functions of
 // fast_kernels.h). The values in device buffers (query_start_loc, indices,
-// cursors) are not checked with the device checks of kernels/internal: a
-// row whose block, window or cursor is out of bounds is skipped, so memory
-// is never touched out of bounds, but no fault is reported.
+// cursors) are checked by the kernel interface's CUDA backend
+// (kernels/cuda/kda_cuda.cu, commit mode FAST) with the device checks of
+// kernels/internal, which then calls the Run* launchers below with `gate`
+// set to its status. Called directly, a row whose block, window or cursor is
+// out of bounds is skipped, so memory is never touched out of bounds, but no
+// fault is reported.
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_FAST_CUDA_H_
 #define SPECSTATE_KERNELS_FAST_CUDA_FAST_CUDA_H_
 
@@ -37,12 +40,14 @@ namespace fast {
 absl::Status FastVerifyCuda(const FastVerifyArgs& args, const FastNumerics& numerics,
                             cudaStream_t stream);
 
-// FAST Commit of every layer (fast_args.h), cache mode none: each row's
-// accepted candidates join its ring; a ring that has no room for another
-// window is folded into its checkpoint (fp32, stored in the state dtype).
-// `args.layers` is host memory (its pools and rings device memory).
+// FAST Commit of every layer (fast_args.h): each row's accepted candidates
+// join its ring; a ring that has no room for another window is folded into
+// its checkpoint (fp32, stored in the state dtype); align mode leaving the
+// block or crossing a boundary stores real boundary and final states.
+// `args.layers` is host memory (its pools and rings device memory); the
+// launches do not grow with the number of layers up to 24.
 // \returns INVALID_ARGUMENT as ValidateFastCommitArgs, UNIMPLEMENTED for
-//   align mode (block_table set) and non-default numerics, a launch error.
+//   non-default numerics, a launch error.
 absl::Status FastCommitCuda(const FastCommitArgs& args, const FastNumerics& numerics,
                             cudaStream_t stream);
 
@@ -52,6 +57,13 @@ absl::Status FastCommitCuda(const FastCommitArgs& args, const FastNumerics& nume
 // `args.layers` is host memory, `args.blocks` device memory.
 absl::Status FastMaterializeCuda(const FastMaterializeArgs& args, const FastNumerics& numerics,
                                  cudaStream_t stream);
+
+// The launches of the three calls above without their host checks (fp32
+// numerics): for the kernel interface, after its own validation; `gate` set
+// to its checks' status.
+absl::Status RunFastVerifyCuda(const FastVerifyArgs& args, cudaStream_t stream);
+absl::Status RunFastCommitCuda(const FastCommitArgs& args, cudaStream_t stream);
+absl::Status RunFastMaterializeCuda(const FastMaterializeArgs& args, cudaStream_t stream);
 
 }  // namespace fast
 }  // namespace kernels

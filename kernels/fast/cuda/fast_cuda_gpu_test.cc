@@ -29,7 +29,9 @@
 #include "kernels/fast/cuda/fast_cuda.h"
 #include "kernels/fast/fast_args.h"
 #include "kernels/fast/fast_kernels.h"
+#include "kernels/device_status.h"
 #include "kernels/kda_args.h"
+#include "kernels/kda_kernels.h"
 #include "kernels/numeric.h"
 
 namespace specstate {
@@ -130,6 +132,10 @@ struct Case {
   int steps = 60;
   uint64_t seed = 1;
   int rows = 3;  // more than 132 / HV: Verify's large-grid path
+  // Align mode: each row walks a block table (blocks of 2Q tokens), so
+  // commits leave the checkpoint's block and cross boundaries; the next
+  // step verifies from the block holding the row's state (RecordStateBlocks').
+  bool align = false;
 };
 
 class FastCudaTest : public ::testing::TestWithParam<Case> {};
@@ -157,7 +163,10 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
   const bool gdn = c.kind == LayerKind::kGdn;
   const int HV = ValueHeads(s), K = c.K, Q = c.Q, R = FastRingCapacity(c.F, c.Q);
   const int rows = c.rows, num_layers = 2;
-  const int64_t num_blocks = rows + 2;  // the null block, one a row, one spare
+  const int block_size = 2 * Q;
+  const int width = c.align ? 2 + c.steps * Q / block_size : 1;
+  // The null block, one a row (align: a table's worth), one spare.
+  const int64_t num_blocks = c.align ? 1 + int64_t{rows} * width : rows + 2;
   const int64_t block_elems = int64_t{HV} * K * K;
   std::mt19937_64 rng(c.seed);
   auto normal = [&](float sd) { return std::normal_distribution<float>(0.0f, sd)(rng); };
@@ -202,8 +211,10 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
     return LayerParams{static_cast<const float*>(dev ? L.a_log.device : L.a_log.host.data()),
                        static_cast<const float*>(dev ? L.dt_bias.device : L.dt_bias.host.data())};
   };
-  Buffer qsl, indices, accepted, listed, materialized;
+  Buffer qsl, indices, accepted, listed, materialized, table, computed;
   qsl.Init(DType::kFloat32, rows + 1);
+  table.Init(DType::kFloat32, int64_t{rows} * width);
+  computed.Init(DType::kFloat32, rows);
   indices.Init(DType::kFloat32, rows);
   accepted.Init(DType::kFloat32, rows);
   listed.Init(DType::kFloat32, rows + 1);
@@ -211,6 +222,11 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
   auto ints = [](Buffer& b) { return reinterpret_cast<int32_t*>(b.host.data()); };
   for (int n = 0; n < rows; ++n) ints(indices)[n] = n + 1;
   indices.Upload();
+  for (int n = 0; n < rows; ++n) {
+    for (int col = 0; col < width; ++col) ints(table)[n * width + col] = 1 + n * width + col;
+    ints(computed)[n] = 1 + integer(0, block_size - 1);
+  }
+  table.Upload();
   // Materialize's list: the rows' blocks and the null block (skipped).
   ints(listed)[0] = 1;
   ints(listed)[1] = 0;
@@ -238,6 +254,13 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
       ints(qsl)[n + 1] = ints(qsl)[n] + T[n];
     }
     qsl.Upload();
+    if (c.align) {  // each row's block holding its state
+      for (int n = 0; n < rows; ++n) {
+        ints(indices)[n] = ints(table)[n * width + (ints(computed)[n] - 1) / block_size];
+      }
+      indices.Upload();
+      computed.Upload();
+    }
     const int tokens = ints(qsl)[rows];
     for (int l = 0; l < num_layers; ++l) {
       Layer& L = layers[l];
@@ -316,14 +339,26 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
       a.state_indices = IndexMatrix{static_cast<const int32_t*>(dev ? indices.device : indices.host.data()), 1, 1};
       a.batch = rows;
       a.num_accepted = static_cast<const int32_t*>(dev ? accepted.device : accepted.host.data());
+      if (c.align) {
+        a.block_table = IndexMatrix{
+            static_cast<const int32_t*>(dev ? table.device : table.host.data()), width, width};
+        a.num_computed_tokens =
+            static_cast<const int32_t*>(dev ? computed.device : computed.host.data());
+        a.mamba_block_size = block_size;
+      }
       const absl::Status st = dev ? FastCommitCuda(a, FastNumerics{}, nullptr) : FastCommitCpu(a);
       ASSERT_TRUE(st.ok()) << st;
     }
     ASSERT_CUDA(cudaDeviceSynchronize());
     for (int n = 0; n < rows; ++n) {
+      const int32_t b = ints(indices)[n];
       const auto* after = reinterpret_cast<const FastCursor*>(layers[0].cursors.host.data());
       const auto* before = reinterpret_cast<const FastCursor*>(cursors_before.data());
-      if (after[n + 1].tokens == 0 && before[n + 1].tokens + ints(accepted)[n] > 0) ++folds;
+      // Align: a commit reaching the next block boundary stores real states.
+      const int now = ints(computed)[n], later = now + ints(accepted)[n];
+      const bool crosses = c.align && later >= (now / block_size + 1) * block_size;
+      if (crosses || (after[b].tokens == 0 && before[b].tokens + ints(accepted)[n] > 0)) ++folds;
+      if (c.align) ints(computed)[n] = later;
     }
     for (int l = 0; l < num_layers; ++l) {
       Layer& L = layers[l];
@@ -395,6 +430,222 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
               c.name.c_str(), c.resync, c.steps, folds, worst_out, worst_u, worst_state);
 }
 
+// The kernel interface's CUDA backend in commit mode FAST (kda_cuda.cu:
+// its device checks, then these kernels) against its CPU backend, one copy of
+// the service's memory each, from the same bytes: each misuse is refused
+// with the same status (field, row, bound), nothing written on the device;
+// a passing Verify, Commit and Flush agree within the tolerance.
+TEST(FastCudaInterfaceTest, ChecksAndRefusalsAreTheCpuBackends) {
+  if (!HaveGpu()) GTEST_SKIP() << "no GPU";
+  absl::StatusOr<const KdaKernels*> cuda = CudaKdaKernels();
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  KdaShape s;
+  s.num_heads = 2;
+  s.head_dim = 64;
+  s.act_dtype = DType::kBFloat16;
+  s.state_dtype = DType::kFloat32;
+  const int K = 64, HV = 2, Q = 4, R = FastRingCapacity(2, Q), rows = 2, max_rows = 4;
+  const int conv_dim = 8, conv_width = 3 + Q;
+  const int64_t num_blocks = 6, block_elems = int64_t{HV} * K * K, tokens = int64_t{rows} * Q;
+  std::mt19937_64 rng(0x1f2e3d);
+  auto normal = [&] { return std::normal_distribution<float>(0.0f, 1.0f)(rng); };
+  Buffer pool, conv, ring_k, ring_u, ring_g, cursors, a_log, dt_bias, q, k, v, g, beta, out;
+  Buffer qsl, indices, snap_qsl, snap_indices, accepted, blocks, checked, vws, cws, status, table;
+  pool.Init(DType::kFloat32, num_blocks * block_elems);
+  conv.Init(DType::kBFloat16, num_blocks * conv_dim * conv_width);
+  ring_k.Init(DType::kBFloat16, FastRingKBytes(s, num_blocks, R) / 2);
+  ring_u.Init(DType::kFloat32, FastRingUBytes(s, num_blocks, R) / 4);
+  ring_g.Init(DType::kFloat32, FastRingLogDecayBytes(s, num_blocks, R) / 4);
+  cursors.Init(DType::kFloat32, FastCursorBytes(num_blocks) / 4);
+  a_log.Init(DType::kFloat32, 2);
+  dt_bias.Init(DType::kFloat32, 2 * K);
+  for (Buffer* b : {&q, &k}) b->Init(DType::kBFloat16, tokens * 2 * K);
+  for (Buffer* b : {&v, &out}) b->Init(DType::kBFloat16, tokens * HV * K);
+  g.Init(DType::kBFloat16, tokens * 2 * K);
+  beta.Init(DType::kBFloat16, tokens * HV);
+  for (Buffer* b : {&pool, &conv, &a_log, &dt_bias, &q, &k, &v, &g, &beta}) {
+    for (size_t i = 0; i < b->count(); ++i) b->Set(i, 0.3f * normal());
+    b->Upload();
+  }
+  for (Buffer* b : {&qsl, &snap_qsl}) b->Init(DType::kFloat32, max_rows + 1);
+  for (Buffer* b : {&indices, &snap_indices, &accepted}) b->Init(DType::kFloat32, max_rows);
+  blocks.Init(DType::kFloat32, 2);
+  checked.Init(DType::kFloat32, num_blocks);
+  vws.Init(DType::kFloat32, VerifyWorkspaceBytes(num_blocks) / 4 + 1);
+  cws.Init(DType::kFloat32, CommitWorkspaceBytes(max_rows, Q, num_blocks) / 4 + 1);
+  status.Init(DType::kFloat32, sizeof(DeviceStatus) / 4 + 1);
+  auto ints = [](Buffer& b) { return reinterpret_cast<int32_t*>(b.host.data()); };
+  auto ptr = [](Buffer& b, bool dev) { return dev ? b.device : static_cast<void*>(b.host.data()); };
+  auto layer_of = [&](bool dev) {
+    CommitLayer c{};
+    c.state = StatePool{ptr(pool, dev), num_blocks, block_elems};
+    c.conv = ConvPool{ptr(conv, dev), num_blocks, int64_t{conv_dim} * conv_width, conv_width, 1,
+                      conv_dim, conv_width};
+    c.params = LayerParams{static_cast<const float*>(ptr(a_log, dev)),
+                           static_cast<const float*>(ptr(dt_bias, dev))};
+    c.records = Records{nullptr, nullptr, nullptr, max_rows, Q};
+    c.records_alt = c.records;
+    c.fast = FastRings{ptr(ring_k, dev), static_cast<float*>(ptr(ring_u, dev)),
+                       static_cast<float*>(ptr(ring_g, dev)),
+                       static_cast<FastCursor*>(ptr(cursors, dev)), num_blocks, R};
+    return c;
+  };
+  const CommitLayer host_layer = layer_of(false), dev_layer = layer_of(true);
+  table.Init(DType::kFloat32, sizeof(CommitLayer) / 4 + 1);
+  std::memcpy(table.host.data(), &dev_layer, sizeof(CommitLayer));
+  table.Upload();  // the device copy of the CUDA backend's layer table
+  auto st_of = [&](bool dev) { return static_cast<DeviceStatus*>(ptr(status, dev)); };
+  auto verify_args = [&](bool dev) {
+    const CommitLayer& c = dev ? dev_layer : host_layer;
+    VerifyArgs a;
+    a.shape = s;
+    a.q = Activation{ptr(q, dev), 2 * K};
+    a.k = Activation{ptr(k, dev), 2 * K};
+    a.v = Activation{ptr(v, dev), HV * K};
+    a.g = Activation{ptr(g, dev), 2 * K};
+    a.beta = Activation{ptr(beta, dev), HV};
+    a.num_tokens = ints(qsl)[rows];
+    a.out = ptr(out, dev);
+    a.state = c.state;
+    a.params = c.params;
+    a.records = c.records;
+    a.num_rows = rows;
+    a.query_start_loc = static_cast<const int32_t*>(ptr(qsl, dev));
+    a.state_indices = IndexMatrix{static_cast<const int32_t*>(ptr(indices, dev)), 1, 1};
+    a.snapshot_query_start_loc = static_cast<int32_t*>(ptr(snap_qsl, dev));
+    a.snapshot_state_indices = static_cast<int32_t*>(ptr(snap_indices, dev));
+    a.status = st_of(dev);
+    a.fast = c.fast;
+    a.workspace = ptr(vws, dev);
+    a.workspace_bytes = vws.host.size();
+    return a;
+  };
+  auto commit_args = [&](bool dev) {
+    CommitArgs a;
+    a.shape = s;
+    a.spec_query_len = Q;
+    a.num_layers = 1;
+    a.layers = dev ? &dev_layer : &host_layer;
+    a.device_layers = dev ? static_cast<const CommitLayer*>(table.device) : &host_layer;
+    a.num_rows = rows;
+    a.query_start_loc = static_cast<const int32_t*>(ptr(snap_qsl, dev));
+    a.state_indices = IndexMatrix{static_cast<const int32_t*>(ptr(snap_indices, dev)), 1, 1};
+    a.batch = rows;
+    a.num_accepted = static_cast<const int32_t*>(ptr(accepted, dev));
+    a.workspace = ptr(cws, dev);
+    a.workspace_bytes = cws.host.size();
+    a.status = st_of(dev);
+    a.fast = true;
+    return a;
+  };
+  auto flush_args = [&](bool dev, bool listed) {
+    FlushArgs a;
+    a.shape = s;
+    a.spec_query_len = Q;
+    a.num_layers = 1;
+    a.layers = dev ? &dev_layer : &host_layer;
+    a.device_layers = dev ? static_cast<const CommitLayer*>(table.device) : &host_layer;
+    if (listed) {
+      a.blocks = static_cast<const int32_t*>(ptr(blocks, dev));
+      a.num_blocks_given = 2;
+      a.checked_blocks = static_cast<int32_t*>(ptr(checked, dev));
+    }
+    a.status = st_of(dev);
+    a.fast = true;
+    return a;
+  };
+  // Runs a call on both backends; returns the CPU's result after checking
+  // the CUDA backend's is the same.
+  auto both = [&](auto call, const char* op) {
+    for (Buffer* b : {&qsl, &indices, &accepted, &blocks, &cursors}) b->Upload();
+    const absl::Status host_launch = call(CpuKdaKernels(), false);
+    const absl::Status dev_launch = call(**cuda, true);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(host_launch.ok() && dev_launch.ok()) << host_launch << " / " << dev_launch;
+    DeviceStatus host_status, dev_status;
+    std::memcpy(&host_status, status.host.data(), sizeof(DeviceStatus));
+    const std::vector<uint8_t> dev_bytes = status.Download();
+    std::memcpy(&dev_status, dev_bytes.data(), sizeof(DeviceStatus));
+    const absl::Status want = DeviceStatusToStatus(host_status, op);
+    EXPECT_EQ(DeviceStatusToStatus(dev_status, op), want) << op;
+    return want;
+  };
+  // The device bytes a refused call must leave alone.
+  auto device_bytes = [&] {
+    std::vector<std::vector<uint8_t>> all;
+    for (Buffer* b : {&pool, &conv, &ring_k, &ring_u, &ring_g, &cursors, &out}) {
+      all.push_back(b->Download());
+    }
+    return all;
+  };
+  // Windows of 3 and 4 tokens from blocks 1 and 2.
+  ints(qsl)[0] = 0;
+  ints(qsl)[1] = 3;
+  ints(qsl)[2] = 7;
+  auto set_rows = [&](int32_t b0, int32_t b1) {
+    ints(indices)[0] = b0;
+    ints(indices)[1] = b1;
+  };
+  auto verify = [&](const KdaKernels& kk, bool dev) { return kk.Verify(verify_args(dev), nullptr); };
+  auto commit = [&](const KdaKernels& kk, bool dev) { return kk.Commit(commit_args(dev), nullptr); };
+
+  // 1. Two rows verifying from one block.
+  set_rows(1, 1);
+  std::vector<std::vector<uint8_t>> before = device_bytes();
+  absl::Status st = both(verify, "Verify");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_EQ(device_bytes(), before) << "a refused Verify wrote";
+  // 2. A cursor no Commit leaves (block 2: more tokens than its ring holds).
+  reinterpret_cast<FastCursor*>(cursors.host.data())[2] = FastCursor{R + 5, 0};
+  set_rows(1, 2);
+  before = device_bytes();
+  before[5] = cursors.host;  // `both` uploads the cursors first
+  st = both(verify, "Verify");
+  EXPECT_FALSE(st.ok());
+  EXPECT_EQ(device_bytes(), before) << "a refused Verify wrote";
+  reinterpret_cast<FastCursor*>(cursors.host.data())[2] = FastCursor{0, 0};
+  // 3. A Commit of more tokens than the blocks' last Verify left (none).
+  for (int n = 0; n < rows; ++n) ints(accepted)[n] = 2;
+  std::memcpy(snap_qsl.host.data(), qsl.host.data(), qsl.host.size());
+  std::memcpy(snap_indices.host.data(), indices.host.data(), indices.host.size());
+  snap_qsl.Upload();
+  snap_indices.Upload();
+  before = device_bytes();
+  st = both(commit, "Commit");
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_EQ(device_bytes(), before) << "a refused Commit wrote";
+  // 4. A Flush listing a block past the pool.
+  ints(blocks)[0] = 1;
+  ints(blocks)[1] = int32_t(num_blocks) + 3;
+  before = device_bytes();
+  st = both([&](const KdaKernels& kk, bool dev) { return kk.Flush(flush_args(dev, true), nullptr); },
+            "Flush");
+  EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
+  EXPECT_EQ(device_bytes(), before) << "a refused Flush wrote";
+  // 5. Then the calls pass, and agree: Verify, Commit, Verify, Commit (the
+  // second one folds: R = 2Q), a Flush of every block.
+  set_rows(1, 2);
+  for (int step = 0; step < 2; ++step) {
+    st = both(verify, "Verify");
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_LE(Compare(out, 4e-6).worst_ratio, 1.0) << "outputs, step " << step;
+    EXPECT_LE(Compare(ring_u, 2e-6).worst_ratio, 1.0) << "ring u, step " << step;
+    EXPECT_EQ(ring_k.Download(), ring_k.host);
+    EXPECT_EQ(cursors.Download(), cursors.host);
+    for (int n = 0; n < rows; ++n) ints(accepted)[n] = 3 + step;
+    st = both(commit, "Commit");
+    ASSERT_TRUE(st.ok()) << st;
+    EXPECT_EQ(cursors.Download(), cursors.host) << "cursors, step " << step;
+    EXPECT_EQ(conv.Download(), conv.host) << "conv windows, step " << step;
+    EXPECT_LE(Compare(pool, 2e-6).worst_ratio, 1.0) << "states, step " << step;
+  }
+  st = both([&](const KdaKernels& kk, bool dev) { return kk.Flush(flush_args(dev, false), nullptr); },
+            "Flush");
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(cursors.Download(), cursors.host);
+  EXPECT_LE(Compare(pool, 2e-6).worst_ratio, 1.0) << "states after the Flush";
+}
+
 std::vector<Case> Cases() {
   std::vector<Case> cases;
   uint64_t seed = 0x5eed2311;
@@ -427,6 +678,15 @@ std::vector<Case> Cases() {
   drift_gdn.resync = false;
   add(drift_gdn);
   // 40 rows x 4 heads = 160 blocks (> 132 SMs): Verify's large-grid path.
+  // Align mode: boundary and final states folded at Commit.
+  Case align{"KDA_safe_bf16act_f32state_K128_Q4_F4_align", LayerKind::kKda, KdaGate::kSafe, 2, 0,
+             128, 4, 4};
+  align.align = true;
+  add(align);
+  Case align_gdn{"GDN_bf16act_bf16state_H1_HV2_K64_Q3_F8_align", LayerKind::kGdn, KdaGate::kSafe, 1,
+                 2, 64, 3, 8, DType::kBFloat16, DType::kBFloat16};
+  align_gdn.align = true;
+  add(align_gdn);
   Case large{"KDA_safe_bf16act_f32state_K128_Q4_F4_large_grid", LayerKind::kKda, KdaGate::kSafe, 4,
              0, 128, 4, 4};
   large.rows = 40;
