@@ -604,6 +604,7 @@ TEST(FastCudaInterfaceTest, ChecksAndRefusalsAreTheCpuBackends) {
   EXPECT_FALSE(st.ok());
   EXPECT_EQ(device_bytes(), before) << "a refused Verify wrote";
   reinterpret_cast<FastCursor*>(cursors.host.data())[2] = FastCursor{0, 0};
+  cursors.Upload();
   // 3. A Commit of more tokens than the blocks' last Verify left (none).
   for (int n = 0; n < rows; ++n) ints(accepted)[n] = 2;
   std::memcpy(snap_qsl.host.data(), qsl.host.data(), qsl.host.size());
