@@ -122,11 +122,17 @@ SPECSTATE_HD void WindowExponents(int T, const float* g, float* w, float* pair) 
 SPECSTATE_HD void SolveWindowRow(int T, const float* sk, const float* sq, const float* rk,
                                  const float* rq, const float* a, const float* b, const float* v,
                                  const float* beta, float* u, float* o) {
-  for (int t = 0; t < T; ++t) {
+  // Unrolled to kMaxWindow with T as a predicate: on the GPU the arrays stay
+  // in registers (indexed by constants); the order of the sums is the same.
+  SPECSTATE_UNROLL
+  for (int t = 0; t < kMaxWindow; ++t) {
+    if (t >= T) break;
     float kdot = sk[t] + rk[t];
+    SPECSTATE_UNROLL
     for (int s = 0; s < t; ++s) kdot = kda::MulAdd(a[t * kMaxWindow + s], u[s], kdot);
     u[t] = kda::DeltaCoefficient(v[t], kdot, beta[t]);
     float out = sq[t] + rq[t];
+    SPECSTATE_UNROLL
     for (int s = 0; s <= t; ++s) out = kda::MulAdd(b[t * kMaxWindow + s], u[s], out);
     o[t] = out;
   }

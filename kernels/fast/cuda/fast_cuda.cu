@@ -225,6 +225,85 @@ __device__ __forceinline__ void CheckpointPass(const State* s0, int t0, int T, c
   }
 }
 
+// Verify's checkpoint pass at larger grids, K >= 128: S0[v] . kc_t into
+// kn[t][v], S0[v] . qc_t into qn[t][v]. A thread owns one state row v and
+// K / kParts of its columns (kParts = kThreads / K): it reads its row 32
+// bytes at a time (a whole sector) and sums in its registers, so no
+// shuffles; a warp's 32 threads read the same columns of kc_t, qc_t at each
+// step (broadcast shared-memory loads). The parts' sums meet in `scratch`
+// (2 T K floats a part after the first) and are added in column order.
+// (The warp-per-row pass it replaces spent 4x the shared-memory wavefronts,
+// re-reading kc, qc per row, and 2T WarpSums per row.)
+template <typename State, int K>
+__device__ __forceinline__ void RowOwnerCheckpointPass(const State* s0, int T, const float* kc_s,
+                                                       const float* qc_s, float* kn, float* qn,
+                                                       float* scratch, int tid) {
+  constexpr int kParts = kThreads / K;
+  constexpr int kCols = K / kParts;
+  static_assert(kParts >= 1 && kCols % 8 == 0, "8 columns a step");
+  static_assert((kParts - 1) * 2 * kMaxWindow <= kRingChunk, "the parts' sums fit in kr");
+  const int v = tid % K, part = tid / K;
+  float sk[kMaxWindow], sq[kMaxWindow];
+#pragma unroll
+  for (int t = 0; t < kMaxWindow; ++t) sk[t] = sq[t] = 0.0f;
+  const State* row = s0 + int64_t{v} * K + part * kCols;
+  const float* kc0 = kc_s + part * kCols;
+  const float* qc0 = qc_s + part * kCols;
+#pragma unroll 2
+  for (int c = 0; c < kCols; c += 8) {
+    float x[8];
+    LoadCols<8>(row + c, x);
+#pragma unroll
+    for (int t = 0; t < kMaxWindow; ++t) {
+      if (t < T) {
+        const float4 k0 = *reinterpret_cast<const float4*>(kc0 + t * K + c);
+        const float4 k1 = *reinterpret_cast<const float4*>(kc0 + t * K + c + 4);
+        const float4 q0 = *reinterpret_cast<const float4*>(qc0 + t * K + c);
+        const float4 q1 = *reinterpret_cast<const float4*>(qc0 + t * K + c + 4);
+        const float kk[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+        const float qq[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          sk[t] = kda::MulAdd(x[e], kk[e], sk[t]);
+          sq[t] = kda::MulAdd(x[e], qq[e], sq[t]);
+        }
+      }
+    }
+  }
+  if constexpr (kParts > 1) {
+    if (part > 0) {
+      float* mine = scratch + (part - 1) * 2 * kMaxWindow * K;
+#pragma unroll
+      for (int t = 0; t < kMaxWindow; ++t) {
+        if (t < T) {
+          mine[t * K + v] = sk[t];
+          mine[(kMaxWindow + t) * K + v] = sq[t];
+        }
+      }
+    }
+    __syncthreads();
+    if (part > 0) return;
+#pragma unroll
+    for (int p = 1; p < kParts; ++p) {
+      const float* theirs = scratch + (p - 1) * 2 * kMaxWindow * K;
+#pragma unroll
+      for (int t = 0; t < kMaxWindow; ++t) {
+        if (t < T) {
+          sk[t] += theirs[t * K + v];
+          sq[t] += theirs[(kMaxWindow + t) * K + v];
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kMaxWindow; ++t) {
+    if (t < T) {
+      kn[t * K + v] = sk[t];
+      qn[t * K + v] = sq[t];
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Verify.
 
@@ -438,6 +517,8 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1) FastVerifyKernel(F
         CheckpointPass<State, K, 4>(s0, t0, T, kx, qx, kn, qn, lane, warp);
       }
     }
+  } else if constexpr (K >= 128) {
+    RowOwnerCheckpointPass<State, K>(s0, T, kx, qx, kn, qn, kr, tid);
   } else {
     // The first version's pass: a warp per state row, kc_t, qc_t re-read
     // from shared memory for each row (16-byte loads), 2T WarpSums per row.
@@ -521,18 +602,23 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1) FastVerifyKernel(F
   }
   // 4. The forward substitution per state row: outputs and u.
   if (v_own < K) {
+    // Loops unrolled to kMaxWindow (T a predicate): the arrays stay in registers.
     float sk[kMaxWindow], sq[kMaxWindow], vr[kMaxWindow], u[kMaxWindow], o[kMaxWindow];
-    for (int t = 0; t < T; ++t) {
-      sk[t] = kn[t * K + v_own];
-      sq[t] = qn[t * K + v_own];
-      vr[t] = vw[t * K + v_own];
+#pragma unroll
+    for (int t = 0; t < kMaxWindow; ++t) {
+      sk[t] = t < T ? kn[t * K + v_own] : 0.0f;
+      sq[t] = t < T ? qn[t * K + v_own] : 0.0f;
+      vr[t] = t < T ? vw[t * K + v_own] : 0.0f;
     }
     SolveWindowRow(T, sk, sq, rk, rq, aw, bw, vr, beta, u, o);
     Act* out = static_cast<Act*>(a.out);
     const int64_t u_width = RingUWidth(s);
-    for (int t = 0; t < T; ++t) {
-      out[((bos + t) * HV + hv) * K + v_own] = FromFloat<Act>(o[t]);
-      a.rings.u[RingAt(a.rings, block, c + t, u_width) + int64_t{hv} * K + v_own] = u[t];
+#pragma unroll
+    for (int t = 0; t < kMaxWindow; ++t) {
+      if (t < T) {
+        out[((bos + t) * HV + hv) * K + v_own] = FromFloat<Act>(o[t]);
+        a.rings.u[RingAt(a.rings, block, c + t, u_width) + int64_t{hv} * K + v_own] = u[t];
+      }
     }
   }
   if (hv == 0 && tid == 0) cursor->candidates = T;
