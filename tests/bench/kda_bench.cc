@@ -10,16 +10,23 @@
 // each must move: every state, input and output counted once. Then the same
 // step in commit mode DEFERRED: the fused verify (every row replays its
 // pending accepted tokens, uniform in [1, Q], writes its checkpoint once and
-// verifies) and the conv-only commit; and the per-layer step of each mode
-// against the stock kernel.
+// verifies) and the conv-only commit; then commit mode FAST (issue 23,
+// --fold_every F): its verify from the checkpoint and the ring, and its
+// commit of every layer, through the kernel interface as the service calls
+// them (device checks included), averaged over --fast_snapshots steps of the
+// steady state of rings under accepted counts uniform in [1, Q] (so folds
+// come at their measured rate); and the per-layer step of each mode against
+// the stock kernel.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -27,6 +34,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "kernels/fast/fast_args.h"
 #include "kernels/kda_kernels.h"
 #include "kernels/numeric.h"
 #include "tests/bench/cuda_check.h"
@@ -40,6 +48,9 @@ ABSL_FLAG(bool, before, true,
           "also time the kernel before the pipelined one (layout variant 1), side by side");
 ABSL_FLAG(bool, cold, true,
           "also time with a cold L2 (a buffer larger than L2 written before every run)");
+ABSL_FLAG(int, fold_every, 4, "commit mode FAST's F: rings of F * Q tokens (0: no FAST rows)");
+ABSL_FLAG(int, fast_snapshots, 6,
+          "FAST: steady-state steps timed; their mean is the step with folds amortized");
 ABSL_FLAG(bool, eager, true,
           "time EAGER's verify and commit (with --eager=false only the stock kernel and DEFERRED's "
           "rows run: what profile_kernels.sh profiles)");
@@ -239,6 +250,16 @@ struct Bench {
   void* verify_workspace;
   int32_t* replay_plan;
   kernels::ReplayJobs jobs;
+  // FAST: per layer a ring of fast_capacity tokens a block (the layers'
+  // `fast`, in fast_layers and its device copy); the cursors of a steady
+  // state's steps, before each step's Verify (candidates 0) and as it leaves
+  // them (candidates Q), [num_blocks] each, on the device.
+  int fast_capacity = 0;
+  std::vector<kernels::CommitLayer> fast_layers;
+  kernels::CommitLayer* device_fast_layers = nullptr;
+  std::vector<kernels::FastCursor*> cursors_before, cursors_verified;
+  std::vector<double> ring_tokens;       // a step's mean ring tokens a row
+  std::vector<std::vector<int>> fold_tokens;  // a step's folds: tokens folded a row (0: none)
 };
 
 Bench Make(const Shape& s, int N, std::mt19937& rng) {
@@ -349,7 +370,74 @@ Bench Make(const Shape& s, int N, std::mt19937& rng) {
   return b;
 }
 
+// FAST's rings and steady-state cursors. Each row's ring follows accepted
+// counts uniform in [1, Q] from empty for 200 steps, then `snapshots` steps
+// are kept; the commit's accepted counts are the bench's (b.accepted), so a
+// step folds the rows whose ring then has no room for another window.
+void MakeFast(Bench& b, int fold_every, int snapshots, std::mt19937& rng) {
+  const Shape& s = b.shape;
+  const int Q = s.Q;
+  b.fast_capacity = kernels::fast::FastRingCapacity(fold_every, Q);
+  const int R = b.fast_capacity;
+  const size_t k_bytes = kernels::fast::FastRingKBytes(b.kda, b.num_blocks, R);
+  const size_t u_bytes = kernels::fast::FastRingUBytes(b.kda, b.num_blocks, R);
+  const size_t g_bytes = kernels::fast::FastRingLogDecayBytes(b.kda, b.num_blocks, R);
+  const size_t cursor_bytes = kernels::fast::FastCursorBytes(b.num_blocks);
+  b.fast_layers = b.layers;
+  for (int l = 0; l < s.L; ++l) {
+    kernels::FastRings& r = b.fast_layers[l].fast;
+    r.k = DeviceAlloc(k_bytes);
+    r.u = static_cast<float*>(DeviceAlloc(u_bytes));
+    r.log_decay = static_cast<float*>(DeviceAlloc(g_bytes));
+    r.cursors = static_cast<kernels::FastCursor*>(DeviceAlloc(cursor_bytes));
+    r.num_blocks = b.num_blocks;
+    r.capacity = R;
+    FillRandomBf16(r.k, k_bytes / 2, -1, 1, rng);
+    FillRandomF32(r.u, u_bytes / 4, -0.1f, 0.1f, rng);
+    FillRandomF32(r.log_decay, g_bytes / 4, -0.5f, -0.01f, rng);
+  }
+  b.device_fast_layers = Upload(b.fast_layers);
+  std::uniform_int_distribution<int> acc(1, Q);
+  std::vector<int> tokens(b.N, 0);
+  for (int step = 0; step < 200 + snapshots; ++step) {
+    if (step >= 200) {
+      std::vector<kernels::FastCursor> before(b.num_blocks, kernels::FastCursor{0, 0});
+      std::vector<kernels::FastCursor> verified = before;
+      std::vector<int> folds(b.N, 0);
+      double held = 0;
+      for (int i = 0; i < b.N; ++i) {
+        const int32_t block = 1 + 2 * i;  // the row's checkpoint (Make)
+        before[block] = kernels::FastCursor{tokens[i], 0};
+        verified[block] = kernels::FastCursor{tokens[i], Q};
+        held += tokens[i];
+        const int after = tokens[i] + b.accepted_host[i];
+        if (after + Q > R) folds[i] = after;
+      }
+      b.cursors_before.push_back(Upload(before));
+      b.cursors_verified.push_back(Upload(verified));
+      b.ring_tokens.push_back(held / b.N);
+      b.fold_tokens.push_back(folds);
+    }
+    for (int i = 0; i < b.N; ++i) {
+      tokens[i] += acc(rng);
+      if (tokens[i] + Q > R) tokens[i] = 0;
+    }
+  }
+}
+
 void Free(Bench& b) {
+  for (size_t l = 0; l < b.fast_layers.size(); ++l) {
+    const kernels::FastRings& r = b.fast_layers[l].fast;
+    for (void* p : {r.k, static_cast<void*>(r.u), static_cast<void*>(r.log_decay),
+                    static_cast<void*>(r.cursors)}) {
+      cudaFree(p);
+    }
+  }
+  for (size_t x = 0; x < b.cursors_before.size(); ++x) {
+    cudaFree(b.cursors_before[x]);
+    cudaFree(b.cursors_verified[x]);
+  }
+  if (b.device_fast_layers != nullptr) cudaFree(b.device_fast_layers);
   for (auto& l : b.layers) {
     cudaFree(l.state.data);
     cudaFree(l.conv.data);
@@ -477,6 +565,35 @@ kernels::CommitArgs DeferredCommitOf(const Bench& b, bool align) {
   return a;
 }
 
+// FAST's verify of layer 0 and its commit of every layer (the layers'
+// rings set), as the service calls them.
+kernels::VerifyArgs FastVerifyOf(const Bench& b) {
+  kernels::VerifyArgs a = VerifyOf(b);
+  a.fast = b.fast_layers[0].fast;
+  a.workspace = b.verify_workspace;
+  a.workspace_bytes = kernels::VerifyWorkspaceBytes(b.num_blocks);
+  return a;
+}
+
+kernels::CommitArgs FastCommitOf(const Bench& b, bool align) {
+  kernels::CommitArgs a = CommitOf(b, align);
+  a.layers = b.fast_layers.data();
+  a.device_layers = b.device_fast_layers;
+  a.fast = true;
+  return a;
+}
+
+// Puts steady-state step x's cursors in place: layer 0's as before the
+// step's Verify, or every layer's as its Verify calls leave them.
+void RestoreCursors(const Bench& b, int x, bool verified, cudaStream_t stream) {
+  const size_t bytes = kernels::fast::FastCursorBytes(b.num_blocks);
+  for (int l = 0; l < (verified ? b.shape.L : 1); ++l) {
+    CHECK_CUDA(cudaMemcpyAsync(b.fast_layers[l].fast.cursors,
+                               verified ? b.cursors_verified[x] : b.cursors_before[x], bytes,
+                               cudaMemcpyDeviceToDevice, stream));
+  }
+}
+
 void CheckDevice(const Bench& b, const char* what) {
   kernels::DeviceStatus st;
   CHECK_CUDA(cudaMemcpy(&st, b.status, sizeof(st), cudaMemcpyDeviceToHost));
@@ -509,6 +626,26 @@ double DeferredVerifyBytes(const Bench& b) {
 double DeferredCommitBytes(const Bench& b) {
   const int hl = b.shape.conv_kernel - 1;
   return double(b.N) * b.shape.L * (2.0 * hl * b.shape.conv_dim * 2.0 + 2 * 4);
+}
+
+// FAST: a ring token's raw k (bf16), u and log-decay (fp32).
+double RingTokenBytes(const Bench& b) { return 2.0 * b.HK + 4.0 * b.VW + 4.0 * b.GW; }
+
+// FAST verify: each row's checkpoint and ring tokens read, its window's
+// inputs read, outputs and candidates written.
+double FastVerifyBytes(const Bench& b, double ring_tokens) {
+  return double(b.N) * (b.state_bytes + ring_tokens * RingTokenBytes(b)) +
+         double(b.T) * (QueryBytes(b) + RecordTokenBytes(b) + OutputBytes(b) + RingTokenBytes(b));
+}
+
+// FAST commit: the conv windows (as DEFERRED's) and each fold's state read
+// and written and ring read, every layer.
+double FastCommitBytes(const Bench& b, const std::vector<int>& fold_tokens) {
+  double folds = 0;
+  for (int n : fold_tokens) {
+    if (n > 0) folds += 2.0 * b.state_bytes + n * RingTokenBytes(b);
+  }
+  return DeferredCommitBytes(b) + folds * b.shape.L;
 }
 
 double StockBytes(const Bench& b) {
@@ -597,6 +734,9 @@ constexpr Target kTargets[] = {
     // Commit mode DEFERRED (issue 22).
     {"Kimi-Linear-48B-A3B", "DEFERRED verify", 1, 10, 0},
     {"Kimi-Linear-48B-A3B", "DEFERRED commit, 20 layers", 1, 8, 0},
+    // Commit mode FAST (issue 23): the verify's share of copy (the step
+    // targets follow the per-layer tables).
+    {"Kimi-Linear-48B-A3B", "FAST verify", 256, 0, 0.75},
 };
 
 void PrintTargets(const Shape& s, const std::vector<Row>& rows, double copy_bps) {
@@ -620,6 +760,72 @@ void PrintTargets(const Shape& s, const std::vector<Row>& rows, double copy_bps)
                   r.cold.graph_us > 0 ? absl::StrFormat("%.1f us", r.cold.graph_us).c_str() : "-",
                   100 * share, met ? "met" : "missed");
     }
+  }
+}
+
+// The mean of rows measured over FAST's steady-state steps, as one row.
+Row MeanOf(const std::string& what, const std::vector<Row>& rows) {
+  Row m{what, rows[0].N, {0, 0}, {0, 0}, {0, 0}, 0, rows[0].per_layer_of, rows[0].stock_us};
+  for (const Row& r : rows) {
+    m.t.launched_us += r.t.launched_us / rows.size();
+    m.t.graph_us += r.t.graph_us / rows.size();
+    m.cold.launched_us += r.cold.launched_us / rows.size();
+    m.cold.graph_us += r.cold.graph_us / rows.size();
+    m.bytes += r.bytes / rows.size();
+  }
+  return m;
+}
+
+// Commit mode FAST on bench `b`: verify (layer 0) and commit (every layer)
+// at each steady-state step, through the kernel interface, cursors restored
+// before every run; the rows are the means over the steps.
+void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream_t stream,
+                 double stock_us, std::mt19937& rng, std::vector<Row>* rows) {
+  const Shape& s = b.shape;
+  const int steps = absl::GetFlag(FLAGS_fast_snapshots);
+  MakeFast(b, fold_every, steps, rng);
+  const kernels::VerifyArgs verify = FastVerifyOf(b);
+  const kernels::CommitArgs commit = FastCommitOf(b, false);
+  const kernels::CommitArgs commit_align = FastCommitOf(b, true);
+  std::vector<Row> verifies, commits, aligned;
+  double ring_tokens = 0, folds = 0;
+  for (int x = 0; x < steps; ++x) {
+    ring_tokens += b.ring_tokens[x] / steps;
+    for (int n : b.fold_tokens[x]) folds += n > 0 ? 1.0 / (steps * double(b.N)) : 0.0;
+    verifies.push_back(Measure(
+        "", b.N, FastVerifyBytes(b, b.ring_tokens[x]), iters, stream, s.gdn(),
+        [&](const KdaKernels& k) { CheckOk(k.Verify(verify, stream), "FAST Verify"); },
+        [&] { RestoreCursors(b, x, false, stream); }));
+    CheckDevice(b, "FAST Verify");
+    commits.push_back(Measure(
+        "", b.N, FastCommitBytes(b, b.fold_tokens[x]), iters, stream, s.gdn(),
+        [&](const KdaKernels& k) { CheckOk(k.Commit(commit, stream), "FAST Commit"); },
+        [&] { RestoreCursors(b, x, true, stream); }));
+    commits.back().per_layer_of = s.L;
+    CheckDevice(b, "FAST Commit");
+    if (align_too) {
+      aligned.push_back(Measure(
+          "", b.N, FastCommitBytes(b, b.fold_tokens[x]), iters, stream, s.gdn(),
+          [&](const KdaKernels& k) { CheckOk(k.Commit(commit_align, stream), "FAST Commit"); },
+          [&] { RestoreCursors(b, x, true, stream); }));
+      aligned.back().per_layer_of = s.L;
+      CheckDevice(b, "FAST Commit (align)");
+    }
+  }
+  rows->push_back(MeanOf(absl::StrFormat("FAST verify (F=%d, ring %.1f tokens a row on average), "
+                                         "1 layer",
+                                         fold_every, ring_tokens),
+                         verifies));
+  rows->back().stock_us = stock_us;
+  rows->push_back(MeanOf(absl::StrFormat("FAST commit, %d layers (F=%d, %.3f folds a row a step)",
+                                         s.L, fold_every, folds),
+                         commits));
+  rows->back().stock_us = stock_us;
+  if (align_too) {
+    rows->push_back(MeanOf(absl::StrFormat("FAST commit, %d layers, align mode (F=%d)", s.L,
+                                           fold_every),
+                           aligned));
+    rows->back().stock_us = stock_us;
   }
 }
 
@@ -718,6 +924,10 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
       rows.back().stock_us = stock_us;
       CheckDevice(b, "DEFERRED Commit (align)");
     }
+    const int fold_every = absl::GetFlag(FLAGS_fold_every);
+    if (fold_every > 0 && s.Q <= kernels::kMaxFastQueryLen) {
+      MeasureFast(b, fold_every, N == ns.back(), iters, stream, stock_us, rng, &rows);
+    }
     CHECK_CUDA(cudaStreamSynchronize(stream));
     Free(b);
   }
@@ -733,28 +943,60 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
   };
   // `time` picks a row's time: warm L2 (the better of launched and graph),
   // or cold L2 (graph replays).
-  const auto table = [&](const char* header, const std::function<double(const Row&)>& time) {
-    std::printf("%s|---:|---:|---:|---:|---:|---:|\n", header);
+  // FAST's step per layer at each N (0: not measured).
+  std::map<int, double> fast_cold;
+  const auto table = [&](const char* header, const std::function<double(const Row&)>& time,
+                         bool cold) {
+    std::printf("%s|---:|---:|---:|---:|---:|---:|---:|---:|\n", header);
     for (int N : ns) {
       const Row* stock = find(N, "stock");
       const Row* verify = find(N, "verify");
       const Row* commit = find(N, "commit");
       const Row* dverify = find(N, "DEFERRED verify");
       const Row* dcommit = find(N, "DEFERRED commit");
+      const Row* fverify = find(N, "FAST verify");
+      const Row* fcommit = find(N, "FAST commit");
       if (!stock || !verify || !commit || !dverify || !dcommit || time(*stock) <= 0) continue;
       const double eager = time(*verify) + time(*commit) / s.L;
       const double deferred = time(*dverify) + time(*dcommit) / s.L;
-      std::printf("| %d | %.1f | %.1f | %.2fx | %.1f | %.2fx |\n", N, time(*stock), eager,
-                  eager / time(*stock), deferred, deferred / time(*stock));
+      std::string fast = "- | -";
+      if (fverify && fcommit) {
+        const double f = time(*fverify) + time(*fcommit) / s.L;
+        fast = absl::StrFormat("%.1f | %.2fx", f, f / time(*stock));
+        if (cold) fast_cold[N] = f;
+      }
+      std::printf("| %d | %.1f | %.1f | %.2fx | %.1f | %.2fx | %s |\n", N, time(*stock), eager,
+                  eager / time(*stock), deferred, deferred / time(*stock), fast.c_str());
     }
   };
   table("\n| N | stock, 1 layer (us) | EAGER: verify + commit/layer (us) | ratio | "
-        "DEFERRED: verify + commit/layer (us) | ratio |\n",
-        [](const Row& r) { return r.t.best(); });
+        "DEFERRED: verify + commit/layer (us) | ratio | FAST: verify + commit/layer, folds "
+        "amortized (us) | ratio |\n",
+        [](const Row& r) { return r.t.best(); }, false);
   table("\n| N (cold L2) | stock (us) | EAGER step/layer (us) | ratio | DEFERRED step/layer "
-        "(us) | ratio |\n",
-        [](const Row& r) { return r.cold.graph_us; });
+        "(us) | ratio | FAST step/layer (us) | ratio |\n",
+        [](const Row& r) { return r.cold.graph_us; }, true);
   PrintTargets(s, rows, copy_bps);
+  // FAST's step targets (issue 23), cold L2, CUDA graph.
+  if (s.name == kKimiLinear.name && !fast_cold.empty()) {
+    std::printf("\n| FAST step per layer (cold L2) | N | wanted | measured | |\n"
+                "|---|---:|---:|---:|---|\n");
+    const Row* stock256 = find(256, "stock");
+    for (const auto& [N, wanted_us, wanted_ratio] :
+         {std::make_tuple(256, 0.0, 0.30), std::make_tuple(64, 60.0, 0.0),
+          std::make_tuple(1, 8.0, 0.0)}) {
+      if (fast_cold.count(N) == 0) continue;
+      const double us = fast_cold[N];
+      if (wanted_ratio > 0 && stock256 != nullptr) {
+        const double ratio = us / stock256->cold.graph_us;
+        std::printf("| step / stock | %d | <= %.2fx | %.2fx (%.1f us) | %s |\n", N, wanted_ratio,
+                    ratio, us, ratio <= wanted_ratio ? "met" : "missed");
+      } else if (wanted_us > 0) {
+        std::printf("| step | %d | <= %.0f us | %.1f us | %s |\n", N, wanted_us, us,
+                    us <= wanted_us ? "met" : "missed");
+      }
+    }
+  }
 }
 
 void Sweep(cudaStream_t stream, int iters, double copy_bps) {
