@@ -739,8 +739,12 @@ __device__ bool FoldJobOf(const FoldParams& f, const FastLayer& layer, int i, Fo
 // The folds of one layer's jobs, one value head, kFoldRows state rows:
 // out[v][j] = S0[v][j] exp(Gc[j]) + sum_i u_i[v] kr_i[j]. Grid: x strides
 // over the jobs, y the value heads, z (layer, tile of state rows).
+// Three blocks an SM (85 registers; unbounded it took 128, two blocks an SM):
+// H200, kda_bench, Kimi-Linear F = 4, the commit of 20 layers at N = 256
+// (0.19 folds a row a step) 5841 -> 5067 us, N = 16 495 -> 413 us; four
+// blocks (64 registers, spills) 5864 / 419 us (docs/results/fast_fold_bounds_h200.md).
 template <typename Act, typename State, int K, FoldMode kMode>
-__global__ void __launch_bounds__(kThreads) FastFoldKernel(const FoldParams f) {
+__global__ void __launch_bounds__(kThreads, 3) FastFoldKernel(const FoldParams f) {
   extern __shared__ float smem[];
   if (GateFailed(f.gate)) return;
   const int tiles = K / kFoldRows;
