@@ -12,17 +12,19 @@
 //  3. kc_t, qc_t; the checkpoint's S0[v] . kc_t, S0[v] . qc_t (the
 //     checkpoint read once, 16-byte loads): at most one block per SM
 //     (N = 1), CheckpointPass (kc, qc in registers, rows batched, the
-//     slice prefetched into L2 at the start); otherwise a warp per state
-//     row, kc, qc from shared memory (measured faster there); then the
-//     ring's values sum_i A_r[t][i] u_i[v] (a thread per state row, oldest
-//     first);
-//  4. the forward substitution (SolveWindowRow) per state row: outputs and
-//     the candidates' u.
-// Fold (Commit, Materialize): blocks per (value head, tile of 32 state
-// rows) striding over the rows (Commit: 16 of them, testing their rows in
-// parallel and folding only those that fold; Materialize: one per listed
-// block); exponents per column from the near end; the chain over ring
-// tokens oldest first, as FoldRow.
+//     slice prefetched into L2 at the start); otherwise, K >= 128,
+//     RowOwnerCheckpointPass (a thread per state row and part of its
+//     columns, kc, qc broadcast from shared memory, no shuffles), K = 64 a
+//     warp per state row; then the ring's values sum_i A_r[t][i] u_i[v] (a
+//     thread per state row, oldest first);
+//  4. the forward substitution (SolveWindowRow, its arrays in registers)
+//     per state row: outputs and the candidates' u.
+// Fold (Commit, Materialize): 512-thread blocks per (layer, value head,
+// tile of FoldRows<K>() state rows: the whole head at K <= 128) striding
+// over the rows (Commit: 16 of them, testing their rows in parallel and
+// folding only those that fold; Materialize: one per listed block, or 16
+// over every block); exponents per column from the near end; the chain over
+// ring tokens oldest first, as FoldRow. Launches take up to 24 layers.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -54,8 +56,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 // Ring tokens per chunk of Verify's and the fold's shared memory.
 constexpr int kRingChunk = 32;
-// State rows per fold block.
-constexpr int kFoldRows = 32;
 // Commit's fold grid: blocks per (value head, tile) striding over the rows.
 constexpr int kCommitFoldGridX = 16;
 
@@ -634,11 +634,23 @@ enum class FoldMode { kCommit, kMaterialize };
 // below this; 48 layers take two).
 constexpr int kLayersPerLaunch = 24;
 
+// A fold block: kFoldThreads threads own FoldRows<K>() state rows of one
+// value head (all of them at K <= 128, so that the ring's exponents and
+// decayed keys are computed once per head, not once per tile of rows), at
+// most 32 accumulators a thread.
+constexpr int kFoldThreads = 512;
+constexpr int kFoldWarps = kFoldThreads / 32;
+template <int K>
+__host__ __device__ constexpr int FoldRows() {
+  return K <= 128 ? K : 16 * kFoldThreads / K;
+}
+
 // Shared memory of one fold block (floats): kr chunk, u chunk, the chunk
 // boundaries' exponents [R / kRingChunk + 1][K], Gc [K].
-__host__ __device__ inline size_t FoldSmemFloats(int k, int r) {
-  return size_t(kRingChunk) * k + size_t(kRingChunk) * kFoldRows +
-         size_t(r / kRingChunk + 1) * k + k;
+template <int K>
+__host__ __device__ inline size_t FoldSmemFloats(int r) {
+  return size_t(kRingChunk) * K + size_t(kRingChunk) * FoldRows<K>() +
+         size_t(r / kRingChunk + 1) * K + K;
 }
 
 struct FoldParams {
@@ -736,33 +748,35 @@ __device__ bool FoldJobOf(const FoldParams& f, const FastLayer& layer, int i, Fo
   }
 }
 
-// The folds of one layer's jobs, one value head, kFoldRows state rows:
+// The folds of one layer's jobs, one value head, FoldRows<K>() state rows:
 // out[v][j] = S0[v][j] exp(Gc[j]) + sum_i u_i[v] kr_i[j]. Grid: x strides
 // over the jobs, y the value heads, z (layer, tile of state rows).
-// Three blocks an SM (85 registers; unbounded it took 128, two blocks an SM):
-// H200, kda_bench, Kimi-Linear F = 4, the commit of 20 layers at N = 256
-// (0.19 folds a row a step) 5841 -> 5067 us, N = 16 495 -> 413 us; four
-// blocks (64 registers, spills) 5864 / 419 us (docs/results/fast_fold_bounds_h200.md).
+// Two blocks an SM (64 registers, a few spilled). H200, kda_bench,
+// Kimi-Linear F = 4, the commit of 20 layers: 5067 -> 3929 us at N = 256,
+// 413 -> 306 us at N = 16, against 256-thread blocks of 32 rows (each tile
+// redoing the ring's exponents and keys); 64 rows a block (16 accumulators,
+// two tiles a head) measured 5854 / 524 us (docs/results/fast_fold_bounds_h200.md).
 template <typename Act, typename State, int K, FoldMode kMode>
-__global__ void __launch_bounds__(kThreads, 3) FastFoldKernel(const FoldParams f) {
+__global__ void __launch_bounds__(kFoldThreads, 2) FastFoldKernel(const FoldParams f) {
   extern __shared__ float smem[];
   if (GateFailed(f.gate)) return;
-  const int tiles = K / kFoldRows;
-  const FastLayer& layer = f.layers[blockIdx.z / tiles];
-  const int hv = blockIdx.y, v0 = (blockIdx.z % tiles) * kFoldRows;
+  constexpr int kRows = FoldRows<K>();
+  constexpr int kTiles = K / kRows;
+  const FastLayer& layer = f.layers[blockIdx.z / kTiles];
+  const int hv = blockIdx.y, v0 = (blockIdx.z % kTiles) * kRows;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const KdaShape& s = f.shape;
   const int HV = ValueHeads(s);
   const int64_t block_elems = int64_t{HV} * K * K;
   // Blocks stride over the jobs (kCommit: gridDim.x is small, so that a
   // commit with no fold costs one parallel plan read per block, not a block
-  // per row, head and tile): the block's threads test kThreads of its jobs
-  // at once, the ones that fold listed in shared memory, then folded one
-  // after the other.
-  __shared__ int fold_rows[kThreads];
+  // per row and head): the block's threads test kFoldThreads of its jobs at
+  // once, the ones that fold listed in shared memory, then folded one after
+  // the other.
+  __shared__ int fold_rows[kFoldThreads];
   __shared__ int fold_count;
   const int per_block = (f.rows - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x);
-  for (int m0 = 0; m0 < per_block; m0 += kThreads) {
+  for (int m0 = 0; m0 < per_block; m0 += kFoldThreads) {
     __syncthreads();  // the previous list and shared memory reads done
     if (tid == 0) fold_count = 0;
     __syncthreads();
@@ -785,31 +799,28 @@ __global__ void __launch_bounds__(kThreads, 3) FastFoldKernel(const FoldParams f
       const int R = rings.capacity;
       float* kr = smem;
       float* uc = kr + kRingChunk * K;
-      float* bound = uc + kRingChunk * kFoldRows;
+      float* bound = uc + kRingChunk * kRows;
       float* gc = bound + (R / kRingChunk + 1) * K;
       const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s),
                     u_width = RingUWidth(s);
-      constexpr int kGroups = kThreads / K > 0 ? kThreads / K : 1;
-      constexpr int kRowsEach = kFoldRows / kGroups;
-      static_assert(K <= kThreads, "a thread per column");
+      constexpr int kGroups = kFoldThreads / K;
+      constexpr int kRowsEach = kRows / kGroups;
+      static_assert(K <= kFoldThreads && kRowsEach <= 32, "a thread per column, 32 rows at most");
       const int j = tid % K, group = tid / K;
-      // The thread's checkpoint elements, read before any fold of the job
-      // stores: each thread stores only the elements it read, so a job's
-      // boundary state may go to a block its final fold still reads.
       const State* s0 = static_cast<const State*>(layer.state.data) +
                         int64_t{job.block} * layer.state.block_stride + int64_t{hv} * K * K;
-      float s0_own[kRowsEach];
-#pragma unroll
-      for (int m = 0; m < kRowsEach; ++m) {
-        s0_own[m] = ToFloat(s0[int64_t{v0 + group + kGroups * m} * K + j]);
-      }
-      for (int target = 0; target < job.count; ++target) {
+      // Align mode's two folds, the final state first: the boundary state
+      // goes to the checkpoint's own block (the block the request's state
+      // was in), which the final fold reads; the final block is never the
+      // checkpoint when there is a boundary (the plan's checks). Each
+      // thread reads only the elements it stores.
+      for (int target = job.count - 1; target >= 0; --target) {
         const int n = job.n[target];
         const int chunks = (n + kRingChunk - 1) / kRingChunk;
         __syncthreads();  // the previous fold's shared memory reads done
         // Exponents per column from the newest token back; each chunk's
         // starting value (the sum over the tokens after it) kept.
-        for (int jj = tid; jj < K; jj += kThreads) {
+        for (int jj = tid; jj < K; jj += kFoldThreads) {
           float acc = 0.0f;
           for (int i = n - 1; i >= 0; --i) {
             if ((i + 1) % kRingChunk == 0 || i == n - 1) bound[(i / kRingChunk) * K + jj] = acc;
@@ -821,21 +832,24 @@ __global__ void __launch_bounds__(kThreads, 3) FastFoldKernel(const FoldParams f
         __syncthreads();
         float acc[kRowsEach];
 #pragma unroll
-        for (int m = 0; m < kRowsEach; ++m) acc[m] = ::specstate::fast::Decayed(s0_own[m], gc[j]);
+        for (int m = 0; m < kRowsEach; ++m) {
+          acc[m] = ::specstate::fast::Decayed(
+              ToFloat(s0[int64_t{v0 + group + kGroups * m} * K + j]), gc[j]);
+        }
         const Act* ring_k = static_cast<const Act*>(rings.k);
         for (int chunk = 0; chunk < chunks; ++chunk) {
           const int i0 = chunk * kRingChunk, i1 = min(n, i0 + kRingChunk);
           __syncthreads();
-          for (int i = i0 + warp; i < i1; i += kWarps) {
+          for (int i = i0 + warp; i < i1; i += kFoldWarps) {
             WarpNormalize<Act, K>(ring_k + RingAt(rings, job.block, i, kw_width) + int64_t{h} * K,
                                   1.0f, kr + (i - i0) * K, lane);
           }
-          for (int e = tid; e < (i1 - i0) * kFoldRows; e += kThreads) {
-            const int i = i0 + e / kFoldRows, v = v0 + e % kFoldRows;
+          for (int e = tid; e < (i1 - i0) * kRows; e += kFoldThreads) {
+            const int i = i0 + e / kRows, v = v0 + e % kRows;
             uc[e] = rings.u[RingAt(rings, job.block, i, u_width) + int64_t{hv} * K + v];
           }
           __syncthreads();
-          for (int jj = tid; jj < K; jj += kThreads) {
+          for (int jj = tid; jj < K; jj += kFoldThreads) {
             float e = bound[chunk * K + jj];
             for (int i = i1 - 1; i >= i0; --i) {
               kr[(i - i0) * K + jj] = ::specstate::fast::Decayed(kr[(i - i0) * K + jj], e);
@@ -848,7 +862,7 @@ __global__ void __launch_bounds__(kThreads, 3) FastFoldKernel(const FoldParams f
             const float k_ij = kr[(i - i0) * K + j];
 #pragma unroll
             for (int m = 0; m < kRowsEach; ++m) {
-              acc[m] = kda::MulAdd(uc[(i - i0) * kFoldRows + group + kGroups * m], k_ij, acc[m]);
+              acc[m] = kda::MulAdd(uc[(i - i0) * kRows + group + kGroups * m], k_ij, acc[m]);
             }
           }
         }
@@ -968,15 +982,16 @@ CommitArgs PlanArgsOf(const FastCommitArgs& a) {
 
 template <typename Act, typename State, int K, FoldMode kMode>
 cudaError_t LaunchFold(const FoldParams& f, int grid_x, cudaStream_t stream) {
-  const size_t smem = FoldSmemFloats(K, f.layers[0].rings.capacity) * sizeof(float);
+  const size_t smem = FoldSmemFloats<K>(f.layers[0].rings.capacity) * sizeof(float);
   auto kernel = FastFoldKernel<Act, State, K, kMode>;
   if (smem > 48 * 1024) {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid(std::min(grid_x, f.rows), ValueHeads(f.shape), (K / kFoldRows) * f.num_layers);
-  kernel<<<grid, kThreads, smem, stream>>>(f);
+  const dim3 grid(std::min(grid_x, f.rows), ValueHeads(f.shape),
+                  (K / FoldRows<K>()) * f.num_layers);
+  kernel<<<grid, kFoldThreads, smem, stream>>>(f);
   return cudaGetLastError();
 }
 
