@@ -47,14 +47,13 @@ class KdaKernels {
   // RecoverSSM verify (one layer): outputs and records, no state writes.
   // DEFERRED (args.pending) replays a row's pending tokens first; FAST
   // (args.fast) computes the outputs from the checkpoint and the block's ring
-  // and leaves the window in the ring as candidates (kda_args.h).
-  // \returns UNIMPLEMENTED for FAST on the CUDA backend (no kernels yet).
+  // and leaves the window in the ring as candidates (kda_args.h); on CUDA
+  // kernels/fast/cuda's kernels run after this backend's device checks.
   absl::Status Verify(const VerifyArgs& args, Stream stream) const;
 
   // RecoverSSM commit of every layer of a group, with a number of kernel
   // launches that does not depend on the number of layers. FAST
   // (args.fast): the rings advance and fold instead of a replay.
-  // \returns UNIMPLEMENTED for FAST on the CUDA backend.
   absl::Status Commit(const CommitArgs& args, Stream stream) const;
 
   // Align mode: record each request's state block and reset its accepted count.
@@ -63,7 +62,6 @@ class KdaKernels {
   // DEFERRED commits: materializes (or, with `discard`, forgets) the pending
   // tokens of the given blocks, or of every pending block. FAST
   // (args.fast): folds (or empties) the blocks' rings.
-  // \returns UNIMPLEMENTED for FAST on the CUDA backend.
   absl::Status Flush(const FlushArgs& args, Stream stream) const;
 
   // Copies a layer's gate parameters after checking them finite on the
