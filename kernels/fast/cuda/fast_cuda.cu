@@ -683,7 +683,8 @@ __device__ __forceinline__ bool CommitPlanOf(const FoldParams& f, int64_t num_bl
 
 // A row's (or a listed block's) folds: the state after the first n[t] ring
 // tokens of `block`, stored to dst[t] (a pool block or `out`). Two in align
-// mode when a commit crosses a boundary (the boundary state, then the final).
+// mode when a commit crosses a boundary: [0] the boundary state, [1] the
+// final one (FastFoldKernel folds the final one first).
 struct FoldJob {
   int32_t block = 0;
   int count = 0;
