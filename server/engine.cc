@@ -148,25 +148,25 @@ absl::Status Engine::AllocateLayers() {
     layer.dt_bias = static_cast<float*>(*dt_bias);
     // GDN's gate arrives computed (g is the log-decay): nothing to load.
     layer.params_loaded = shape_.kind == kernels::LayerKind::kGdn;
-    absl::Status st;
     if (IsFast(layout_)) {
       // FAST keeps its windows in the rings: records of no buffers, whose
       // rows and window still bound a step.
       layer.records.rows = layout_.max_rows();
       layer.records.q = sizes_.spec_query_len;
       layer.records_alt = layer.records;
-      st = AllocateRings(&layer.fast);
-      if (!st.ok()) return st;
+      if (absl::Status st = AllocateRings(&layer.fast); !st.ok()) return st;
     } else {
       const bool kept = kept_deferred_.pending.entries != nullptr;
-      layer.records = AllocateRecords(&st, kept ? kept_deferred_.records[2 * l] : nullptr);
-      if (!st.ok()) return st;
+      absl::StatusOr<kernels::Records> records =
+          AllocateRecords(kept ? kept_deferred_.records[2 * l] : nullptr);
+      if (!records.ok()) return records.status();
+      layer.records = *records;
       // DEFERRED double-buffers them; EAGER's second buffer is the first.
-      layer.records_alt =
-          IsDeferred(layout_)
-              ? AllocateRecords(&st, kept ? kept_deferred_.records[2 * l + 1] : nullptr)
-              : layer.records;
-      if (!st.ok()) return st;
+      if (IsDeferred(layout_)) {
+        records = AllocateRecords(kept ? kept_deferred_.records[2 * l + 1] : nullptr);
+        if (!records.ok()) return records.status();
+      }
+      layer.records_alt = *records;
     }
     kernels::CommitLayer& entry = host_layer_table_[l];
     entry.state = layer.state;
@@ -189,8 +189,9 @@ absl::Status Engine::AllocateLayers() {
                                L * sizeof(kernels::CommitLayer));
 }
 
-// One layer's records: kv [rows * Q, H K + HV V], g, beta, each 256-byte aligned.
-kernels::Records Engine::AllocateRecords(absl::Status* status, char* at) {
+// One layer's records: kv [rows * Q, H K + HV V], g, beta, each 256-byte
+// aligned; at `at` (kept memory) or allocated.
+absl::StatusOr<kernels::Records> Engine::AllocateRecords(char* at) {
   const int Q = sizes_.spec_query_len;
   const int64_t hk = kernels::KeyWidth(shape_), vw = kernels::ValueWidth(shape_);
   const int64_t act_size = DTypeSize(shape_.act_dtype);
@@ -199,10 +200,7 @@ kernels::Records Engine::AllocateRecords(absl::Status* status, char* at) {
   absl::StatusOr<void*> rec =
       at != nullptr ? absl::StatusOr<void*>(at)
                     : device_->AllocateDevice(sizes_.records_per_layer_bytes);
-  if (!rec.ok()) {
-    *status = rec.status();
-    return records;
-  }
+  if (!rec.ok()) return rec.status();
   char* r = static_cast<char*>(*rec);
   const auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
   records.kv = r;
@@ -970,7 +968,6 @@ void Engine::Verify(const std::string& session, const v1::VerifyRequest& req,
     return;
   }
   timer.Mark();
-  const int L = layout_.num_layers();
   const int N = req.num_rows();
   const int layer_index = req.layer();
   LayerState& layer = layers_[layer_index];
@@ -1074,7 +1071,6 @@ void Engine::Commit(const std::string& session, const v1::CommitRequest& req,
     return;
   }
   const int L = layout_.num_layers();
-  const bool align = layout_.cache_mode() == v1::ALIGN;
   StepCall<v1::CommitResponse> call(session, req.step(), *std::move(ordering), lookup.TakePins());
   call.status_index = L;
   call.once = &Step::commit;

@@ -163,7 +163,7 @@ class Engine {
   absl::Status AllocateFast();
   absl::Status AllocateRings(kernels::FastRings* rings);
   // `at`: where the records lie (kept memory); null: allocated.
-  kernels::Records AllocateRecords(absl::Status* status, char* at = nullptr);
+  absl::StatusOr<kernels::Records> AllocateRecords(char* at = nullptr);
 
   // DEFERRED and FAST: the launch of a flush of `blocks` (absent: every
   // pending block, every non-empty ring) in `layer` (-1: every layer), its

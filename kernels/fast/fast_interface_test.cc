@@ -637,7 +637,9 @@ TEST_F(FastInterfaceTest, AgreesWithTheDirectCallsBitForBit) {
     }
     EXPECT_GT(folds, 0) << "no Commit folded a ring";
     EXPECT_GT(mid_step_folds, 0);
-    if (spec.align) EXPECT_GT(boundaries, 0) << "no row crossed a block boundary";
+    if (spec.align) {
+      EXPECT_GT(boundaries, 0) << "no row crossed a block boundary";
+    }
   }
 }
 
