@@ -56,6 +56,22 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     note "compute-sanitizer: not found on this machine"
   fi
   fi
+  # Commit mode FAST's CUDA kernels against the CPU ones, and the kernel
+  # interface's CUDA backend in FAST against its CPU backend; memcheck on
+  # short loops.
+  if [ ! -x "$bin/fast_cuda_gpu_test" ]; then note "fast_cuda_gpu_test: not in this bundle"; else
+  timeout 200 "$bin/fast_cuda_gpu_test" --gtest_brief=1 > "$out/fast_kernels.log" 2>&1
+  rc=$?; note "fast_cuda_gpu_test: exit $rc, $(grep -E '^\[  (PASSED|FAILED) ' "$out/fast_kernels.log" | tr '\n' ' ')"
+  [ $rc -eq 0 ] || status=1
+  no_skips "$out/fast_kernels.log" fast_cuda_gpu_test
+  sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  if [ -x "$sanitizer" ]; then
+    FAST_CUDA_TEST_STEPS=6 timeout 200 "$sanitizer" --tool memcheck --error-exitcode 9 \
+      "$bin/fast_cuda_gpu_test" --gtest_brief=1 > "$out/fast_memcheck.log" 2>&1
+    rc=$?; note "compute-sanitizer memcheck (FAST): exit $rc, $(grep -E 'ERROR SUMMARY' "$out/fast_memcheck.log" | tail -1)"
+    [ $rc -eq 0 ] || status=1
+  fi
+  fi
 fi
 if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = service ]; then
   timeout 300 "$bin/gpu_service_test" --gtest_brief=1 --gtest_filter="${GPU_SERVICE_FILTER:-*}" \
