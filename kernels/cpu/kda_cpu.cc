@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "kernels/fast/cpu/fast_cpu.h"
 #include "kernels/fast/fast_args.h"
+#include "kernels/fast/from_interface.h"
 #include "kernels/internal/checks.h"
 #include "kernels/internal/journal.h"
 #include "kernels/internal/dispatch.h"
@@ -108,15 +109,6 @@ bool CheckOneRowABlock(int num_rows, int32_t* owner, DeviceStatus* status, Block
     if (IsBlock(b)) owner[b] = 0;
   }
   return ok;
-}
-
-// FAST: each layer of a commit or flush as kernels/fast takes it.
-std::vector<fast::FastLayer> FastLayersOf(const CommitLayer* layers, int num_layers) {
-  std::vector<fast::FastLayer> out(num_layers);
-  for (int l = 0; l < num_layers; ++l) {
-    out[l] = fast::FastLayer{layers[l].state, layers[l].fast, layers[l].params};
-  }
-  return out;
 }
 
 // False (with the status written) when a prerequisite failed.
@@ -556,23 +548,7 @@ class CpuKernels final : public KdaKernels {
                            [&](int n) { return rows[n].source; })) {
       return;
     }
-    fast::FastVerifyArgs f;
-    f.shape = a.shape;
-    f.q = a.q;
-    f.k = a.k;
-    f.v = a.v;
-    f.g = a.g;
-    f.beta = a.beta;
-    f.num_tokens = a.num_tokens;
-    f.out = a.out;
-    f.state = a.state;
-    f.rings = a.fast;
-    f.params = a.params;
-    f.spec_query_len = a.records.q;
-    f.num_rows = a.num_rows;
-    f.query_start_loc = internal::VerifiedQueryStartLoc(a);
-    f.state_indices = internal::VerifiedStateIndices(a);
-    fast::RunFastVerifyCpu(f, fast::FastNumerics());
+    fast::RunFastVerifyCpu(fast::FastVerifyArgsOf(a), fast::FastNumerics());
   }
 
   // DEFERRED Verify, after the other checks: no two rows may verify from a
@@ -687,22 +663,9 @@ class CpuKernels final : public KdaKernels {
     if (journal.test_hook != nullptr) journal.test_hook("conv");
     if (a.fast) {
       // kernels/fast's Commit along the checked plan: rings advance, folds.
-      const std::vector<fast::FastLayer> layers = FastLayersOf(a.layers, a.num_layers);
-      fast::FastCommitArgs f;
-      f.shape = a.shape;
-      f.spec_query_len = Q;
-      f.num_layers = a.num_layers;
-      f.layers = layers.data();
-      f.num_rows = a.num_rows;
-      f.query_start_loc = a.query_start_loc;
-      f.state_indices = a.state_indices;
-      f.batch = a.batch;
-      f.num_accepted = a.num_accepted;
-      f.request_indices = a.request_indices;
-      f.block_table = a.block_table;
-      f.num_computed_tokens = a.num_computed_tokens;
-      f.mamba_block_size = a.mamba_block_size;
-      fast::RunFastCommitCpu(f, ws.plan, fast::FastNumerics());
+      const std::vector<fast::FastLayer> layers = fast::FastLayersOf(a.layers, a.num_layers);
+      fast::RunFastCommitCpu(fast::FastCommitArgsOf(a, layers.data()), ws.plan,
+                             fast::FastNumerics());
       return;
     }
     if (deferred) {
@@ -894,7 +857,7 @@ class CpuKernels final : public KdaKernels {
         }
       }
     }
-    const std::vector<fast::FastLayer> layers = FastLayersOf(a.layers, a.num_layers);
+    const std::vector<fast::FastLayer> layers = fast::FastLayersOf(a.layers, a.num_layers);
     fast::FastMaterializeArgs m;
     m.shape = a.shape;
     m.num_layers = a.num_layers;

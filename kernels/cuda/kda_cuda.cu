@@ -33,6 +33,7 @@
 #include "kernels/cuda_status.h"
 #include "kernels/fast/cuda/fast_cuda.h"
 #include "kernels/fast/fast_args.h"
+#include "kernels/fast/from_interface.h"
 #include "kernels/internal/checks.h"
 #include "kernels/internal/dispatch.h"
 #include "kernels/internal/journal.h"
@@ -1233,56 +1234,20 @@ cudaError_t Recurrent(const RecurrentLaunch& p, int num_layers, cudaStream_t str
 
 // Commit mode FAST (kda_args.h, FastRings): kernels/fast/cuda's kernels,
 // gated on the status of this backend's checks.
-std::vector<fast::FastLayer> FastLayersOf(const CommitLayer* layers, int num_layers) {
-  std::vector<fast::FastLayer> out(num_layers);
-  for (int l = 0; l < num_layers; ++l) {
-    out[l] = fast::FastLayer{layers[l].state, layers[l].fast, layers[l].params};
-  }
-  return out;
-}
-
 absl::Status LaunchFastVerify(const VerifyArgs& a, cudaStream_t s) {
   FastVerifyCheckKernel<<<1, kCheckThreads, 0, s>>>(a);
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.num_rows == 0) {
     return LaunchStatus(err, "Verify");
   }
-  fast::FastVerifyArgs f;
-  f.shape = a.shape;
-  f.q = a.q;
-  f.k = a.k;
-  f.v = a.v;
-  f.g = a.g;
-  f.beta = a.beta;
-  f.num_tokens = a.num_tokens;
-  f.out = a.out;
-  f.state = a.state;
-  f.rings = a.fast;
-  f.params = a.params;
-  f.spec_query_len = a.records.q;
-  f.num_rows = a.num_rows;
-  f.query_start_loc = internal::VerifiedQueryStartLoc(a);
-  f.state_indices = internal::VerifiedStateIndices(a);
+  fast::FastVerifyArgs f = fast::FastVerifyArgsOf(a);
   f.gate = a.status;
   return fast::RunFastVerifyCuda(f, s);
 }
 
 // After the commit's plan kernel (its checks) and the conv compaction.
 absl::Status LaunchFastCommit(const CommitArgs& a, int64_t num_blocks, cudaStream_t s) {
-  const std::vector<fast::FastLayer> layers = FastLayersOf(a.layers, a.num_layers);
-  fast::FastCommitArgs f;
-  f.shape = a.shape;
-  f.spec_query_len = a.spec_query_len;
-  f.num_layers = a.num_layers;
-  f.layers = layers.data();
-  f.num_rows = a.num_rows;
-  f.query_start_loc = a.query_start_loc;
-  f.state_indices = a.state_indices;
-  f.batch = a.batch;
-  f.num_accepted = a.num_accepted;
-  f.request_indices = a.request_indices;
-  f.block_table = a.block_table;
-  f.num_computed_tokens = a.num_computed_tokens;
-  f.mamba_block_size = a.mamba_block_size;
+  const std::vector<fast::FastLayer> layers = fast::FastLayersOf(a.layers, a.num_layers);
+  fast::FastCommitArgs f = fast::FastCommitArgsOf(a, layers.data());
   f.plan = internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks).plan;
   f.gate = a.status;
   return fast::RunFastCommitCuda(f, s);
@@ -1293,7 +1258,7 @@ absl::Status LaunchFastFlush(const FlushArgs& a, cudaStream_t s) {
   if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
     return LaunchStatus(err, "Flush");
   }
-  const std::vector<fast::FastLayer> layers = FastLayersOf(a.layers, a.num_layers);
+  const std::vector<fast::FastLayer> layers = fast::FastLayersOf(a.layers, a.num_layers);
   fast::FastMaterializeArgs m;
   m.shape = a.shape;
   m.num_layers = a.num_layers;
