@@ -34,7 +34,10 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "kernels/fast/cuda/fast_cuda.h"
 #include "kernels/fast/fast_args.h"
+#include "kernels/fast/fast_kernels.h"
+#include "kernels/fast/from_interface.h"
 #include "kernels/kda_kernels.h"
 #include "kernels/numeric.h"
 #include "tests/bench/cuda_check.h"
@@ -51,6 +54,9 @@ ABSL_FLAG(bool, cold, true,
 ABSL_FLAG(int, fold_every, 4, "commit mode FAST's F: rings of F * Q tokens (0: no FAST rows)");
 ABSL_FLAG(int, fast_snapshots, 6,
           "FAST: steady-state steps timed; their mean is the step with folds amortized");
+ABSL_FLAG(bool, fast_checkpoint_numerics, true,
+          "FAST: also time Verify's checkpoint products on CUDA cores (fp32) and on tensor "
+          "cores (3xTF32, tf32), through the kernel launcher (no device checks)");
 ABSL_FLAG(bool, eager, true,
           "time EAGER's verify and commit (with --eager=false only the stock kernel and DEFERRED's "
           "rows run: what profile_kernels.sh profiles)");
@@ -817,6 +823,33 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
                                          fold_every, ring_tokens),
                          verifies));
   rows->back().stock_us = stock_us;
+  if (absl::GetFlag(FLAGS_fast_checkpoint_numerics)) {
+    // The checkpoint's products S0 . kc, S0 . qc on CUDA cores and on tensor
+    // cores, side by side (their errors: docs/semantics.md, "FAST numerics").
+    using Operands = kernels::fast::FastNumerics::Operands;
+    const kernels::fast::FastVerifyArgs direct = kernels::fast::FastVerifyArgsOf(verify);
+    const std::pair<Operands, const char*> kinds[] = {{Operands::kFp32, "fp32, CUDA cores"},
+                                                      {Operands::kTf32Split, "3xTF32, tensor cores"},
+                                                      {Operands::kTf32, "tf32, tensor cores"}};
+    for (const auto& [ops, name] : kinds) {
+      kernels::fast::FastNumerics num;
+      num.checkpoint = ops;
+      std::vector<Row> runs;
+      for (int x = 0; x < steps; ++x) {
+        runs.push_back(Measure(
+            "", b.N, FastVerifyBytes(b, b.ring_tokens[x]), iters, stream, s.gdn(),
+            [&](const KdaKernels&) {
+              CheckOk(kernels::fast::FastVerifyCuda(direct, num, stream), "FAST Verify (launcher)");
+            },
+            [&] { RestoreCursors(b, x, false, stream); }));
+        CheckDevice(b, "FAST Verify (launcher)");
+      }
+      rows->push_back(MeanOf(
+          absl::StrFormat("FAST verify launcher, checkpoint %s (F=%d), 1 layer", name, fold_every),
+          runs));
+      rows->back().stock_us = stock_us;
+    }
+  }
   rows->push_back(MeanOf(absl::StrFormat("FAST commit, %d layers (F=%d, %.3f folds a row a step)",
                                          s.L, fold_every, folds),
                          commits));

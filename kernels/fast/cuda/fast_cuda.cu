@@ -1,34 +1,40 @@
-// The FAST kernels on CUDA (fast_cuda.h): fp32 on CUDA cores, the math of
-// kernels/fast/fast_math.h (docs/semantics.md, "Fast mode (FAST)").
+// The FAST kernels on CUDA (fast_cuda.h): the math of
+// kernels/fast/fast_math.h (docs/semantics.md, "Fast mode (FAST)"), fp32 on
+// CUDA cores except Verify's checkpoint products, which run on tensor cores
+// when asked to (3xTF32, what the kernel interface serves, or tf32).
 //
 // Verify: one thread block per (row, value head), 256 threads (8 warps):
-//  1. the window: q, k normalized (a warp per token), gammas, v, beta; the
-//     window's pair coefficients a, b (a warp per pair, exponents summed
-//     from token s + 1 on, as WindowExponents);
+//  1. the window: every input of a token loaded at once, q, k normalized (a
+//     warp per token), gammas, v, beta; the window's pair coefficients a, b
+//     (a warp per pair, exponents summed from token s + 1 on, as
+//     WindowExponents);
 //  2. the ring, in chunks from the newest token back: raw k normalized (a
-//     warp per token), decayed by H_i (a thread per column, summing gammas
-//     from the near end, as RingExponents), and its coefficients
-//     kw_t . kr_i, qw_t . kr_i (a warp per pair);
+//     warp's tokens loaded together), decayed by H_i (a thread per column,
+//     summing gammas from the near end, as RingExponents, kLoadBatch tokens'
+//     loads at a time), and its coefficients kw_t . kr_i, qw_t . kr_i (a
+//     warp per pair);
 //  3. kc_t, qc_t; the checkpoint's S0[v] . kc_t, S0[v] . qc_t (the
-//     checkpoint read once, 16-byte loads): at most one block per SM
-//     (N = 1), CheckpointPass (kc, qc in registers, rows batched, the
-//     slice prefetched into L2 at the start); otherwise, K >= 128,
-//     RowOwnerCheckpointPass (a thread per state row and part of its
-//     columns, kc, qc broadcast from shared memory, no shuffles), K = 64 a
-//     warp per state row; then the ring's values sum_i A_r[t][i] u_i[v] (a
-//     thread per state row, oldest first);
+//     checkpoint read once): on tensor cores MmaCheckpointPass (mma.sync
+//     m16n8k8, a warp per 16-row tile); on CUDA cores, at most one block per
+//     SM (N = 1) CheckpointPass (kc, qc in registers, rows batched, the
+//     slice prefetched into L2 at the start), otherwise K >= 128
+//     RowOwnerCheckpointPass, K = 64 a warp per state row; then the ring's
+//     values sum_i A_r[t][i] u_i[v] (a thread per state row, oldest first);
 //  4. the forward substitution (SolveWindowRow, its arrays in registers)
 //     per state row: outputs and the candidates' u.
 // Fold (Commit, Materialize): 512-thread blocks per (layer, value head,
 // tile of FoldRows<K>() state rows: the whole head at K <= 128) striding
 // over the rows (Commit: 16 of them, testing their rows in parallel and
 // folding only those that fold; Materialize: one per listed block, or 16
-// over every block); exponents per column from the near end; the chain over
-// ring tokens oldest first, as FoldRow. Launches take up to 24 layers.
+// over every block); the ring's log-decays, keys and values staged in shared
+// memory by every thread; exponents a thread per column from the near end;
+// each thread's register tile of 8 columns x 1-4 rows advanced by the chain
+// over ring tokens oldest first, as FoldRow. Launches take up to 24 layers.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -56,6 +62,9 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 // Ring tokens per chunk of Verify's and the fold's shared memory.
 constexpr int kRingChunk = 32;
+// Ring tokens whose log-decays or values a thread loads together (Verify's
+// ring loops: a memory round trip a batch instead of a token).
+constexpr int kLoadBatch = 8;
 // Commit's fold grid: blocks per (value head, tile) striding over the rows.
 constexpr int kCommitFoldGridX = 16;
 
@@ -80,6 +89,20 @@ __device__ __forceinline__ kda::GateRule RuleOf(const KdaShape& s, const LayerPa
 __device__ __forceinline__ int64_t RingAt(const FastRings& r, int32_t block, int slot,
                                           int64_t width) {
   return (int64_t{block} * r.capacity + slot) * width;
+}
+
+// Column j's log-decays of ring tokens i, i - 1, ..., i - kLoadBatch + 1
+// of `block` (those >= lo; 0 for the rest), loaded together: the ring
+// loops' exponent sums take a memory round trip a batch, not a token.
+// KDA: key head h's column j; GDN: value head hv's one value.
+__device__ __forceinline__ void LoadLogDecays(const FastRings& r, int32_t block, int i, int lo,
+                                              bool gdn, int64_t g_width, int64_t column,
+                                              float (&out)[kLoadBatch]) {
+#pragma unroll
+  for (int e = 0; e < kLoadBatch; ++e) {
+    const float* g = r.log_decay + RingAt(r, block, max(i - e, lo), g_width);
+    out[e] = i - e >= lo ? g[column] : 0.0f;
+  }
 }
 
 // Normalizes one head of raw values (K of them) into `out` with a warp:
@@ -140,6 +163,51 @@ __device__ __forceinline__ void LoadCols(const BFloat16* p, float (&out)[C]) {
       out[4 * q + 2] = x.z;
       out[4 * q + 3] = x.w;
     }
+  }
+}
+
+// C consecutive floats of shared memory (C = 1, 2, 4, 8; aligned to C).
+template <int C>
+__device__ __forceinline__ void SmemCols(const float* p, float (&out)[C]) {
+  if constexpr (C == 1) {
+    out[0] = p[0];
+  } else if constexpr (C == 2) {
+    const float2 x = *reinterpret_cast<const float2*>(p);
+    out[0] = x.x;
+    out[1] = x.y;
+  } else {
+#pragma unroll
+    for (int q = 0; q < C / 4; ++q) {
+      const float4 x = reinterpret_cast<const float4*>(p)[q];
+      out[4 * q] = x.x;
+      out[4 * q + 1] = x.y;
+      out[4 * q + 2] = x.z;
+      out[4 * q + 3] = x.w;
+    }
+  }
+}
+
+// Stores 8 consecutive state elements (16-byte stores), rounded as FromFloat.
+template <int C>
+__device__ __forceinline__ void StoreCols(const float (&x)[C], float* p) {
+  static_assert(C % 4 == 0, "whole float4s");
+#pragma unroll
+  for (int q = 0; q < C / 4; ++q) {
+    reinterpret_cast<float4*>(p)[q] = make_float4(x[4 * q], x[4 * q + 1], x[4 * q + 2], x[4 * q + 3]);
+  }
+}
+template <int C>
+__device__ __forceinline__ void StoreCols(const float (&x)[C], BFloat16* p) {
+  static_assert(C % 8 == 0, "whole 16-byte stores");
+#pragma unroll
+  for (int q = 0; q < C / 8; ++q) {
+    uint32_t w[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      w[e] = uint32_t{FromFloat<BFloat16>(x[8 * q + 2 * e]).bits} |
+             (uint32_t{FromFloat<BFloat16>(x[8 * q + 2 * e + 1]).bits} << 16);
+    }
+    reinterpret_cast<uint4*>(p)[q] = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -305,6 +373,135 @@ __device__ __forceinline__ void RowOwnerCheckpointPass(const State* s0, int T, c
 }
 
 // ---------------------------------------------------------------------------
+// Tensor cores: the checkpoint's products with mma.sync m16n8k8 (tf32
+// operands in 32-bit registers, fp32 accumulation).
+
+__device__ __forceinline__ void PrefetchL2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// x rounded to tf32 (10-bit mantissa, to nearest, ties away from zero).
+__device__ __forceinline__ uint32_t Tf32Bits(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// d += a b: A 16 x 8 (row), B 8 x 8 (col), per the PTX fragment layout
+// (g = lane / 4, t = lane % 4): a = (g, t), (g + 8, t), (g, t + 4),
+// (g + 8, t + 4); b = (t, g), (t + 4, g); d = (g, 2t), (g, 2t + 1),
+// (g + 8, 2t), (g + 8, 2t + 1).
+__device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4],
+                                        const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Splits x into tf32 hi + lo (lo = tf32(x - hi); x - hi is exact in fp32).
+template <int M>
+__device__ __forceinline__ void SplitTf32(const float (&x)[M], uint32_t (&hi)[M],
+                                          uint32_t (&lo)[M]) {
+#pragma unroll
+  for (int e = 0; e < M; ++e) {
+    hi[e] = Tf32Bits(x[e]);
+    lo[e] = Tf32Bits(x[e] - BitsToFloat(hi[e]));
+  }
+}
+
+// Verify's checkpoint pass on tensor cores (FastNumerics::Operands kTf32, or
+// kTf32Split = 3xTF32 with kSplit): S0[v] . kc_t into kn[t][v], S0[v] . qc_t
+// into qn[t][v]. A warp owns 16-row tiles of the slice (K / 16 of them, warp
+// w tiles w, w + 8, ...); the B operand's 8 columns are the vectors kc_0 ..
+// kc_{P-1}, qc_0 .. qc_{P-1} (P = 4 for T <= 4, else 8 and two n-tiles;
+// columns t >= T zero). The dot products run over the columns in a
+// permuted order, the same for both operands: in each 32-column group lane
+// (g, t) loads 8 consecutive columns 8t .. 8t + 7 of rows g and g + 8 (two
+// 16-byte loads a row for fp32), and k-step s takes columns 8t + 2s,
+// 8t + 2s + 1 as its k indices t, t + 4. 3xTF32: each k-step's hi*lo and
+// lo*hi, then hi*hi, into one fp32 accumulator; a bf16 state is exact in
+// tf32, so its lo*hi is skipped.
+template <typename State, int K, bool kSplit>
+__device__ __forceinline__ void MmaCheckpointPass(const State* s0, int T, const float* kc_s,
+                                                  const float* qc_s, float* kn, float* qn,
+                                                  int lane, int warp) {
+  constexpr int kGroups = K / 32;
+  constexpr bool kStateLo = kSplit && std::is_same<State, float>::value;
+  // Column groups whose loads are in flight together: two, one where
+  // 3xTF32 splits an fp32 state (two spilled 104 bytes at 64 registers).
+  constexpr int kBatch = kStateLo ? 1 : 2;
+  static_assert(kGroups % kBatch == 0, "whole batches of column groups");
+  const int g = lane >> 2, t4 = lane & 3;
+  const int per_kind = T <= 4 ? 4 : 8;  // vectors of each kind, padded
+  const int n_tiles = per_kind / 4;
+  for (int tile = warp; tile < K / 16; tile += kWarps) {
+    float acc[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
+    }
+    const State* row0 = s0 + int64_t{tile * 16 + g} * K + 8 * t4;
+    const State* row1 = row0 + 8 * K;
+#pragma unroll 1
+    for (int grp0 = 0; grp0 < kGroups; grp0 += kBatch) {
+      float a0[kBatch][8], a1[kBatch][8];
+#pragma unroll
+      for (int x = 0; x < kBatch; ++x) {
+        LoadCols<8>(row0 + (grp0 + x) * 32, a0[x]);
+        LoadCols<8>(row1 + (grp0 + x) * 32, a1[x]);
+      }
+#pragma unroll
+      for (int x = 0; x < kBatch; ++x) {
+        const int col = (grp0 + x) * 32 + 8 * t4;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          if (nt >= n_tiles) break;
+          const int idx = nt * 8 + g, tok = idx % per_kind;
+          float b[8];
+          if (tok < T) {
+            const float* src = (idx < per_kind ? kc_s : qc_s) + tok * K + col;
+            const float4 lo4 = *reinterpret_cast<const float4*>(src);
+            const float4 hi4 = *reinterpret_cast<const float4*>(src + 4);
+            b[0] = lo4.x, b[1] = lo4.y, b[2] = lo4.z, b[3] = lo4.w;
+            b[4] = hi4.x, b[5] = hi4.y, b[6] = hi4.z, b[7] = hi4.w;
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) b[e] = 0.0f;
+          }
+          // Split at use, a k-step at a time (few registers live).
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            const float af[4] = {a0[x][2 * s], a1[x][2 * s], a0[x][2 * s + 1], a1[x][2 * s + 1]};
+            const float bf[2] = {b[2 * s], b[2 * s + 1]};
+            uint32_t ah[4], al[4], bh[2], bl[2];
+            SplitTf32<4>(af, ah, al);
+            SplitTf32<2>(bf, bh, bl);
+            if constexpr (kSplit) {  // the small products first
+              MmaTf32(acc[nt], ah, bl);
+              if constexpr (kStateLo) MmaTf32(acc[nt], al, bh);
+            }
+            MmaTf32(acc[nt], ah, bh);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      if (nt >= n_tiles) break;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int v = tile * 16 + g + (e >= 2 ? 8 : 0);
+        const int idx = nt * 8 + 2 * t4 + (e & 1), tok = idx % per_kind;
+        if (tok < T) (idx < per_kind ? kn : qn)[tok * K + v] = acc[nt][e];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Verify.
 
 // Shared memory of one Verify block (floats), Q window tokens at most, ring
@@ -320,9 +517,17 @@ struct VerifySmem {
   }
 };
 
-// kSmallGrid (at most one block per SM: N = 1): the checkpoint slice
-// prefetched into L2 at the block's start and CheckpointPass (kc, qc in
-// registers); otherwise the first version's checkpoint pass, no prefetch.
+// How Verify forms the checkpoint's products S0 . kc_t, S0 . qc_t.
+enum class CheckpointPassKind {
+  kRowBatch,   // CUDA cores, CheckpointPass (at most one block per SM)
+  kRowOwner,   // CUDA cores, RowOwnerCheckpointPass (K >= 128; K = 64 a warp a row)
+  kMmaTf32,    // tensor cores, tf32 operands (FastNumerics::Operands::kTf32)
+  kMmaTf32x3,  // tensor cores, 3xTF32 (FastNumerics::Operands::kTf32Split)
+};
+
+// small_grid (at most one block per SM: N = 1): the checkpoint slice
+// prefetched into L2 at the block's start; on CUDA cores, kRowBatch
+// (CheckpointPass: kc, qc in registers) there, kRowOwner otherwise.
 // Measured on an H200, Kimi-Linear verify F=4 cold L2
 // (docs/results/fast_cuda_h200.md): N = 1 34.3 us first version, 29.8 us
 // CheckpointPass, 25.8 us CheckpointPass + prefetch; N = 16 / 64 / 256 51.4 /
@@ -330,8 +535,9 @@ struct VerifySmem {
 // CheckpointPass (and 68.1 / 202.0 / 705.5 us with the prefetch). Four blocks
 // per SM at K <= 128 (64 registers; three would make N = 16's 512 blocks two
 // waves: 76.6 us).
-template <typename Act, typename State, int K, bool kSmallGrid>
-__global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1) FastVerifyKernel(FastVerifyArgs a) {
+template <typename Act, typename State, int K, CheckpointPassKind kPass>
+__global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
+    FastVerifyKernel(FastVerifyArgs a, bool small_grid) {
   extern __shared__ float smem[];
   const int n = blockIdx.x, hv = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -355,17 +561,17 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1) FastVerifyKernel(F
   const bool first_of_group = hv % (HV / H) == 0;
   const kda::GateRule rule = RuleOf(s, a.params, h);
 
-  // kSmallGrid: the checkpoint slice this block reads in its last phase,
+  // small_grid: the checkpoint slice this block reads in its last phase,
   // into L2 now, while the window and ring phases run (a line per thread
   // per step). At larger grids it cost more than it hid (N = 256: DRAM 28%
   // of peak against 23%, prefetched lines evicted before use).
-  if constexpr (kSmallGrid) {
+  if (small_grid) {
     const char* slice = reinterpret_cast<const char*>(
         static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
         int64_t{hv} * K * K);
     constexpr int kSliceBytes = K * K * int(sizeof(State));
     for (int off = tid * 128; off < kSliceBytes; off += kThreads * 128) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(slice + off));
+      PrefetchL2(slice + off);
     }
   }
 
@@ -387,31 +593,59 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1) FastVerifyKernel(F
   // 1. The window (a warp per token), and its candidates' k and gamma.
   Act* ring_k = static_cast<Act*>(a.rings.k);
   const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s);
+  constexpr int kLaneCols = K / 32;
   for (int t = warp; t < T; t += kWarps) {
     const int64_t tok = bos + t;
     const Act* q_raw = static_cast<const Act*>(a.q.data) + tok * a.q.token_stride + int64_t{h} * K;
     const Act* k_raw = static_cast<const Act*>(a.k.data) + tok * a.k.token_stride + int64_t{h} * K;
-    WarpNormalize<Act, K>(q_raw, kda::QueryScale(K), qn + t * K, lane);
-    WarpNormalize<Act, K>(k_raw, 1.0f, kn + t * K, lane);
     const Act* g = static_cast<const Act*>(a.g.data) + tok * a.g.token_stride +
                    (gdn ? int64_t{hv} : int64_t{h} * K);
-    const float g0 = gdn ? rule.LogDecay(ToFloat(g[0]), 0.0f) : 0.0f;
-    for (int j = lane; j < K; j += 32) {
-      gam[t * K + j] = gdn ? g0 : rule.LogDecay(ToFloat(g[j]), a.params.dt_bias[int64_t{h} * K + j]);
-    }
     const Act* v = static_cast<const Act*>(a.v.data) + tok * a.v.token_stride + int64_t{hv} * K;
-    for (int j = lane; j < K; j += 32) vw[t * K + j] = ToFloat(v[j]);
-    if (lane == 0) {
-      beta[t] = rule.Beta(
-          ToFloat(static_cast<const Act*>(a.beta.data)[tok * a.beta.token_stride + hv]));
+    // Every input of the token loaded before any is used (one memory round
+    // trip, not one per input); lane columns lane + 32 e.
+    Act k_act[kLaneCols];
+    float qv[kLaneCols], kv[kLaneCols], gv[kLaneCols], bias[kLaneCols], vv[kLaneCols];
+#pragma unroll
+    for (int e = 0; e < kLaneCols; ++e) {
+      const int j = lane + 32 * e;
+      qv[e] = ToFloat(q_raw[j]);
+      k_act[e] = k_raw[j];
+      kv[e] = ToFloat(k_act[e]);
+      vv[e] = ToFloat(v[j]);
+      gv[e] = gdn ? 0.0f : ToFloat(g[j]);
+      bias[e] = gdn ? 0.0f : a.params.dt_bias[int64_t{h} * K + j];
     }
+    const float g0_raw = gdn ? ToFloat(g[0]) : 0.0f;
+    const float beta_raw =
+        ToFloat(static_cast<const Act*>(a.beta.data)[tok * a.beta.token_stride + hv]);
+    // q, k normalized as WarpNormalize (squares summed in column order a lane).
+    float sq = 0.0f, sk = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kLaneCols; ++e) {
+      sq = kda::MulAdd(qv[e], qv[e], sq);
+      sk = kda::MulAdd(kv[e], kv[e], sk);
+    }
+    const float q_norm = kda::L2Norm(WarpSum(sq)), k_norm = kda::L2Norm(WarpSum(sk));
+    const float g0 = gdn ? rule.LogDecay(g0_raw, 0.0f) : 0.0f;
+#pragma unroll
+    for (int e = 0; e < kLaneCols; ++e) {
+      const int j = lane + 32 * e;
+      qn[t * K + j] = kda::Normalize(qv[e], q_norm, kda::QueryScale(K));
+      kn[t * K + j] = kda::Normalize(kv[e], k_norm, 1.0f);
+      gv[e] = gdn ? g0 : rule.LogDecay(gv[e], bias[e]);
+      gam[t * K + j] = gv[e];
+      vw[t * K + j] = vv[e];
+    }
+    if (lane == 0) beta[t] = rule.Beta(beta_raw);
     // Candidates: raw k and (KDA) gammas once per key head; GDN's gamma per value head.
     if (first_of_group) {
       Act* dst = ring_k + RingAt(a.rings, block, c + t, kw_width) + int64_t{h} * K;
-      for (int j = lane; j < K; j += 32) dst[j] = k_raw[j];
+#pragma unroll
+      for (int e = 0; e < kLaneCols; ++e) dst[lane + 32 * e] = k_act[e];
       if (!gdn) {
         float* gd = a.rings.log_decay + RingAt(a.rings, block, c + t, g_width) + int64_t{h} * K;
-        for (int j = lane; j < K; j += 32) gd[j] = gam[t * K + j];
+#pragma unroll
+        for (int e = 0; e < kLaneCols; ++e) gd[lane + 32 * e] = gv[e];
       }
     }
     if (gdn && lane == 0) a.rings.log_decay[RingAt(a.rings, block, c + t, g_width) + hv] = g0;
@@ -458,17 +692,48 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1) FastVerifyKernel(F
   for (int i1 = c; i1 > 0; i1 -= kRingChunk) {
     const int i0 = max(0, i1 - kRingChunk);
     __syncthreads();  // kr free; kx, qx ready
-    for (int i = i0 + warp; i < i1; i += kWarps) {
-      WarpNormalize<Act, K>(ring_k + RingAt(a.rings, block, i, kw_width) + int64_t{h} * K, 1.0f,
-                            kr + (i - i0) * K, lane);
+    {
+      // A warp's tokens (i0 + warp + 8 m) loaded together, then normalized
+      // as WarpNormalize.
+      constexpr int kPerWarp = kRingChunk / kWarps;
+      float x[kPerWarp][kLaneCols];
+#pragma unroll
+      for (int m = 0; m < kPerWarp; ++m) {
+        const int i = i0 + warp + m * kWarps;
+        const Act* raw = ring_k + RingAt(a.rings, block, min(i, i1 - 1), kw_width) + int64_t{h} * K;
+#pragma unroll
+        for (int e = 0; e < kLaneCols; ++e) x[m][e] = i < i1 ? ToFloat(raw[lane + 32 * e]) : 0.0f;
+      }
+#pragma unroll
+      for (int m = 0; m < kPerWarp; ++m) {
+        const int i = i0 + warp + m * kWarps;
+        if (i >= i1) break;
+        float sum = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kLaneCols; ++e) sum = kda::MulAdd(x[m][e], x[m][e], sum);
+        const float norm = kda::L2Norm(WarpSum(sum));
+#pragma unroll
+        for (int e = 0; e < kLaneCols; ++e) {
+          kr[(i - i0) * K + lane + 32 * e] = kda::Normalize(x[m][e], norm, 1.0f);
+        }
+      }
     }
     __syncthreads();
     for (int j = tid, x = 0; j < K; j += kThreads, ++x) {
       float acc = col_acc[x];
-      for (int i = i1 - 1; i >= i0; --i) {
-        kr[(i - i0) * K + j] = ::specstate::fast::Decayed(kr[(i - i0) * K + j], acc);
-        const float* g = a.rings.log_decay + RingAt(a.rings, block, i, g_width);
-        acc += gdn ? g[hv] : g[int64_t{h} * K + j];
+      // kLoadBatch tokens' log-decays loaded together (a round trip a
+      // batch, not a token), then summed in the same order.
+      for (int i = i1 - 1; i >= i0; i -= kLoadBatch) {
+        float gi[kLoadBatch];
+        LoadLogDecays(a.rings, block, i, i0, gdn, g_width, gdn ? int64_t{hv} : int64_t{h} * K + j,
+                      gi);
+#pragma unroll
+        for (int e = 0; e < kLoadBatch; ++e) {
+          if (i - e < i0) break;
+          float& kv = kr[(i - e - i0) * K + j];
+          kv = ::specstate::fast::Decayed(kv, acc);
+          acc += gi[e];
+        }
       }
       col_acc[x] = acc;
     }
@@ -507,7 +772,10 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1) FastVerifyKernel(F
   // (CheckpointPass: kc, qc in registers, several rows in flight per warp).
   const State* s0 = static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
                     int64_t{hv} * K * K;
-  if constexpr (kSmallGrid) {
+  if constexpr (kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3) {
+    MmaCheckpointPass<State, K, kPass == CheckpointPassKind::kMmaTf32x3>(s0, T, kx, qx, kn, qn,
+                                                                         lane, warp);
+  } else if constexpr (kPass == CheckpointPassKind::kRowBatch) {
     if (T <= 2) {
       CheckpointPass<State, K, 2>(s0, 0, T, kx, qx, kn, qn, lane, warp);
     } else {
@@ -589,13 +857,22 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1) FastVerifyKernel(F
 #pragma unroll
     for (int t = 0; t < kMaxWindow; ++t) rk[t] = rq[t] = 0.0f;
     const int64_t u_width = RingUWidth(s);
-    for (int i = 0; i < c; ++i) {
-      const float ui = a.rings.u[RingAt(a.rings, block, i, u_width) + int64_t{hv} * K + v_own];
+    for (int i0 = 0; i0 < c; i0 += kLoadBatch) {
+      float ui[kLoadBatch];  // loaded together, summed oldest first
 #pragma unroll
-      for (int t = 0; t < kMaxWindow; ++t) {
-        if (t < T) {
-          rk[t] = kda::MulAdd(ar[t * R + i], ui, rk[t]);
-          rq[t] = kda::MulAdd(br[t * R + i], ui, rq[t]);
+      for (int e = 0; e < kLoadBatch; ++e) {
+        ui[e] = i0 + e < c ? a.rings.u[RingAt(a.rings, block, i0 + e, u_width) + int64_t{hv} * K + v_own]
+                           : 0.0f;
+      }
+#pragma unroll
+      for (int e = 0; e < kLoadBatch; ++e) {
+        if (i0 + e >= c) break;
+#pragma unroll
+        for (int t = 0; t < kMaxWindow; ++t) {
+          if (t < T) {
+            rk[t] = kda::MulAdd(ar[t * R + i0 + e], ui[e], rk[t]);
+            rq[t] = kda::MulAdd(br[t * R + i0 + e], ui[e], rq[t]);
+          }
         }
       }
     }
@@ -639,6 +916,7 @@ constexpr int kLayersPerLaunch = 24;
 // decayed keys are computed once per head, not once per tile of rows), at
 // most 32 accumulators a thread.
 constexpr int kFoldThreads = 512;
+constexpr int kFoldCols = 8;  // consecutive state columns a fold thread owns
 constexpr int kFoldWarps = kFoldThreads / 32;
 template <int K>
 __host__ __device__ constexpr int FoldRows() {
@@ -646,11 +924,12 @@ __host__ __device__ constexpr int FoldRows() {
 }
 
 // Shared memory of one fold block (floats): kr chunk, u chunk, the chunk
-// boundaries' exponents [R / kRingChunk + 1][K], Gc [K].
+// boundaries' exponents [R / kRingChunk + 1][K], Gc [K], a chunk's
+// log-decays [kRingChunk][K].
 template <int K>
 __host__ __device__ inline size_t FoldSmemFloats(int r) {
   return size_t(kRingChunk) * K + size_t(kRingChunk) * FoldRows<K>() +
-         size_t(r / kRingChunk + 1) * K + K;
+         size_t(r / kRingChunk + 1) * K + K + size_t(kRingChunk) * K;
 }
 
 struct FoldParams {
@@ -691,6 +970,27 @@ struct FoldJob {
   int n[2] = {0, 0};
   void* dst[2] = {nullptr, nullptr};
 };
+
+// dst[e] = value(e) for e < count, a fold block's threads striding, four
+// loads of a thread in flight before their stores (a plain strided loop
+// waits on each load before its store: the fold's staging showed as the
+// largest stall after its products, ncu, docs/results/).
+template <typename Value>
+__device__ __forceinline__ void StageToShared(float* dst, int count, int tid, Value value) {
+  constexpr int kInFlight = 4;
+  for (int e0 = tid; e0 < count; e0 += kInFlight * kFoldThreads) {
+    float x[kInFlight];
+#pragma unroll
+    for (int q = 0; q < kInFlight; ++q) {
+      const int e = e0 + q * kFoldThreads;
+      x[q] = e < count ? value(e) : 0.0f;
+    }
+#pragma unroll
+    for (int q = 0; q < kInFlight; ++q) {
+      if (e0 + q * kFoldThreads < count) dst[e0 + q * kFoldThreads] = x[q];
+    }
+  }
+}
 
 // Commit (fast_args.h, FastCommitArgs): within the checkpoint's block the
 // ring folds only when the next window might not fit; align mode leaving
@@ -757,6 +1057,9 @@ __device__ bool FoldJobOf(const FoldParams& f, const FastLayer& layer, int i, Fo
 // 413 -> 306 us at N = 16, against 256-thread blocks of 32 rows (each tile
 // redoing the ring's exponents and keys); 64 rows a block (16 accumulators,
 // two tiles a head) measured 5854 / 524 us (docs/results/fast_fold_bounds_h200.md).
+// Register tiles, the log-decays staged in shared memory and staging loads
+// four in flight: 3952 -> 3340 us at N = 256, 817 -> 739 us at N = 64
+// (docs/results/fast_tensor_cores_h200.md).
 template <typename Act, typename State, int K, FoldMode kMode>
 __global__ void __launch_bounds__(kFoldThreads, 2) FastFoldKernel(const FoldParams f) {
   extern __shared__ float smem[];
@@ -804,10 +1107,26 @@ __global__ void __launch_bounds__(kFoldThreads, 2) FastFoldKernel(const FoldPara
       float* gc = bound + (R / kRingChunk + 1) * K;
       const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s),
                     u_width = RingUWidth(s);
-      constexpr int kGroups = kFoldThreads / K;
-      constexpr int kRowsEach = kRows / kGroups;
-      static_assert(K <= kFoldThreads && kRowsEach <= 32, "a thread per column, 32 rows at most");
-      const int j = tid % K, group = tid / K;
+      float* gs = gc + K;
+      static_assert(K <= kFoldThreads, "a thread per column");
+      // Tokens [i0, i1)'s log-decays into gs [i - i0][column], every thread
+      // loading at once (GDN: the head's one value, repeated per column).
+      const auto stage_log_decays = [&](int i0, int i1) {
+        StageToShared(gs, (i1 - i0) * K, tid, [&](int e) {
+          const float* g = rings.log_decay + RingAt(rings, job.block, i0 + e / K, g_width);
+          return gdn ? g[hv] : g[int64_t{h} * K + e % K];
+        });
+      };
+      // A thread's tile: kRowsEach rows x kFoldCols consecutive columns (one
+      // 16-byte load of u's rows and two of kr's columns a ring token, not
+      // a shared-memory load per product).
+      constexpr int kColGroups = K / kFoldCols;
+      constexpr int kRowGroups = kFoldThreads / kColGroups;
+      constexpr int kRowsEach = kRows / kRowGroups;  // 1, 4, 2 at K = 64, 128, 256
+      static_assert(kRowsEach * kRowGroups == kRows && kRowsEach * kFoldCols <= 32 &&
+                        (kRowsEach == 1 || kRowsEach == 2 || kRowsEach == 4),
+                    "32 accumulators at most; u's rows one load");
+      const int c0 = (tid % kColGroups) * kFoldCols, r0 = (tid / kColGroups) * kRowsEach;
       const State* s0 = static_cast<const State*>(layer.state.data) +
                         int64_t{job.block} * layer.state.block_stride + int64_t{hv} * K * K;
       // Align mode's two folds, the final state first: the boundary state
@@ -819,23 +1138,34 @@ __global__ void __launch_bounds__(kFoldThreads, 2) FastFoldKernel(const FoldPara
         const int n = job.n[target];
         const int chunks = (n + kRingChunk - 1) / kRingChunk;
         __syncthreads();  // the previous fold's shared memory reads done
-        // Exponents per column from the newest token back; each chunk's
-        // starting value (the sum over the tokens after it) kept.
-        for (int jj = tid; jj < K; jj += kFoldThreads) {
-          float acc = 0.0f;
-          for (int i = n - 1; i >= 0; --i) {
-            if ((i + 1) % kRingChunk == 0 || i == n - 1) bound[(i / kRingChunk) * K + jj] = acc;
-            const float* g = rings.log_decay + RingAt(rings, job.block, i, g_width);
-            acc += gdn ? g[hv] : g[int64_t{h} * K + jj];
+        // Exponents per column from the newest token back, over each chunk's
+        // log-decays staged in shared memory by every thread (the sums
+        // themselves a thread per column, in order); each chunk's starting
+        // value (the sum over the tokens after it) kept.
+        float exponent = 0.0f;
+        for (int chunk = chunks - 1; chunk >= 0; --chunk) {
+          const int i0 = chunk * kRingChunk, i1 = min(n, i0 + kRingChunk);
+          stage_log_decays(i0, i1);
+          __syncthreads();
+          if (tid < K) {
+            for (int i = i1 - 1; i >= i0; --i) {
+              if ((i + 1) % kRingChunk == 0 || i == n - 1) bound[chunk * K + tid] = exponent;
+              exponent += gs[(i - i0) * K + tid];
+            }
           }
-          gc[jj] = acc;
+          __syncthreads();  // gs read before it is staged again
         }
+        if (tid < K) gc[tid] = exponent;
         __syncthreads();
-        float acc[kRowsEach];
+        // (Loaded before the exponent pass, the accumulators spilled.)
+        float acc[kRowsEach][kFoldCols];
 #pragma unroll
-        for (int m = 0; m < kRowsEach; ++m) {
-          acc[m] = ::specstate::fast::Decayed(
-              ToFloat(s0[int64_t{v0 + group + kGroups * m} * K + j]), gc[j]);
+        for (int r = 0; r < kRowsEach; ++r) {
+          LoadCols<kFoldCols>(s0 + int64_t{v0 + r0 + r} * K + c0, acc[r]);
+#pragma unroll
+          for (int c = 0; c < kFoldCols; ++c) {
+            acc[r][c] = ::specstate::fast::Decayed(acc[r][c], gc[c0 + c]);
+          }
         }
         const Act* ring_k = static_cast<const Act*>(rings.k);
         for (int chunk = 0; chunk < chunks; ++chunk) {
@@ -845,33 +1175,34 @@ __global__ void __launch_bounds__(kFoldThreads, 2) FastFoldKernel(const FoldPara
             WarpNormalize<Act, K>(ring_k + RingAt(rings, job.block, i, kw_width) + int64_t{h} * K,
                                   1.0f, kr + (i - i0) * K, lane);
           }
-          for (int e = tid; e < (i1 - i0) * kRows; e += kFoldThreads) {
-            const int i = i0 + e / kRows, v = v0 + e % kRows;
-            uc[e] = rings.u[RingAt(rings, job.block, i, u_width) + int64_t{hv} * K + v];
-          }
+          StageToShared(uc, (i1 - i0) * kRows, tid, [&](int e) {
+            return rings.u[RingAt(rings, job.block, i0 + e / kRows, u_width) + int64_t{hv} * K + v0 +
+                           e % kRows];
+          });
+          if (chunks > 1) stage_log_decays(i0, i1);  // one chunk: still staged
           __syncthreads();
-          for (int jj = tid; jj < K; jj += kFoldThreads) {
-            float e = bound[chunk * K + jj];
+          if (tid < K) {
+            float e = bound[chunk * K + tid];
             for (int i = i1 - 1; i >= i0; --i) {
-              kr[(i - i0) * K + jj] = ::specstate::fast::Decayed(kr[(i - i0) * K + jj], e);
-              const float* g = rings.log_decay + RingAt(rings, job.block, i, g_width);
-              e += gdn ? g[hv] : g[int64_t{h} * K + jj];
+              kr[(i - i0) * K + tid] = ::specstate::fast::Decayed(kr[(i - i0) * K + tid], e);
+              e += gs[(i - i0) * K + tid];
             }
           }
           __syncthreads();
           for (int i = i0; i < i1; ++i) {
-            const float k_ij = kr[(i - i0) * K + j];
+            float kv[kFoldCols], uv[kRowsEach];
+            SmemCols<kFoldCols>(kr + (i - i0) * K + c0, kv);
+            SmemCols<kRowsEach>(uc + (i - i0) * kRows + r0, uv);
 #pragma unroll
-            for (int m = 0; m < kRowsEach; ++m) {
-              acc[m] = kda::MulAdd(uc[(i - i0) * kRows + group + kGroups * m], k_ij, acc[m]);
+            for (int r = 0; r < kRowsEach; ++r) {
+#pragma unroll
+              for (int c = 0; c < kFoldCols; ++c) acc[r][c] = kda::MulAdd(uv[r], kv[c], acc[r][c]);
             }
           }
         }
         State* dst = static_cast<State*>(job.dst[target]) + int64_t{hv} * K * K;
 #pragma unroll
-        for (int m = 0; m < kRowsEach; ++m) {
-          dst[int64_t{v0 + group + kGroups * m} * K + j] = FromFloat<State>(acc[m]);
-        }
+        for (int r = 0; r < kRowsEach; ++r) StoreCols<kFoldCols>(acc[r], dst + int64_t{v0 + r0 + r} * K + c0);
       }
     }
   }
@@ -1017,11 +1348,20 @@ cudaError_t ForLayerBatches(FoldParams f, const FastLayer* layers, int num_layer
 absl::Status FastVerifyCuda(const FastVerifyArgs& a, const FastNumerics& num,
                             cudaStream_t stream) {
   if (absl::Status st = ValidateFastVerifyArgs(a); !st.ok()) return st;
-  if (!DefaultNumerics(num)) return NumericsUnimplemented("FastVerify");
-  return RunFastVerifyCuda(a, stream);
+  // Verify runs the checkpoint's products on tensor cores when asked to
+  // (tf32 or 3xTF32); every other product stays fp32.
+  FastNumerics rest = num;
+  rest.checkpoint = FastNumerics::Operands::kFp32;
+  const bool tensor_cores = num.checkpoint == FastNumerics::Operands::kTf32 ||
+                            num.checkpoint == FastNumerics::Operands::kTf32Split;
+  if (!DefaultNumerics(rest) || (!tensor_cores && num.checkpoint != FastNumerics::Operands::kFp32)) {
+    return NumericsUnimplemented("FastVerify");
+  }
+  return RunFastVerifyCuda(a, stream, num.checkpoint);
 }
 
-absl::Status RunFastVerifyCuda(const FastVerifyArgs& a, cudaStream_t stream) {
+absl::Status RunFastVerifyCuda(const FastVerifyArgs& a, cudaStream_t stream,
+                               FastNumerics::Operands checkpoint) {
   constexpr const char* op = "FastVerify";
   if (a.num_rows == 0) return absl::OkStatus();
   cudaError_t err = cudaSuccess;
@@ -1038,13 +1378,19 @@ absl::Status RunFastVerifyCuda(const FastVerifyArgs& a, cudaStream_t stream) {
       err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     }
     if (err != cudaSuccess) return;
-    auto kernel = int64_t{grid.x} * grid.y <= sms ? FastVerifyKernel<Act, State, K, true>
-                                                 : FastVerifyKernel<Act, State, K, false>;
+    const bool small_grid = int64_t{grid.x} * grid.y <= sms;
+    using P = CheckpointPassKind;
+    auto kernel = checkpoint == FastNumerics::Operands::kTf32Split
+                      ? FastVerifyKernel<Act, State, K, P::kMmaTf32x3>
+                  : checkpoint == FastNumerics::Operands::kTf32
+                      ? FastVerifyKernel<Act, State, K, P::kMmaTf32>
+                  : small_grid ? FastVerifyKernel<Act, State, K, P::kRowBatch>
+                               : FastVerifyKernel<Act, State, K, P::kRowOwner>;
     if (smem > 48 * 1024) {
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
       if (err != cudaSuccess) return;
     }
-    kernel<<<grid, kThreads, smem, stream>>>(a);
+    kernel<<<grid, kThreads, smem, stream>>>(a, small_grid);
     err = cudaGetLastError();
   });
   if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));

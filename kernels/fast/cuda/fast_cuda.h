@@ -11,6 +11,9 @@
 // wherever that order is serial (the exponent sums from the near end, the
 // forward substitution, the fold's chain over ring tokens); dot products
 // are reduced across a warp, so results differ from the CPU's by rounding.
+// Verify's checkpoint products S0 . kc, S0 . qc can run on tensor cores
+// (FastNumerics::checkpoint kTf32Split, "3xTF32", or kTf32); the kernel
+// interface serves 3xTF32 (kServedCheckpointOperands).
 //
 // Checks: the host-visible arguments (the Validate* functions of
 // fast_kernels.h). The values in device buffers (query_start_loc, indices,
@@ -35,8 +38,10 @@ namespace fast {
 
 // FAST Verify of one layer (fast_args.h): outputs, and the window's
 // candidates in ring slots [tokens, tokens + T).
+// `numerics`: the default (fp32 throughout), or with `checkpoint` kTf32 or
+// kTf32Split (3xTF32), the checkpoint's products on tensor cores.
 // \returns INVALID_ARGUMENT as ValidateFastVerifyArgs, UNIMPLEMENTED for
-//   numerics other than the default (fp32 throughout), a CUDA launch error.
+//   other numerics, a CUDA launch error.
 absl::Status FastVerifyCuda(const FastVerifyArgs& args, const FastNumerics& numerics,
                             cudaStream_t stream);
 
@@ -61,7 +66,18 @@ absl::Status FastMaterializeCuda(const FastMaterializeArgs& args, const FastNume
 // The launches of the three calls above without their host checks (fp32
 // numerics): for the kernel interface, after its own validation; `gate` set
 // to its checks' status.
-absl::Status RunFastVerifyCuda(const FastVerifyArgs& args, cudaStream_t stream);
+// RunFastVerifyCuda's `checkpoint`: kFp32 (CUDA cores), kTf32 or kTf32Split
+// (tensor cores) for the checkpoint's products.
+absl::Status RunFastVerifyCuda(const FastVerifyArgs& args, cudaStream_t stream,
+                               FastNumerics::Operands checkpoint);
+
+// What the kernel interface's CUDA backend serves: 3xTF32 on tensor cores,
+// chosen by measurement (docs/benchmarks.md, "Commit mode FAST on CUDA":
+// Kimi-Linear verify at N = 256 355 us against 422 us on CUDA cores, and
+// within the accuracy contract, as fp32: docs/semantics.md). Plain tf32 is
+// faster still but ~500x fp32's error.
+inline constexpr FastNumerics::Operands kServedCheckpointOperands =
+    FastNumerics::Operands::kTf32Split;
 absl::Status RunFastCommitCuda(const FastCommitArgs& args, cudaStream_t stream);
 absl::Status RunFastMaterializeCuda(const FastMaterializeArgs& args, cudaStream_t stream);
 
