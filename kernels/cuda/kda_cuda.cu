@@ -1241,7 +1241,7 @@ absl::Status LaunchFastVerify(const VerifyArgs& a, cudaStream_t s) {
   }
   fast::FastVerifyArgs f = fast::FastVerifyArgsOf(a);
   f.gate = a.status;
-  return fast::RunFastVerifyCuda(f, s, fast::kServedCheckpointOperands);
+  return fast::RunFastVerifyCuda(f, s, fast::ServedCheckpointOperands(a.shape));
 }
 
 // After the commit's plan kernel (its checks) and the conv compaction.

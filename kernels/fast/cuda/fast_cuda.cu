@@ -1058,8 +1058,8 @@ __device__ bool FoldJobOf(const FoldParams& f, const FastLayer& layer, int i, Fo
 // redoing the ring's exponents and keys); 64 rows a block (16 accumulators,
 // two tiles a head) measured 5854 / 524 us (docs/results/fast_fold_bounds_h200.md).
 // Register tiles, the log-decays staged in shared memory and staging loads
-// four in flight: 3952 -> 3340 us at N = 256, 817 -> 739 us at N = 64
-// (docs/results/fast_tensor_cores_h200.md).
+// four in flight: 3894 -> 3340 us at N = 256, 809 -> 740 us at N = 64, cold
+// L2 (docs/results/fast_tensor_cores_h200.md).
 template <typename Act, typename State, int K, FoldMode kMode>
 __global__ void __launch_bounds__(kFoldThreads, 2) FastFoldKernel(const FoldParams f) {
   extern __shared__ float smem[];

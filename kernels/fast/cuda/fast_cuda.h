@@ -13,7 +13,7 @@
 // are reduced across a warp, so results differ from the CPU's by rounding.
 // Verify's checkpoint products S0 . kc, S0 . qc can run on tensor cores
 // (FastNumerics::checkpoint kTf32Split, "3xTF32", or kTf32); the kernel
-// interface serves 3xTF32 (kServedCheckpointOperands).
+// interface serves 3xTF32 for 16-bit activations (ServedCheckpointOperands).
 //
 // Checks: the host-visible arguments (the Validate* functions of
 // fast_kernels.h). The values in device buffers (query_start_loc, indices,
@@ -71,13 +71,18 @@ absl::Status FastMaterializeCuda(const FastMaterializeArgs& args, const FastNume
 absl::Status RunFastVerifyCuda(const FastVerifyArgs& args, cudaStream_t stream,
                                FastNumerics::Operands checkpoint);
 
-// What the kernel interface's CUDA backend serves: 3xTF32 on tensor cores,
-// chosen by measurement (docs/benchmarks.md, "Commit mode FAST on CUDA":
-// Kimi-Linear verify at N = 256 355 us against 422 us on CUDA cores, and
-// within the accuracy contract, as fp32: docs/semantics.md). Plain tf32 is
-// faster still but ~500x fp32's error.
-inline constexpr FastNumerics::Operands kServedCheckpointOperands =
-    FastNumerics::Operands::kTf32Split;
+// What the kernel interface's CUDA backend serves, chosen by measurement on
+// an H200 (docs/benchmarks.md, "Commit mode FAST on CUDA"): 3xTF32 on tensor
+// cores for 16-bit activations (Kimi-Linear verify at N = 256: 351 us
+// against 435 us on CUDA cores, the simulator's accuracy verdicts PASS);
+// fp32 on CUDA cores for fp32 activations, whose outputs under 3xTF32 came
+// to 3.0-3.8x the exact path's error, past the contract's 2x (the tensor
+// cores' sums do not round as fp32 FMAs do: the CPU's emulation predicted
+// 1.2x). Plain tf32 is faster still and ~500x fp32's error.
+inline FastNumerics::Operands ServedCheckpointOperands(const KdaShape& shape) {
+  return shape.act_dtype == DType::kFloat32 ? FastNumerics::Operands::kFp32
+                                            : FastNumerics::Operands::kTf32Split;
+}
 absl::Status RunFastCommitCuda(const FastCommitArgs& args, cudaStream_t stream);
 absl::Status RunFastMaterializeCuda(const FastMaterializeArgs& args, cudaStream_t stream);
 
