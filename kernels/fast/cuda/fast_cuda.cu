@@ -166,6 +166,11 @@ __device__ __forceinline__ void LoadCols(const BFloat16* p, float (&out)[C]) {
   }
 }
 
+// Brings the 128-byte line at p into L2.
+__device__ __forceinline__ void PrefetchL2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // C consecutive floats of shared memory (C = 1, 2, 4, 8; aligned to C).
 template <int C>
 __device__ __forceinline__ void SmemCols(const float* p, float (&out)[C]) {
@@ -375,10 +380,6 @@ __device__ __forceinline__ void RowOwnerCheckpointPass(const State* s0, int T, c
 // ---------------------------------------------------------------------------
 // Tensor cores: the checkpoint's products with mma.sync m16n8k8 (tf32
 // operands in 32-bit registers, fp32 accumulation).
-
-__device__ __forceinline__ void PrefetchL2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
 
 // x rounded to tf32 (10-bit mantissa, to nearest, ties away from zero).
 __device__ __forceinline__ uint32_t Tf32Bits(float x) {
@@ -1293,7 +1294,9 @@ bool DefaultNumerics(const FastNumerics& n) {
 
 absl::Status NumericsUnimplemented(const char* op) {
   return absl::UnimplementedError(absl::StrCat(
-      "In ", op, ": the CUDA kernels run fp32 throughout (FastNumerics' default) only"));
+      "In ", op,
+      ": the CUDA kernels run fp32 throughout (FastNumerics' default), Verify also with "
+      "`checkpoint` kTf32 or kTf32Split (tensor cores), nothing else"));
 }
 
 CommitArgs PlanArgsOf(const FastCommitArgs& a) {
@@ -1363,6 +1366,10 @@ absl::Status FastVerifyCuda(const FastVerifyArgs& a, const FastNumerics& num,
 absl::Status RunFastVerifyCuda(const FastVerifyArgs& a, cudaStream_t stream,
                                FastNumerics::Operands checkpoint) {
   constexpr const char* op = "FastVerify";
+  using O = FastNumerics::Operands;
+  if (checkpoint != O::kFp32 && checkpoint != O::kTf32 && checkpoint != O::kTf32Split) {
+    return NumericsUnimplemented(op);
+  }
   if (a.num_rows == 0) return absl::OkStatus();
   cudaError_t err = cudaSuccess;
   DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {

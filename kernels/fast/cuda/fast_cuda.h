@@ -67,7 +67,7 @@ absl::Status FastMaterializeCuda(const FastMaterializeArgs& args, const FastNume
 // numerics): for the kernel interface, after its own validation; `gate` set
 // to its checks' status.
 // RunFastVerifyCuda's `checkpoint`: kFp32 (CUDA cores), kTf32 or kTf32Split
-// (tensor cores) for the checkpoint's products.
+// (tensor cores) for the checkpoint's products; UNIMPLEMENTED for the rest.
 absl::Status RunFastVerifyCuda(const FastVerifyArgs& args, cudaStream_t stream,
                                FastNumerics::Operands checkpoint);
 
