@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/simulator/host_bytes.h"
+#include "kernels/fast/contract_errors.h"
 #include "server/fnv1a.h"
 
 namespace specstate {
@@ -14,30 +15,14 @@ namespace client {
 namespace simulator_internal {
 namespace {
 
+using ::specstate::kernels::fast::ElementwiseError;
+using ::specstate::kernels::fast::MaxError;
+using ::specstate::kernels::fast::NormError;
+
 // The quantities of the contract, in the report's arrays.
 enum Quantity { kOutElem = 0, kOutNorm = 1, kStateElem = 2, kStateNorm = 3 };
 constexpr const char* kQuantityNames[4] = {"output, element-wise", "output, norm-wise",
                                            "state, element-wise", "state, norm-wise"};
-
-// max|got - want| / max|want|.
-double ElementwiseError(const std::vector<double>& got, const std::vector<double>& want) {
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    diff = std::max(diff, std::fabs(got[i] - want[i]));
-    scale = std::max(scale, std::fabs(want[i]));
-  }
-  return scale > 0 ? diff / scale : diff;
-}
-
-// ||got - want|| / ||want||.
-double NormError(const std::vector<double>& got, const std::vector<double>& want) {
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    diff += (got[i] - want[i]) * (got[i] - want[i]);
-    scale += want[i] * want[i];
-  }
-  return scale > 0 ? std::sqrt(diff / scale) : std::sqrt(diff);
-}
 
 // `count` elements of `dtype` from host bytes, as doubles.
 std::vector<double> AsDoubles(const char* p, int64_t count, DType dtype) {
@@ -222,8 +207,8 @@ void FastChecks::Measure(const std::vector<double>& got, const std::vector<doubl
   for (int k = 0; k < 2; ++k) {
     double& f = report_.fast_error[base + k];
     double& e = report_.exact_error[base + k];
-    f = std::max(f, fast_errors[k]);
-    e = std::max(e, exact_errors[k]);
+    f = MaxError(f, fast_errors[k]);  // a NaN stays and fails the verdict
+    e = MaxError(e, exact_errors[k]);
     const double ratio = fast_errors[k] / std::max(exact_errors[k], kFastContractFloor);
     if (ratio > worst_ratio_[base + k] || !std::isfinite(fast_errors[k])) {
       worst_ratio_[base + k] = std::isfinite(ratio) ? ratio : INFINITY;

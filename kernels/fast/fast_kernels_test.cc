@@ -85,7 +85,7 @@ TEST(FastKernelsTest, AgreesWithTheReferenceOverShortLoops) {
       {Shape(L::kKda, G::kSafe, 2, 0, 64, D::kFloat16, D::kFloat32), 3, 3},
       {Shape(L::kKda, G::kSafe, 2, 0, 64, D::kFloat32, D::kFloat32), 8, 2},
       {Shape(L::kKda, G::kSafe, 2, 0, 128, D::kBFloat16, D::kFloat32), 8, 2},
-      {Shape(L::kKda, G::kSafe, 1, 0, 256, D::kFloat32, D::kBFloat16), 2, 4},
+      {Shape(L::kKda, G::kSafe, 1, 0, 256, D::kFloat32, D::kBFloat16), 2, 2},
       {Shape(L::kKda, G::kPlain, 2, 0, 64, D::kBFloat16, D::kFloat32), 4, 2},
       {Shape(L::kKda, G::kSafe, 2, 0, 64, D::kBFloat16, D::kFloat32), 1, 4},  // Q = 1
       {Shape(L::kGdn, G::kSafe, 2, 4, 64, D::kBFloat16, D::kFloat32), 4, 2},
@@ -99,7 +99,11 @@ TEST(FastKernelsTest, AgreesWithTheReferenceOverShortLoops) {
     c.q = loop.q;
     c.fold_every = loop.fold_every;
     c.rows = 2;
-    c.steps = loop.shape.head_dim == 256 ? 6 : 14;
+    // Enough steps that some row's ring fills whatever the accepted counts
+    // (uniform in [0, T]): with F * Q = 8 and 6 steps it did not under some
+    // seeds (seed 9999364944551049753: no fold). Now at most ~1e-8 of seeds
+    // fold nowhere: Q = 1 accepts a token with probability 1/2 a step.
+    c.steps = loop.q == 1 ? 24 : loop.shape.head_dim == 256 ? 12 : 14;
     c.seed = TestSeed();
     SCOPED_TRACE(absl::StrCat(Describe(c), " (replay with SPECSTATE_TEST_SEED=", c.seed, ")"));
     std::printf("%s\n", Describe(c).c_str());

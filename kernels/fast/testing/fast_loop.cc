@@ -401,25 +401,6 @@ class Loop {
 
 }  // namespace
 
-double ElementwiseError(const std::vector<double>& got, const std::vector<double>& want) {
-  double worst = 0.0, scale = 0.0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double d = std::fabs(got[i] - want[i]);
-    if (!(d <= worst)) worst = d;  // NaN sticks
-    scale = std::max(scale, std::fabs(want[i]));
-  }
-  return scale > 0.0 ? worst / scale : worst;
-}
-
-double NormError(const std::vector<double>& got, const std::vector<double>& want) {
-  double diff = 0.0, norm = 0.0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    diff += (got[i] - want[i]) * (got[i] - want[i]);
-    norm += want[i] * want[i];
-  }
-  return norm > 0.0 ? std::sqrt(diff / norm) : std::sqrt(diff);
-}
-
 absl::StatusOr<LoopResult> RunLoop(const LoopConfig& config) { return Loop(config).Run(); }
 
 std::string Describe(const LoopConfig& c) {

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/fast/contract_errors.h"
 #include "kernels/fast/fast_kernels.h"
 #include "kernels/kda_args.h"
 
@@ -66,9 +67,9 @@ struct LoopResult {
   bool finite = true;  // no NaN or Inf in any FAST output or state
 };
 
-// Errors of `got` against `want`.
-double ElementwiseError(const std::vector<double>& got, const std::vector<double>& want);
-double NormError(const std::vector<double>& got, const std::vector<double>& want);
+// Errors of `got` against `want` (contract_errors.h).
+using ::specstate::kernels::fast::ElementwiseError;
+using ::specstate::kernels::fast::NormError;
 
 // Runs the loop; an error status when a kernel refused a call (a bug).
 absl::StatusOr<LoopResult> RunLoop(const LoopConfig& config);
