@@ -68,6 +68,8 @@ ABSL_FLAG(int, abandon_commit_at_step, -1,
           "die by SIGKILL");
 ABSL_FLAG(int, corrupt_after_step, -1,
           "simulate: flip one bit of a committed state after this step (tests the verdict)");
+ABSL_FLAG(bool, corrupt_with_nan, false,
+          "simulate with --corrupt_after_step: write NaNs into the state instead of flipping a bit");
 ABSL_FLAG(std::string, commit_mode, "",
           "simulate: the commit mode the service must run (eager, deferred or fast; empty: any); "
           "the checks follow the service's mode");
@@ -308,6 +310,7 @@ int Simulate(const std::vector<Client*>& ranks, RestartDrill* drill = nullptr) {
   options.bound_inputs = absl::GetFlag(FLAGS_bound_inputs);
   options.finish_probability = absl::GetFlag(FLAGS_finish_probability);
   options.corrupt_after_step = absl::GetFlag(FLAGS_corrupt_after_step);
+  options.corrupt_with_nan = absl::GetFlag(FLAGS_corrupt_with_nan);
   options.crash_after_verify_step = absl::GetFlag(FLAGS_crash_after_verify_step);
   options.abandon_commit_at_step = absl::GetFlag(FLAGS_abandon_commit_at_step);
   options.corrupt_rank = absl::GetFlag(FLAGS_corrupt_rank);

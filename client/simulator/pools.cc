@@ -76,13 +76,17 @@ absl::Status ServicePools::UpdateConv(int layer, int32_t block, const std::vecto
   return WriteConv(layer, block, dw);
 }
 
-absl::Status ServicePools::FlipStateBit(int layer, int32_t block, int64_t elements) {
+absl::Status ServicePools::FlipStateBit(int layer, int32_t block, int64_t elements, bool nan) {
   for (int64_t i = 0; i < elements; ++i) {
     char* p = StateBlock(layer, block) + i * d_.ss;
     uint32_t word = 0;
     absl::Status st = memory_.CopyOut(&word, p, d_.ss);
     if (!st.ok()) return st;
-    word ^= d_.ss == 4 ? (1u << 20) : (1u << 5);
+    if (nan) {
+      word = d_.ss == 4 ? 0x7fc00000u : 0x7fc0u;  // fp32 / bf16 quiet NaN
+    } else {
+      word ^= d_.ss == 4 ? (1u << 20) : (1u << 5);
+    }
     st = memory_.CopyIn(p, &word, d_.ss);
     if (!st.ok()) return st;
   }

@@ -43,8 +43,9 @@ class ServicePools {
   absl::Status UpdateConv(int layer, int32_t block, const std::vector<char>& columns, int cols);
 
   // Flips one mantissa bit of the first `elements` elements of the state in
-  // `block` (the verdict's own test).
-  absl::Status FlipStateBit(int layer, int32_t block, int64_t elements = 1);
+  // `block` (the verdict's own test); with `nan`, writes a quiet NaN there
+  // instead.
+  absl::Status FlipStateBit(int layer, int32_t block, int64_t elements = 1, bool nan = false);
 
   // Every byte of the pools' allocation.
   absl::Status ReadAll(std::vector<char>* out) const;

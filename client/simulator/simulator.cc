@@ -734,7 +734,8 @@ absl::Status Simulator::CorruptARunningState(bool flip, int step) {
     if (!st.ok()) return st;
   }
   if (flip) {
-    absl::Status st = pools_->FlipStateBit(0, block, fast_ != nullptr ? d_.VW * d_.K : 1);
+    absl::Status st = pools_->FlipStateBit(0, block, fast_ != nullptr ? d_.VW * d_.K : 1,
+                                           options_.corrupt_with_nan);
     if (!st.ok()) return st;
   }
   model_->Pin(slot);

@@ -91,6 +91,9 @@ struct SimulationOptions {
   // service's pool through the exported handle (tests of the verdict; FAST:
   // the block flushed first, the bit flipped in each of its elements).
   int corrupt_after_step = -1;
+  // With corrupt_after_step: write NaNs instead of flipping a bit (the
+  // verdicts must fail on a state that is not a number, too).
+  bool corrupt_with_nan = false;
   // Crash tests: after sending the Verify calls of this step (before its
   // Commit), print "CRASH POINT pools=<FNV-1a of every pool byte>" and die by
   // SIGKILL, as a scheduler killed mid-step would.

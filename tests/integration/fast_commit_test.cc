@@ -525,6 +525,20 @@ TEST_F(FastSimulationTest, APlantedCorruptionFailsTheVerdict) {
   EXPECT_THAT(r.first_mismatch, HasSubstr("the accuracy contract is broken"));
 }
 
+// A NaN in the state makes FAST's outputs NaN: the verdict must fail (a
+// running maximum that drops NaNs passed it).
+TEST_F(FastSimulationTest, APlantedNaNFailsTheVerdict) {
+  client::SimulationOptions o;
+  o.steps = 12;
+  o.requests = 3;
+  o.corrupt_after_step = 4;
+  o.corrupt_with_nan = true;
+  const client::SimulationReport r = Simulate({"--fold_every=4"}, o);
+  EXPECT_FALSE(r.passed()) << client::FormatReport(r);
+  EXPECT_THAT(r.first_mismatch, HasSubstr("the accuracy contract is broken"));
+  EXPECT_THAT(r.first_mismatch, HasSubstr("nan"));
+}
+
 TEST_F(FastSimulationTest, TheModeIsChecked) {
   server_ = ValueOrDie(ServerProcess::Start({"--commit_mode=deferred"}));
   client_ = ValueOrDie(Client::Connect(server_->address()));
