@@ -138,6 +138,24 @@ struct FastCommitArgs {
   const DeviceStatus* gate = nullptr;
 };
 
+// The CommitArgs that the commit plan and the checks of
+// kernels/internal/checks.h read, from a FAST Commit's (both backends).
+inline CommitArgs PlanArgsOf(const FastCommitArgs& a) {
+  CommitArgs p;
+  p.shape = a.shape;
+  p.spec_query_len = a.spec_query_len;
+  p.num_rows = a.num_rows;
+  p.query_start_loc = a.query_start_loc;
+  p.state_indices = a.state_indices;
+  p.batch = a.batch;
+  p.num_accepted = a.num_accepted;
+  p.request_indices = a.request_indices;
+  p.block_table = a.block_table;
+  p.num_computed_tokens = a.num_computed_tokens;
+  p.mamba_block_size = a.mamba_block_size;
+  return p;
+}
+
 // FAST Materialize: the current state of given blocks (Flush, ReadState, a
 // block about to be handed to another request).
 //  - `out` null: folds each block's ring into its checkpoint in place and

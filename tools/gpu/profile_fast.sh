@@ -9,7 +9,9 @@
 #     occupancy, stall reasons, instruction mix, memory;
 #   OUTDIR/fast_verify_source.csv, OUTDIR/fast_fold_source.csv: per SASS
 #     instruction, executed count and warp stall samples, to find which
-#     phase the time goes to.
+#     phase the time goes to; OUTDIR/fast_verify_regions.md,
+#     OUTDIR/fast_fold_regions.md: those samples summed between barriers
+#     (tools/gpu/stall_regions.py).
 # Clocks are left as they run (--clock-control none).
 set -uo pipefail
 bundle=$(cd "$1" && pwd)
@@ -38,6 +40,8 @@ profile() {
       > "$out/${stem}_source.csv" 2>&1
   echo "ncu $stem source: exit $?"
   rm -f "$out/$stem.ncu-rep"
+  python3 "$(dirname "$0")/stall_regions.py" "$out/${stem}_source.csv" "$stem, N = $n" \
+    > "$out/${stem}_regions.md"
 }
 profile "FastVerifyKernel" 4 fast_verify
 profile "FastFoldKernel.*FoldModeE0" 4 fast_fold

@@ -480,23 +480,6 @@ absl::Status Refused(const internal::RowFault& f, int row, int other_row, const 
   return DeviceStatusToStatus(internal::StatusFromFault(f, row, other_row), op);
 }
 
-// The CommitArgs the plan and the checks of checks.h read.
-CommitArgs PlanArgsOf(const FastCommitArgs& a) {
-  CommitArgs plan_args;
-  plan_args.shape = a.shape;
-  plan_args.spec_query_len = a.spec_query_len;
-  plan_args.num_rows = a.num_rows;
-  plan_args.query_start_loc = a.query_start_loc;
-  plan_args.state_indices = a.state_indices;
-  plan_args.batch = a.batch;
-  plan_args.num_accepted = a.num_accepted;
-  plan_args.request_indices = a.request_indices;
-  plan_args.block_table = a.block_table;
-  plan_args.num_computed_tokens = a.num_computed_tokens;
-  plan_args.mamba_block_size = a.mamba_block_size;
-  return plan_args;
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------

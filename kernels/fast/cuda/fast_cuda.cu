@@ -1299,21 +1299,6 @@ absl::Status NumericsUnimplemented(const char* op) {
       "`checkpoint` kTf32 or kTf32Split (tensor cores), nothing else"));
 }
 
-CommitArgs PlanArgsOf(const FastCommitArgs& a) {
-  CommitArgs p;
-  p.shape = a.shape;
-  p.spec_query_len = a.spec_query_len;
-  p.num_rows = a.num_rows;
-  p.query_start_loc = a.query_start_loc;
-  p.state_indices = a.state_indices;
-  p.batch = a.batch;
-  p.num_accepted = a.num_accepted;
-  p.request_indices = a.request_indices;
-  p.block_table = a.block_table;
-  p.num_computed_tokens = a.num_computed_tokens;
-  p.mamba_block_size = a.mamba_block_size;
-  return p;
-}
 
 template <typename Act, typename State, int K, FoldMode kMode>
 cudaError_t LaunchFold(const FoldParams& f, int grid_x, cudaStream_t stream) {
