@@ -205,6 +205,10 @@ inline constexpr int kMaxFastQueryLen = 8;
 struct FastCursor {
   int32_t tokens;
   int32_t candidates;
+  // CUDA Verify with fold_ahead: the row's value heads that have finished a
+  // fold ahead (the last one moves the candidates and resets the cursor);
+  // 0 between calls.
+  int32_t arrivals;
 };
 
 // One layer's rings, one per state block, indexed like the state pool (block
@@ -223,6 +227,13 @@ struct FastRings {
   FastCursor* cursors = nullptr;
   int64_t num_blocks = 0;
   int capacity = 0;  // R tokens: fold_every * Q
+  // The fold schedule (fast_args.h, FoldsAhead): false, Commit folds a ring
+  // the next window might not fit (what the service runs); true, the Verify
+  // that reads a ring the window after it might not fit folds it too, in
+  // place, where it reads the checkpoint anyway (Commit's fold then never
+  // comes due). Measured slower on the H200 (docs/benchmarks.md, "Fold
+  // ahead"): it folds ~40% more often for a ~30% cheaper fold.
+  bool fold_ahead = false;
 };
 
 // Statuses of earlier calls this call depends on (device memory on CUDA).

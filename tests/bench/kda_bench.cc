@@ -54,6 +54,11 @@ ABSL_FLAG(bool, cold, true,
 ABSL_FLAG(int, fold_every, 4, "commit mode FAST's F: rings of F * Q tokens (0: no FAST rows)");
 ABSL_FLAG(int, fast_snapshots, 6,
           "FAST: steady-state steps timed; their mean is the step with folds amortized");
+ABSL_FLAG(bool, fast_fold_ahead, false,
+          "FAST: the rings fold ahead (FastRings::fold_ahead: the Verify folds); false: Commit "
+          "folds, what the service serves");
+ABSL_FLAG(bool, fast_both_schedules, true,
+          "FAST: also time the other fold schedule's verify and commit, side by side");
 ABSL_FLAG(bool, fast_checkpoint_numerics, true,
           "FAST: also time Verify's checkpoint products on CUDA cores (fp32) and on tensor "
           "cores (3xTF32, tf32), through the kernel launcher (no device checks)");
@@ -266,6 +271,8 @@ struct Bench {
   std::vector<kernels::FastCursor*> cursors_before, cursors_verified;
   std::vector<double> ring_tokens;       // a step's mean ring tokens a row
   std::vector<std::vector<int>> fold_tokens;  // a step's folds: tokens folded a row (0: none)
+  // Fold ahead: the step's folds in its Verify, tokens folded a row (0: none).
+  std::vector<std::vector<int>> verify_fold_tokens;
 };
 
 Bench Make(const Shape& s, int N, std::mt19937& rng) {
@@ -380,7 +387,10 @@ Bench Make(const Shape& s, int N, std::mt19937& rng) {
 // counts uniform in [1, Q] from empty for 200 steps, then `snapshots` steps
 // are kept; the commit's accepted counts are the bench's (b.accepted), so a
 // step folds the rows whose ring then has no room for another window.
-void MakeFast(Bench& b, int fold_every, int snapshots, std::mt19937& rng) {
+// The rings of a steady state under the fold schedule `fold_ahead` picks
+// (accepted counts uniform in [1, Q] for 200 steps, then `snapshots` steps
+// recorded).
+void MakeFast(Bench& b, int fold_every, bool fold_ahead, int snapshots, std::mt19937& rng) {
   const Shape& s = b.shape;
   const int Q = s.Q;
   b.fast_capacity = kernels::fast::FastRingCapacity(fold_every, Q);
@@ -398,6 +408,7 @@ void MakeFast(Bench& b, int fold_every, int snapshots, std::mt19937& rng) {
     r.cursors = static_cast<kernels::FastCursor*>(DeviceAlloc(cursor_bytes));
     r.num_blocks = b.num_blocks;
     r.capacity = R;
+    r.fold_ahead = fold_ahead;
     FillRandomBf16(r.k, k_bytes / 2, -1, 1, rng);
     FillRandomF32(r.u, u_bytes / 4, -0.1f, 0.1f, rng);
     FillRandomF32(r.log_decay, g_bytes / 4, -0.5f, -0.01f, rng);
@@ -409,29 +420,35 @@ void MakeFast(Bench& b, int fold_every, int snapshots, std::mt19937& rng) {
     if (step >= 200) {
       std::vector<kernels::FastCursor> before(b.num_blocks, kernels::FastCursor{0, 0});
       std::vector<kernels::FastCursor> verified = before;
-      std::vector<int> folds(b.N, 0);
+      std::vector<int> folds(b.N, 0), verify_folds(b.N, 0);
       double held = 0;
       for (int i = 0; i < b.N; ++i) {
         const int32_t block = 1 + 2 * i;  // the row's checkpoint (Make)
+        const bool ahead = kernels::fast::FoldsAhead(b.fast_layers[0].fast, tokens[i], Q);
+        if (ahead) verify_folds[i] = tokens[i];
+        const int verified_tokens = ahead ? 0 : tokens[i];
         before[block] = kernels::FastCursor{tokens[i], 0};
-        verified[block] = kernels::FastCursor{tokens[i], Q};
+        verified[block] = kernels::FastCursor{verified_tokens, Q};
         held += tokens[i];
-        const int after = tokens[i] + b.accepted_host[i];
+        const int after = verified_tokens + b.accepted_host[i];
         if (after + Q > R) folds[i] = after;
       }
       b.cursors_before.push_back(Upload(before));
       b.cursors_verified.push_back(Upload(verified));
       b.ring_tokens.push_back(held / b.N);
       b.fold_tokens.push_back(folds);
+      b.verify_fold_tokens.push_back(verify_folds);
     }
     for (int i = 0; i < b.N; ++i) {
+      if (kernels::fast::FoldsAhead(b.fast_layers[0].fast, tokens[i], Q)) tokens[i] = 0;
       tokens[i] += acc(rng);
       if (tokens[i] + Q > R) tokens[i] = 0;
     }
   }
 }
 
-void Free(Bench& b) {
+// FAST's rings and snapshots (MakeFast's), so that another MakeFast can run.
+void FreeFast(Bench& b) {
   for (size_t l = 0; l < b.fast_layers.size(); ++l) {
     const kernels::FastRings& r = b.fast_layers[l].fast;
     for (void* p : {r.k, static_cast<void*>(r.u), static_cast<void*>(r.log_decay),
@@ -443,7 +460,18 @@ void Free(Bench& b) {
     cudaFree(b.cursors_before[x]);
     cudaFree(b.cursors_verified[x]);
   }
+  b.fast_layers.clear();
   if (b.device_fast_layers != nullptr) cudaFree(b.device_fast_layers);
+  b.device_fast_layers = nullptr;
+  b.cursors_before.clear();
+  b.cursors_verified.clear();
+  b.ring_tokens.clear();
+  b.fold_tokens.clear();
+  b.verify_fold_tokens.clear();
+}
+
+void Free(Bench& b) {
+  FreeFast(b);
   for (auto& l : b.layers) {
     cudaFree(l.state.data);
     cudaFree(l.conv.data);
@@ -644,6 +672,13 @@ double FastVerifyBytes(const Bench& b, double ring_tokens) {
          double(b.T) * (QueryBytes(b) + RecordTokenBytes(b) + OutputBytes(b) + RingTokenBytes(b));
 }
 
+// Fold ahead adds each fold's state written (read already counted).
+double FastVerifyBytes(const Bench& b, double ring_tokens, const std::vector<int>& verify_folds) {
+  double folds = 0;
+  for (int n : verify_folds) folds += n > 0 ? 1.0 : 0.0;
+  return FastVerifyBytes(b, ring_tokens) + folds * b.state_bytes;
+}
+
 // FAST commit: the conv windows (as DEFERRED's) and each fold's state read
 // and written and ring read, every layer.
 double FastCommitBytes(const Bench& b, const std::vector<int>& fold_tokens) {
@@ -785,11 +820,19 @@ Row MeanOf(const std::string& what, const std::vector<Row>& rows) {
 // Commit mode FAST on bench `b`: verify (layer 0) and commit (every layer)
 // at each steady-state step, through the kernel interface, cursors restored
 // before every run; the rows are the means over the steps.
-void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream_t stream,
-                 double stock_us, std::mt19937& rng, std::vector<Row>* rows) {
+// `served`: the schedule the summary tables read ("FAST verify", "FAST
+// commit", with the launcher and align-mode rows); otherwise rows named
+// "FAST, <schedule>: ..." beside them.
+void MeasureFast(Bench& b, int fold_every, bool fold_ahead, bool served, bool align_too,
+                 int iters, cudaStream_t stream, double stock_us, std::mt19937& rng,
+                 std::vector<Row>* rows) {
   const Shape& s = b.shape;
   const int steps = absl::GetFlag(FLAGS_fast_snapshots);
-  MakeFast(b, fold_every, steps, rng);
+  FreeFast(b);
+  MakeFast(b, fold_every, fold_ahead, steps, rng);
+  const std::string schedule = fold_ahead ? "fold ahead" : "Commit's folds";
+  const std::string prefix = served ? "FAST " : absl::StrCat("FAST, ", schedule, ": ");
+  if (!served) align_too = false;
   const kernels::VerifyArgs verify = FastVerifyOf(b);
   const kernels::CommitArgs commit = FastCommitOf(b, false);
   const kernels::CommitArgs commit_align = FastCommitOf(b, true);
@@ -798,8 +841,10 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
   for (int x = 0; x < steps; ++x) {
     ring_tokens += b.ring_tokens[x] / steps;
     for (int n : b.fold_tokens[x]) folds += n > 0 ? 1.0 / (steps * double(b.N)) : 0.0;
+    for (int n : b.verify_fold_tokens[x]) folds += n > 0 ? 1.0 / (steps * double(b.N)) : 0.0;
     verifies.push_back(Measure(
-        "", b.N, FastVerifyBytes(b, b.ring_tokens[x]), iters, stream, s.gdn(),
+        "", b.N, FastVerifyBytes(b, b.ring_tokens[x], b.verify_fold_tokens[x]), iters, stream,
+        s.gdn(),
         [&](const KdaKernels& k) { CheckOk(k.Verify(verify, stream), "FAST Verify"); },
         [&] { RestoreCursors(b, x, false, stream); }));
     CheckDevice(b, "FAST Verify");
@@ -818,12 +863,12 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
       CheckDevice(b, "FAST Commit (align)");
     }
   }
-  rows->push_back(MeanOf(absl::StrFormat("FAST verify (F=%d, ring %.1f tokens a row on average), "
-                                         "1 layer",
-                                         fold_every, ring_tokens),
+  rows->push_back(MeanOf(absl::StrFormat("%sverify (F=%d, %s, ring %.1f tokens a row on "
+                                         "average), 1 layer",
+                                         prefix, fold_every, schedule, ring_tokens),
                          verifies));
   rows->back().stock_us = stock_us;
-  if (absl::GetFlag(FLAGS_fast_checkpoint_numerics)) {
+  if (served && absl::GetFlag(FLAGS_fast_checkpoint_numerics)) {
     // The checkpoint's products S0 . kc, S0 . qc on CUDA cores and on tensor
     // cores, side by side (their errors: docs/semantics.md, "FAST numerics").
     using Operands = kernels::fast::FastNumerics::Operands;
@@ -837,7 +882,8 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
       std::vector<Row> runs;
       for (int x = 0; x < steps; ++x) {
         runs.push_back(Measure(
-            "", b.N, FastVerifyBytes(b, b.ring_tokens[x]), iters, stream, s.gdn(),
+            "", b.N, FastVerifyBytes(b, b.ring_tokens[x], b.verify_fold_tokens[x]), iters,
+            stream, s.gdn(),
             [&](const KdaKernels&) {
               CheckOk(kernels::fast::FastVerifyCuda(direct, num, stream), "FAST Verify (launcher)");
             },
@@ -850,8 +896,9 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
       rows->back().stock_us = stock_us;
     }
   }
-  rows->push_back(MeanOf(absl::StrFormat("FAST commit, %d layers (F=%d, %.3f folds a row a step)",
-                                         s.L, fold_every, folds),
+  rows->push_back(MeanOf(absl::StrFormat("%scommit, %d layers (F=%d, %s, %.3f folds a row a "
+                                         "step)",
+                                         prefix, s.L, fold_every, schedule, folds),
                          commits));
   rows->back().stock_us = stock_us;
   if (align_too) {
@@ -959,7 +1006,11 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
     }
     const int fold_every = absl::GetFlag(FLAGS_fold_every);
     if (fold_every > 0 && s.Q <= kernels::kMaxFastQueryLen) {
-      MeasureFast(b, fold_every, N == ns.back(), iters, stream, stock_us, rng, &rows);
+      const bool ahead = absl::GetFlag(FLAGS_fast_fold_ahead);
+      MeasureFast(b, fold_every, ahead, true, N == ns.back(), iters, stream, stock_us, rng, &rows);
+      if (absl::GetFlag(FLAGS_fast_both_schedules)) {
+        MeasureFast(b, fold_every, !ahead, false, false, iters, stream, stock_us, rng, &rows);
+      }
     }
     CHECK_CUDA(cudaStreamSynchronize(stream));
     Free(b);

@@ -27,10 +27,12 @@ for target in "${targets[@]}"; do
     [ -n "$path" ] && [ -e "$path" ] && cp -Ln "$path" "$dest/lib/" 2>/dev/null || true
   done
 done
-# Tests find the server and the CLI through their runfiles, as under Bazel.
-cp "$dest/bin/specstated" "$dest/runfiles/specstate/server/"
-cp "$dest/bin/specstatectl" "$dest/runfiles/specstate/client/"
-cp "$dest/bin/specstate-keeper" "$dest/runfiles/specstate/keeper/"
+# Tests find the server and the CLI through their runfiles, as under Bazel
+# (hard links: the archive holds each binary once, and stays under the
+# device runner's 64 MiB).
+ln "$dest/bin/specstated" "$dest/runfiles/specstate/server/"
+ln "$dest/bin/specstatectl" "$dest/runfiles/specstate/client/"
+ln "$dest/bin/specstate-keeper" "$dest/runfiles/specstate/keeper/"
 cp tools/gpu/run_suite.sh tools/gpu/diagnose.sh tools/gpu/profile_kernels.sh tools/gpu/ab_servers.sh \
   tools/gpu/trace/timeline.py tools/start_services.sh "$dest/"
 # The Python client with freshly generated stubs and its tests, and a
