@@ -386,10 +386,9 @@ Bench Make(const Shape& s, int N, std::mt19937& rng) {
 // FAST's rings and steady-state cursors. Each row's ring follows accepted
 // counts uniform in [1, Q] from empty for 200 steps, then `snapshots` steps
 // are kept; the commit's accepted counts are the bench's (b.accepted), so a
-// step folds the rows whose ring then has no room for another window.
-// The rings of a steady state under the fold schedule `fold_ahead` picks
-// (accepted counts uniform in [1, Q] for 200 steps, then `snapshots` steps
-// recorded).
+// step folds the rows whose ring then has no room for another window; with
+// `fold_ahead` (FastRings::fold_ahead) the step's Verify folds the rows that
+// FoldsAhead, and their Commit starts from an empty ring.
 void MakeFast(Bench& b, int fold_every, bool fold_ahead, int snapshots, std::mt19937& rng) {
   const Shape& s = b.shape;
   const int Q = s.Q;

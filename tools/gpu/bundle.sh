@@ -28,8 +28,7 @@ for target in "${targets[@]}"; do
   done
 done
 # Tests find the server and the CLI through their runfiles, as under Bazel
-# (hard links: the archive holds each binary once, and stays under the
-# device runner's 64 MiB).
+# (hard links: the archive holds each binary once).
 ln "$dest/bin/specstated" "$dest/runfiles/specstate/server/"
 ln "$dest/bin/specstatectl" "$dest/runfiles/specstate/client/"
 ln "$dest/bin/specstate-keeper" "$dest/runfiles/specstate/keeper/"
