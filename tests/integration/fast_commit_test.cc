@@ -265,14 +265,15 @@ TEST_F(FastCommitTest, TheLayoutSaysSo) {
   EXPECT_EQ(eager.fold_every(), 0);
   EXPECT_EQ(fast.commit_mode(), v1::FAST);
   EXPECT_EQ(fast.fold_every(), kFoldEvery);
-  // record_bytes: the rings (raw k bf16, u and log-decay fp32, a cursor a
-  // block), every layer, each buffer 256-byte aligned.
+  // record_bytes: the rings (raw k bf16, u and log-decay fp32, a cursor
+  // {tokens, candidates, arrivals} of 12 bytes a block), every layer, each
+  // buffer 256-byte aligned.
   const int64_t tokens = int64_t{fast.num_blocks()} * capacity_;
   const int64_t hk = int64_t{fast.num_heads()} * fast.head_dim();
   const auto align = [](int64_t b) { return (b + 255) / 256 * 256; };
   EXPECT_EQ(fast.record_bytes(), fast.num_layers() * (align(tokens * hk * 2) + align(tokens * hk * 4) +
                                                      align(tokens * hk * 4) +
-                                                     align(int64_t{fast.num_blocks()} * 8)));
+                                                     align(int64_t{fast.num_blocks()} * 12)));
   const testing::ProcessResult layout = ValueOrDie(testing::RunProcess(
       {testing::RunfilePath("client/specstatectl"), "--server=" + fast_server_->address(),
        "layout"}));
