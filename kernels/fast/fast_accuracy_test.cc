@@ -151,7 +151,7 @@ Case Gdn(DType state, int fold_every) {
   return c;
 }
 
-// Fold ahead (the schedule the service serves): the Verify folds.
+// Fold ahead (FastRings::fold_ahead; measured, not served): the Verify folds.
 Case FoldAhead(Case c) {
   c.fold_ahead = true;
   return c;
