@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
@@ -287,6 +288,18 @@ class World {
     return a;
   }
 
+  // Materialize in place of one block (folds its ring, keeps its candidates).
+  absl::Status MaterializeInPlace(int32_t block) {
+    const FastLayer layer = Layer();
+    FastMaterializeArgs m;
+    m.shape = s_;
+    m.num_layers = 1;
+    m.layers = &layer;
+    m.blocks = &block;
+    m.num_blocks_given = 1;
+    return FastMaterializeCpu(m);
+  }
+
   // Block b's current state (Materialize into `out`), as values.
   std::vector<double> Current(int32_t block) {
     std::vector<uint8_t> out(block_elems_ * DTypeSize(s_.state_dtype));
@@ -486,17 +499,8 @@ TEST(FastKernelsTest, FoldAheadFoldsInTheVerifyAsAnInPlaceMaterialize) {
       // Without fold ahead, then an in-place Materialize: the same bytes.
       World without = w;
       without.set_fold_ahead(false);
-      const FastLayer without_layer = without.Layer();
       ASSERT_TRUE(FastVerifyCpu(without.VerifyArgs(qsl, blocks)).ok());
-      if (ahead) {
-        FastMaterializeArgs m;
-        m.shape = shape;
-        m.num_layers = 1;
-        m.layers = &without_layer;
-        m.blocks = &block;
-        m.num_blocks_given = 1;
-        ASSERT_TRUE(FastMaterializeCpu(m).ok());
-      }
+      if (ahead) ASSERT_TRUE(without.MaterializeInPlace(block).ok());
       const std::vector<uint8_t> pool_before = w.pool();
       ASSERT_TRUE(FastVerifyCpu(w.VerifyArgs(qsl, blocks)).ok());
       EXPECT_TRUE(w.Everything() == without.Everything());
