@@ -37,7 +37,7 @@ import grpc
 import numpy as np
 
 from specstate import dtypes
-from specstate.errors import SpecStateError
+from specstate.errors import LostSteps, SpecStateError
 from specstate.regions import Region, RegionCache, describe, is_torch_tensor
 from specstate.shm import MappedPools, SharedBuffer
 from specstate.v1 import specstate_pb2 as pb
@@ -486,6 +486,18 @@ class Session:
         call. ``ordering="async"`` (implied by `wait`/`signal`) returns once
         enqueued.
         """
+        request = self.verify_request(
+            step, layer, q=q, k=k, v=v, g=g, beta=beta, o=o, query_start_loc=query_start_loc,
+            state_indices=state_indices, num_rows=num_rows, ordering=ordering, wait=wait,
+            signal=signal)
+        return self._drive_call("Verify", request, step)
+
+    def verify_request(self, step: int, layer: int, *, q: Any, k: Any, v: Any, g: Any,
+                       beta: Any, o: Any, query_start_loc: Any = None, state_indices: Any = None,
+                       num_rows: Optional[int] = None, ordering: Union[None, str, int] = None,
+                       wait: Any = None, signal: Any = None) -> pb.VerifyRequest:
+        """The VerifyRequest :meth:`verify` sends (arguments as there), built and
+        checked client-side but not sent: for :meth:`submit_step`."""
         qsl = self.index(query_start_loc)
         idx = self.index(state_indices)
         if num_rows is None:
@@ -506,7 +518,7 @@ class Session:
         if idx is not None:
             request.state_indices.CopyFrom(idx)
         _set_signals(request, wait, signal)
-        return self._drive_call("Verify", request, step)
+        return request
 
     def bind_verify_inputs(self, layer: int, *, q: Any, k: Any, v: Any, g: Any, beta: Any,
                            o: Any, query_start_loc: Any = None,
@@ -565,6 +577,17 @@ class Session:
         session; OUT_OF_RANGE past the binding's max_tokens / max_rows.
         Ordering, `wait` and `signal` as in :meth:`verify`.
         """
+        request = self.verify_bound_request(step, layer, num_tokens=num_tokens,
+                                            num_rows=num_rows, ordering=ordering, wait=wait,
+                                            signal=signal)
+        return self._drive_call("Verify", request, step)
+
+    def verify_bound_request(self, step: int, layer: int, *, num_tokens: int,
+                             num_rows: Optional[int] = None,
+                             ordering: Union[None, str, int] = None, wait: Any = None,
+                             signal: Any = None) -> pb.VerifyRequest:
+        """The VerifyRequest :meth:`verify_bound` sends (arguments as there), not
+        sent: for :meth:`submit_step`."""
         if num_rows is None:
             if step not in self._step_rows:
                 raise SpecStateError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -575,7 +598,7 @@ class Session:
             session_id=self.id, step=step, layer=layer, num_rows=num_rows, bound_inputs=True,
             num_tokens=num_tokens, ordering=_ordering(ordering, wait, signal))
         _set_signals(request, wait, signal)
-        return self._drive_call("Verify", request, step)
+        return request
 
     def commit(self, step: int, num_accepted: Any, *, request_indices: Any = None,
                block_table: Any = None, num_computed_tokens: Any = None,
@@ -586,6 +609,18 @@ class Session:
         rows to batch rows; align mode also takes `block_table` [batch, width]
         and `num_computed_tokens` [batch]. A retry of the same step with the same
         arguments returns the first result (``replayed_from_cache``)."""
+        request = self.commit_request(step, num_accepted, request_indices=request_indices,
+                                      block_table=block_table,
+                                      num_computed_tokens=num_computed_tokens, ordering=ordering,
+                                      wait=wait, signal=signal)
+        return self._drive_call("Commit", request, step, commit=True)
+
+    def commit_request(self, step: int, num_accepted: Any, *, request_indices: Any = None,
+                       block_table: Any = None, num_computed_tokens: Any = None,
+                       ordering: Union[None, str, int] = None, wait: Any = None,
+                       signal: Any = None) -> pb.CommitRequest:
+        """The CommitRequest :meth:`commit` sends (arguments as there), not sent:
+        for :meth:`submit_step`."""
         request = pb.CommitRequest(session_id=self.id, step=step,
                                    num_accepted=self.index(num_accepted),
                                    ordering=_ordering(ordering, wait, signal))
@@ -595,7 +630,66 @@ class Session:
             if t is not None:
                 getattr(request, field).CopyFrom(t)
         _set_signals(request, wait, signal)
-        return self._drive_call("Commit", request, step, commit=True)
+        return request
+
+    def submit_step(self, step: int, verifies: Any = (), commit: Any = None
+                    ) -> pb.SubmitStepResponse:
+        """Several calls of one step in one round trip (SubmitStep): its
+        `verifies` in order, then `commit` if given, exactly as if sent one by
+        one, each with its own ordering, wait and signal.
+
+        Each entry of `verifies` is a ``VerifyRequest`` (from
+        :meth:`verify_request` / :meth:`verify_bound_request`) or a dict of the
+        keyword arguments of :meth:`verify_bound` (when it has ``num_tokens``)
+        or of :meth:`verify` (with ``layer``; ``step`` is this call's).
+        `commit` is a ``CommitRequest`` (:meth:`commit_request`), a dict of
+        :meth:`commit`'s keyword arguments with ``num_accepted``, or None.
+        The first call that fails stops the rest, and its error is the answer,
+        prefixed with the call (``verifies[2]: ...``). At most
+        ``4 * num_layers`` Verify calls (INVALID_ARGUMENT beyond). Returns
+        the ``SubmitStepResponse`` (``verifies``: one reply each, in order;
+        ``commit``: the Commit's reply when there was one).
+        """
+        request = pb.SubmitStepRequest(session_id=self.id)
+        if isinstance(verifies, (dict, pb.VerifyRequest)):
+            raise SpecStateError(grpc.StatusCode.INVALID_ARGUMENT,
+                                 "verifies: expected a list of VerifyRequests or dicts")
+        for i, v in enumerate(verifies):
+            if isinstance(v, dict):
+                v = dict(v)
+                try:
+                    layer = v.pop("layer")
+                except KeyError:
+                    raise SpecStateError(grpc.StatusCode.INVALID_ARGUMENT,
+                                         f"verifies[{i}]: no 'layer'") from None
+                v = (self.verify_bound_request(step, layer, **v) if "num_tokens" in v
+                     else self.verify_request(step, layer, **v))
+            elif not isinstance(v, pb.VerifyRequest):
+                raise SpecStateError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"verifies[{i}]: expected a VerifyRequest or a dict, got "
+                                     f"{type(v).__name__}")
+            elif v.step != step:
+                raise SpecStateError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"verifies[{i}]: step {v.step}, not this SubmitStep's {step}")
+            request.verifies.append(v)
+        if isinstance(commit, dict):
+            c = dict(commit)
+            try:
+                accepted = c.pop("num_accepted")
+            except KeyError:
+                raise SpecStateError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     "commit: no 'num_accepted'") from None
+            commit = self.commit_request(step, accepted, **c)
+        if commit is not None:
+            if not isinstance(commit, pb.CommitRequest):
+                raise SpecStateError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"commit: expected a CommitRequest or a dict, got "
+                                     f"{type(commit).__name__}")
+            if commit.step != step:
+                raise SpecStateError(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"commit: step {commit.step}, not this SubmitStep's {step}")
+            request.commit.CopyFrom(commit)
+        return self._drive_call("SubmitStep", request, step, commit=commit is not None)
 
     def record_state_blocks(self, step: int, *, idx_mapping: Any, num_sampled: Any,
                             num_computed_tokens: Any, block_table_width: int, state_idx: Any,
@@ -623,7 +717,7 @@ class Session:
     def _check_step(self, step: int, record: bool = False) -> None:
         why = self._lost_steps.get(step) or (self._unrecordable.get(step) if record else None)
         if why is not None:
-            raise SpecStateError(grpc.StatusCode.FAILED_PRECONDITION, why)
+            raise LostSteps(grpc.StatusCode.FAILED_PRECONDITION, why)
 
     def _drive_call(self, method: str, request: Any, step: int, commit: bool = False) -> Any:
         """A driving call, with the step bookkeeping :meth:`resume` needs."""
