@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages SpecState builds and tests with (offline
-# Bazel, gRPC, protobuf, Abseil, GoogleTest, prometheus-cpp, Python's grpcio
-# and numpy).
+# Bazel, gRPC, protobuf, Abseil, GoogleTest, prometheus-cpp, Python's grpcio,
+# numpy and torch: CPU torch for the Python integration kit's tests).
 # Safe to run again: apt-get skips what is there.
 set -euo pipefail
 packages=(
@@ -9,6 +9,7 @@ packages=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libabsl-dev libgtest-dev libgmock-dev prometheus-cpp-dev pkg-config g++
   python3 python3-grpcio python3-protobuf python3-numpy python3-yaml
+  python3-torch
 )
 missing=()
 for p in "${packages[@]}"; do
