@@ -1,4 +1,4 @@
-"""cuda_library: compiles .cu files with the local nvcc for sm_90.
+"""cuda_library: compiles .cu files with the local nvcc for sm_90 (plus compute_90 PTX).
 
 Bazel 4.2.3 has no CUDA rules, so each .cu file is compiled by a genrule and
 the objects are archived into a cc_library (alwayslink, so kernels registered
@@ -15,7 +15,10 @@ NVCC_FLAGS = [
     "-O3",
     "-Xcompiler=-fPIC",
     "-Xcompiler=-ffp-contract=off",
+    # sm_90 machine code for Hopper, and compute_90 PTX that newer GPUs
+    # (Blackwell) JIT at load; older ones (A100, sm_80) are refused at start.
     "-gencode arch=compute_90,code=sm_90",
+    "-gencode arch=compute_90,code=compute_90",
     # The stock kernel, verify and replay share code and flags: no fast math.
     "--fmad=false",
     "-lineinfo",

@@ -766,6 +766,21 @@ class CudaDevice final : public Device {
 
   absl::Status Init() {
     ScopedDevice scoped(ordinal_);
+    // The kernels are built as sm_90 machine code plus compute_90 PTX
+    // (bazel/cuda.bzl): newer GPUs JIT the PTX, older ones have no kernel
+    // image and would fail at the first launch; say so at start instead.
+    int major = 0, minor = 0;
+    SPECSTATE_CUDA_RETURN(
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal_),
+        "cudaDeviceGetAttribute(cudaDevAttrComputeCapabilityMajor)");
+    SPECSTATE_CUDA_RETURN(
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal_),
+        "cudaDeviceGetAttribute(cudaDevAttrComputeCapabilityMinor)");
+    if (major < 9) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "device ", ordinal_, " has compute capability ", major, ".", minor,
+          "; this build's kernels need 9.0 or newer (sm_90 code, compute_90 PTX for newer GPUs)"));
+    }
     SPECSTATE_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
                           "cudaStreamCreate");
     SPECSTATE_CUDA_RETURN(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking),
