@@ -30,8 +30,10 @@ request in one batch, with its own float32 recurrence written from
 docs/semantics.md's per-token math (no speculation, no SpecState).
 
 --check exits 1 when a token differs and the reference's two candidates are
-not a near-tie (logit gap above --tie_tol); 0 otherwise. --json writes the
-tokens and the numbers.
+not a near-tie (logit gap above --tie_tol), or when the logits a token came
+from differ from the reference's by more than --logit_tol (1e-3; fp32
+rounding gives ~1e-5, a stale or wrong state far more); 0 otherwise. --json
+writes the tokens and the numbers.
 """
 from __future__ import annotations
 
@@ -83,8 +85,10 @@ class TinyKda:
                 "wv": w(d, HK),
                 "conv": w(3 * HK, self.kernel, scale=0.5),   # depthwise, tap kernel-1 = newest
                 "f_a": w(d, rank), "f_b": w(rank, HK), "wb": w(d, self.H),
-                "a_log": (torch.rand(self.H, generator=gen) * 2.0 - 1.5).to(device),
-                "dt_bias": (torch.rand(HK, generator=gen) * 2.0 - 1.0).to(device),
+                # Gates that keep a memory (decays mostly 0.6 to 0.99 a token), so
+                # that a wrong state shows in tokens generated long after it.
+                "a_log": (torch.rand(self.H, generator=gen) * 1.5 - 1.0).to(device),
+                "dt_bias": (torch.rand(HK, generator=gen) * 4.0 - 6.0).to(device),
                 "g_a": w(d, rank), "g_b": w(rank, HK), "o_norm": 1.0 + 0.1 * w(self.K, scale=1.0),
                 "wo": w(HK, d),
                 "mlp_norm": 1.0 + 0.1 * w(d, scale=1.0), "w1": w(d, 2 * d), "w3": w(d, 2 * d),
@@ -373,8 +377,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--ordering", choices=("async", "sync"), default="async")
     parser.add_argument("--tie_tol", type=float, default=1e-3,
                         help="logit gap under which a differing token is a near-tie")
+    parser.add_argument("--logit_tol", type=float, default=1e-3,
+                        help="--check: the largest |logit difference| allowed where the tokens "
+                        "agree (fp32 rounding gives ~1e-5; a wrong state far more)")
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 on a differing token that is not a near-tie")
+                        help="exit 1 on a differing token that is not a near-tie, or on logits "
+                        "off by more than --logit_tol where the tokens agree")
     parser.add_argument("--json", help="write the tokens and the numbers here")
     args = parser.parse_args(argv)
 
@@ -458,6 +466,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                        "backend": pb.Backend.Name(lo.backend)}, f)
     if args.check and failures:
         print(f"FAIL: {failures} requests differ from the reference beyond a near-tie")
+        return 1
+    if args.check and max_logit_diff > args.logit_tol:
+        print(f"FAIL: logits off by {max_logit_diff:.2e} where the tokens agree (--logit_tol "
+              f"{args.logit_tol:g})")
         return 1
     print("PASS" if args.check else "done")
     return 0
