@@ -207,6 +207,9 @@ LayoutSizes ComputeLayoutSizes(const v1::Layout& l) {
   // next Verify) and keeps the pending bookkeeping; FAST keeps rings instead.
   const int buffers = IsDeferred(l) ? 2 : 1;
   s.record_bytes = s.records_per_layer_bytes * l.num_layers() * buffers;
+  // EAGER: a Flush's block list, copied to be checked (engine.cc, Flush);
+  // DEFERRED and FAST count theirs below.
+  s.mode_bytes = Align256(int64_t{l.num_blocks()} * 4);
   if (IsFast(l)) {
     s.records_per_layer_bytes = 0;
     s.fast_ring_capacity = kernels::fast::FastRingCapacity(FoldEveryOf(l), s.spec_query_len);

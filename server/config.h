@@ -52,7 +52,7 @@ struct LayoutSizes {
   int64_t records_per_layer_bytes = 0;  // one records buffer of one layer (0 under FAST)
   int64_t workspace_bytes = 0;   // commit + record-state-blocks workspaces
   // What the commit mode keeps beside: DEFERRED's bookkeeping and replay
-  // lists, FAST's Verify owner table and a Flush's block list (0 under EAGER).
+  // lists, FAST's Verify owner table, and in every mode a Flush's block list.
   int64_t mode_bytes = 0;
   // FAST: R = fold_every * Q ring tokens per block, and one layer's rings
   // (k, u, log-decay, cursors, each 256-byte aligned).

@@ -8,8 +8,10 @@
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/internal/checks.h"
 #include "kernels/kda_kernels.h"
 #include "server/log.h"
 #include "server/tensor_summary.h"
@@ -103,6 +105,12 @@ absl::Status Engine::Allocate() {
   if (IsFast(layout_)) {
     st = AllocateFast();
     if (!st.ok()) return st;
+  }
+  if (!IsDeferred(layout_) && !IsFast(layout_)) {
+    // EAGER: where a Flush's block list is copied to be checked (Flush).
+    absl::StatusOr<void*> p = device_->AllocateDevice(uint64_t(layout_.num_blocks()) * 4);
+    if (!p.ok()) return p.status();
+    flush_checked_blocks_ = static_cast<int32_t*>(*p);
   }
   absl::StatusOr<std::vector<StepSlot>> slots = AllocateSlots();
   if (!slots.ok()) return slots.status();
@@ -1239,6 +1247,39 @@ std::function<absl::Status(kernels::Stream, Scratch&)> Engine::FlushLaunch(
   };
 }
 
+namespace {
+
+// A Flush's host memory: its status mirror and, under EAGER, after it the
+// copy of its block list that the service checks (Engine::Flush).
+uint64_t FlushMirrorBytes(const v1::Layout& layout) {
+  static_assert(sizeof(kernels::DeviceStatus) % alignof(int32_t) == 0, "the list follows it");
+  const bool eager = !IsDeferred(layout) && !IsFast(layout);
+  return sizeof(kernels::DeviceStatus) + (eager ? uint64_t(layout.num_blocks()) * 4 : 0);
+}
+
+int32_t* ListCopyOf(kernels::DeviceStatus* mirror) {
+  return reinterpret_cast<int32_t*>(mirror + 1);
+}
+
+// EAGER: the check that the DEFERRED and FAST kernels run on a Flush's block
+// list (kernels/internal/checks.h, CheckListedBlock: <= 0 is skipped, every
+// other block below the pool's), on the list's copy after `mirror`; the
+// lowest failing element's fault goes to `mirror`, as theirs goes to theirs.
+void CheckListCopy(kernels::DeviceStatus* mirror, int64_t rows, int64_t num_blocks) {
+  const int32_t* list = ListCopyOf(mirror);
+  std::vector<int32_t> checked(rows);
+  for (int64_t i = 0; i < rows; ++i) {
+    const kernels::internal::RowFault f = kernels::internal::CheckListedBlock(
+        list, checked.data(), static_cast<int>(i), num_blocks);
+    if (f.problem != 0) {
+      *mirror = kernels::internal::StatusFromFault(f, static_cast<int32_t>(i), -1);
+      return;
+    }
+  }
+}
+
+}  // namespace
+
 void Engine::Flush(const std::string& session, const v1::FlushRequest& req,
                    Reply<v1::FlushResponse> reply) {
   const int L = layout_.num_layers();
@@ -1272,7 +1313,7 @@ void Engine::Flush(const std::string& session, const v1::FlushRequest& req,
     }
   }
   if (mirror == nullptr) {
-    absl::StatusOr<void*> p = device_->AllocateHost(sizeof(kernels::DeviceStatus));
+    absl::StatusOr<void*> p = device_->AllocateHost(FlushMirrorBytes(layout_));
     if (!p.ok()) {
       reply(p.status(), {});
       return;
@@ -1284,15 +1325,37 @@ void Engine::Flush(const std::string& session, const v1::FlushRequest& req,
   Work work;
   work.waits = std::move(ordering->waits);
   work.signals = std::move(ordering->signals);
-  work.launch = FlushLaunch(std::make_shared<const IndexInput>(*std::move(blocks)),
-                            req.has_layer() ? req.layer() : -1, req.discard(), mirror);
+  auto list = std::make_shared<const IndexInput>(*std::move(blocks));
+  // EAGER has nothing pending, and FlushLaunch nothing to run; the block list
+  // is checked all the same, as the other modes' kernels check it and in
+  // stream order (a list in a region may be written by the caller's stream
+  // before a wait): copied on the stream before the signals, read back, and
+  // checked once the device got there. A list that fails is the call's error
+  // (OUT_OF_RANGE naming the element and the bound); one that passes, as
+  // under the other modes, changes nothing.
+  const bool check_copy =
+      !IsDeferred(layout_) && !IsFast(layout_) && list->present && list->rows > 0;
+  const int64_t list_rows = check_copy ? list->rows : 0;
+  if (check_copy) {
+    const uint64_t bytes = uint64_t(list->rows) * sizeof(int32_t);
+    work.launch = [this, list, bytes](kernels::Stream stream, Scratch& scratch) -> absl::Status {
+      absl::StatusOr<const int32_t*> data = list->Pointer(scratch);
+      if (!data.ok()) return data.status();
+      return device_->CopyOnStream(flush_checked_blocks_, *data, bytes, stream);
+    };
+    work.readbacks.push_back(Readback{flush_checked_blocks_, ListCopyOf(mirror), bytes});
+  } else {
+    work.launch = FlushLaunch(std::move(list), req.has_layer() ? req.layer() : -1, req.discard(),
+                              mirror);
+  }
   std::vector<RegionPin> pins = lookup.TakePins();
   pins.insert(pins.end(), ordering->pins.begin(), ordering->pins.end());
-  work.done = [this, pins = UniquePins(std::move(pins)), reply, mirror, async,
-               session](absl::Status launched) {
+  work.done = [this, pins = UniquePins(std::move(pins)), reply, mirror, async, session,
+               list_rows](absl::Status launched) {
     absl::Status result = launched;
     if (absl::Status lost = regions_.DropTruncated(*pins); !lost.ok()) result = lost;
     pins->clear();  // the regions may go now
+    if (result.ok() && list_rows > 0) CheckListCopy(mirror, list_rows, layout_.num_blocks());
     const bool check_failed = result.ok() && mirror->failed != 0;
     if (check_failed) result = kernels::DeviceStatusToStatus(*mirror, "Flush");
     {

@@ -1,0 +1,487 @@
+"""The integration kit (specstate.kit) and Session.submit_step against a real
+specstated on the CPU backend, checked against the independent float64
+reference (kda_reference.py); and examples/kda_decode.py end to end.
+
+Skips (with a message) when torch is not installed; CI installs Debian's
+python3-torch (tools/install_deps.sh), so there it runs.
+
+Tolerances (per tensor, ||got - want|| / ||want||), as in e2e_test.py: the
+service computes in fp32 from the very activation values the reference reads,
+so fp32 outputs and states are held to 1e-5, bf16 outputs to 1e-2.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import unittest
+from typing import Dict, List, Tuple
+
+import grpc
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import junit_runner  # noqa: E402
+import kda_reference as ref  # noqa: E402
+import server_fixture  # noqa: E402
+import specstate  # noqa: E402
+from specstate.v1 import specstate_pb2 as pb  # noqa: E402
+
+try:
+    import torch
+    from specstate import kit
+except ImportError:  # CI has python3-torch; a bare machine may not
+    torch = None
+    kit = None
+
+NEEDS_TORCH = unittest.skipIf(torch is None, "torch is not installed (apt-get install "
+                              "python3-torch): the integration kit needs it")
+
+# conv_dim = 3 * H * K: what examples/kda_decode.py's model convolves.
+FLAGS = dict(layers=2, heads=2, head_dim=64, conv_dim=384, conv_kernel=4, num_spec=3,
+             blocks=16, max_rows=4, activation_dtype="fp32", state_dtype="fp32")
+TOL = 1e-5
+
+
+def _example_path() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.join(here, "..", "examples", "kda_decode.py")
+
+
+class Reference:
+    """Random KDA gate parameters (loaded into a Runner) and the float64 state of
+    every (layer, block) the test touches."""
+
+    def __init__(self, lo: pb.Layout, seed: int) -> None:
+        self.lo = lo
+        self.gen = torch.Generator().manual_seed(seed)
+        self.H, self.K, self.L = lo.num_heads, lo.head_dim, lo.num_layers
+        self.a_log = [self.rand(self.H, lo=-2.0, hi=0.5) for _ in range(self.L)]
+        self.dt_bias = [self.rand(self.H * self.K) for _ in range(self.L)]
+        self.states: Dict[Tuple[int, int], np.ndarray] = {}
+
+    def rand(self, *shape: int, lo: float = -1.0, hi: float = 1.0) -> "torch.Tensor":
+        return torch.rand(*shape, generator=self.gen) * (hi - lo) + lo
+
+    def load(self, runner: "kit.Runner") -> None:
+        for layer in range(self.L):
+            runner.load_layer_params(layer, self.a_log[layer], self.dt_bias[layer])
+
+    def prefill(self, pools: "kit.StatePools", blocks: List[int]) -> None:
+        """Fresh random states (never zeros) written into the pools, remembered here."""
+        for layer in range(self.L):
+            for b in blocks:
+                s = self.rand(self.H, self.K, self.K, lo=-0.5, hi=0.5)
+                pools.recurrent(layer)[b].copy_(s)
+                self.states[(layer, b)] = s.double().numpy()
+
+    def inputs(self, shapes: Dict[str, tuple]) -> Dict[str, "torch.Tensor"]:
+        """q, k, v in [-1, 1], g in [-3, 1], beta a logit in [-3, 3]."""
+        ranges = {"q": (-1, 1), "k": (-1, 1), "v": (-1, 1), "g": (-3, 1), "beta": (-3, 3)}
+        return {n: self.rand(*shapes[n], lo=a, hi=b) for n, (a, b) in ranges.items()}
+
+    def run(self, layer: int, block: int, x: Dict[str, "torch.Tensor"], a: int, e: int,
+            n: int) -> np.ndarray:
+        """Outputs of tokens [a, e) from the block's state; the state advances by
+        the first n of them."""
+        f = {name: t[a:e].double().numpy() for name, t in x.items()}
+        args = (self.a_log[layer].numpy(), self.dt_bias[layer].numpy(), self.lo.lower_bound)
+        state = self.states[(layer, block)]
+        out, _ = ref.kda_tokens(state, f["q"], f["k"], f["v"], f["g"], f["beta"], *args)
+        _, self.states[(layer, block)] = ref.kda_tokens(
+            state, *(f[name][:n] for name in ("q", "k", "v", "g", "beta")), *args)
+        return out
+
+
+def shapes_of(step: "kit.Step") -> Dict[str, tuple]:
+    r, T = step.runner, step.num_tokens
+    return {"q": (T, r.H, r.K), "k": (T, r.H, r.K), "v": (T, r.HV, r.K),
+            "g": (T, r.H, r.K), "beta": (T, r.HV)}
+
+
+class _ServerTest(unittest.TestCase):
+    FLAGS: dict = FLAGS
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        if torch is None:
+            raise unittest.SkipTest("torch is not installed (apt-get install python3-torch)")
+        cls.server = server_fixture.Server(**cls.FLAGS).start()
+        cls.client = cls.server.client()
+        cls.lo = cls.client.layout()
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.client.close()
+        cls.server.stop()
+
+    def decode_steps(self, runner: "kit.Runner", pools: "kit.StatePools", reference: Reference,
+                     blocks: List[int], steps: int, in_place: bool = False,
+                     check_states: bool = True) -> None:
+        """`steps` steps of rows on `blocks` (random window lengths and accepted
+        counts), outputs and (EAGER) committed states against the reference."""
+        Q = runner.Q
+        rng = np.random.default_rng(int(reference.rand(1, lo=0, hi=1e6)))
+        for s in range(steps):
+            lens = [int(rng.integers(1, Q + 1)) for _ in blocks]
+            accepted = [int(rng.integers(1, n + 1)) for n in lens]
+            qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+            step = runner.begin_step(torch.from_numpy(qsl), blocks)
+            self.assertEqual((step.num_rows, step.num_tokens), (len(blocks), int(qsl[-1])))
+            for layer in range(runner.num_layers):
+                x = reference.inputs(shapes_of(step))
+                if in_place:  # the model writes into the bound buffers: nothing is copied
+                    views = step.inputs(layer)
+                    for name in x:
+                        views[name].copy_(x[name])
+                    views["o"].fill_(float("nan"))
+                    o = step.verify(layer, *(views[n] for n in ("q", "k", "v", "g", "beta")))
+                else:
+                    o = step.verify(layer, **x)
+                self.assertEqual(tuple(o.shape), (step.num_tokens, runner.HV, runner.K))
+                for i, b in enumerate(blocks):
+                    a, e = int(qsl[i]), int(qsl[i + 1])
+                    want = reference.run(layer, b, x, a, e, accepted[i])
+                    err = ref.rel_err(o[a:e].double().cpu().numpy(), want)
+                    self.assertLess(err, TOL, f"step {s}, layer {layer}, row {i}")
+            r = step.commit(torch.tensor(accepted, dtype=torch.int64))
+            self.assertEqual(r.num_layers if not r.enqueued else runner.num_layers,
+                             runner.num_layers)
+            if check_states:
+                for layer in range(runner.num_layers):
+                    for b in blocks:
+                        err = ref.rel_err(pools.recurrent(layer)[b].double().cpu().numpy(),
+                                          reference.states[(layer, b)])
+                        self.assertLess(err, TOL, f"step {s}: layer {layer}, block {b}")
+
+
+@NEEDS_TORCH
+class SubmitStepTest(_ServerTest):
+    """Session.submit_step: a step's Verify calls and its Commit in one round trip."""
+
+    def test_one_round_trip_per_step(self) -> None:
+        lo = self.lo
+        H, K, L = lo.num_heads, lo.head_dim, lo.num_layers
+        reference = Reference(lo, seed=int.from_bytes(os.urandom(4), "little"))
+        pools = self.client.map_pools()
+        with self.client.session("submit-step", drive=True) as session, \
+                specstate.SharedBuffer(1 << 20) as buf:
+            session.register(buf, "acts")
+            for layer in range(L):
+                session.load_layer_params(layer, reference.a_log[layer].numpy(),
+                                          reference.dt_bias[layer].numpy())
+            kpools = kit.StatePools(self.client)
+            blocks, qsl, accepted = [2, 5], [0, 4, 7], [3, 2]
+            T = qsl[-1]
+            reference.prefill(kpools, blocks)
+            acts = []
+            for layer in range(L):
+                a = {n: buf.empty((T, H, K), np.float32) for n in ("q", "k", "v", "g", "o")}
+                a["beta"] = buf.empty((T, H), np.float32)
+                x = reference.inputs({"q": (T, H, K), "k": (T, H, K), "v": (T, H, K),
+                                      "g": (T, H, K), "beta": (T, H)})
+                for n, t in x.items():
+                    a[n][...] = t.numpy()
+                a["o"][...] = np.nan
+                acts.append((a, x))
+            step = session.next_step()
+            # Dicts of verify()'s arguments, built in order (later layers use the
+            # step's indices).
+            verifies = [dict(layer=0, query_start_loc=qsl, state_indices=blocks,
+                             **acts[0][0])]
+            verifies += [dict(layer=layer, **acts[layer][0]) for layer in range(1, L)]
+            r = session.submit_step(step, verifies, commit=dict(num_accepted=accepted))
+            self.assertEqual(len(r.verifies), L)
+            self.assertEqual((r.commit.num_rows, r.commit.num_layers), (2, L))
+            for layer, (a, x) in enumerate(acts):
+                for i, b in enumerate(blocks):
+                    want = reference.run(layer, b, x, qsl[i], qsl[i + 1], accepted[i])
+                    self.assertLess(ref.rel_err(a["o"][qsl[i]:qsl[i + 1]], want), TOL)
+                    self.assertLess(ref.rel_err(pools.recurrent(layer)[b],
+                                                reference.states[(layer, b)]), TOL)
+            # The first failing call stops the rest and names itself; nothing is committed.
+            before = pools.snapshot()
+            step = session.next_step()
+            bad = [session.verify_request(step, 0, query_start_loc=qsl, state_indices=blocks,
+                                          **acts[0][0]),
+                   session.verify_request(step, L, **acts[0][0])]
+            with self.assertRaises(kit.InvalidInput) as cm:
+                session.submit_step(step, bad, commit=dict(num_accepted=accepted))
+            self.assertEqual(cm.exception.code, grpc.StatusCode.OUT_OF_RANGE)
+            self.assertIn("verifies[1]", cm.exception.message)
+            self.assertTrue(before == pools.snapshot(), "a refused SubmitStep wrote")
+            # Client-side: a request of another step, a non-list.
+            with self.assertRaises(kit.InvalidInput) as cm:
+                session.submit_step(step + 1, bad[:1])
+            self.assertIn("verifies[0]: step", cm.exception.message)
+            with self.assertRaises(specstate.SpecStateError):
+                session.submit_step(step, bad[0])
+            kpools.close()
+        pools.close()
+
+
+@NEEDS_TORCH
+class RunnerEagerTest(_ServerTest):
+    """The Runner over a few steps against the float64 reference, both orderings;
+    the pools as torch tensors; the typed errors."""
+
+    def test_pools_are_torch_views_of_the_service(self) -> None:
+        lo = self.lo
+        with kit.StatePools(self.client) as pools:
+            self.assertEqual(tuple(pools.recurrent(1).shape), (lo.num_blocks, 2, 64, 64))
+            self.assertEqual(tuple(pools.conv(0).shape),
+                             (lo.num_blocks, lo.conv_dim, lo.conv_kernel - 1 + lo.num_spec))
+            self.assertEqual(pools.recurrent(0).dtype, torch.float32)
+            s = torch.rand(2, 64, 64) - 0.5
+            pools.recurrent(1)[3].copy_(s)
+            read = self.client.read_state(1, 3, values=True)
+            np.testing.assert_array_equal(np.array(read.recurrent.values, np.float32),
+                                          s.numpy().reshape(-1))
+            with self.assertRaises(kit.InvalidInput) as cm:
+                pools.conv(lo.num_layers)
+            self.assertIn(f"the service holds {lo.num_layers} layers", cm.exception.message)
+
+    def test_async_steps(self) -> None:
+        reference = Reference(self.lo, seed=int.from_bytes(os.urandom(4), "little"))
+        with kit.Runner(self.client, "kit-async", max_tokens=16, max_rows=4) as runner, \
+                kit.StatePools(self.client) as pools:
+            reference.load(runner)
+            reference.prefill(pools, [1, 4, 9])
+            self.decode_steps(runner, pools, reference, [1, 4, 9], steps=4)
+            self.decode_steps(runner, pools, reference, [4, 9], steps=2, in_place=True)
+            rpcs = {r.method: r.calls for r in self.client.stats().rpcs}
+            self.assertGreaterEqual(rpcs.get("SubmitStep", 0), 6)
+
+    def test_sync_steps(self) -> None:
+        reference = Reference(self.lo, seed=int.from_bytes(os.urandom(4), "little"))
+        with kit.Runner(self.client, "kit-sync", max_tokens=16, ordering="sync") as runner, \
+                kit.StatePools(self.client) as pools:
+            reference.load(runner)
+            reference.prefill(pools, [3, 7])
+            self.decode_steps(runner, pools, reference, [3, 7], steps=3)
+            # EAGER: free has nothing to do and makes no call.
+            flushes = {r.method: r.calls for r in self.client.stats().rpcs}.get("Flush", 0)
+            runner.free([3, 7])
+            self.assertEqual({r.method: r.calls for r in self.client.stats().rpcs}
+                             .get("Flush", 0), flushes)
+
+    def test_bad_input_is_refused_with_the_field_and_the_bound(self) -> None:
+        lo = self.lo
+        with self.assertRaises(kit.InvalidInput) as cm:
+            kit.Runner(self.client, max_tokens=8, max_rows=lo.max_rows + 1)
+        self.assertEqual(cm.exception.code, grpc.StatusCode.OUT_OF_RANGE)
+        self.assertIn(f"[1, {lo.max_rows}]", cm.exception.message)
+        reference = Reference(lo, seed=int.from_bytes(os.urandom(4), "little"))
+        with kit.Runner(self.client, "kit-errors", max_tokens=8, max_rows=2) as runner, \
+                kit.StatePools(self.client) as pools:
+            reference.load(runner)
+            reference.prefill(pools, [2, 6])
+            with self.assertRaises(kit.InvalidInput) as cm:
+                runner.begin_step([0, 1, 2, 3], [1, 2, 3])
+            self.assertIn("3 rows is out of range: must be in [1, 2]", cm.exception.message)
+            with self.assertRaises(kit.InvalidInput) as cm:
+                runner.begin_step([0, 5, 9], [1, 2])
+            self.assertIn("num_tokens = 9", cm.exception.message)
+            with self.assertRaises(kit.InvalidInput) as cm:
+                runner.begin_step([0, 1], [1, 2])
+            self.assertIn("query_start_loc: shape [2], expected [3]", cm.exception.message)
+            step = runner.begin_step([0, 2, 3], [2, 6])
+            x = reference.inputs(shapes_of(step))
+            with self.assertRaises(kit.InvalidInput) as cm:
+                step.verify(0, **dict(x, beta=x["beta"][:, :1]))
+            self.assertIn("beta: shape [3, 1], expected [3, 2]", cm.exception.message)
+            with self.assertRaises(kit.FailedPrecondition) as cm:
+                step.verify(1, **x)
+            self.assertIn("layer 0 comes next", cm.exception.message)
+            with self.assertRaises(kit.FailedPrecondition) as cm:
+                step.commit([1, 1])
+            self.assertIn("layers 0 to 1 were not verified", cm.exception.message)
+            with self.assertRaises(kit.FailedPrecondition):
+                runner.begin_step([0, 1], [2])  # step still open
+            step.abandon()  # the queued Verify calls run on what the buffers hold
+            self.decode_steps(runner, pools, reference, [2, 6], steps=1)
+            # A block past the pools: found when the service runs the call, and
+            # returned by the step's next call (its Commit); nothing is committed.
+            before = [pools.recurrent(layer).clone() for layer in range(lo.num_layers)]
+            step = runner.begin_step([0, 1, 2], [2, lo.num_blocks])
+            for layer in range(lo.num_layers):
+                step.verify(layer, **reference.inputs(shapes_of(step)))
+            with self.assertRaises(kit.InvalidInput) as cm:
+                step.commit([1, 1])
+            self.assertEqual(cm.exception.code, grpc.StatusCode.OUT_OF_RANGE)
+            self.assertIn(f"state_indices[1] = {lo.num_blocks} is out of range",
+                          cm.exception.message)
+            for layer in range(lo.num_layers):
+                self.assertTrue(torch.equal(pools.recurrent(layer), before[layer]))
+            # The Runner goes on.
+            self.decode_steps(runner, pools, reference, [6, 2], steps=1)
+
+    def test_server_down_is_unavailable(self) -> None:
+        server = server_fixture.Server(**self.FLAGS).start()
+        try:
+            with server.client() as client:
+                runner = kit.Runner(client, "kit-down", max_tokens=8, max_rows=2)
+                try:
+                    server.kill()
+                    with self.assertRaises(kit.Unavailable) as cm:
+                        runner.begin_step([0, 1], [1])
+                    self.assertIsInstance(cm.exception, specstate.SpecStateError)
+                    self.assertEqual(cm.exception.code, grpc.StatusCode.UNAVAILABLE)
+                finally:
+                    runner.close()
+        finally:
+            server.stop()
+
+
+@NEEDS_TORCH
+class RunnerDeferredTest(_ServerTest):
+    """DEFERRED: a Commit leaves the tokens pending (the pool holds the
+    checkpoint) until the block's next Verify or a Flush; free discards them."""
+
+    FLAGS = dict(FLAGS, commit_mode="deferred")
+
+    def test_flush_and_free(self) -> None:
+        reference = Reference(self.lo, seed=int.from_bytes(os.urandom(4), "little"))
+        with kit.Runner(self.client, "kit-deferred", max_tokens=16) as runner, \
+                kit.StatePools(self.client) as pools:
+            reference.load(runner)
+            blocks = [3, 8]
+            reference.prefill(pools, blocks)
+            checkpoint = {k: v.copy() for k, v in reference.states.items()}
+            self.decode_steps(runner, pools, reference, blocks, steps=1, check_states=False)
+            for layer in range(runner.num_layers):  # pending: the checkpoint, unchanged
+                for b in blocks:
+                    np.testing.assert_array_equal(pools.recurrent(layer)[b].double().numpy(),
+                                                  checkpoint[(layer, b)])
+            # The next step's Verify replays them (its outputs are checked).
+            self.decode_steps(runner, pools, reference, blocks, steps=2, check_states=False)
+            runner.flush([blocks[0]])
+            for layer in range(runner.num_layers):
+                self.assertLess(ref.rel_err(pools.recurrent(layer)[blocks[0]].double().numpy(),
+                                            reference.states[(layer, blocks[0])]), TOL)
+            # free: the pending tokens are forgotten, the checkpoint stays.
+            held = [pools.recurrent(layer)[blocks[1]].clone() for layer in range(2)]
+            runner.free([blocks[1]])
+            runner.flush()
+            for layer in range(2):
+                self.assertTrue(torch.equal(pools.recurrent(layer)[blocks[1]], held[layer]))
+            with self.assertRaises(kit.InvalidInput) as cm:
+                runner.flush([1, self.lo.num_blocks])
+            self.assertEqual(cm.exception.code, grpc.StatusCode.OUT_OF_RANGE)
+            self.assertIn("blocks[1]", cm.exception.message)
+
+
+@NEEDS_TORCH
+class RunnerFastTest(_ServerTest):
+    """FAST (rings of 2 * Q tokens): states materialize at a fold or a Flush;
+    free empties the ring, so a new request in the block starts clean."""
+
+    FLAGS = dict(FLAGS, commit_mode="fast", fold_every=2)
+
+    def test_flush_and_free(self) -> None:
+        reference = Reference(self.lo, seed=int.from_bytes(os.urandom(4), "little"))
+        with kit.Runner(self.client, "kit-fast", max_tokens=16) as runner, \
+                kit.StatePools(self.client) as pools:
+            reference.load(runner)
+            blocks = [2, 11]
+            reference.prefill(pools, blocks)
+            self.decode_steps(runner, pools, reference, blocks, steps=3, check_states=False)
+            runner.flush(blocks)
+            for layer in range(runner.num_layers):
+                for b in blocks:
+                    self.assertLess(ref.rel_err(pools.recurrent(layer)[b].double().numpy(),
+                                                reference.states[(layer, b)]), TOL)
+            # A request ends with tokens in its ring; free (discard) empties it, and
+            # the next request's fresh state in the block is all Verify sees.
+            self.decode_steps(runner, pools, reference, blocks, steps=1, check_states=False)
+            runner.free(blocks)
+            reference.prefill(pools, blocks)
+            self.decode_steps(runner, pools, reference, blocks, steps=2, check_states=False)
+
+
+@NEEDS_TORCH
+class KeptPoolsResumeTest(unittest.TestCase):
+    """specstated SIGKILLed and restarted with its pools kept: the step in
+    flight raises Unavailable, runner.resume() re-opens, re-registers, reloads
+    and re-binds, the old step id is refused (LostSteps), and the states go on
+    matching the reference."""
+
+    def test_resume(self) -> None:
+        directory = tempfile.mkdtemp(prefix="kk", dir="/tmp")
+        keeper = server_fixture.Keeper(directory)
+        server = server_fixture.Server(keeper=keeper.socket, **FLAGS).start()
+        try:
+            with server.client() as client:
+                reference = Reference(client.layout(), seed=int.from_bytes(os.urandom(4),
+                                                                           "little"))
+                runner = kit.Runner(client, "kit-resume", max_tokens=8, max_rows=2)
+                pools = kit.StatePools(client)
+                try:
+                    reference.load(runner)
+                    reference.prefill(pools, [1, 5])
+                    helper = RunnerEagerTest("test_async_steps")
+                    helper.decode_steps(runner, pools, reference, [1, 5], steps=2)
+                    pools.close()
+                    server.kill(hard=True)
+                    with self.assertRaises(kit.Unavailable):
+                        runner.begin_step([0, 1, 2], [1, 5])
+                    server.start()
+                    self.assertEqual(runner.resume(), [])
+                    lost = runner.session.lost_steps
+                    self.assertEqual(len(lost), 1)
+                    with self.assertRaises(kit.LostSteps) as cm:
+                        runner.session.commit(lost[0], [1, 1])
+                    self.assertIn("was in flight when specstated restarted", cm.exception.message)
+                    pools = kit.StatePools(client)
+                    helper.decode_steps(runner, pools, reference, [5, 1], steps=2)
+                finally:
+                    runner.close()
+                    pools.close()
+        finally:
+            server.stop()
+            keeper.stop()
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+@NEEDS_TORCH
+class KdaDecodeExampleTest(unittest.TestCase):
+    """examples/kda_decode.py end to end (5 requests on 2 blocks, so blocks are
+    freed and reused): EAGER and DEFERRED give the same tokens, each equal to
+    the reference's, logits within 1e-3; FAST within its contract (the same
+    check: the tokens, near-ties allowed, and the logits)."""
+
+    def run_example(self, **flags) -> dict:
+        spec = importlib.util.spec_from_file_location("kda_decode", _example_path())
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+        server = server_fixture.Server(**dict(FLAGS, **flags)).start()
+        out = os.path.join(server.dir, "out.json")
+        try:
+            rc = example.main([f"--server={server.address}", "--requests=5", "--slots=2",
+                               "--tokens=64", "--seed=11", "--check", f"--json={out}"])
+            self.assertEqual(rc, 0)
+            with open(out) as f:
+                return json.load(f)
+        finally:
+            server.stop()
+
+    def test_eager_deferred_fast(self) -> None:
+        eager = self.run_example()
+        deferred = self.run_example(commit_mode="deferred")
+        fast = self.run_example(commit_mode="fast", fold_every=2)
+        for result in (eager, deferred, fast):
+            self.assertEqual(result["mismatches"], 0, result)
+            self.assertGreater(result["accepted_drafts"], 0, "no draft was ever accepted")
+            self.assertLess(result["max_logit_diff"], 1e-3)
+        self.assertEqual(eager["compared"], 5 * 64)
+        # DEFERRED's states and outputs are EAGER's bit for bit: so are the tokens.
+        self.assertEqual(eager["tokens"], deferred["tokens"])
+        self.assertEqual(eager["max_logit_diff"], deferred["max_logit_diff"])
+
+
+if __name__ == "__main__":
+    junit_runner.main()
