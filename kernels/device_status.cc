@@ -56,6 +56,13 @@ std::string Element(const DeviceStatus& s) {
 int32_t High(int64_t packed) { return static_cast<int32_t>(packed >> 32); }
 int32_t Low(int64_t packed) { return static_cast<int32_t>(static_cast<uint32_t>(packed)); }
 
+// " (row 3)": the row of the call whose value failed. A Flush's block list
+// has no rows: its element, already named, is all there is to say.
+std::string RowOf(const DeviceStatus& s) {
+  if (s.field == static_cast<int32_t>(CheckedField::kBlocks)) return std::string();
+  return absl::StrCat(" (row ", s.row, ")");
+}
+
 // "layer 2: " for faults of a call over several layers (col), "" otherwise.
 std::string LayerOf(const DeviceStatus& s) {
   return s.col >= 0 ? absl::StrCat("layer ", s.col, ": ") : std::string();
@@ -86,10 +93,10 @@ absl::Status DeviceStatusToStatus(const DeviceStatus& s, absl::string_view opera
     case CheckProblem::kIndexTooLarge:
       return absl::OutOfRangeError(absl::StrCat(where, element, " = ", s.value,
                                                 " is out of range: must be below ", s.bound,
-                                                " (row ", s.row, ")"));
+                                                RowOf(s)));
     case CheckProblem::kNegative:
       return absl::OutOfRangeError(
-          absl::StrCat(where, element, " = ", s.value, " must not be negative (row ", s.row, ")"));
+          absl::StrCat(where, element, " = ", s.value, " must not be negative", RowOf(s)));
     case CheckProblem::kColumnPastWidth:
       return absl::OutOfRangeError(absl::StrCat(
           where, "block_table[", s.index, ", ", s.value, "] (the block after the next boundary of row ",

@@ -274,7 +274,7 @@ class Engine {
   void* verify_workspace_ = nullptr;  // DEFERRED and FAST
   size_t verify_workspace_bytes_ = 0;
   kernels::ReplayJobs commit_jobs_, flush_jobs_;
-  int32_t* flush_checked_blocks_ = nullptr;          // [num_blocks] (DEFERRED and FAST)
+  int32_t* flush_checked_blocks_ = nullptr;          // [num_blocks]: a Flush's list, checked
   kernels::DeviceStatus* flush_status_ = nullptr;    // every Flush's (stream-ordered)
   float* params_staging_ = nullptr;                  // LoadLayerParams: [H + H * K]
   kernels::DeviceStatus* params_status_ = nullptr;  // LoadLayerParams' device status

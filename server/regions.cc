@@ -1,9 +1,12 @@
 #include "server/regions.h"
 
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "google/protobuf/descriptor.h"
 
 namespace specstate {
 namespace server {
@@ -138,6 +141,37 @@ std::string GivenShapeString(const Dims& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
+// The wire's name of a kernel dtype (the proto enum's: "BF16"), the one
+// spelling of dtypes in the service's messages.
+v1::DType WireDType(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return v1::FP32;
+    case DType::kFloat16:
+      return v1::FP16;
+    case DType::kBFloat16:
+      return v1::BF16;
+    case DType::kInt32:
+      return v1::INT32;
+  }
+  return v1::DTYPE_UNSPECIFIED;
+}
+
+std::string WireDTypeName(DType dtype) { return v1::DType_Name(WireDType(dtype)); }
+
+// The DType values a tensor may carry, with their numbers: "FP32 (1), FP16
+// (2), BF16 (3), INT32 (4)".
+std::string AcceptedDTypes() {
+  const google::protobuf::EnumDescriptor* e = v1::DType_descriptor();
+  std::vector<std::string> names;
+  for (int i = 0; i < e->value_count(); ++i) {
+    const google::protobuf::EnumValueDescriptor* v = e->value(i);
+    if (v->number() == v1::DTYPE_UNSPECIFIED) continue;
+    names.push_back(absl::StrCat(v->name(), " (", v->number(), ")"));
+  }
+  return absl::StrJoin(names, ", ");
+}
+
 }  // namespace
 
 absl::StatusOr<const Region*> RegionLookup::Find(absl::string_view name) {
@@ -153,12 +187,25 @@ absl::StatusOr<const Region*> RegionLookup::Find(absl::string_view name) {
 absl::StatusOr<TensorView> RegionLookup::ResolveTensor(const v1::RegionTensor& t,
                                                        absl::string_view field,
                                                        const TensorSpec& spec) {
-  if (t.region().empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": region is empty"));
+  if (t.region().empty()) {
+    // An absent message reads as an empty one: every field at its default.
+    if (t.ByteSizeLong() == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": missing (a RegionTensor with region, shape and dtype is required)"));
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": region is not set (the name a RegisterRegion of this session gave)"));
+  }
   absl::StatusOr<const Region*> region = Find(t.region());
   if (!region.ok()) return absl::NotFoundError(absl::StrCat(field, ": ", region.status().message()));
   if (t.dtype() == v1::DTYPE_UNSPECIFIED) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": dtype is not set (expected ",
-                                                   DTypeName(spec.dtype), ")"));
+                                                   WireDTypeName(spec.dtype), ")"));
+  }
+  if (!v1::DType_IsValid(t.dtype())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": dtype ", static_cast<int>(t.dtype()), " is not a DType (the values are ",
+        AcceptedDTypes(), "); expected ", WireDTypeName(spec.dtype)));
   }
   const int rank = static_cast<int>(spec.shape.size());
   Dims shape(t.shape().begin(), t.shape().end());
@@ -174,7 +221,7 @@ absl::StatusOr<TensorView> RegionLookup::ResolveTensor(const v1::RegionTensor& t
                         (t.dtype() == v1::INT32 && want == DType::kInt32);
   if (!dtype_ok) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": dtype ", v1::DType_Name(t.dtype()),
-                                                   ", expected ", DTypeName(want)));
+                                                   ", expected ", WireDTypeName(want)));
   }
   for (int d = 0; d < rank; ++d) {
     if (shape[d] < 0) {

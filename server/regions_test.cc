@@ -119,6 +119,58 @@ TEST_F(RegionLookupTest, ErrorsNameTheFieldAndTheBound) {
             absl::StatusCode::kNotFound);
 }
 
+// A dtype number the enum does not have (a client built against another
+// .proto, or JSON with a number) is named with the number and the values the
+// enum has; every dtype in these messages is spelled as the enum spells it.
+TEST_F(RegionLookupTest, DTypeErrorsNameTheNumberAndTheAcceptedValues) {
+  std::mt19937_64 rng(::testing::UnitTest::GetInstance()->random_seed());
+  const int unknown[] = {5 + static_cast<int>(rng() % 1000), -1 - static_cast<int>(rng() % 1000)};
+  const std::vector<int64_t> shape = {1 + static_cast<int64_t>(rng() % 8), 2, 8};
+  for (int number : unknown) {
+    SCOPED_TRACE(number);
+    v1::RegionTensor t = Tensor("acts", 0, shape);
+    t.set_dtype(static_cast<v1::DType>(number));
+    RegionLookup lookup(registry_, session_);
+    absl::StatusOr<TensorView> v = lookup.ResolveTensor(t, "q", Bf16({-1, 2, 8}, 2));
+    EXPECT_EQ(v.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(v.status().message(),
+              absl::StrCat("q: dtype ", number, " is not a DType (the values are FP32 (1), "
+                           "FP16 (2), BF16 (3), INT32 (4)); expected BF16"));
+  }
+  // A known dtype that is not the one wanted, and none at all: the same spelling.
+  RegionLookup lookup(registry_, session_);
+  v1::RegionTensor fp16 = Tensor("acts", 0, shape);
+  fp16.set_dtype(v1::FP16);
+  EXPECT_EQ(lookup.ResolveTensor(fp16, "k", Bf16({-1, 2, 8}, 2)).status().message(),
+            "k: dtype FP16, expected BF16");
+  TensorSpec index;
+  index.dtype = DType::kInt32;
+  index.shape = {-1};
+  index.dense_inner = 1;
+  v1::RegionTensor unset = Tensor("meta", 0, {shape[0]});
+  unset.clear_dtype();
+  absl::Status st = lookup.ResolveTensor(unset, "state_indices", index).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "state_indices: dtype is not set (expected INT32)");
+}
+
+// A tensor the request does not carry at all reads as an empty message; it is
+// reported as missing, not as a region with an empty name, and pins nothing.
+TEST_F(RegionLookupTest, AMissingTensorIsReportedAsMissing) {
+  RegionLookup lookup(registry_, session_);
+  absl::Status st = lookup.ResolveTensor(v1::RegionTensor(), "k", Bf16({-1, 2, 8}, 2)).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "k: missing (a RegionTensor with region, shape and dtype is required)");
+  // Given, but without a region name.
+  std::mt19937_64 rng(::testing::UnitTest::GetInstance()->random_seed());
+  v1::RegionTensor nameless = Tensor("", 2 * (rng() % 64), {4, 2, 8});
+  st = lookup.ResolveTensor(nameless, "v", Bf16({-1, 2, 8}, 2)).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("v: region is not set"));
+  EXPECT_TRUE(lookup.TakePins().empty());
+  EXPECT_EQ(InUse("acts"), 0);
+}
+
 TEST_F(RegionLookupTest, AnUnregisteredRegionStaysMappedWhilePinned) {
   bool unmapped = false;
   std::vector<RegionPin> pins;

@@ -247,7 +247,23 @@ TEST_F(ServiceTest, BadInputIsRejectedAndChangesNothing) {
          v.mutable_q()->set_dtype(v1::FP32);
          return s.session().Verify(v).status();
        },
-       absl::StatusCode::kInvalidArgument, "q: dtype FP32, expected bf16"},
+       absl::StatusCode::kInvalidArgument, "q: dtype FP32, expected BF16"},
+      {"a dtype number the enum does not have",
+       [&](Scheduler& s) {
+         v1::VerifyRequest v = s.Verify(++step, 0);
+         v.mutable_v()->set_dtype(static_cast<v1::DType>(5 + step % 50));
+         return s.session().Verify(v).status();
+       },
+       absl::StatusCode::kInvalidArgument,
+       "is not a DType (the values are FP32 (1), FP16 (2), BF16 (3), INT32 (4)); expected BF16"},
+      {"no k",
+       [&](Scheduler& s) {
+         v1::VerifyRequest v = s.Verify(++step, 0);
+         v.clear_k();
+         return s.session().Verify(v).status();
+       },
+       absl::StatusCode::kInvalidArgument,
+       "k: missing (a RegionTensor with region, shape and dtype is required)"},
       {"wrong shape",
        [&](Scheduler& s) {
          v1::VerifyRequest v = s.Verify(++step, 0);
@@ -471,7 +487,7 @@ TEST_F(ServiceTest, BoundInputsAreCheckedAndFollowTheirRegions) {
          b.mutable_q()->set_dtype(v1::FP32);
          return s.session().BindVerifyInputs(b).status();
        },
-       absl::StatusCode::kInvalidArgument, "q: dtype FP32, expected bf16"},
+       absl::StatusCode::kInvalidArgument, "q: dtype FP32, expected BF16"},
       {"binding past its region",
        [&](Scheduler& s) {
          v1::BindVerifyInputsRequest b = binding(0);
