@@ -12,6 +12,9 @@
 //                                        # tensor parallelism: one service per rank
 //   specstatectl simulate --restart_every=8 --steps=200
 //                                        # its own keeper + specstated, killed and restarted
+//   specstatectl plan --model=kimi-linear-48b-a3b --pool_memory=60GiB [--max_rows=256] [--json]
+//                                        # offline: the blocks specstated would allocate, the
+//                                        # bytes per request against the stock path
 //
 // Exit status: 0 on success; 1 on an error; 2 on bad usage; 3 when simulate's
 // verdict fails (a state differs from the stock path); 4 when verify-pools
@@ -22,12 +25,14 @@
 #include <cstdio>
 #include <iostream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/internal/parse.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -37,7 +42,11 @@
 #include "client/restart_drill.h"
 #include "client/simulator/simulator.h"
 #include "google/protobuf/util/json_util.h"
+#include "kernels/dtype.h"
 #include "kernels/kda_kernels.h"
+#include "server/config.h"
+#include "server/presets.h"
+#include "server/sizing.h"
 
 ABSL_FLAG(std::string, server, "unix:///tmp/specstate.sock",
           "the service's address: unix:///PATH or HOST:PORT");
@@ -45,7 +54,7 @@ ABSL_FLAG(std::string, servers, "",
           "simulate under tensor parallelism: the services of ranks 0, 1, ..., comma-separated "
           "(each holding its equal part of the model: H/TP heads, HV/TP value heads, D/TP conv "
           "channels); replaces --server");
-ABSL_FLAG(bool, json, false, "print replies as JSON (layout, regions, state, stats)");
+ABSL_FLAG(bool, json, false, "print replies as JSON (layout, regions, state, stats, plan)");
 ABSL_FLAG(int, layer, 0, "state: the layer");
 ABSL_FLAG(int, block, 1, "state: the block");
 ABSL_FLAG(bool, values, false, "state: print every value, not only the summary");
@@ -72,7 +81,35 @@ ABSL_FLAG(bool, corrupt_with_nan, false,
           "simulate with --corrupt_after_step: write NaNs into the state instead of flipping a bit");
 ABSL_FLAG(std::string, commit_mode, "",
           "simulate: the commit mode the service must run (eager, deferred or fast; empty: any); "
-          "the checks follow the service's mode");
+          "the checks follow the service's mode. plan: the commit mode planned (empty: eager)");
+// plan: the layout, as specstated's flags of the same names set it.
+ABSL_FLAG(std::string, model, "",
+          "plan: a model preset (specstated --model); the layout flags below override its fields");
+ABSL_FLAG(std::string, pool_memory, "",
+          "plan: the memory budget, as specstated --pool_memory takes it (60GiB, 80GB, bytes; or "
+          "a fraction such as 0.8, of --free_memory); not with --blocks");
+ABSL_FLAG(std::string, free_memory, "",
+          "plan with a fractional --pool_memory: the free memory it is a fraction of (e.g. the "
+          "GPU's, 79GiB; plan runs offline and cannot ask the device)");
+ABSL_FLAG(int, blocks, 0, "plan: blocks, instead of --pool_memory (the null block 0 included)");
+ABSL_FLAG(int, layers, 0, "plan: layers (0: the preset's or the default layout's)");
+ABSL_FLAG(std::string, kind, "", "plan: kda or gdn");
+ABSL_FLAG(int, heads, 0, "plan: key heads per layer");
+ABSL_FLAG(int, value_heads, 0, "plan: value heads per layer");
+ABSL_FLAG(int, head_dim, 0, "plan: head dim (64, 128, 256)");
+ABSL_FLAG(int, conv_dim, 0, "plan: conv channels");
+ABSL_FLAG(int, conv_kernel, 0, "plan: conv kernel width");
+ABSL_FLAG(int, num_spec, -1, "plan: draft tokens per row (-1: the preset's or the default's)");
+ABSL_FLAG(int, max_rows, 0, "plan: rows a step may verify (0: the default layout's)");
+ABSL_FLAG(int, fold_every, 0, "plan with --commit_mode=fast: steps between folds (0: 4)");
+ABSL_FLAG(std::string, activation_dtype, "", "plan: bf16, fp16 or fp32");
+ABSL_FLAG(std::string, state_dtype, "", "plan: fp32 or bf16");
+ABSL_FLAG(std::string, cache_mode, "", "plan: none or align");
+ABSL_FLAG(int, mamba_block_size, 0, "plan with --cache_mode=align: tokens per state block");
+ABSL_FLAG(bool, kept_pools, false,
+          "plan: the pools are kept across restarts (specstated --keeper, or systemd's FD store): "
+          "count their kept bookkeeping too");
+ABSL_FLAG(int, at_requests, 256, "plan: the request count of the side-by-side total");
 ABSL_FLAG(int, corrupt_rank, 0, "simulate with --servers: the rank whose state --corrupt_after_step flips");
 ABSL_FLAG(int, restart_every, 0,
           "simulate: a restart drill: start a specstate-keeper and a specstated of its own (in a "
@@ -106,7 +143,11 @@ constexpr char kUsage[] =
     "  simulate   a decode loop checked bit for bit against the stock path\n"
     "             (--steps, --requests, --seed, --async; --servers=A0,A1,... for tensor\n"
     "             parallelism, checked against the TP=1 run too; --restart_every=N: its own\n"
-    "             keeper and specstated, killed and restarted every N steps)";
+    "             keeper and specstated, killed and restarted every N steps)\n"
+    "  plan       offline, no server: the blocks specstated allocates for a model and a memory\n"
+    "             budget, SpecState's bytes per request against the stock speculative path\n"
+    "             (--model, --pool_memory or --blocks, --max_rows, --num_spec, --commit_mode,\n"
+    "             --fold_every, --state_dtype, the layout flags, --kept_pools, --json)";
 
 std::string Json(const google::protobuf::Message& m) {
   std::string out;
@@ -336,6 +377,249 @@ int Simulate(const std::vector<Client*>& ranks, RestartDrill* drill = nullptr) {
   return report->passed() ? 0 : 3;
 }
 
+// plan: ------------------------------------------------------------------
+
+bool Given(absl::string_view flag) { return absl::flags_internal::WasPresentOnCommandLine(flag); }
+
+// The layout specstated would serve for the same flags: the default layout,
+// --model's preset, then the layout flags given (their parsing as
+// specstated's: the proto's enum names, the kernels' dtype names).
+absl::StatusOr<v1::Layout> LayoutFromFlags() {
+  namespace srv = ::specstate::server;
+  v1::Layout l = srv::DefaultServiceConfig().layout();
+  if (Given("model")) {
+    absl::Status st = srv::ApplyModelPreset(absl::GetFlag(FLAGS_model), &l);
+    if (!st.ok()) return st;
+  }
+  const auto set_int = [&](absl::string_view name, const absl::Flag<int>& flag,
+                           void (v1::Layout::*set)(int32_t)) {
+    if (Given(name)) (l.*set)(absl::GetFlag(flag));
+  };
+  set_int("layers", FLAGS_layers, &v1::Layout::set_num_layers);
+  set_int("heads", FLAGS_heads, &v1::Layout::set_num_heads);
+  set_int("value_heads", FLAGS_value_heads, &v1::Layout::set_num_value_heads);
+  set_int("head_dim", FLAGS_head_dim, &v1::Layout::set_head_dim);
+  set_int("conv_dim", FLAGS_conv_dim, &v1::Layout::set_conv_dim);
+  set_int("conv_kernel", FLAGS_conv_kernel, &v1::Layout::set_conv_kernel);
+  set_int("num_spec", FLAGS_num_spec, &v1::Layout::set_num_spec);
+  set_int("blocks", FLAGS_blocks, &v1::Layout::set_num_blocks);
+  set_int("max_rows", FLAGS_max_rows, &v1::Layout::set_max_rows);
+  set_int("fold_every", FLAGS_fold_every, &v1::Layout::set_fold_every);
+  set_int("mamba_block_size", FLAGS_mamba_block_size, &v1::Layout::set_mamba_block_size);
+  const auto upper = [](const std::string& s) { return absl::AsciiStrToUpper(s); };
+  if (Given("kind")) {
+    v1::LayerKind kind;
+    if (!v1::LayerKind_Parse(upper(absl::GetFlag(FLAGS_kind)), &kind)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kind=", absl::GetFlag(FLAGS_kind), ": expected kda or gdn"));
+    }
+    l.set_layer_kind(kind);
+  }
+  const std::string mode = absl::GetFlag(FLAGS_commit_mode);
+  if (!mode.empty()) {
+    v1::CommitMode m;
+    if (!v1::CommitMode_Parse(upper(mode), &m) || m == v1::COMMIT_MODE_UNSPECIFIED) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--commit_mode=", mode, ": expected eager, deferred or fast"));
+    }
+    l.set_commit_mode(m);
+  }
+  if (Given("cache_mode")) {
+    v1::CacheMode m;
+    if (!v1::CacheMode_Parse(upper(absl::GetFlag(FLAGS_cache_mode)), &m) ||
+        m == v1::CACHE_MODE_UNSPECIFIED) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--cache_mode=", absl::GetFlag(FLAGS_cache_mode), ": expected none or align"));
+    }
+    l.set_cache_mode(m);
+  }
+  for (auto [name, flag, set] :
+       {std::make_tuple("activation_dtype", &FLAGS_activation_dtype, &v1::Layout::set_activation_dtype),
+        std::make_tuple("state_dtype", &FLAGS_state_dtype, &v1::Layout::set_state_dtype)}) {
+    if (!Given(name)) continue;
+    absl::StatusOr<DType> d = ParseDType(absl::GetFlag(*flag));
+    if (!d.ok()) return absl::InvalidArgumentError(absl::StrCat("--", name, ": ", d.status().message()));
+    (l.*set)(srv::ToProto(*d));
+  }
+  return l;
+}
+
+std::string JsonPlan(const server::SizingPlan& p, const std::string& model) {
+  const v1::Layout& l = p.layout;
+  const server::ServiceBytes& b = p.bytes;
+  return absl::StrFormat(
+      "{\n"
+      "  \"model\": \"%s\",\n"
+      "  \"layer_kind\": \"%s\", \"num_layers\": %d, \"num_heads\": %d, \"num_value_heads\": %d,\n"
+      "  \"head_dim\": %d, \"conv_dim\": %d, \"conv_kernel\": %d, \"conv_width\": %d,\n"
+      "  \"num_spec\": %d, \"max_rows\": %d, \"commit_mode\": \"%s\", \"cache_mode\": \"%s\",\n"
+      "  \"state_dtype\": \"%s\", \"activation_dtype\": \"%s\", \"kept_pools\": %s,\n"
+      "  \"budget_bytes\": %d,\n"
+      "  \"num_blocks\": %d,\n"
+      "  \"requests_fit\": %d,\n"
+      "  \"stock_requests_fit\": %d,\n"
+      "  \"allocated\": {\"pool_bytes\": %d, \"record_bytes\": %d, \"workspace_bytes\": %d, "
+      "\"mode_bytes\": %d, \"params_bytes\": %d, \"step_slot_bytes\": %d, "
+      "\"layer_table_bytes\": %d, \"kept_header_bytes\": %d, \"total_bytes\": %d},\n"
+      "  \"state_block_bytes\": %d, \"conv_block_bytes\": %d,\n"
+      "  \"per_request\": {\"state_bytes\": %d, \"conv_bytes\": %d, \"block_bytes\": %.1f, "
+      "\"row_bytes\": %.1f, \"specstate_bytes\": %.1f, \"stock_state_bytes\": %d, "
+      "\"stock_conv_bytes\": %d, \"stock_bytes\": %d, \"saving_bytes\": %.1f},\n"
+      "  \"at_requests\": %d, \"specstate_at_bytes\": %d, \"stock_at_bytes\": %d, "
+      "\"saving_at_bytes\": %d\n"
+      "}\n",
+      model, v1::LayerKind_Name(l.layer_kind()), l.num_layers(), l.num_heads(),
+      server::ValueHeadsOf(l), l.head_dim(), l.conv_dim(), l.conv_kernel(), b.sizes.conv_width,
+      l.num_spec(), l.max_rows(), v1::CommitMode_Name(l.commit_mode()),
+      v1::CacheMode_Name(l.cache_mode()), v1::DType_Name(l.state_dtype()),
+      v1::DType_Name(l.activation_dtype()), absl::GetFlag(FLAGS_kept_pools) ? "true" : "false",
+      p.budget_bytes, l.num_blocks(), p.requests_fit, p.stock_requests_fit, b.pools, b.records,
+      b.workspaces, b.mode, b.params, b.step_slots, b.layer_table, b.kept_header, b.total,
+      b.sizes.state_block_bytes, b.sizes.conv_block_bytes, p.state_bytes, p.conv_bytes,
+      p.block_bytes, p.row_bytes, p.request_bytes, p.stock_state_bytes, p.stock_conv_bytes,
+      p.stock_request_bytes, p.saving_per_request, p.at_requests, p.specstate_at_bytes,
+      p.stock_at_bytes, p.stock_at_bytes - p.specstate_at_bytes);
+}
+
+void PrintPlan(const server::SizingPlan& p, const std::string& model) {
+  using server::FormatBytes;
+  const v1::Layout& l = p.layout;
+  const server::ServiceBytes& b = p.bytes;
+  const server::ModelPreset* preset = server::FindModelPreset(model);
+  const int64_t L = l.num_layers();
+  const int Q = l.num_spec() + 1;
+  absl::PrintF("model         %s\n",
+               preset == nullptr
+                   ? std::string("(none: the layout flags)")
+                   : absl::StrCat(preset->name, " (", preset->model,
+                                  preset->tensor_parallel > 1
+                                      ? absl::StrCat(", one rank's part of ", preset->tensor_parallel)
+                                      : std::string(),
+                                  ")"));
+  absl::PrintF(
+      "layout        %d %s layers, %d heads x %d (%d value heads), conv %d channels x %d "
+      "(kernel %d), num_spec %d (Q = %d)\n"
+      "              %s state, %s activations, commit mode %s, cache mode %s, max_rows %d%s\n",
+      L, v1::LayerKind_Name(l.layer_kind()), l.num_heads(), l.head_dim(), server::ValueHeadsOf(l),
+      l.conv_dim(), b.sizes.conv_width, l.conv_kernel(), l.num_spec(), Q,
+      v1::DType_Name(l.state_dtype()), v1::DType_Name(l.activation_dtype()),
+      v1::CommitMode_Name(l.commit_mode()), v1::CacheMode_Name(l.cache_mode()), l.max_rows(),
+      absl::GetFlag(FLAGS_kept_pools) ? ", pools kept across restarts" : "");
+  absl::PrintF("\n%-34s %14s %16s\n", "per request", "SpecState", "stock spec path");
+  absl::PrintF("  %-32s %14s %16s   %d layers x 1 | %d states of %s\n", "recurrent state",
+               FormatBytes(p.state_bytes), FormatBytes(p.stock_state_bytes), L, Q,
+               FormatBytes(b.sizes.state_block_bytes));
+  absl::PrintF("  %-32s %14s %16s   %d layers x %d channels x %d %s\n", "conv window",
+               FormatBytes(p.conv_bytes), FormatBytes(p.stock_conv_bytes), L, l.conv_dim(),
+               b.sizes.conv_width, v1::DType_Name(l.activation_dtype()));
+  std::string bookkeeping =
+      l.commit_mode() == v1::FAST
+          ? absl::StrCat("FAST's rings (", server::FoldEveryOf(l) * Q,
+                         " tokens a layer), cursors, owner words")
+          : l.commit_mode() == v1::DEFERRED ? "pending entries, owner words, a Flush's list"
+                                            : "Commit's owner word, a Flush's list";
+  if (b.kept_header > 0) bookkeeping += ", the kept block record";
+  absl::PrintF("  %-32s %14s %16s   %s\n", "per-block bookkeeping",
+               FormatBytes(p.block_bytes - p.state_bytes - p.conv_bytes), "-", bookkeeping);
+  absl::PrintF("  %-32s %14s %16s   records%s, workspaces, slots of %d rows / %d\n",
+               "step scratch, one row's share", FormatBytes(p.row_bytes), "-",
+               l.commit_mode() == v1::FAST ? " (none: rings)" : "", l.max_rows(), l.max_rows());
+  absl::PrintF("  %-32s %14s %16s\n", "total", FormatBytes(p.request_bytes),
+               FormatBytes(p.stock_request_bytes));
+  absl::PrintF("%-34s %14s %16s   stock / SpecState = %.2fx\n", "saving per request", "",
+               FormatBytes(p.saving_per_request),
+               static_cast<double>(p.stock_request_bytes) / p.request_bytes);
+  absl::PrintF("%-34s %14s %16s   saving %s (SpecState: everything specstated allocates with "
+               "%d blocks)\n",
+               absl::StrCat("at ", p.at_requests, " requests"), FormatBytes(p.specstate_at_bytes),
+               FormatBytes(p.stock_at_bytes),
+               FormatBytes(static_cast<double>(p.stock_at_bytes - p.specstate_at_bytes)),
+               p.at_requests + 1);
+  absl::PrintF("\nbudget        %d bytes (%s)%s\n", p.budget_bytes, FormatBytes(p.budget_bytes),
+               Given("pool_memory") ? absl::StrCat(": --pool_memory=", absl::GetFlag(FLAGS_pool_memory))
+                                    : ": what the blocks take");
+  absl::PrintF("blocks        %d (--blocks for specstated; block 0 is the null block)\n",
+               l.num_blocks());
+  absl::PrintF(
+      "allocated     %d bytes (%s): pools %s, %s %s, workspaces %s, mode %s, other %s%s\n",
+      b.total, FormatBytes(b.total), FormatBytes(b.pools),
+      l.commit_mode() == v1::FAST ? "rings" : "records", FormatBytes(b.records),
+      FormatBytes(b.workspaces), FormatBytes(b.mode),
+      FormatBytes(b.params + b.step_slots + b.layer_table),
+      b.kept_header > 0 ? absl::StrCat(", kept header ", FormatBytes(b.kept_header)) : "");
+  absl::PrintF("requests fit  SpecState %d, stock spec path %d (%.2fx)\n", p.requests_fit,
+               p.stock_requests_fit,
+               p.stock_requests_fit > 0
+                   ? static_cast<double>(p.requests_fit) / p.stock_requests_fit
+                   : 0.0);
+  absl::PrintF(
+      "\nSpecState keeps one checkpoint a layer per request (and a row's step scratch); the "
+      "stock\nspeculative path keeps 1 + num_spec = %d recurrent states a layer per request "
+      "and one conv\nstate of the same window (its scratch not counted). A request holds one "
+      "block%s.\n",
+      Q, l.cache_mode() == v1::ALIGN ? " (align mode: more, a block per mamba_block_size "
+                                       "tokens of its prefix cache, on both paths)"
+                                     : "");
+}
+
+int Plan() {
+  namespace srv = ::specstate::server;
+  const auto usage = [](const absl::Status& s) {
+    std::fprintf(stderr, "specstatectl plan: %s\n", s.ToString().c_str());
+    return 2;
+  };
+  absl::StatusOr<v1::Layout> layout = LayoutFromFlags();
+  if (!layout.ok()) return usage(layout.status());
+  const bool kept = absl::GetFlag(FLAGS_kept_pools);
+  const int at_requests = absl::GetFlag(FLAGS_at_requests);
+  if (at_requests < 1) {
+    return usage(absl::InvalidArgumentError(
+        absl::StrCat("--at_requests = ", at_requests, " must be >= 1")));
+  }
+  int64_t budget = 0;
+  if (Given("pool_memory")) {
+    if (Given("blocks")) {
+      return usage(absl::InvalidArgumentError(
+          "--blocks and --pool_memory both size the pools: give one of them"));
+    }
+    absl::StatusOr<srv::PoolMemory> m =
+        srv::ParsePoolMemory(absl::GetFlag(FLAGS_pool_memory), "--pool_memory");
+    if (!m.ok()) return usage(m.status());
+    uint64_t free = 0;
+    if (m->fraction > 0) {
+      if (!Given("free_memory")) {
+        return usage(absl::InvalidArgumentError(absl::StrCat(
+            "--pool_memory=", absl::GetFlag(FLAGS_pool_memory),
+            " is a fraction of the free memory: plan runs offline, give that memory with "
+            "--free_memory (e.g. --free_memory=79GiB), or give --pool_memory in bytes")));
+      }
+      absl::StatusOr<srv::PoolMemory> f =
+          srv::ParsePoolMemory(absl::GetFlag(FLAGS_free_memory), "--free_memory");
+      if (!f.ok()) return usage(f.status());
+      if (f->bytes == 0) {
+        return usage(absl::InvalidArgumentError(absl::StrCat(
+            "--free_memory=", absl::GetFlag(FLAGS_free_memory), ": must be bytes (e.g. 79GiB)")));
+      }
+      free = static_cast<uint64_t>(f->bytes);
+    }
+    absl::StatusOr<int64_t> b = srv::BudgetBytes(*m, free, "--pool_memory");
+    if (!b.ok()) return usage(b.status());
+    budget = *b;
+    absl::StatusOr<int> blocks = srv::BlocksForBudget(*layout, budget, kept, "--pool_memory");
+    if (!blocks.ok()) return usage(blocks.status());
+    layout->set_num_blocks(*blocks);
+  }
+  if (absl::Status st = srv::ValidateLayout(*layout); !st.ok()) return usage(st);
+  const srv::SizingPlan p = srv::PlanLayout(*layout, budget, kept, at_requests);
+  const std::string model = absl::GetFlag(FLAGS_model);
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s", JsonPlan(p, model).c_str());
+  } else {
+    PrintPlan(p, model);
+  }
+  return 0;
+}
+
 }  // namespace
 }  // namespace client
 }  // namespace specstate
@@ -351,6 +635,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string command = args[1];
+  // Offline: no server.
+  if (command == "plan") return Plan();
   const bool known = command == "health" || command == "layout" || command == "regions" ||
                      command == "state" || command == "stats" || command == "simulate" ||
                      command == "recover" || command == "verify-pools";

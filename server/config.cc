@@ -7,6 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/fast/fast_args.h"
 #include "kernels/kda_kernels.h"
+#include "server/presets.h"
+#include "google/protobuf/struct.pb.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -41,24 +43,71 @@ v1::ServiceConfig DefaultServiceConfig() {
 }
 
 absl::StatusOr<v1::ServiceConfig> LoadServiceConfig(const std::string& path) {
+  absl::StatusOr<ConfigFile> file = LoadConfigFile(path);
+  if (!file.ok()) return file.status();
+  return std::move(file->config);
+}
+
+namespace {
+
+// JSON: "model" and "pool_memory" taken out (they are not ServiceConfig
+// fields), the rest left for the ServiceConfig parser.
+absl::Status TakeSizingFields(const std::string& path, std::string* json, ConfigFile* out) {
+  google::protobuf::Struct root;
+  if (!google::protobuf::util::JsonStringToMessage(*json, &root).ok()) {
+    return absl::OkStatus();  // not a JSON object: the ServiceConfig parser says why
+  }
+  auto* fields = root.mutable_fields();
+  bool taken = false;
+  for (auto [name, value] : {std::make_pair("model", &out->model),
+                             std::make_pair("pool_memory", &out->pool_memory)}) {
+    auto it = fields->find(name);
+    if (it == fields->end()) continue;
+    if (it->second.kind_case() != google::protobuf::Value::kStringValue) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config file ", path, ": \"", name, "\" must be a string (e.g. \"",
+          std::string(name) == "model" ? "kimi-linear-48b-a3b" : "60GiB", "\")"));
+    }
+    *value = it->second.string_value();
+    fields->erase(it);
+    taken = true;
+  }
+  if (taken && !google::protobuf::util::MessageToJsonString(root, json).ok()) {
+    return absl::InternalError(absl::StrCat("config file ", path, ": cannot re-encode it"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<ConfigFile> LoadConfigFile(const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read config file ", path));
-  std::stringstream text;
-  text << in.rdbuf();
+  std::stringstream stream;
+  stream << in.rdbuf();
+  std::string text = stream.str();
+  ConfigFile file;
   v1::ServiceConfig parsed;
   if (absl::EndsWith(path, ".json")) {
-    const auto status = google::protobuf::util::JsonStringToMessage(text.str(), &parsed);
+    if (absl::Status taken = TakeSizingFields(path, &text, &file); !taken.ok()) return taken;
+    const auto status = google::protobuf::util::JsonStringToMessage(text, &parsed);
     if (!status.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("config file ", path, " is not a valid ServiceConfig in JSON: ",
                        status.ToString()));
     }
-  } else if (!google::protobuf::TextFormat::ParseFromString(text.str(), &parsed)) {
+  } else if (!google::protobuf::TextFormat::ParseFromString(text, &parsed)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config file ", path, " is not a valid ServiceConfig in protobuf text format"));
   }
+  file.num_blocks_given = parsed.layout().num_blocks() != 0;
   v1::ServiceConfig config = DefaultServiceConfig();
-  // Scalars that the file leaves at zero keep their defaults.
+  if (!file.model.empty()) {
+    absl::Status preset =
+        ApplyModelPreset(file.model, config.mutable_layout(), absl::StrCat(path, ": model"));
+    if (!preset.ok()) return preset;
+  }
+  // Scalars that the file leaves at zero keep their defaults (or the preset's).
   v1::Layout defaults = config.layout();
   config.MergeFrom(parsed);
   v1::Layout* l = config.mutable_layout();
@@ -69,7 +118,8 @@ absl::StatusOr<v1::ServiceConfig> LoadServiceConfig(const std::string& path) {
   if (parsed.layout().commit_mode() == v1::COMMIT_MODE_UNSPECIFIED) {
     l->set_commit_mode(defaults.commit_mode());
   }
-  return config;
+  file.config = std::move(config);
+  return file;
 }
 
 namespace {
@@ -238,7 +288,8 @@ LayoutSizes ComputeLayoutSizes(const v1::Layout& l) {
         Align256(int64_t{l.num_blocks()} * 4) + 512;  // a Flush's checked blocks, counts
   }
   s.workspace_bytes =
-      int64_t(kernels::CommitWorkspaceBytes(l.max_rows(), s.spec_query_len, l.num_blocks()));
+      int64_t(kernels::CommitWorkspaceBytes(l.max_rows(), s.spec_query_len, l.num_blocks())) +
+      int64_t(kernels::RecordStateBlocksWorkspaceBytes(l.max_rows()));
   return s;
 }
 

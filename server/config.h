@@ -32,6 +32,23 @@ v1::ServiceConfig DefaultServiceConfig();
 // values. NOT_FOUND / INVALID_ARGUMENT naming the file and the problem.
 absl::StatusOr<v1::ServiceConfig> LoadServiceConfig(const std::string& path);
 
+// A config file, with what a JSON file may say besides the ServiceConfig
+// message:
+//   "model": "kimi-linear-48b-a3b"   a preset (server/presets.h), applied to
+//                                    the defaults before the file's own layout
+//                                    fields, which override it;
+//   "pool_memory": "60GiB"           as specstated --pool_memory (a string).
+// `config` is LoadServiceConfig's, the preset applied; `pool_memory` is
+// empty when the file gives none. INVALID_ARGUMENT naming the file and the
+// field for an unknown model or a pool_memory that is not a string.
+struct ConfigFile {
+  v1::ServiceConfig config;
+  std::string model;
+  std::string pool_memory;
+  bool num_blocks_given = false;  // the file sets layout.num_blocks
+};
+absl::StatusOr<ConfigFile> LoadConfigFile(const std::string& path);
+
 // Every field in range (INVALID_ARGUMENT naming the field and the bound);
 // FAILED_PRECONDITION for commit_mode FAST on the CUDA backend (no kernels
 // yet).

@@ -14,6 +14,7 @@
 #include "kernels/internal/checks.h"
 #include "kernels/kda_kernels.h"
 #include "server/log.h"
+#include "server/sizing.h"
 #include "server/tensor_summary.h"
 #include "server/test_crash.h"
 
@@ -54,8 +55,6 @@ absl::Status Engine::Allocate() {
   sizes_ = ComputeLayoutSizes(layout_);
   shape_ = ShapeOf(layout_);
   const int L = layout_.num_layers();
-  const int H = layout_.num_heads();
-  const int K = layout_.head_dim();
   const int Q = sizes_.spec_query_len;
   const int rows = layout_.max_rows();
 
@@ -72,16 +71,11 @@ absl::Status Engine::Allocate() {
 
   commit_workspace_bytes_ = kernels::CommitWorkspaceBytes(rows, Q, layout_.num_blocks());
   record_workspace_bytes_ = kernels::RecordStateBlocksWorkspaceBytes(rows);
-  const uint64_t params_bytes = uint64_t(L) * (H + int64_t{H} * K) * sizeof(float);
-  const uint64_t slot_bytes = StepTable::kSlots * (uint64_t(L + 2) * sizeof(kernels::DeviceStatus) +
-                                                   uint64_t(2 * rows + 1) * 4);
+  // What specstated --pool_memory and specstatectl plan size with (server/sizing.h).
   // Kept DEFERRED records are in the kept allocation already (not counted twice).
-  const uint64_t record_bytes =
-      kept_deferred_.pending.entries != nullptr ? 0 : uint64_t(sizes_.record_bytes);
-  const uint64_t needed = uint64_t(sizes_.pool_bytes) + record_bytes +
-                          commit_workspace_bytes_ + record_workspace_bytes_ + params_bytes +
-                          slot_bytes + L * sizeof(kernels::CommitLayer) +
-                          uint64_t(sizes_.mode_bytes);
+  const ServiceBytes service = ComputeServiceBytes(layout_, /*kept_pools=*/false);
+  const uint64_t needed = uint64_t(service.engine) -
+                          (kept_deferred_.pending.entries != nullptr ? uint64_t(service.records) : 0);
   absl::StatusOr<uint64_t> free = device_->FreeBytes();
   if (!free.ok()) return free.status();
   if (needed > *free) {

@@ -3,8 +3,10 @@
 //   specstated                                   # CPU/CUDA auto, small default layout
 //   specstated --config=layout.json --listen=unix:///run/specstate.sock
 //   specstated --backend=cuda --layers=20 --heads=32 --head_dim=128 ...
+//   specstated --backend=cuda --model=kimi-linear-48b-a3b --pool_memory=0.8
 //
-// Flags override the config file's fields. SIGINT/SIGTERM shut down cleanly.
+// Flags override the config file's fields; layout flags override --model's.
+// SIGINT/SIGTERM shut down cleanly.
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -16,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -40,11 +43,13 @@
 #include "server/engine.h"
 #include "server/log.h"
 #include "server/metrics.h"
+#include "server/presets.h"
 #include "server/reflection.h"
 #include "server/recovery.h"
 #include "server/sd_notify.h"
 #include "server/test_crash.h"
 #include "server/service.h"
+#include "server/sizing.h"
 
 // Every flag's default is the default configuration's value (config.cc's
 // DefaultServiceConfig(), checked at start); a flag overrides the config
@@ -54,6 +59,23 @@ ABSL_FLAG(std::string, listen, "unix:///tmp/specstate.sock", "unix:///PATH or HO
 ABSL_FLAG(std::string, backend, "auto",
           "auto (CUDA when a GPU is usable, else CPU), cpu or cuda");
 ABSL_FLAG(int, device, 0, "CUDA device ordinal");
+ABSL_FLAG(std::string, model, "",
+          "a model preset: sets the layout's layer kind, layers, heads, value heads, head dim, "
+          "conv dim and kernel, num_spec, dtypes and KDA gate to the model's (a -tpN preset: one "
+          "rank's part of N, heads and conv channels divided). Layout flags given with it "
+          "override the preset's fields (e.g. --model=kimi-linear-48b-a3b --num_spec=2). Known: "
+          "kimi-linear-48b-a3b, kimi-linear-48b-a3b-tp2, -tp4, -tp8, qwen3-next-80b-a3b, "
+          "qwen3-next-80b-a3b-tp2, -tp4, -tp8, kimi-k3-tp8 (specstatectl plan shows each one's "
+          "memory)");
+ABSL_FLAG(std::string, pool_memory, "",
+          "size the pools from a memory budget instead of --blocks: bytes (60GiB, 512MiB, 80GB, "
+          "123456789; B, KB, MB, GB, TB, KiB, MiB, GiB, TiB) or a fraction of the free memory "
+          "(0.8 or 80%: of the GPU's free memory on CUDA, of the host's available memory "
+          "(MemAvailable) on the CPU). --blocks becomes the most blocks for which everything the "
+          "service allocates for the layout and commit mode (pools, records or rings, "
+          "workspaces, bookkeeping) fits, logged at start; `specstatectl plan` computes the "
+          "same count offline. Not with --blocks; with kept pools (--keeper, systemd's FD store) "
+          "in bytes only (a fraction of what is free changes while the kept pools hold memory)");
 ABSL_FLAG(int, layers, 4, "layers (all of --kind)");
 ABSL_FLAG(std::string, kind, "kda", "the layers' recurrence: kda (Kimi) or gdn (Gated DeltaNet)");
 ABSL_FLAG(int, heads, 4, "key heads per layer (H: q, k)");
@@ -67,7 +89,8 @@ ABSL_FLAG(int, head_dim, 64, "head dim K = V: 64, 128 or 256");
 ABSL_FLAG(int, conv_dim, 768, "conv-state channels (D)");
 ABSL_FLAG(int, conv_kernel, 4, "conv kernel width");
 ABSL_FLAG(int, num_spec, 3, "draft tokens per row (Q = num_spec + 1)");
-ABSL_FLAG(int, blocks, 64, "blocks per pool, the null block 0 included");
+ABSL_FLAG(int, blocks, 64,
+          "blocks per pool, the null block 0 included (a request holds one; or --pool_memory)");
 ABSL_FLAG(int, max_rows, 16, "rows a step may verify");
 ABSL_FLAG(std::string, activation_dtype, "bf16", "bf16, fp16 or fp32");
 ABSL_FLAG(std::string, state_dtype, "fp32", "fp32 or bf16");
@@ -164,16 +187,59 @@ absl::StatusOr<v1::DType> DTypeFlag(const std::string& value, absl::string_view 
   return ToProto(*d);
 }
 
-absl::StatusOr<v1::ServiceConfig> BuildConfig() {
+// A memory budget to size the pools from: --pool_memory's, or the config
+// file's "pool_memory".
+struct Budget {
+  PoolMemory memory;
+  std::string text;   // as given
+  std::string field;  // "--pool_memory", or "config file PATH: pool_memory"
+};
+
+// The configuration: the defaults, the config file, --model's preset, then
+// the flags given. `pool_memory`: --pool_memory's budget, when given (the
+// blocks are sized once the device is open: SizeBlocks).
+absl::StatusOr<v1::ServiceConfig> BuildConfig(std::optional<Budget>* pool_memory) {
   absl::Status defaults = CheckFlagDefaults();
   if (!defaults.ok()) return defaults;
   v1::ServiceConfig config = DefaultServiceConfig();
+  std::string file_pool_memory;
+  bool file_num_blocks = false;
   if (!absl::GetFlag(FLAGS_config).empty()) {
-    absl::StatusOr<v1::ServiceConfig> loaded = LoadServiceConfig(absl::GetFlag(FLAGS_config));
+    absl::StatusOr<ConfigFile> loaded = LoadConfigFile(absl::GetFlag(FLAGS_config));
     if (!loaded.ok()) return loaded.status();
-    config = *std::move(loaded);
+    config = std::move(loaded->config);
+    file_pool_memory = loaded->pool_memory;
+    file_num_blocks = loaded->num_blocks_given;
   }
   v1::Layout* l = config.mutable_layout();
+  if (Given(FLAGS_model)) {
+    absl::Status preset = ApplyModelPreset(absl::GetFlag(FLAGS_model), l);
+    if (!preset.ok()) return preset;
+  }
+  pool_memory->reset();
+  // The file's pool_memory sizes the pools unless a flag does (--blocks or
+  // --pool_memory); with the file's own num_blocks it is refused.
+  if (!file_pool_memory.empty() && !Given(FLAGS_blocks) && !Given(FLAGS_pool_memory)) {
+    const std::string field = absl::StrCat("config file ", absl::GetFlag(FLAGS_config), ": pool_memory");
+    if (file_num_blocks) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " \"", file_pool_memory, "\" and layout.num_blocks ", l->num_blocks(),
+          " both size the pools: give one of them"));
+    }
+    absl::StatusOr<PoolMemory> m = ParsePoolMemory(file_pool_memory, field);
+    if (!m.ok()) return m.status();
+    *pool_memory = Budget{*m, file_pool_memory, field};
+  }
+  if (Given(FLAGS_pool_memory)) {
+    if (Given(FLAGS_blocks)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--blocks=", absl::GetFlag(FLAGS_blocks), " and --pool_memory=",
+          absl::GetFlag(FLAGS_pool_memory), " both size the pools: give one of them"));
+    }
+    absl::StatusOr<PoolMemory> m = ParsePoolMemory(absl::GetFlag(FLAGS_pool_memory), "--pool_memory");
+    if (!m.ok()) return m.status();
+    *pool_memory = Budget{*m, absl::GetFlag(FLAGS_pool_memory), "--pool_memory"};
+  }
   if (Given(FLAGS_listen)) config.set_listen(absl::GetFlag(FLAGS_listen));
   if (Given(FLAGS_backend)) {
     const std::string backend = absl::GetFlag(FLAGS_backend);
@@ -328,6 +394,43 @@ absl::Status PrepareSocketPath(const std::string& path) {
   return absl::OkStatus();
 }
 
+// --pool_memory: sets the layout's blocks to the most that fit the budget
+// (server/sizing.h, as specstatectl plan computes them) and logs them.
+absl::Status SizeBlocks(const Budget& budget, const Device& device, bool kept_pools,
+                        v1::Layout* layout) {
+  const PoolMemory& memory = budget.memory;
+  if (kept_pools && memory.fraction > 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        budget.field, "=", budget.text,
+        " is a fraction of the free memory, which changes while kept pools (--keeper, "
+        "systemd's FD store) still hold the previous instance's memory: the restarted service "
+        "would size other pools than the ones it must take back. Give bytes (e.g. "
+        "--pool_memory=60GiB) or --blocks"));
+  }
+  uint64_t free = 0;
+  if (memory.fraction > 0) {
+    absl::StatusOr<uint64_t> f = device.FreeBytes();
+    if (!f.ok()) return f.status();
+    free = *f;
+  }
+  absl::StatusOr<int64_t> bytes_budget = BudgetBytes(memory, free, budget.field);
+  if (!bytes_budget.ok()) return bytes_budget.status();
+  absl::StatusOr<int> blocks = BlocksForBudget(*layout, *bytes_budget, kept_pools, budget.field);
+  if (!blocks.ok()) return blocks.status();
+  layout->set_num_blocks(*blocks);
+  const ServiceBytes bytes = ComputeServiceBytes(*layout, kept_pools);
+  LogInfo(absl::StrCat(
+      budget.field, "=", budget.text, ": a budget of ", *bytes_budget, " bytes (",
+      FormatBytes(*bytes_budget), ")",
+      memory.fraction > 0 ? absl::StrCat(", ", memory.fraction, " of ", free, " bytes free")
+                          : std::string(),
+      ": ", *blocks, " blocks (", *blocks - 1, " requests' states; block 0 is null), ",
+      bytes.total, " bytes allocated (pools ", bytes.pools, ", ",
+      IsFast(*layout) ? "rings " : "records ", bytes.records, ", the rest ",
+      bytes.total - bytes.pools - bytes.records, ")"));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Device>> OpenDevice(const v1::ServiceConfig& config) {
   const v1::Layout& layout = config.layout();
   const absl::Duration submit_spin =
@@ -351,10 +454,18 @@ absl::StatusOr<std::unique_ptr<Device>> OpenDevice(const v1::ServiceConfig& conf
 
 int Run() {
   const absl::Time process_start = absl::Now();
-  absl::StatusOr<v1::ServiceConfig> config = BuildConfig();
+  std::optional<Budget> pool_memory;
+  absl::StatusOr<v1::ServiceConfig> config = BuildConfig(&pool_memory);
   if (!config.ok()) {
     LogError(config.status().ToString());
     return 2;
+  }
+  if (Given(FLAGS_model)) {
+    const ModelPreset* preset = FindModelPreset(absl::GetFlag(FLAGS_model));
+    LogInfo(absl::StrCat("model ", preset->name, ": ", preset->model,
+                         preset->tensor_parallel > 1
+                             ? absl::StrCat(", one rank's part of ", preset->tensor_parallel)
+                             : std::string()));
   }
   const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   if (!metrics_listen.empty()) {
@@ -394,6 +505,14 @@ int Run() {
   if (kept.pools_fd_socket.empty()) {
     kept.pools_fd_socket = socket_path.empty() ? absl::StrCat("/tmp/specstate-", getpid(), ".pools")
                                                : socket_path + ".pools";
+  }
+  if (pool_memory.has_value()) {
+    absl::Status sized = SizeBlocks(*pool_memory, **device, !kept.keeper.empty() || kept.fd_store,
+                                    config->mutable_layout());
+    if (!sized.ok()) {
+      LogError(sized.ToString());
+      return 2;
+    }
   }
   std::unique_ptr<Recovery> recovery;
   if (!kept.keeper.empty() || kept.fd_store) {
@@ -586,7 +705,11 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "the SpecState speculative-decoding state service.\n"
       "  specstated [--config=FILE] [--listen=unix:///PATH|HOST:PORT] [--backend=auto|cpu|cuda] "
-      "[--metrics_listen=HOST:PORT] [layout flags]");
+      "[--metrics_listen=HOST:PORT] [--model=NAME] [--pool_memory=BYTES|FRACTION] "
+      "[layout flags]\n"
+      "  layout flags given with --model override the preset's fields; --pool_memory sizes "
+      "--blocks (specstatectl plan --model=NAME --pool_memory=... shows the same sizing "
+      "offline)");
   absl::ParseCommandLine(argc, argv);
   return specstate::server::Run();
 }
