@@ -9,6 +9,11 @@ reply in proto3's JSON mapping.
     grpcurl ... ADDRESS describe SYMBOL
     grpcurl ... ADDRESS SERVICE/METHOD
 
+Its command line is read as grpcurl's is (Go's `flag` package): the flags
+come first, `-plaintext` and `-unix` are booleans (`-unix` says that ADDRESS
+is a Unix socket's path: `grpcurl -plaintext -unix /tmp/x.sock list`), and a
+flag after ADDRESS, or `-unix=/tmp/x.sock`, is refused as grpcurl refuses it.
+
 `-d @` reads the requests from standard input as they come (a stream of JSON
 objects), and replies print as they arrive, so a bidirectional stream stays
 open while its input does. Errors print like grpcurl's ("ERROR:", then the
@@ -296,31 +301,86 @@ def _one(requests: Iterator[Any], target: str) -> Any:
     return items[0]
 
 
-def main(argv: List[str]) -> int:
-    data: Optional[str] = None
-    unix = False
+class Usage(Exception):
+    """A command line grpcurl would refuse: print it and exit 2, as grpcurl does."""
+
+
+# The flags the docs use, as grpcurl declares them with Go's `flag` package:
+# booleans take no separate value (`-unix` says that the address, the first
+# argument after the flags, is a Unix socket's path), `-d` takes one.
+_BOOL_FLAGS = ("plaintext", "unix")
+_VALUE_FLAGS = ("d",)
+_GO_BOOLS = {"1": True, "t": True, "T": True, "TRUE": True, "true": True, "True": True,
+             "0": False, "f": False, "F": False, "FALSE": False, "false": False, "False": False}
+
+
+def parse_command_line(argv: List[str]) -> Tuple[Dict[str, Any], List[str]]:
+    """grpcurl's flags and its positional arguments, parsed as Go's `flag`
+    package parses them: flags (`-name`, `--name`, `-name=value`) only before
+    the first argument that is not one (or `--`), a boolean flag's value only
+    after `=`, every later argument positional. Then what grpcurl does with
+    the positionals: ADDRESS, then `list [SERVICE]`, `describe [SYMBOL]` or a
+    METHOD; more is "Too many arguments". Raises Usage as grpcurl would fail."""
+    flags: Dict[str, Any] = {name: False for name in _BOOL_FLAGS}
+    flags["d"] = None
     args = list(argv)
-    positional: List[str] = []
     while args:
-        a = args.pop(0)
-        if a in ("-plaintext", "--plaintext"):
-            continue
-        if a in ("-unix", "--unix"):
-            unix = True
-        elif a in ("-d", "--d"):
-            if not args:
-                print("-d needs a value", file=sys.stderr)
-                return 2
-            data = args.pop(0)
-        elif a.startswith("-"):
-            print(f"this grpcurl stand-in does not take {a}", file=sys.stderr)
-            return 2
+        a = args[0]
+        if len(a) < 2 or not a.startswith("-"):
+            break
+        args.pop(0)
+        if a == "--":
+            break
+        name = a[2:] if a.startswith("--") else a[1:]
+        if not name or name.startswith("-") or name.startswith("="):
+            raise Usage(f"bad flag syntax: {a}")
+        value: Optional[str] = None
+        if "=" in name:
+            name, value = name.split("=", 1)
+        if name in _BOOL_FLAGS:
+            if value is None:
+                flags[name] = True
+            elif value in _GO_BOOLS:
+                flags[name] = _GO_BOOLS[value]
+            else:
+                raise Usage(f'invalid boolean value "{value}" for -{name}: parse error')
+        elif name in _VALUE_FLAGS:
+            if value is None:
+                if not args:
+                    raise Usage(f"flag needs an argument: -{name}")
+                value = args.pop(0)
+            flags[name] = value
         else:
-            positional.append(a)
-    if len(positional) < 2:
-        print(__doc__, file=sys.stderr)
+            raise Usage(f"flag provided but not defined: -{name} (or one this stand-in "
+                        "does not take)")
+    positional = args
+    if not positional:
+        raise Usage("Too few arguments.")
+    verb = positional[1] if len(positional) > 1 else None
+    most = 3 if verb in ("list", "describe") else 2
+    if len(positional) > most:
+        raise Usage("Too many arguments.")
+    if verb is None:
+        raise Usage("Too few arguments.")
+    if verb == "describe" and len(positional) < 3:
+        raise Usage("describe needs a symbol (this stand-in does not list them all)")
+    return flags, positional
+
+
+def main(argv: List[str]) -> int:
+    try:
+        flags, positional = parse_command_line(argv)
+    except Usage as e:
+        print(f"{e}\n{__doc__}", file=sys.stderr)
         return 2
-    address = ("unix://" + os.path.abspath(positional[0])) if unix else positional[0]
+    if not flags["plaintext"]:
+        # grpcurl would speak TLS, which specstated does not serve: it fails.
+        print("Failed to dial target host: without -plaintext grpcurl uses TLS, and "
+              "specstated serves plaintext only (this stand-in speaks plaintext only)",
+              file=sys.stderr)
+        return 1
+    data: Optional[str] = flags["d"]
+    address = ("unix://" + os.path.abspath(positional[0])) if flags["unix"] else positional[0]
     with grpc.insecure_channel(address) as channel:
         try:
             reflection = Reflection(channel)
@@ -332,13 +392,10 @@ def main(argv: List[str]) -> int:
                 for s in file.service:
                     if f"{file.package}.{s.name}" == positional[2]:
                         print("\n".join(sorted(f"{positional[2]}.{m.name}" for m in s.method)))
-            elif verb == "describe" and len(positional) == 3:
+            elif verb == "describe":
                 print(describe(reflection, positional[2]))
-            elif len(positional) == 2:
-                invoke(channel, reflection, verb, data)
             else:
-                print(f"cannot read this command line: {argv}", file=sys.stderr)
-                return 2
+                invoke(channel, reflection, verb, data)
         except Failure as e:
             print(e, file=sys.stderr, flush=True)
             return 1

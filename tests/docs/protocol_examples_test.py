@@ -40,7 +40,9 @@ server, which drives only if the first has ended: with fd 3 inherited by the
 new grpcurl it would get FAILED_PRECONDITION), every job put in the
 background while a session is open starts with `3>&-` (else it keeps that
 session's input open), and the clean-up at the end exits 0 and prints
-nothing when a session's grpcurl has exited, or exits as it runs.
+nothing when a session's grpcurl has exited, or exits as it runs. Issue 32:
+the clean-up also removes the shared-memory objects and the session's FIFO
+the examples made, checked after the run.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ import tempfile
 import unittest
 from typing import Any, Dict, List, Tuple
 
+import grpcurl_standin
 import junit_runner
 from google.protobuf import json_format
 from specstate.v1 import specstate_pb2 as pb
@@ -249,8 +252,10 @@ class ProtocolExamplesTest(unittest.TestCase):
         self.assertEqual((background, opened), (4, 4))
 
     def _run_clean_up(self, setup: str) -> Tuple[int, str, str]:
-        """Runs `setup`, then the page's clean-up, in bash with set -e."""
-        clean_up = _clean_up([b for b in self.blocks if not b.startswith(_CUDA_MARK)][-1])
+        """Runs `setup`, then the page's clean-up (its paths this test's own), in
+        bash with set -e."""
+        clean_up = self._localize(
+            _clean_up([b for b in self.blocks if not b.startswith(_CUDA_MARK)][-1]))
         script = "\n".join(["set -e", setup, clean_up, "echo '@@@ cleaned'",
                             'for pid in $SERVERS; do wait "$pid" || echo "@@@ $pid: $?"; done'])
         result = subprocess.run(["/bin/bash", "-c", script], cwd=self.dir, timeout=60,
@@ -324,6 +329,12 @@ class ProtocolExamplesTest(unittest.TestCase):
         self.assertEqual(process.returncode, 0, "a command failed; the output's end:\n"
                          + text[-6000:])
         self.assertIn("@@@ done", text)
+        # The clean-up removed what the examples made outside the servers.
+        left = [path for path in (f"/dev/shm/my-acts-{self.tag}", f"/dev/shm/my-meta-{self.tag}",
+                                  f"{self.dir}/specstate-session.in",
+                                  f"{self.dir}/specstate-session.out")
+                if os.path.exists(path)]
+        self.assertEqual(left, [], "the page's clean-up left these behind")
 
         outputs = dict(re.findall(r"^@@@ block (\d+)\n(.*?)(?=^@@@ )", text, flags=re.S | re.M))
         lines_checked = 0
@@ -380,9 +391,15 @@ class ProtocolExamplesTest(unittest.TestCase):
                     ["/bin/bash", "-c", 'eval "set -- ${CMD#grpcurl }"; printf "%s\\0" "$@"'],
                     env={**placeholders, "CMD": line.strip(), "PATH": "/usr/bin:/bin"},
                     check=True, capture_output=True).stdout.decode().split("\0")[:-1]
-                self.assertIn("-d", argv, line)
-                body = argv[argv.index("-d") + 1]
-                method = argv[-1]
+                # The command line as grpcurl reads it (grpcurl_standin.py
+                # parses as Go's flag package does): -unix a boolean, the
+                # socket's path the address.
+                flags, positional = grpcurl_standin.parse_command_line(argv)
+                self.assertTrue(flags["unix"] and flags["plaintext"], line)
+                self.assertEqual(positional[0], "/tmp/x.sock", line)
+                self.assertIsNotNone(flags["d"], line)
+                body = flags["d"]
+                method = positional[-1]
                 service, name = method.split("/")
                 self.assertEqual(service, "specstate.v1.SpecState")
                 request = pb.DESCRIPTOR.services_by_name["SpecState"].methods_by_name[name].input_type
