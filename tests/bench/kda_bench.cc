@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -40,6 +41,7 @@
 #include "kernels/fast/from_interface.h"
 #include "kernels/kda_kernels.h"
 #include "kernels/numeric.h"
+#include "server/presets.h"
 #include "tests/bench/cuda_check.h"
 
 ABSL_FLAG(std::string, shapes, "kimi_linear,kimi_k3,qwen3_next", "shapes to run");
@@ -87,10 +89,31 @@ struct Shape {
   bool gdn() const { return kind == kernels::LayerKind::kGdn; }
 };
 
-const Shape kKimiLinear{"Kimi-Linear-48B-A3B", 32, 128, 4, 20, 12288, 4};
-const Shape kKimiK3{"Kimi-K3 (TP8)", 12, 128, 8, 69, 4608, 4};
+// The models' shapes: the service's presets (server/presets.cc, where each
+// field's source is cited; specstated --model takes the same names).
+Shape FromPreset(const char* preset, const char* label) {
+  const server::ModelPreset* p = server::FindModelPreset(preset);
+  if (p == nullptr) {
+    std::fprintf(stderr, "kda_bench: no model preset %s\n", preset);
+    std::exit(2);
+  }
+  Shape s;
+  s.name = label;
+  s.H = p->num_heads;
+  s.K = p->head_dim;
+  s.Q = p->num_spec + 1;
+  s.L = p->num_layers;
+  s.conv_dim = p->conv_dim;
+  s.conv_kernel = p->conv_kernel;
+  s.kind = p->layer_kind == v1::GDN ? kernels::LayerKind::kGdn : kernels::LayerKind::kKda;
+  s.HV = p->num_value_heads;
+  return s;
+}
+
+const Shape kKimiLinear = FromPreset("kimi-linear-48b-a3b", "Kimi-Linear-48B-A3B");
+const Shape kKimiK3 = FromPreset("kimi-k3-tp8", "Kimi-K3 (TP8)");
 // Gated DeltaNet: 16 key heads, 32 value heads, conv dim 2 H K + HV V.
-const Shape kQwen3Next{"Qwen3-Next-80B-A3B", 16, 128, 4, 36, 8192, 4, kernels::LayerKind::kGdn, 32};
+const Shape kQwen3Next = FromPreset("qwen3-next-80b-a3b", "Qwen3-Next-80B-A3B");
 
 void* DeviceAlloc(size_t bytes) {
   void* p = nullptr;
