@@ -72,9 +72,12 @@ absl::Status TakeSizingFields(const std::string& path, std::string* json, Config
     fields->erase(it);
     taken = true;
   }
-  if (taken && !google::protobuf::util::MessageToJsonString(root, json).ok()) {
+  if (!taken) return absl::OkStatus();
+  std::string rest;  // MessageToJsonString appends
+  if (!google::protobuf::util::MessageToJsonString(root, &rest).ok()) {
     return absl::InternalError(absl::StrCat("config file ", path, ": cannot re-encode it"));
   }
+  *json = std::move(rest);
   return absl::OkStatus();
 }
 

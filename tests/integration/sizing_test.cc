@@ -2,6 +2,8 @@
 // specstatectl plan for the same flags (the real binaries): plan must never
 // disagree with what the service allocates.
 #include <cstdint>
+#include <cstdlib>
+#include <fstream>
 #include <random>
 #include <regex>
 #include <string>
@@ -125,6 +127,39 @@ TEST(SizingTest, PlanOfBlocksAgreesWithTheService) {
   EXPECT_EQ(JsonInt(plan.output, "num_blocks"), blocks);
   EXPECT_EQ(layout.pool_bytes(), JsonInt(plan.output, "pool_bytes"));
   EXPECT_EQ(layout.record_bytes(), JsonInt(plan.output, "record_bytes"));
+}
+
+// The config file's "model" and "pool_memory" size the service as the flags do.
+TEST(SizingTest, ConfigFileModelAndPoolMemory) {
+  const int max_rows = 1 + static_cast<int>(std::random_device{}() % 8);
+  const std::string budget = absl::StrCat(100 + std::random_device{}() % 100, "MiB");
+  const char* tmp = std::getenv("TEST_TMPDIR");
+  const std::string path = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/sizing.json");
+  std::ofstream(path) << absl::StrCat(R"({"model": "kimi-linear-48b-a3b-tp8", "pool_memory": ")",
+                                      budget, R"(", "layout": {"max_rows": )", max_rows,
+                                      R"(, "backend": "CPU"}})");
+  const ProcessResult plan =
+      Plan({"--model=kimi-linear-48b-a3b-tp8", "--pool_memory=" + budget,
+            absl::StrCat("--max_rows=", max_rows), "--json"});
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  std::unique_ptr<ServerProcess> server = ValueOrDie(ServerProcess::Start({"--config=" + path}));
+  std::unique_ptr<client::Client> client = ValueOrDie(client::Client::Connect(server->address()));
+  const v1::Layout layout = ValueOrDie(client->GetLayout());
+  EXPECT_EQ(layout.num_blocks(), JsonInt(plan.output, "num_blocks"));
+  EXPECT_EQ(layout.pool_bytes(), JsonInt(plan.output, "pool_bytes"));
+  EXPECT_EQ(layout.num_heads(), 4);
+  EXPECT_EQ(layout.max_rows(), max_rows);
+  EXPECT_TRUE(absl::StrContains(server->Log(), "pool_memory=" + budget + ": a budget of"))
+      << server->Log();
+
+  // num_blocks and pool_memory in one file: refused, naming both.
+  const std::string both = absl::StrCat(tmp != nullptr ? tmp : "/tmp", "/both.json");
+  std::ofstream(both) << R"({"pool_memory": "1GiB", "layout": {"num_blocks": 10}})";
+  const ProcessResult r = Specstated({"--config=" + both});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(absl::StrContains(r.output, "pool_memory \"1GiB\" and layout.num_blocks 10 both "
+                                          "size the pools"))
+      << r.output;
 }
 
 // Layout flags given with --model override the preset's fields.
