@@ -87,6 +87,26 @@ if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = service ]; then
     rc=$?; note "python gpu_test: exit $rc, $(grep -E '^(Ran|OK|FAILED)' "$out/python_gpu.log" | tr '\n' ' ')"
     [ $rc -eq 0 ] || status=1
     no_skips "$out/python_gpu.log" "python gpu_test"
+    # The integration kit (specstate.kit) on torch CUDA tensors: the Runner
+    # against the float64 reference, a step captured in a CUDA graph, the KDA
+    # example; then the example on its own server with --check, larger.
+    (unset LD_LIBRARY_PATH; SPECSTATED="$bundle/specstated" PYTHONPATH="$bundle/python" \
+      PYTHONUNBUFFERED=1 timeout 300 python3 "$bundle/python/tests/kit_gpu_test.py") > "$out/python_kit_gpu.log" 2>&1
+    rc=$?; note "python kit_gpu_test: exit $rc, $(grep -E '^(Ran|OK|FAILED)' "$out/python_kit_gpu.log" | tr '\n' ' ')"
+    [ $rc -eq 0 ] || status=1
+    no_skips "$out/python_kit_gpu.log" "python kit_gpu_test"
+    sock=$(mktemp -d /tmp/ssXXXXXX)/s.sock
+    "$bundle/specstated" --backend=cuda --listen="unix://$sock" --layers=4 --heads=4 --head_dim=128 \
+      --conv_dim=1536 --num_spec=3 --blocks=64 --max_rows=16 --activation_dtype=fp32 \
+      --state_dtype=fp32 > "$out/kda_decode_server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+    (unset LD_LIBRARY_PATH; PYTHONPATH="$bundle/python" CUDA_MODULE_LOADING=EAGER timeout 240 \
+      python3 "$bundle/python/examples/kda_decode.py" --server="unix://$sock" --requests=24 \
+      --slots=16 --tokens=128 --check) > "$out/kda_decode.log" 2>&1
+    rc=$?; note "kda_decode --check (CUDA): exit $rc, $(grep -E '^(speculative|reference|tokens equal|PASS|FAIL)' "$out/kda_decode.log" | tr '\n' ' ')"
+    [ $rc -eq 0 ] || status=1
+    kill $server; wait $server 2>/dev/null
   fi
 fi
 

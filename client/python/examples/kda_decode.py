@@ -40,15 +40,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
-import torch
+# Before torch touches CUDA: on the CUDA backend this process's stream waits on
+# the service's doorbells, and lazy module loading could then deadlock
+# (client/python/README.md, "lazy module loading").
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
-import specstate
-from specstate import kit
-from specstate.v1 import specstate_pb2 as pb
+import torch  # noqa: E402
+
+import specstate  # noqa: E402
+from specstate import kit  # noqa: E402
+from specstate.v1 import specstate_pb2 as pb  # noqa: E402
 
 GIB = float(1 << 30)
 
