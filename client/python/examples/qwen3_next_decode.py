@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import inspect
 import math
@@ -256,7 +257,8 @@ def cache_crop(cache: Any, length: int) -> None:
 # ---------------------------------------------------------------------------
 # specstated: the flags that match the model, and starting one.
 
-def server_flags(geo: Geometry, args: argparse.Namespace, commit_mode: str, backend: str) -> List[str]:
+def server_flags(geo: Geometry, args: argparse.Namespace, commit_mode: str, backend: str,
+                 align: Optional[AlignPlan] = None) -> List[str]:
     flags = [
         "--kind=gdn",
         f"--layers={len(geo.gdn_layers)}",
@@ -269,10 +271,12 @@ def server_flags(geo: Geometry, args: argparse.Namespace, commit_mode: str, back
         "--activation_dtype=fp32",
         "--state_dtype=fp32",
         f"--max_rows={args.prompts}",
-        f"--blocks={max(64, args.prompts + 1)}",
+        f"--blocks={max(64, 1 + args.prompts * (align.width if align else 1))}",
         f"--commit_mode={commit_mode}",
         f"--backend={backend}",
     ]
+    if align is not None:
+        flags += ["--cache_mode=align", f"--mamba_block_size={align.block_size}"]
     return flags
 
 
@@ -332,7 +336,8 @@ class StartedServer:
         self.close()
 
 
-def check_layout(lo: Any, geo: Geometry, args: argparse.Namespace, device: torch.device) -> str:
+def check_layout(lo: Any, geo: Geometry, args: argparse.Namespace, device: torch.device,
+                 align: Optional[AlignPlan]) -> str:
     """Refuses a service whose layout does not hold this model's GDN layers; returns its
     commit mode's name."""
     from specstate import pb  # noqa: PLC0415
@@ -354,11 +359,18 @@ def check_layout(lo: Any, geo: Geometry, args: argparse.Namespace, device: torch
     if lo.max_rows < args.prompts:
         bad.append(f"max_rows is {lo.max_rows}, {args.prompts} requests decode together "
                    f"(--max_rows={args.prompts})")
-    if lo.num_blocks < args.prompts + 1:
-        bad.append(f"num_blocks is {lo.num_blocks}: {args.prompts} requests need "
-                   f"{args.prompts + 1} with the null block (--blocks={args.prompts + 1})")
-    if pb.CacheMode.Name(lo.cache_mode) != "NONE":
-        bad.append("cache_mode is ALIGN: this example decodes one block per request (none mode)")
+    need = 1 + args.prompts * (align.width if align else 1)
+    if lo.num_blocks < need:
+        bad.append(f"num_blocks is {lo.num_blocks}: {args.prompts} requests need {need} with the "
+                   f"null block (--blocks={need})")
+    if align is None and pb.CacheMode.Name(lo.cache_mode) != "NONE":
+        bad.append("cache_mode is ALIGN where this pass decodes one block per request (none mode)")
+    if align is not None:
+        if pb.CacheMode.Name(lo.cache_mode) != "ALIGN":
+            bad.append("cache_mode is NONE where the align pass needs --cache_mode=align")
+        elif lo.mamba_block_size != align.block_size:
+            bad.append(f"mamba_block_size is {lo.mamba_block_size}, the pass plans "
+                       f"{align.block_size} (--mamba_block_size={align.block_size})")
     if bad:
         raise ExampleError("specstated's layout does not match the model:\n  " + "\n  ".join(bad))
     if pb.DType.Name(lo.state_dtype) != "FP32":
@@ -395,8 +407,13 @@ class _PlainStep:
                          beta=r.beta[:T], o=r.o[:T], num_rows=len(self.state_indices), **kwargs)
         return r.o[:T]
 
-    def commit(self, num_accepted: Sequence[int]) -> Any:
-        return self.runner.session.commit(self.id, [int(x) for x in num_accepted])
+    def commit(self, num_accepted: Sequence[int], block_table: Optional[torch.Tensor] = None,
+               num_computed_tokens: Optional[torch.Tensor] = None) -> Any:
+        kwargs = {}
+        if block_table is not None:  # align mode: inline int32 values
+            kwargs = dict(block_table=block_table.tolist(),
+                          num_computed_tokens=num_computed_tokens.tolist())
+        return self.runner.session.commit(self.id, [int(x) for x in num_accepted], **kwargs)
 
 
 class PlainRunner:
@@ -412,16 +429,21 @@ class PlainRunner:
         shapes = [("q", (max_tokens, H, K)), ("k", (max_tokens, H, K)),
                   ("v", (max_tokens, HV, K)), ("o", (max_tokens, HV, K)),
                   ("g", (max_tokens, HV)), ("beta", (max_tokens, HV))]
-        nbytes = sum(4 * int(np.prod(s)) + 256 for _, s in shapes)
+        ints = [("state_idx_out", (max_rows,)), ("num_accepted_out", (max_rows,))]  # RecordStateBlocks
+        nbytes = sum(4 * int(np.prod(s)) + 256 for _, s in shapes + ints)
         if device.type == "cuda":
             from specstate.cuda import CudaBuffer  # noqa: PLC0415
             self.buffer = CudaBuffer(nbytes, device.index or 0)
             for n, s in shapes:
                 setattr(self, n, self.buffer.empty(s, torch.float32))
+            for n, s in ints:
+                setattr(self, n, self.buffer.empty(s, torch.int32))
         else:
             self.buffer = specstate.SharedBuffer(nbytes)
             for n, s in shapes:
                 setattr(self, n, torch.from_numpy(self.buffer.empty(s, np.float32)))
+            for n, s in ints:
+                setattr(self, n, self.buffer.empty(s, np.int32))
         self.session = client.session(name, drive=True)
         self.session.register(self.buffer, "qwen3-next-acts")
 
@@ -430,6 +452,16 @@ class PlainRunner:
 
     def flush(self, blocks: Sequence[int], discard: bool = False) -> None:
         self.session.flush([int(b) for b in blocks], discard=discard)
+
+    def record_state_blocks(self, step: _PlainStep, *, idx_mapping: Sequence[int],
+                            num_sampled: Sequence[int], num_computed_tokens: Sequence[int],
+                            block_table_width: int) -> List[int]:
+        n = len(idx_mapping)
+        self.session.record_state_blocks(
+            step.id, idx_mapping=list(idx_mapping), num_sampled=list(num_sampled),
+            num_computed_tokens=list(num_computed_tokens), block_table_width=block_table_width,
+            state_idx=self.state_idx_out[:n], num_accepted=self.num_accepted_out[:n])
+        return [int(x) for x in self.state_idx_out[:n].tolist()]
 
     def free(self, blocks: Sequence[int]) -> None:
         # DEFERRED / FAST: a freed block's pending tokens (or ring) must not reach the
@@ -447,9 +479,9 @@ class KitRunner:
     """specstate.kit's Runner behind the same four calls."""
 
     def __init__(self, kit: Any, client: Any, name: str, *, max_tokens: int, max_rows: int,
-                 device: torch.device) -> None:
+                 device: torch.device, block_table_width: int = 0) -> None:
         self.runner = kit.Runner(client, name, max_tokens=max_tokens, max_rows=max_rows,
-                                 device=device)
+                                 device=device, block_table_width=block_table_width)
 
     def begin_step(self, query_start_loc: Sequence[int], state_indices: Sequence[int]) -> Any:
         return self.runner.begin_step(list(query_start_loc), list(state_indices))
@@ -459,6 +491,13 @@ class KitRunner:
 
     def free(self, blocks: Sequence[int]) -> None:
         self.runner.free(list(blocks))
+
+    def record_state_blocks(self, step: Any, *, idx_mapping: Sequence[int], num_sampled: Sequence[int],
+                            num_computed_tokens: Sequence[int], block_table_width: int) -> List[int]:
+        state_idx, _ = self.runner.record_state_blocks(
+            step, idx_mapping=list(idx_mapping), num_sampled=list(num_sampled),
+            num_computed_tokens=list(num_computed_tokens), block_table_width=block_table_width)
+        return [int(x) for x in state_idx.tolist()]
 
     def close(self) -> None:
         self.runner.close()
@@ -849,6 +888,30 @@ def make_prompts(args: argparse.Namespace) -> List[List[int]]:
     return prompts
 
 
+def align_plan(args: argparse.Namespace, block_size: int, prompts: List[List[int]]) -> AlignPlan:
+    prefix = args.align_prefix_blocks * block_size
+    return AlignPlan(block_size=block_size, prefix_len=prefix,
+                     first_prefill=max(1, prefix - args.num_spec - 2),
+                     width=-(-(max(len(p) for p in prompts) + args.new_tokens) // block_size) + 1)
+
+
+def make_align_prompts(args: argparse.Namespace, block_size: int) -> List[List[int]]:
+    """Prompts that share their first align_prefix_blocks * block_size tokens, with tails of
+    half a block to two blocks."""
+    rng = np.random.default_rng(args.seed + 3)
+    prefix_len = args.align_prefix_blocks * block_size
+    base = make_prompts(argparse.Namespace(**{**vars(args), "prompts": 1,
+                                              "prompt_len": prefix_len + 2 * block_size}))[0]
+    prefix = base[:prefix_len]
+    prompts = []
+    for _ in range(args.prompts):
+        tail = int(rng.integers(max(1, block_size // 2), 2 * block_size + 1))
+        start = int(rng.integers(0, len(base) - 1))
+        body = (base[start:] + rng.integers(1, args.vocab, tail).tolist())[:tail]
+        prompts.append(prefix + body)
+    return prompts
+
+
 @dataclasses.dataclass
 class Decoded:
     tokens: List[List[int]]
@@ -858,6 +921,7 @@ class Decoded:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    reused: int = 0         # align pass: requests that started from the shared prefix's block
 
 
 def reference_generate(model: Any, prompts: List[List[int]], n: int, device: torch.device) -> Decoded:
@@ -904,105 +968,214 @@ def sync(device: torch.device) -> None:
 # ---------------------------------------------------------------------------
 # Speculative decoding through SpecState.
 
-def spec_decode(model: Any, geo: Geometry, client: Any, prompts: List[List[int]], n: int,
-                args: argparse.Namespace, device: torch.device, num_spec: int,
-                label: str) -> Decoded:
+@dataclasses.dataclass
+class AlignPlan:
+    """The align-mode pass (``specstated --cache_mode=align``): every prompt starts with one
+    shared prefix of ``prefix_len`` tokens (a whole number of ``block_size`` blocks).
+    Request 0 prefills ``first_prefill`` tokens (fewer than the prefix) in transformers and
+    the rest of its prompt through SpecState steps, whose Commit writes the prefix's
+    boundary state into block-table column ``prefix_len / block_size - 1``. Each later
+    request arrives after that, one a step: its attention KV for the prefix is request 0's
+    (copied, cropped), its GDN state and conv window are that boundary block's (flushed,
+    then copied into its own next block: the copy before writing, as vLLM's align mode
+    does), and the rest of its prompt runs through SpecState steps too."""
+
+    block_size: int
+    prefix_len: int
+    first_prefill: int
+    width: int  # block-table columns per request
+
+
+@dataclasses.dataclass(eq=False)  # requests compare by identity
+class Request:
+    prompt: List[int]
+    pending: List[int]                      # prompt tokens still to run through SpecState
+    table: List[int]                        # its state blocks (none mode: one)
+    ckpt: int = 0                           # the block its state is in (the Verify's index)
+    computed: int = 0                       # tokens in that state (align: num_computed_tokens)
+    cache: Any = None                       # transformers' cache: the full-attention KV
+    out: List[int] = dataclasses.field(default_factory=list)
+    logits: List[torch.Tensor] = dataclasses.field(default_factory=list)
+    arrived: bool = False
+    done: bool = False
+
+
+def _prefill_in_transformers(model: Any, geo: Geometry, pools: Pools, req: Request,
+                             tokens: List[int], block: int, device: torch.device) -> torch.Tensor:
+    """transformers' own forward over `tokens`; each GDN layer's final conv window and state
+    into `block`. Returns the last token's logits."""
+    hl = geo.conv_kernel - 1
+    out = model(input_ids=torch.tensor([tokens], device=device), use_cache=True)
+    cache = out.past_key_values
+    for i, d in enumerate(geo.gdn_layers):
+        conv, rec = cache_gdn_states(cache, d)  # [D, kernel] (the last inputs), [HV, K, V]
+        if conv.shape[-1] < hl:
+            raise ExampleError(f"transformers' conv state has {conv.shape[-1]} columns, the conv "
+                               f"needs {hl}")
+        pool_conv = pools.conv(i)
+        pool_conv[block].zero_()
+        pool_conv[block, :, :hl] = conv[:, -hl:].to(pool_conv.dtype)  # columns [0, hl): h_1..h_hl
+        pools.recurrent(i)[block] = rec.transpose(-1, -2).to(torch.float32)  # [HV, V, K]: S[v, k]
+    if cache_length(cache) != len(tokens):
+        raise ExampleError(f"after a prefill of {len(tokens)} tokens the cache holds "
+                           f"{cache_length(cache)}")
+    req.cache = cache
+    return out.logits[0, -1].float()
+
+
+def _make_runner(client: Any, label: str, args: argparse.Namespace, rows: int, Q: int,
+                 device: torch.device, block_table_width: int) -> Any:
     kit = _kit_module() if args.use_kit else None
-    Q = num_spec + 1
-    max_tokens = len(prompts) * Q
     if kit is not None:
-        runner: Any = KitRunner(kit, client, label, max_tokens=max_tokens, max_rows=len(prompts),
-                                device=device)
-    else:
-        runner = PlainRunner(client, label, max_tokens=max_tokens, max_rows=len(prompts), device=device)
+        return KitRunner(kit, client, label, max_tokens=rows * Q, max_rows=rows, device=device,
+                         block_table_width=block_table_width)
+    return PlainRunner(client, label, max_tokens=rows * Q, max_rows=rows, device=device)
+
+
+def spec_decode(model: Any, geo: Geometry, client: Any, prompts: List[List[int]], n: int,
+                args: argparse.Namespace, device: torch.device, num_spec: int, label: str,
+                align: Optional[AlignPlan] = None) -> Decoded:
+    Q = num_spec + 1
+    R = len(prompts)
+    runner = _make_runner(client, label, args, R, Q, device, align.width if align else 0)
     pools = Pools(client, runner)
     fwd = VerifyForward(model, geo, pools)
-    hl = geo.conv_kernel - 1
-    R = len(prompts)
-    blocks = list(range(1, R + 1))  # block 0 is the null block
-    out_tokens: List[List[int]] = [[] for _ in range(R)]
-    out_logits: List[List[torch.Tensor]] = [[] for _ in range(R)]
-    caches: List[Any] = [None] * R
-    final_states: List[Optional[List[torch.Tensor]]] = [None] * R
     stats = Decoded([], [], 0.0)
+    if align is None:  # block 0 is the null block
+        reqs = [Request(p, [], [r + 1]) for r, p in enumerate(prompts)]
+    else:
+        reqs = [Request(p, [], list(range(1 + r * align.width, 1 + (r + 1) * align.width)))
+                for r, p in enumerate(prompts)]
+        m = align.prefix_len // align.block_size  # prefix blocks
+        shared = reqs[0].table[m - 1]  # where request 0's Commit writes the prefix's boundary state
+        for r in range(1, R):
+            reqs[r].table[:m] = reqs[0].table[:m]
+    final_states: List[Optional[List[torch.Tensor]]] = [None] * R
     try:
         sync(device)
         t0 = time.perf_counter()
-        # Prefill: transformers' own forward over the prompt; its GDN states into the block.
-        for r, p in enumerate(prompts):
-            ids = torch.tensor([p], device=device)
-            out = model(input_ids=ids, use_cache=True)
-            cache = out.past_key_values
-            for i, d in enumerate(geo.gdn_layers):
-                conv, rec = cache_gdn_states(cache, d)  # [D, kernel], [HV, K, V]
-                if conv.shape[-1] < hl:
-                    raise ExampleError(f"transformers' conv state has {conv.shape[-1]} columns, "
-                                       f"the conv needs {hl}")
-                pool_conv = pools.conv(i)
-                pool_conv[blocks[r]].zero_()
-                pool_conv[blocks[r], :, :hl] = conv[:, -hl:].to(pool_conv.dtype)  # last hl inputs
-                pools.recurrent(i)[blocks[r]] = rec.transpose(-1, -2).to(torch.float32)  # [HV, V, K]
-            if cache_length(cache) != len(p):
-                raise ExampleError(f"after a prefill of {len(p)} tokens the cache holds "
-                                   f"{cache_length(cache)}")
-            caches[r] = cache
-            first = out.logits[0, -1].float()
-            out_tokens[r].append(int(first.argmax()))
-            out_logits[r].append(first.cpu())
+        # Prefill in transformers: every prompt (none mode), request 0's first tokens (align).
+        for r, req in enumerate(reqs):
+            if align is not None and r > 0:
+                continue
+            k = len(req.prompt) if align is None else align.first_prefill
+            col = 0 if align is None else (k - 1) // align.block_size
+            first = _prefill_in_transformers(model, geo, pools, req, req.prompt[:k], req.table[col],
+                                             device)
+            req.ckpt, req.computed, req.pending, req.arrived = req.table[col], k, req.prompt[k:], True
+            if not req.pending:
+                req.out.append(int(first.argmax()))
+                req.logits.append(first.cpu())
         sync(device)
-        # Decode.
         with fwd.installed_on_model():
-            active = [r for r in range(R) if len(out_tokens[r]) < n]
-            while active:
-                rows, tokens, positions, drafts = [], [], [], {}
-                for r in active:
-                    seq = prompts[r] + out_tokens[r]
-                    k = min(num_spec, n - len(out_tokens[r]) - 1)
-                    d = ngram_propose(seq, k, args.ngram_max, args.ngram_min)
-                    drafts[r] = d
-                    window = [out_tokens[r][-1]] + d
-                    past = cache_length(caches[r])
-                    rows.append(Row(len(tokens), len(tokens) + len(window), blocks[r], past, caches[r]))
+            while not all(req.done for req in reqs):
+                if align is not None:
+                    _arrive(reqs, align, runner, pools, geo, shared, device, stats)
+                active = [req for req in reqs if req.arrived and not req.done]
+                rows, tokens, positions, drafts = [], [], [], []
+                for req in active:
+                    if req.pending:  # the rest of its prompt, Q tokens a step, all kept
+                        window, d = req.pending[:Q], []
+                    else:
+                        k = min(num_spec, n - len(req.out) - 1)
+                        d = ngram_propose(req.prompt + req.out, k, args.ngram_max, args.ngram_min)
+                        window = [req.out[-1]] + d
+                    past = cache_length(req.cache)
+                    rows.append(Row(len(tokens), len(tokens) + len(window), req.ckpt, past, req.cache))
                     tokens += window
                     positions += list(range(past, past + len(window)))
-                qsl = [row.start for row in rows] + [rows[-1].end]
-                step = runner.begin_step(qsl, [row.block for row in rows])
+                    drafts.append(d)
+                step = runner.begin_step([row.start for row in rows] + [rows[-1].end],
+                                         [row.block for row in rows])
                 logits = fwd.logits(torch.tensor(tokens, device=device),
                                     torch.tensor(positions, device=device), rows, step)
                 best = logits.argmax(-1).tolist()
-                num_accepted = []
-                for row, r in zip(rows, active):
-                    d = drafts[r]
-                    a = 0
-                    while a < len(d) and d[a] == best[row.start + a]:
-                        a += 1
-                    new = d[:a] + [best[row.start + a]]  # accepted drafts and the bonus token
-                    out_tokens[r] += new
-                    out_logits[r] += [logits[row.start + j].cpu() for j in range(a + 1)]
-                    num_accepted.append(1 + a)  # the window's last token and a drafts
-                    cache_crop(caches[r], row.past + 1 + a)
-                    stats.drafted += len(d)
-                    stats.accepted += a
-                step.commit(num_accepted)
+                num_accepted, computed_before = [], [req.computed for req in active]
+                for row, req, d in zip(rows, active, drafts):
+                    if req.pending:
+                        kept = row.end - row.start
+                        req.pending = req.pending[kept:]
+                        if not req.pending:  # the prompt's last token: its first new token
+                            req.out.append(best[row.end - 1])
+                            req.logits.append(logits[row.end - 1].cpu())
+                    else:
+                        a = 0
+                        while a < len(d) and d[a] == best[row.start + a]:
+                            a += 1
+                        req.out += d[:a] + [best[row.start + a]]  # accepted drafts and the bonus
+                        req.logits += [logits[row.start + j].cpu() for j in range(a + 1)]
+                        kept = 1 + a  # the window's first token and a drafts
+                        cache_crop(req.cache, row.past + kept)
+                        stats.drafted += len(d)
+                        stats.accepted += a
+                    num_accepted.append(kept)
+                    req.computed += kept
+                if align is None:
+                    step.commit(num_accepted)
+                else:
+                    table = torch.tensor([req.table for req in active], dtype=torch.int32)
+                    step.commit(num_accepted, block_table=table,
+                                num_computed_tokens=torch.tensor(computed_before, dtype=torch.int32))
+                    cols = runner.record_state_blocks(step, idx_mapping=list(range(len(active))),
+                                                      num_sampled=num_accepted,
+                                                      num_computed_tokens=computed_before,
+                                                      block_table_width=align.width)
+                    for req, col in zip(active, cols):
+                        want = min((req.computed - 1) // align.block_size, align.width - 1)
+                        if col != want:
+                            raise ExampleError(f"RecordStateBlocks put a request's state in column "
+                                               f"{col}, its {req.computed} tokens say {want}")
+                        req.ckpt = req.table[col]
                 stats.steps += 1
-                done = [r for r in active if len(out_tokens[r]) >= n]
-                for r in done:  # the request's states (for the check), then its block is free
-                    runner.flush([blocks[r]])
-                    sync(device)
-                    final_states[r] = [pools.recurrent(i)[blocks[r]].float().cpu().clone()
-                                       for i in range(len(geo.gdn_layers))]
-                    runner.free([blocks[r]])
-                    caches[r] = None
-                active = [r for r in active if r not in done]
+                for r, req in enumerate(reqs):
+                    if req in active and len(req.out) >= n:
+                        req.done = True
+                        runner.flush([req.ckpt])  # DEFERRED / FAST: make its state current
+                        sync(device)
+                        final_states[r] = [pools.recurrent(i)[req.ckpt].float().cpu().clone()
+                                           for i in range(len(geo.gdn_layers))]
+                        if align is None:
+                            runner.free(req.table)
+                        elif r > 0:  # its own blocks; request 0's (the prefix's) go last
+                            runner.free([b for b in req.table if b not in reqs[0].table])
+                        req.cache = None
+            if align is not None:  # request 0's blocks, the shared prefix among them, last
+                runner.free(reqs[0].table)
         sync(device)
         stats.seconds = time.perf_counter() - t0
     finally:
         pools.close()
         runner.close()
-    stats.tokens = [t[:n] for t in out_tokens]
-    stats.logits = [torch.stack(lg[:n]) for lg in out_logits]
+    stats.tokens = [req.out[:n] for req in reqs]
+    stats.logits = [torch.stack(req.logits[:n]) for req in reqs]
     stats.states = final_states
     return stats
+
+
+def _arrive(reqs: List[Request], align: AlignPlan, runner: Any, pools: Pools, geo: Geometry,
+            shared: int, device: torch.device, stats: Decoded) -> None:
+    """Align pass: the next waiting request arrives once request 0's Commit has written the
+    prefix's boundary state; it starts from that state (copied into its own block)."""
+    first = reqs[0]
+    if first.computed < align.prefix_len:
+        return
+    waiting = [req for req in reqs if not req.arrived]
+    if not waiting:
+        return
+    req = waiting[0]
+    m = align.prefix_len // align.block_size
+    runner.flush([shared])  # DEFERRED / FAST: the boundary block's bytes current before the copy
+    sync(device)
+    own = req.table[m]
+    for i in range(len(geo.gdn_layers)):
+        pools.recurrent(i)[own] = pools.recurrent(i)[shared]
+        pools.conv(i)[own] = pools.conv(i)[shared]
+    cache = copy.deepcopy(first.cache)  # the prefix's attention KV (a prefix-cache hit)
+    cache_crop(cache, align.prefix_len)
+    req.cache, req.ckpt, req.computed = cache, own, align.prefix_len
+    req.pending = req.prompt[align.prefix_len:]
+    req.arrived = True
+    stats.reused += 1
 
 
 # ---------------------------------------------------------------------------
@@ -1088,6 +1261,14 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="eager, deferred or fast; with --start_server a comma-separated list runs "
                    "one pass each; with --server it must match the server's (GetLayout), empty: "
                    "whatever the server runs")
+    p.add_argument("--cache_mode", default="none",
+                   help="none, align or none,align (with --start_server: one pass each; align: "
+                   "prompts sharing a prefix whose boundary state SpecState's Commit writes and "
+                   "later requests reuse); with --server: the server's")
+    p.add_argument("--mamba_block_size", type=int, default=16,
+                   help="align pass: tokens per state block (>= num_spec + 1)")
+    p.add_argument("--align_prefix_blocks", type=int, default=2,
+                   help="align pass: the shared prefix, in blocks")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt_len", type=int, default=48)
@@ -1134,8 +1315,13 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                    help="redraw each GDN head's A = exp(A_log) from U(LO, HI) (empty: keep "
                    "transformers' U(0, 16), whose heads forget their state within a token or two)")
     args = p.parse_args(argv)
-    if args.num_spec < 0 or args.prompts < 1 or args.new_tokens < 1:
-        p.error("--num_spec >= 0, --prompts >= 1, --new_tokens >= 1")
+    if args.num_spec < 0 or args.prompts < 1 or args.new_tokens < 2:
+        p.error("--num_spec >= 0, --prompts >= 1, --new_tokens >= 2")
+    if args.mamba_block_size < args.num_spec + 1 or args.align_prefix_blocks < 1:
+        p.error("--mamba_block_size >= num_spec + 1, --align_prefix_blocks >= 1")
+    for c in args.cache_mode.split(","):
+        if c.strip() and c.strip() not in ("none", "align"):
+            p.error(f"--cache_mode {c!r}: none or align")
     return args
 
 
@@ -1158,9 +1344,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         tf = _transformers()
         geo = Geometry.of(tf.Qwen3NextConfig(**config_kwargs(args)))
         backend = "cuda" if device.type == "cuda" else "cpu"
-        for m in modes or ["eager"]:
-            print("bazel-bin/server/specstated " + " ".join(server_flags(geo, args, m, backend))
-                  + " --listen=unix:///tmp/specstate-qwen3-next.sock")
+        for c in [c.strip() for c in args.cache_mode.split(",") if c.strip()] or ["none"]:
+            align = None
+            if c == "align":
+                align = align_plan(args, args.mamba_block_size,
+                                   make_align_prompts(args, args.mamba_block_size))
+            for m in modes or ["eager"]:
+                print("bazel-bin/server/specstated " + " ".join(server_flags(geo, args, m, backend, align))
+                      + " --listen=unix:///tmp/specstate-qwen3-next.sock")
         return 0
     if not args.server and not args.start_server:
         raise ExampleError("give --server=ADDRESS (a running specstated) or --start_server=PATH "
@@ -1169,6 +1360,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise ExampleError("--server runs one commit mode (the server's): give at most one")
 
     import specstate  # noqa: PLC0415
+    from specstate import pb  # noqa: PLC0415
 
     model = build_model(args, device)
     geo = Geometry.of(model.config)
@@ -1189,11 +1381,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"  generate: {total / ref.seconds:.1f} tokens/s ({ref.seconds:.2f} s)")
 
     failed = False
-    passes = modes if args.start_server else [modes[0] if modes else ""]
-    for mode in passes:
+    cache_modes = [c.strip().lower() for c in args.cache_mode.split(",") if c.strip()] or ["none"]
+    if args.start_server:
+        passes = [(m, c) for c in cache_modes for m in (modes or ["eager"])]
+    else:
+        passes = [(modes[0] if modes else "", "")]  # the server's cache mode
+    align_ref: Dict[int, Tuple[List[List[int]], Decoded]] = {}
+    for mode, cache_mode in passes:
         with contextlib.ExitStack() as stack:
+            align = None
+            backend = "cuda" if device.type == "cuda" else "cpu"
             if args.start_server:
-                flags = server_flags(geo, args, mode or "eager", "cuda" if device.type == "cuda" else "cpu")
+                if cache_mode == "align":
+                    align = align_plan(args, args.mamba_block_size,
+                                       make_align_prompts(args, args.mamba_block_size))
+                flags = server_flags(geo, args, mode, backend, align)
                 srv = stack.enter_context(StartedServer(args.start_server, flags))
                 address = srv.address
                 print(f"\nstarted: {' '.join(srv.cmd)}")
@@ -1202,20 +1404,42 @@ def main(argv: Optional[List[str]] = None) -> int:
             client = specstate.Client(address)
             stack.callback(client.close)
             lo = client.layout()
-            served = check_layout(lo, geo, args, device)
+            if align is None and pb.CacheMode.Name(lo.cache_mode) == "ALIGN":
+                align = align_plan(args, lo.mamba_block_size,
+                                   make_align_prompts(args, lo.mamba_block_size))
+            served = check_layout(lo, geo, args, device, align)
             if mode and served != mode.upper():
                 raise ExampleError(f"--commit_mode={mode} but the server at {address} runs {served}")
             if args.num_spec > lo.num_spec:
                 raise ExampleError(f"--num_spec={args.num_spec} drafts, the server's num_spec is "
                                    f"{lo.num_spec}")
-            print(f"\n== commit mode {served} ({address}; num_spec {args.num_spec}) ==")
-            got = spec_decode(model, geo, client, prompts, args.new_tokens, args, device,
-                              args.num_spec, f"qwen3_next_decode {served.lower()}")
-            v = compare(ref, got, args.tie_tol)
+            if align is None:
+                pass_prompts, pass_ref = prompts, ref
+            else:
+                if align.block_size not in align_ref:
+                    ps = make_align_prompts(args, align.block_size)
+                    print(f"reference for the align pass (prompts sharing a "
+                          f"{align.prefix_len}-token prefix): generate ...", flush=True)
+                    align_ref[align.block_size] = (ps, reference_generate(model, ps, args.new_tokens,
+                                                                          device))
+                pass_prompts, pass_ref = align_ref[align.block_size]
+            print(f"\n== commit mode {served}, cache mode {pb.CacheMode.Name(lo.cache_mode)} "
+                  f"({address}; num_spec {args.num_spec}"
+                  + (f"; blocks of {align.block_size} tokens, a shared prefix of "
+                     f"{align.prefix_len}" if align else "") + ") ==")
+            got = spec_decode(model, geo, client, pass_prompts, args.new_tokens, args, device,
+                              args.num_spec, f"qwen3_next_decode {served.lower()}", align)
+            v = compare(pass_ref, got, args.tie_tol)
             rate = v.matched / v.total
             print(f"  SpecState spec decode: {total / got.seconds:.1f} tokens/s ({got.seconds:.2f} s, "
                   f"{got.steps} steps, {total / max(got.steps, 1):.2f} tokens a step across "
-                  f"{args.prompts} requests); generate: {total / ref.seconds:.1f} tokens/s")
+                  f"{args.prompts} requests); generate: {total / pass_ref.seconds:.1f} tokens/s")
+            if align is not None:
+                print(f"  prefix reuse: request 0's Commit wrote the state after the shared "
+                      f"{align.prefix_len}-token prefix into its block-table column "
+                      f"{align.prefix_len // align.block_size - 1}; {got.reused} requests started "
+                      "from it (flushed, copied into their own next block) and ran only their "
+                      "own tokens: none of them prefilled the prefix")
             print(f"  acceptance: {got.accepted} of {got.drafted} drafts "
                   f"({100.0 * got.accepted / max(got.drafted, 1):.1f}%)")
             print(f"  agreement with generate: {v.matched} of {v.total} tokens ({100 * rate:.2f}%) "
@@ -1230,7 +1454,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{gib((1 + lo.num_spec) * one)} ((1 + num_spec) per request per GDN layer), "
                   f"SpecState {gib(one)} (one) + {gib(lo.record_bytes)} of record scratch "
                   f"(Layout.record_bytes, for max_rows {lo.max_rows})")
-            err = state_errors(ref, got)
+            err = state_errors(pass_ref, got)
             if err is not None:
                 bad = err > args.state_tol
                 print(f"  final recurrent states against generate's (requests with every token "
