@@ -82,7 +82,9 @@ absl::Status Engine::Allocate() {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the layout needs ", needed, " bytes (pools ", sizes_.pool_bytes, ", records ",
         sizes_.record_bytes, ") but the ", kernels::BackendName(device_->kind()),
-        " device has ", *free, " bytes free: lower num_blocks, max_rows or num_layers"));
+        " device has ", *free,
+        " bytes free: lower num_blocks, max_rows or num_layers, or let --pool_memory size "
+        "num_blocks (specstatectl plan shows the sizes offline)"));
   }
   absl::Status st = AllocateLayers();
   if (!st.ok()) return st;
