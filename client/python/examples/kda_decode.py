@@ -115,12 +115,12 @@ class TinyKda:
         return x, g, beta, gate
 
     def conv(self, layer: int, history: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """SiLU of the causal depthwise conv of x [T, D] after `history` [D, hl]
-        (the hl inputs before x_0, oldest first) -> [T, D]."""
-        seq = torch.cat([history, x.t()], dim=1)                       # [D, hl + T]
-        windows = seq.unfold(1, self.kernel, 1)                        # [D, T, kernel]
-        y = (windows * self.layers[layer]["conv"][:, None, :]).sum(-1).t()
-        return torch.nn.functional.silu(y)
+        """SiLU of the causal depthwise conv of each row's x [N, T, D] after its
+        `history` [N, D, hl] (the hl inputs before x_0, oldest first) -> [N, T, D]."""
+        seq = torch.cat([history, x.transpose(1, 2)], dim=2)          # [N, D, hl + T]
+        windows = seq.unfold(2, self.kernel, 1)                        # [N, D, T, kernel]
+        y = (windows * self.layers[layer]["conv"][None, :, None, :]).sum(-1)
+        return torch.nn.functional.silu(y.transpose(1, 2))
 
     def split_qkv(self, y: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         T, HK = y.shape[0], self.H * self.K
@@ -183,7 +183,7 @@ def reference_decode(model: TinyKda, prompts: List[List[int]], tokens: int,
             p = model.layers[l]
             h = rms_norm(x, p["norm"])
             xin, g, beta, gate = model.projections(l, h)
-            y = torch.stack([model.conv(l, hist[l][r], xin[r:r + 1])[0] for r in range(R)])
+            y = model.conv(l, hist[l], xin[:, None, :])[:, 0]
             hist[l] = torch.cat([hist[l][:, :, 1:], xin[:, :, None]], dim=2)
             q, k, v = model.split_qkv(y)
             o = reference_token(model, l, S[l], q, k, v, g, beta)
@@ -279,22 +279,29 @@ def speculative_decode(model: TinyKda, runner: kit.Runner, pools: kit.StatePools
         for n in lens:
             qsl.append(qsl[-1] + n)
         blocks = [req.block for req in active]
-        T = qsl[-1]
+        T, N, width = qsl[-1], len(active), max(lens)
         step = runner.begin_step(qsl, blocks, num_tokens=T)
         tok = torch.tensor([t for w in windows for t in w], device=device)
+        # Token t of the step is row row_of[t], position col_of[t] of its window.
+        row_of = torch.tensor([i for i, n in enumerate(lens) for _ in range(n)], device=device)
+        col_of = torch.tensor([j for n in lens for j in range(n)], device=device)
+        block_of = torch.tensor(blocks, device=device)
         x = model.embed[tok]
         for layer in range(L):
             p = model.layers[layer]
             h = rms_norm(x, p["norm"])
             xin, g, beta, gate = model.projections(layer, h)
-            y = torch.empty_like(xin)
-            for i, req in enumerate(active):                 # the conv update, in the pool
-                a, e = qsl[i], qsl[i + 1]
-                conv = pools.conv(layer)[req.block]          # [D, W]
-                history = conv[:, :hl].clone()
-                y[a:e] = model.conv(layer, history, xin[a:e])
-                conv[:, :hl - 1] = history[:, 1:]
-                conv[:, hl - 1:hl - 1 + (e - a)] = xin[a:e].t()
+            # The causal-conv update of every row at once, in the pool
+            # (docs/semantics.md): [h_1..h_hl] -> [h_2..h_hl, x_0..x_{T-1}] from
+            # column 0. Columns past a row's tokens get the padding's zeros,
+            # which no Commit reads (it keeps the window ending at an accepted token).
+            conv = pools.conv(layer)                          # [blocks, D, W]
+            history = conv[block_of, :, :hl]                  # [N, D, hl] (a copy)
+            padded = xin.new_zeros(N, width, xin.shape[1])
+            padded[row_of, col_of] = xin
+            y = model.conv(layer, history, padded)[row_of, col_of]
+            conv[block_of, :, :hl - 1 + width] = torch.cat(
+                [history[:, :, 1:], padded.transpose(1, 2)], dim=2)
             q, k, v = model.split_qkv(y)
             o = step.verify(layer, q, k, v, g, beta)
             x = model.finish_layer(layer, x, o, gate)
