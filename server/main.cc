@@ -74,8 +74,10 @@ ABSL_FLAG(std::string, pool_memory, "",
           "(MemAvailable) on the CPU). --blocks becomes the most blocks for which everything the "
           "service allocates for the layout and commit mode (pools, records or rings, "
           "workspaces, bookkeeping) fits, logged at start; `specstatectl plan` computes the "
-          "same count offline. Not with --blocks; with kept pools (--keeper, systemd's FD store) "
-          "in bytes only (a fraction of what is free changes while the kept pools hold memory)");
+          "same count offline. The allocator's rounding (CUDA: up to 2 MiB an allocation) is "
+          "not counted: leave it room (0.95 of an H200's free memory started, 1.0 did not). Not "
+          "with --blocks; with kept pools (--keeper, systemd's FD store) in bytes only (a "
+          "fraction of what is free changes while the kept pools hold memory)");
 ABSL_FLAG(int, layers, 4, "layers (all of --kind)");
 ABSL_FLAG(std::string, kind, "kda", "the layers' recurrence: kda (Kimi) or gdn (Gated DeltaNet)");
 ABSL_FLAG(int, heads, 4, "key heads per layer (H: q, k)");
