@@ -19,15 +19,22 @@ live in specstated's pools:
   recurrence is SpecState's Verify; greedy acceptance, then Commit;
 * check: transformers' own greedy ``generate`` on the same weights must give
   the same tokens (``--new_tokens`` per prompt); where a token differs, the
-  two top logits are printed to show a near-tie.
+  two top logits are printed to show a near-tie; each request's final
+  recurrent states must equal generate's (``--state_tol``);
+* align pass (``--cache_mode=align``): prompts share a prefix; request 0's
+  Commit writes the prefix's block-boundary state, and every later request
+  starts from that block instead of prefilling the prefix (AlignPlan).
 
-    # the flags of a specstated that matches the model:
-    python3 client/python/examples/qwen3_next_decode.py --print_server_flags
-    # start one per commit mode, decode, compare, stop it:
+The SpecState side goes through ``specstate.kit`` (``Runner``: one SubmitStep
+a step, doorbells; ``StatePools``), or the plain client with ``--no_kit``.
+
+    # the flags of a specstated that matches the model (needs no transformers):
+    python3 client/python/examples/qwen3_next_decode.py --print_server_flags --cache_mode=none,align
+    # start one per pass, decode, compare, stop it:
     PYTHONPATH=client/python python3 client/python/examples/qwen3_next_decode.py \\
         --start_server=bazel-bin/server/specstated --device=cuda \\
-        --commit_mode=eager,deferred,fast --check
-    # or against a running one (its commit mode is read from GetLayout):
+        --commit_mode=eager,deferred,fast --cache_mode=none,align --check
+    # or against a running one (its commit and cache modes are read from GetLayout):
     python3 client/python/examples/qwen3_next_decode.py --server=unix:///tmp/s.sock --device=cuda
 
 Needs torch, transformers (with Qwen3-Next), numpy and the specstate client
@@ -52,6 +59,10 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+# The kit's ASYNC steps park torch's stream on the service's doorbells: CUDA's lazy module
+# loading could then synchronize the context on a kernel's first launch (client/python/README.md).
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 try:
     import torch
@@ -176,6 +187,15 @@ def build_model(args: argparse.Namespace, device: torch.device) -> Any:
         # and greedy decoding falls into the cycles prompt lookup predicts (a random model's
         # context alone gives a few percent acceptance), while the layers still decide some.
         model.model.embed_tokens.weight.data.mul_(args.embed_scale)
+    if args.router_scale != 1.0:
+        # Sharper MoE routing: with transformers' 0.02 router weights the 2nd and 3rd experts'
+        # probabilities can lie within the fp32 noise between two forwards of one token (a
+        # batch of one in generate, a packed window here), and a flipped expert moves that
+        # token's hidden state far past a near-tie. Scaled weights keep the choice robust.
+        for layer in model.model.layers:
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            if gate is not None and hasattr(gate, "weight"):
+                gate.weight.data.mul_(args.router_scale)
     if args.decay_range:
         # transformers draws A = exp(A_log) from U(0, 16): with dt_bias = 1 most heads then keep
         # exp(-A softplus(a + 1)) ~ e^-10 of their state per token and forget it at once, which
@@ -922,6 +942,7 @@ class Decoded:
     drafted: int = 0
     accepted: int = 0
     reused: int = 0         # align pass: requests that started from the shared prefix's block
+    probe_diff: float = 0.0  # max |logit diff| of the first verify step against transformers' decode
 
 
 def reference_generate(model: Any, prompts: List[List[int]], n: int, device: torch.device) -> Decoded:
@@ -998,6 +1019,7 @@ class Request:
     logits: List[torch.Tensor] = dataclasses.field(default_factory=list)
     arrived: bool = False
     done: bool = False
+    probe: Optional[torch.Tensor] = None    # transformers' own logits for its first decode step
 
 
 def _prefill_in_transformers(model: Any, geo: Geometry, pools: Pools, req: Request,
@@ -1054,6 +1076,7 @@ def spec_decode(model: Any, geo: Geometry, client: Any, prompts: List[List[int]]
     try:
         sync(device)
         t0 = time.perf_counter()
+        probe_seconds = 0.0
         # Prefill in transformers: every prompt (none mode), request 0's first tokens (align).
         for r, req in enumerate(reqs):
             if align is not None and r > 0:
@@ -1066,6 +1089,13 @@ def spec_decode(model: Any, geo: Geometry, client: Any, prompts: List[List[int]]
             if not req.pending:
                 req.out.append(int(first.argmax()))
                 req.logits.append(first.cpu())
+                # transformers' own decode of that token, on a copy of its cache: the first
+                # verify's logits for it must agree (a wrong state or conv layout shows here).
+                p0 = time.perf_counter()
+                probe = model(input_ids=torch.tensor([[req.out[0]]], device=device),
+                              past_key_values=copy.deepcopy(req.cache), use_cache=True)
+                req.probe = probe.logits[0, -1].float().cpu()
+                probe_seconds += time.perf_counter() - p0  # not the decode's time
         sync(device)
         with fwd.installed_on_model():
             while not all(req.done for req in reqs):
@@ -1099,6 +1129,8 @@ def spec_decode(model: Any, geo: Geometry, client: Any, prompts: List[List[int]]
                             req.out.append(best[row.end - 1])
                             req.logits.append(logits[row.end - 1].cpu())
                     else:
+                        if req.probe is not None:
+                            _check_probe(req, logits[row.start].cpu(), args.tie_tol, stats)
                         a = 0
                         while a < len(d) and d[a] == best[row.start + a]:
                             a += 1
@@ -1142,7 +1174,7 @@ def spec_decode(model: Any, geo: Geometry, client: Any, prompts: List[List[int]]
             if align is not None:  # request 0's blocks, the shared prefix among them, last
                 runner.free(reqs[0].table)
         sync(device)
-        stats.seconds = time.perf_counter() - t0
+        stats.seconds = time.perf_counter() - t0 - probe_seconds
     finally:
         pools.close()
         runner.close()
@@ -1150,6 +1182,22 @@ def spec_decode(model: Any, geo: Geometry, client: Any, prompts: List[List[int]]
     stats.logits = [torch.stack(req.logits[:n]) for req in reqs]
     stats.states = final_states
     return stats
+
+
+def _check_probe(req: Request, got: torch.Tensor, tol: float, stats: Decoded) -> None:
+    """The first verify's logits for a request's first new token against transformers' own
+    decode step from the same cache: what the prefill put into the SpecState block (the state
+    transposed to [HV, V, K], the conv window's last inputs) must be what transformers uses."""
+    diff = float((got - req.probe).abs().max())
+    stats.probe_diff = max(stats.probe_diff, diff)
+    req.probe = None
+    if diff > tol:
+        raise ExampleError(
+            f"the first verify step's logits differ from transformers' own decode of the same "
+            f"token by {diff:.3e} (> {tol:g}): the GDN state or conv window copied from "
+            "transformers' cache is not laid out as assumed (recurrent state [B, HV, K, V] "
+            "transposed to SpecState's [HV, V, K]; conv state's last kernel-1 columns = the last "
+            "inputs), or the replaced kernels' arguments differ (see VerifyForward)")
 
 
 def _arrive(reqs: List[Request], align: AlignPlan, runner: Any, pools: Pools, geo: Geometry,
@@ -1310,6 +1358,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     g.add_argument("--init_std", type=float, default=0.02)
     g.add_argument("--embed_scale", type=float, default=6.0,
                    help="multiply the random token embeddings by this (see build_model)")
+    g.add_argument("--router_scale", type=float, default=10.0,
+                   help="multiply the MoE routers' random weights by this (see build_model)")
     g.add_argument("--decay_range", type=lambda s: tuple(float(x) for x in s.split(",")) if s else None,
                    default=(0.02, 0.5), metavar="LO,HI",
                    help="redraw each GDN head's A = exp(A_log) from U(LO, HI) (empty: keep "
@@ -1336,13 +1386,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise ExampleError("--device=cuda but torch sees no GPU")
     # fp32 throughout: no TF32 in matmuls or in cuDNN's conv (both paths would round alike,
     # but the near-ties this example explains would come from TF32, not from SpecState).
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     torch.set_grad_enabled(False)
 
     if args.print_server_flags:
-        tf = _transformers()
-        geo = Geometry.of(tf.Qwen3NextConfig(**config_kwargs(args)))
+        geo = Geometry.of(argparse.Namespace(**config_kwargs(args)))  # the config's fields
         backend = "cuda" if device.type == "cuda" else "cpu"
         for c in [c.strip() for c in args.cache_mode.split(",") if c.strip()] or ["none"]:
             align = None
@@ -1440,6 +1490,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                       f"{align.prefix_len // align.block_size - 1}; {got.reused} requests started "
                       "from it (flushed, copied into their own next block) and ran only their "
                       "own tokens: none of them prefilled the prefix")
+            if align is None:
+                print(f"  first decode step of every request against transformers' own decode "
+                      f"step from the same cache: max |logit diff| {got.probe_diff:.2e}")
             print(f"  acceptance: {got.accepted} of {got.drafted} drafts "
                   f"({100.0 * got.accepted / max(got.drafted, 1):.1f}%)")
             print(f"  agreement with generate: {v.matched} of {v.total} tokens ({100 * rate:.2f}%) "
