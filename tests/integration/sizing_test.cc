@@ -1,6 +1,8 @@
 // Sizing end to end: specstated --model and --pool_memory against
 // specstatectl plan for the same flags (the real binaries): plan must never
 // disagree with what the service allocates.
+#include <unistd.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
@@ -44,9 +46,12 @@ ProcessResult Plan(std::vector<std::string> flags) {
   return ValueOrDie(RunProcess(flags));
 }
 
+// specstated with flags it must refuse: under `timeout`, so that a start
+// it should have refused fails the test instead of hanging it.
 ProcessResult Specstated(std::vector<std::string> flags) {
-  flags.insert(flags.begin(), {RunfilePath("server/specstated"), "--backend=cpu",
-                               "--listen=unix:///tmp/specstate-sizing-test-never.sock"});
+  flags.insert(flags.begin(),
+               {"/usr/bin/timeout", "20", RunfilePath("server/specstated"), "--backend=cpu",
+                absl::StrCat("--listen=unix:///tmp/specstate-sizing-", getpid(), ".sock")});
   return ValueOrDie(RunProcess(flags));
 }
 
