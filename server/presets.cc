@@ -23,16 +23,18 @@ struct Model {
 // Where each field comes from.
 //
 // Kimi-Linear-48B-A3B (huggingface.co/moonshotai/Kimi-Linear-48B-A3B-Instruct,
-// config.json): num_hidden_layers 27, of which linear_attn_config.kda_layers
-// are 20 (the other 7, full_attn_layers, are MLA and keep no state here);
-// linear_attn_config.num_heads 32 and head_dim 128 (KDA: as many value heads
-// as key heads); short_conv_kernel_size 4 on each of q, k and v, so the conv
-// state has 3 * 32 * 128 = 12288 channels; gate_lower_bound -5.0 (the safe
-// gate). The same shape as tests/bench/kda_bench.cc measured before this
-// table existed.
+// config.json; checked against a published copy of it): num_hidden_layers 27,
+// of which linear_attn_config.kda_layers are 20 (1-3, 5-7, ..., 25, 26; the
+// other 7, full_attn_layers 4, 8, ..., 24, 27, are MLA and keep no state
+// here); linear_attn_config.num_heads 32 and head_dim 128 (KDA: as many value
+// heads as key heads); short_conv_kernel_size 4 on each of q, k and v, so the
+// conv state has 3 * 32 * 128 = 12288 channels. The gate: the safe gate with
+// lower bound -5.0 (Kimi's gate_lower_bound; specstated's default). The same
+// shape tests/bench/kda_bench.cc measured before this table existed.
 //
 // Qwen3-Next-80B-A3B (huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct,
-// config.json): num_hidden_layers 48 with full_attention_interval 4, so 36
+// config.json; the fields below checked against it, num_hidden_layers from
+// the model card): num_hidden_layers 48 with full_attention_interval 4, so 36
 // Gated DeltaNet layers; linear_num_key_heads 16, linear_num_value_heads 32,
 // linear_key_head_dim = linear_value_head_dim = 128, linear_conv_kernel_dim
 // 4; the conv runs over q, k and v: 2 * 16 * 128 + 32 * 128 = 8192 channels.
