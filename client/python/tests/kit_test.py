@@ -54,12 +54,17 @@ def _example_path() -> str:
 
 class Reference:
     """Random KDA gate parameters (loaded into a Runner) and the float64 state of
-    every (layer, block) the test touches."""
+    every (layer, block) the test touches. Gated DeltaNet layouts (HV value
+    heads, g and beta [T, HV] as the model computed them) have no parameters."""
 
     def __init__(self, lo: pb.Layout, seed: int) -> None:
         self.lo = lo
         self.gen = torch.Generator().manual_seed(seed)
         self.H, self.K, self.L = lo.num_heads, lo.head_dim, lo.num_layers
+        self.HV = lo.num_value_heads or self.H
+        self.gdn = lo.layer_kind == pb.GDN
+        # The values the service reads: the inputs rounded to the activation dtype.
+        self.act = kit.torch_dtype(lo.activation_dtype)
         self.a_log = [self.rand(self.H, lo=-2.0, hi=0.5) for _ in range(self.L)]
         self.dt_bias = [self.rand(self.H * self.K) for _ in range(self.L)]
         self.states: Dict[Tuple[int, int], np.ndarray] = {}
@@ -68,6 +73,8 @@ class Reference:
         return torch.rand(*shape, generator=self.gen) * (hi - lo) + lo
 
     def load(self, runner: "kit.Runner") -> None:
+        if self.gdn:  # GDN's g arrives as the model computed it: nothing to load
+            return
         for layer in range(self.L):
             runner.load_layer_params(layer, self.a_log[layer], self.dt_bias[layer])
 
@@ -75,22 +82,30 @@ class Reference:
         """Fresh random states (never zeros) written into the pools, remembered here."""
         for layer in range(self.L):
             for b in blocks:
-                s = self.rand(self.H, self.K, self.K, lo=-0.5, hi=0.5)
+                s = self.rand(self.HV, self.K, self.K, lo=-0.5, hi=0.5)
                 pools.recurrent(layer)[b].copy_(s)
                 self.states[(layer, b)] = s.double().numpy()
 
     def inputs(self, shapes: Dict[str, tuple]) -> Dict[str, "torch.Tensor"]:
-        """q, k, v in [-1, 1], g in [-3, 1], beta a logit in [-3, 3]."""
-        ranges = {"q": (-1, 1), "k": (-1, 1), "v": (-1, 1), "g": (-3, 1), "beta": (-3, 3)}
+        """q, k, v in [-1, 1]; KDA's g in [-3, 1] and beta a logit in [-3, 3];
+        GDN's g a log-decay in (-2, 0) and beta a write strength in (0, 1)."""
+        ranges = {"q": (-1, 1), "k": (-1, 1), "v": (-1, 1)}
+        ranges.update({"g": (-2, -0.05), "beta": (0.05, 0.95)} if self.gdn else
+                      {"g": (-3, 1), "beta": (-3, 3)})
         return {n: self.rand(*shapes[n], lo=a, hi=b) for n, (a, b) in ranges.items()}
 
     def run(self, layer: int, block: int, x: Dict[str, "torch.Tensor"], a: int, e: int,
             n: int) -> np.ndarray:
         """Outputs of tokens [a, e) from the block's state; the state advances by
         the first n of them."""
-        f = {name: t[a:e].double().numpy() for name, t in x.items()}
-        args = (self.a_log[layer].numpy(), self.dt_bias[layer].numpy(), self.lo.lower_bound)
+        f = {name: t[a:e].to(self.act).double().numpy() for name, t in x.items()}
         state = self.states[(layer, block)]
+        if self.gdn:
+            out, _ = ref.gdn_tokens(state, f["q"], f["k"], f["v"], f["g"], f["beta"])
+            _, self.states[(layer, block)] = ref.gdn_tokens(
+                state, *(f[name][:n] for name in ("q", "k", "v", "g", "beta")))
+            return out
+        args = (self.a_log[layer].numpy(), self.dt_bias[layer].numpy(), self.lo.lower_bound)
         out, _ = ref.kda_tokens(state, f["q"], f["k"], f["v"], f["g"], f["beta"], *args)
         _, self.states[(layer, block)] = ref.kda_tokens(
             state, *(f[name][:n] for name in ("q", "k", "v", "g", "beta")), *args)
@@ -100,11 +115,12 @@ class Reference:
 def shapes_of(step: "kit.Step") -> Dict[str, tuple]:
     r, T = step.runner, step.num_tokens
     return {"q": (T, r.H, r.K), "k": (T, r.H, r.K), "v": (T, r.HV, r.K),
-            "g": (T, r.H, r.K), "beta": (T, r.HV)}
+            "g": (T, r.HV) if r.gdn else (T, r.H, r.K), "beta": (T, r.HV)}
 
 
 class _ServerTest(unittest.TestCase):
     FLAGS: dict = FLAGS
+    OUT_TOL = TOL  # outputs stored in the activation dtype: bf16 rounds them
 
     @classmethod
     def setUpClass(cls) -> None:
@@ -147,7 +163,7 @@ class _ServerTest(unittest.TestCase):
                     a, e = int(qsl[i]), int(qsl[i + 1])
                     want = reference.run(layer, b, x, a, e, accepted[i])
                     err = ref.rel_err(o[a:e].double().cpu().numpy(), want)
-                    self.assertLess(err, TOL, f"step {s}, layer {layer}, row {i}")
+                    self.assertLess(err, self.OUT_TOL, f"step {s}, layer {layer}, row {i}")
             r = step.commit(torch.tensor(accepted, dtype=torch.int64))
             self.assertEqual(r.num_layers if not r.enqueued else runner.num_layers,
                              runner.num_layers)
@@ -335,6 +351,31 @@ class RunnerEagerTest(_ServerTest):
                     runner.close()
         finally:
             server.stop()
+
+
+@NEEDS_TORCH
+class RunnerGatedDeltaNetBf16Test(_ServerTest):
+    """Gated DeltaNet (2 key heads, 4 value heads: g and beta [T, HV], no gate
+    parameters) with bf16 activations: the kit's bf16 buffers are torch.bfloat16
+    views of shared memory; outputs (stored bf16) to 1e-2, fp32 states to 1e-5."""
+
+    FLAGS = dict(FLAGS, kind="gdn", heads=2, value_heads=4, activation_dtype="bf16")
+    OUT_TOL = 1e-2
+
+    def test_steps(self) -> None:
+        reference = Reference(self.lo, seed=int.from_bytes(os.urandom(4), "little"))
+        for ordering in ("async", "sync"):
+            with kit.Runner(self.client, f"kit-gdn-{ordering}", max_tokens=16,
+                            ordering=ordering) as runner, kit.StatePools(self.client) as pools:
+                self.assertEqual(runner.inputs(0)["g"].shape, (16, 4))
+                self.assertEqual(runner.inputs(0)["q"].dtype, torch.bfloat16)
+                self.assertEqual(pools.conv(0).dtype, torch.bfloat16)
+                self.assertEqual(tuple(pools.recurrent(0).shape), (self.lo.num_blocks, 4, 64, 64))
+                with self.assertRaises(kit.FailedPrecondition) as cm:
+                    runner.load_layer_params(0, torch.zeros(2), torch.zeros(128))
+                self.assertIn("no gate parameters", cm.exception.message)
+                reference.prefill(pools, [2, 5])
+                self.decode_steps(runner, pools, reference, [2, 5], steps=3)
 
 
 @NEEDS_TORCH
