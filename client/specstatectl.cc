@@ -576,6 +576,13 @@ int Plan() {
     return usage(absl::InvalidArgumentError(
         absl::StrCat("--at_requests = ", at_requests, " must be >= 1")));
   }
+  {
+    // The layout is checked before it is sized (as specstated checks it
+    // before it opens the device): with a budget, at the least block count.
+    v1::Layout least = *layout;
+    if (Given("pool_memory")) least.set_num_blocks(2);
+    if (absl::Status st = srv::ValidateLayout(least); !st.ok()) return usage(st);
+  }
   int64_t budget = 0;
   if (Given("pool_memory")) {
     if (Given("blocks")) {

@@ -202,6 +202,9 @@ TEST(SizingTest, BadSizingFlagsAreRefused) {
       {{"--model=kimi-linear-48b-a3b", "--pool_memory=64MiB"},
        "--pool_memory = 67108864 bytes (64.00 MiB) holds no request's state: this layout needs "
        "at least "},
+      // The layout is checked before it is sized.
+      {{"--model=kimi-linear-48b-a3b", "--head_dim=100", "--pool_memory=1GiB"},
+       "layout.head_dim = 100 must be 64, 128 or 256"},
       {{"--model=kimi-linear-48b-a3b-tp8", "--pool_memory=0.5", "--fd_store=yes"},
        "is a fraction of the free memory"},
   };
