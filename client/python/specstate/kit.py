@@ -84,6 +84,7 @@ the step's Commit.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -107,6 +108,8 @@ __all__ = [
     "ResourceExhausted", "Runner", "SpecStateError", "StatePools", "Step", "Timeout",
     "Unavailable", "state_memory_bytes", "torch_dtype",
 ]
+
+_log = logging.getLogger("specstate.kit")
 
 _TORCH_OF = {pb.FP32: torch.float32, pb.FP16: torch.float16, pb.BF16: torch.bfloat16,
              pb.INT32: torch.int32}
@@ -454,7 +457,14 @@ class Runner:
             raise InvalidInput(grpc.StatusCode.INVALID_ARGUMENT,
                                f"query_start_loc: shape {list(qsl.shape)}, expected "
                                f"[{rows + 1}] (num_rows + 1)")
-        tokens = int(qsl[rows]) if num_tokens is None else int(num_tokens)
+        if num_tokens is None:
+            tokens = int(qsl[rows])
+        else:
+            tokens = int(num_tokens)
+            if not qsl.is_cuda and int(qsl[rows]) != tokens:  # (free to check on the host)
+                raise InvalidInput(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"num_tokens = {tokens} but query_start_loc[{rows}] = "
+                                   f"{int(qsl[rows])}: they must be equal")
         if not 1 <= tokens <= self.max_tokens:
             raise InvalidInput(grpc.StatusCode.OUT_OF_RANGE,
                                f"num_tokens = {tokens} (query_start_loc[{rows}]) is out of "
@@ -674,10 +684,18 @@ class Runner:
         return [int(b) for b in kept.lost_blocks]
 
     def close(self) -> None:
-        """Ends the session (the service flushes DEFERRED / FAST blocks then) and
-        frees the buffers; the pools' mapping too, when :attr:`pools` was used."""
+        """Abandons a step still open, ends the session (the service flushes
+        DEFERRED / FAST blocks then) and frees the buffers; the pools' mapping
+        too, when :attr:`pools` was used."""
         if self.closed:
             return
+        if self._open_step is not None:
+            # ASYNC: the service's queue holds the step's Verify calls, waiting on
+            # doorbells; ring them, or unregistering the buffer would wait on them.
+            try:
+                self._open_step.abandon()
+            except SpecStateError as e:  # the service is gone: nothing waits
+                _log.info("closing the Runner: abandoning step %s: %s", self._open_step.id, e)
         self.closed = True
         self._open_step = None
         try:

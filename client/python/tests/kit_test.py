@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import unittest
 from typing import Dict, List, Tuple
 
@@ -320,6 +321,9 @@ class RunnerEagerTest(_ServerTest):
                 runner.begin_step([0, 1], [2])  # step still open
             step.abandon()  # the queued Verify calls run on what the buffers hold
             self.decode_steps(runner, pools, reference, [2, 6], steps=1)
+            with self.assertRaises(kit.InvalidInput) as cm:
+                runner.begin_step([0, 1, 2], [2, 6], num_tokens=3)
+            self.assertIn("num_tokens = 3 but query_start_loc[2] = 2", cm.exception.message)
             # A block past the pools: found when the service runs the call, and
             # returned by the step's next call (its Commit); nothing is committed.
             before = [pools.recurrent(layer).clone() for layer in range(lo.num_layers)]
@@ -335,6 +339,13 @@ class RunnerEagerTest(_ServerTest):
                 self.assertTrue(torch.equal(pools.recurrent(layer), before[layer]))
             # The Runner goes on.
             self.decode_steps(runner, pools, reference, [6, 2], steps=1)
+            # Closing with a step open (its Verify calls queued on doorbells)
+            # abandons it first, so the session ends at once.
+            step = runner.begin_step([0, 1], [2])
+            step.verify(0, **reference.inputs(shapes_of(step)))
+            start = time.monotonic()
+            runner.close()  # (without the abandon: about 10 s, the service's own release)
+            self.assertLess(time.monotonic() - start, 5.0)
 
     def test_server_down_is_unavailable(self) -> None:
         server = server_fixture.Server(**self.FLAGS).start()
