@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "client/client.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_process.h"
@@ -112,6 +113,35 @@ TEST(SizingTest, PlanAgreesWithTheService) {
     EXPECT_TRUE(absl::StrContains(text.output, absl::StrCat("blocks        ", blocks, " ")))
         << text.output;
   }
+}
+
+// A fraction of the free memory (the CPU backend: MemAvailable): the count
+// the service logs is plan's for the free bytes it logs.
+TEST(SizingTest, AFractionOfTheFreeMemory) {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key, unit;
+  int64_t kb = 0, available = 0;
+  while (meminfo >> key >> kb >> unit) {
+    if (key == "MemAvailable:") available = kb * 1024;
+  }
+  ASSERT_GT(available, int64_t{1} << 30);
+  // About 150 MiB of what is available now.
+  const std::string fraction = absl::StrFormat("%.6f", 150.0 * (1 << 20) / available);
+  std::unique_ptr<ServerProcess> server = ValueOrDie(
+      ServerProcess::Start({"--backend=cpu", "--model=qwen3-next-80b-a3b-tp8", "--max_rows=4",
+                            "--pool_memory=" + fraction}));
+  const std::string log = server->Log();
+  const std::regex re("of ([0-9]+) bytes free: ([0-9]+) blocks");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(log, m, re)) << log;
+  const std::string free = m[1].str();
+  const int64_t blocks = std::stoll(m[2].str());
+  std::unique_ptr<client::Client> client = ValueOrDie(client::Client::Connect(server->address()));
+  EXPECT_EQ(ValueOrDie(client->GetLayout()).num_blocks(), blocks);
+  const ProcessResult plan = Plan({"--model=qwen3-next-80b-a3b-tp8", "--max_rows=4",
+                                   "--pool_memory=" + fraction, "--free_memory=" + free, "--json"});
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  EXPECT_EQ(JsonInt(plan.output, "num_blocks"), blocks);
 }
 
 // --blocks given: plan's bytes are the service's for that count.
