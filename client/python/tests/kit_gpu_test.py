@@ -1,6 +1,7 @@
 """The integration kit (specstate.kit) on the CUDA backend: torch CUDA tensors,
 doorbells on the caller's stream (cuStreamWriteValue32 / cuStreamWaitValue32),
-a decode step captured in a CUDA graph and replayed, and
+a decode step captured in a CUDA graph and replayed, kit_test's Gated
+DeltaNet bf16, align-mode, DEFERRED and FAST tests on CUDA, and
 examples/kda_decode.py end to end.
 
 Skips unless torch sees a CUDA device (Bazel target
@@ -123,6 +124,28 @@ class RunnerCudaTest(kit_test._ServerTest):
                                           reference.states[(layer, b)])
                         self.assertLess(err, TOL, f"replay {s}: layer {layer}, block {b}")
             self.assertEqual(self.client.stats().steps_failed, 0)
+
+
+# kit_test's layouts and commit modes on the CUDA backend.
+
+@unittest.skipUnless(HAVE_CUDA, "needs torch with a CUDA device")
+class GatedDeltaNetBf16CudaTest(kit_test.RunnerGatedDeltaNetBf16Test):
+    FLAGS = dict(kit_test.RunnerGatedDeltaNetBf16Test.FLAGS, backend="cuda")
+
+
+@unittest.skipUnless(HAVE_CUDA, "needs torch with a CUDA device")
+class AlignModeCudaTest(kit_test.RunnerAlignModeTest):
+    FLAGS = dict(kit_test.RunnerAlignModeTest.FLAGS, backend="cuda")
+
+
+@unittest.skipUnless(HAVE_CUDA, "needs torch with a CUDA device")
+class DeferredCudaTest(kit_test.RunnerDeferredTest):
+    FLAGS = dict(kit_test.RunnerDeferredTest.FLAGS, backend="cuda")
+
+
+@unittest.skipUnless(HAVE_CUDA, "needs torch with a CUDA device")
+class FastCudaTest(kit_test.RunnerFastTest):
+    FLAGS = dict(kit_test.RunnerFastTest.FLAGS, backend="cuda")
 
 
 @unittest.skipUnless(HAVE_CUDA, "needs torch with a CUDA device")

@@ -85,7 +85,7 @@ class Reference:
             for b in blocks:
                 s = self.rand(self.HV, self.K, self.K, lo=-0.5, hi=0.5)
                 pools.recurrent(layer)[b].copy_(s)
-                self.states[(layer, b)] = s.double().numpy()
+                self.states[(layer, b)] = s.double().cpu().numpy()
 
     def inputs(self, shapes: Dict[str, tuple]) -> Dict[str, "torch.Tensor"]:
         """q, k, v in [-1, 1]; KDA's g in [-3, 1] and beta a logit in [-3, 3];
@@ -99,7 +99,7 @@ class Reference:
             n: int) -> np.ndarray:
         """Outputs of tokens [a, e) from the block's state; the state advances by
         the first n of them."""
-        f = {name: t[a:e].to(self.act).double().numpy() for name, t in x.items()}
+        f = {name: t[a:e].to(self.act).double().cpu().numpy() for name, t in x.items()}
         state = self.states[(layer, block)]
         if self.gdn:
             out, _ = ref.gdn_tokens(state, f["q"], f["k"], f["v"], f["g"], f["beta"])
@@ -390,6 +390,73 @@ class RunnerGatedDeltaNetBf16Test(_ServerTest):
 
 
 @NEEDS_TORCH
+class RunnerAlignModeTest(_ServerTest):
+    """Align mode (prefix caching, blocks of 4 tokens): Commit from the engine's
+    block table and computed-token counts writes the final state (and the
+    boundary state a row crosses) into the table's blocks; record_state_blocks
+    gives each request's state block column."""
+
+    FLAGS = dict(FLAGS, cache_mode="align", mamba_block_size=4)
+
+    def test_commit_and_record_state_blocks(self) -> None:
+        lo = self.lo
+        bs, Q, width = lo.mamba_block_size, lo.num_spec + 1, 4
+        reference = Reference(lo, seed=int.from_bytes(os.urandom(4), "little"))
+        with kit.Runner(self.client, "kit-align", max_tokens=8, max_rows=2,
+                        block_table_width=width) as runner, \
+                kit.StatePools(self.client) as pools:
+            reference.load(runner)
+            nc = [3, 6]                                   # tokens each request has computed
+            tables = torch.tensor([[1, 2, 0, 0], [3, 4, 5, 0]], dtype=torch.int32)
+            checkpoints = [int(tables[i, (nc[i] - 1) // bs]) for i in range(2)]
+            reference.prefill(pools, checkpoints)
+            lens, accepted = [Q, Q], [3, 4]               # row 0 crosses a boundary at token 1
+            qsl = [0, lens[0], lens[0] + lens[1]]
+            step = runner.begin_step(qsl, checkpoints)
+            xs = []
+            for layer in range(runner.num_layers):
+                x = reference.inputs(shapes_of(step))
+                xs.append(x)
+                o = step.verify(layer, **x)
+                for i, b in enumerate(checkpoints):
+                    f = {n: t[qsl[i]:qsl[i + 1]].double().cpu().numpy() for n, t in x.items()}
+                    want, _ = ref.kda_tokens(reference.states[(layer, b)], *(
+                        f[n] for n in ("q", "k", "v", "g", "beta")), reference.a_log[layer].numpy(),
+                        reference.dt_bias[layer].numpy(), lo.lower_bound)
+                    self.assertLess(ref.rel_err(o[qsl[i]:qsl[i + 1]].double().cpu().numpy(), want), TOL)
+            step.commit(accepted, block_table=tables, num_computed_tokens=torch.tensor(nc))
+            boundaries = 0
+            for i in range(2):
+                commit_len, final, boundary, boundary_len = ref.align_plan(
+                    nc[i], accepted[i], lens[i], Q, bs, tables[i].tolist(), checkpoints[i])
+                for layer in range(runner.num_layers):
+                    f = {n: t[qsl[i]:qsl[i + 1]].double().cpu().numpy() for n, t in xs[layer].items()}
+
+                    def state_after(n: int) -> np.ndarray:
+                        _, st = ref.kda_tokens(
+                            reference.states[(layer, checkpoints[i])],
+                            *(f[k][:n] for k in ("q", "k", "v", "g", "beta")),
+                            reference.a_log[layer].numpy(), reference.dt_bias[layer].numpy(),
+                            lo.lower_bound)
+                        return st
+
+                    self.assertLess(ref.rel_err(pools.recurrent(layer)[final].double().cpu().numpy(),
+                                                state_after(commit_len)), TOL)
+                    if boundary is not None and boundary > 0 and boundary_len < commit_len:
+                        boundaries += 1
+                        self.assertLess(ref.rel_err(
+                            pools.recurrent(layer)[boundary].double().cpu().numpy(),
+                            state_after(boundary_len)), TOL)
+            self.assertGreater(boundaries, 0, "no row crossed a block boundary")
+            state_idx, acc = runner.record_state_blocks(
+                step, idx_mapping=[0, 1], num_sampled=accepted,
+                num_computed_tokens=nc, block_table_width=width)
+            self.assertEqual(state_idx.tolist(), [min((nc[i] + accepted[i] - 1) // bs, width - 1)
+                                                  for i in range(2)])
+            self.assertEqual(acc.tolist(), [1, 1])
+
+
+@NEEDS_TORCH
 class RunnerDeferredTest(_ServerTest):
     """DEFERRED: a Commit leaves the tokens pending (the pool holds the
     checkpoint) until the block's next Verify or a Flush; free discards them."""
@@ -407,13 +474,13 @@ class RunnerDeferredTest(_ServerTest):
             self.decode_steps(runner, pools, reference, blocks, steps=1, check_states=False)
             for layer in range(runner.num_layers):  # pending: the checkpoint, unchanged
                 for b in blocks:
-                    np.testing.assert_array_equal(pools.recurrent(layer)[b].double().numpy(),
+                    np.testing.assert_array_equal(pools.recurrent(layer)[b].double().cpu().numpy(),
                                                   checkpoint[(layer, b)])
             # The next step's Verify replays them (its outputs are checked).
             self.decode_steps(runner, pools, reference, blocks, steps=2, check_states=False)
             runner.flush([blocks[0]])
             for layer in range(runner.num_layers):
-                self.assertLess(ref.rel_err(pools.recurrent(layer)[blocks[0]].double().numpy(),
+                self.assertLess(ref.rel_err(pools.recurrent(layer)[blocks[0]].double().cpu().numpy(),
                                             reference.states[(layer, blocks[0])]), TOL)
             # free: the pending tokens are forgotten, the checkpoint stays.
             held = [pools.recurrent(layer)[blocks[1]].clone() for layer in range(2)]
@@ -445,7 +512,7 @@ class RunnerFastTest(_ServerTest):
             runner.flush(blocks)
             for layer in range(runner.num_layers):
                 for b in blocks:
-                    self.assertLess(ref.rel_err(pools.recurrent(layer)[b].double().numpy(),
+                    self.assertLess(ref.rel_err(pools.recurrent(layer)[b].double().cpu().numpy(),
                                                 reference.states[(layer, b)]), TOL)
             # A request ends with tokens in its ring; free (discard) empties it, and
             # the next request's fresh state in the block is all Verify sees.
