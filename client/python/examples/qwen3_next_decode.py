@@ -167,10 +167,29 @@ class Geometry:
         return Geometry(gdn, attn, h, hv, k, 2 * h * k + hv * k, config.linear_conv_kernel_dim)
 
 
+def _accepted_config_kwargs(cls: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The kwargs this version's Qwen3NextConfig knows (its dataclass fields in transformers
+    >= 5; 4.x takes everything); the MoE/dense choice per layer as mlp_layer_types where a
+    version names it so. Fields it lacks are left at its defaults, and said so."""
+    if not dataclasses.is_dataclass(cls):
+        return kwargs  # 4.x: explicit parameters and **kwargs for PretrainedConfig's own
+    known = {f.name for f in dataclasses.fields(cls)}
+    out = {k: v for k, v in kwargs.items() if k in known}
+    if "mlp_only_layers" not in known and "mlp_layer_types" in known:
+        out["mlp_layer_types"] = ["dense" if i in kwargs["mlp_only_layers"] else "sparse"
+                                  for i in range(kwargs["num_hidden_layers"])]
+    dropped = sorted(set(kwargs) - known - {"mlp_only_layers"} if "mlp_layer_types" in out
+                     else set(kwargs) - known)
+    if dropped:
+        print(f"note: this transformers' {cls.__name__} has no {', '.join(dropped)}: left at "
+              "its defaults")
+    return out
+
+
 def build_model(args: argparse.Namespace, device: torch.device) -> Any:
     tf = _transformers()
     torch.manual_seed(args.seed)
-    config = tf.Qwen3NextConfig(**config_kwargs(args))
+    config = tf.Qwen3NextConfig(**_accepted_config_kwargs(tf.Qwen3NextConfig, config_kwargs(args)))
     # The verify forward passes its own additive masks (one per request, see
     # _attention_forward): eager and sdpa take them; flash attention would not.
     if args.attn_implementation not in ("eager", "sdpa"):
@@ -652,7 +671,7 @@ class VerifyForward:
         self.spec_layer_of = {d: i for i, d in enumerate(geo.gdn_layers)}
         self.rows: List[Row] = []
         self.step: Any = None
-        self.calls: Dict[str, int] = {}
+        self._layer, self._seen = -1, set()
         self.hl = geo.conv_kernel - 1
         self.installed = False
         self._saved: List[Tuple[Any, str, Any]] = []
@@ -705,6 +724,12 @@ class VerifyForward:
     def _gdn_forward(self, module: Any, original: Callable, spec_layer: int) -> Callable:
         params = inspect.signature(original).parameters
         owner = self
+        cache_name = next((n for n in ("cache_params", "past_key_values", "past_key_value")
+                           if n in params), None)
+        if cache_name is None:
+            raise ExampleError(f"{type(module).__name__}.forward{inspect.signature(original)} takes "
+                               "no cache_params / past_key_values: this example hands the GDN "
+                               "module a cache view that makes it take its decode path")
 
         def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             if hidden_states.dim() != 3 or hidden_states.shape[0] != 1:
@@ -712,7 +737,9 @@ class VerifyForward:
                                    f"{tuple(hidden_states.shape)}")
             owner._layer = spec_layer
             owner._seen = set()
-            call = {"cache_params": _DecodeCacheView(spec_layer), "attention_mask": None}
+            call: Dict[str, Any] = {cache_name: _DecodeCacheView(spec_layer)}
+            if "attention_mask" in params:
+                call["attention_mask"] = None
             if "cache_position" in params:  # 4.57 also needs it for its decode path
                 call["cache_position"] = torch.zeros(1, dtype=torch.long, device=hidden_states.device)
             # T one-token sequences: the module's decode path, every projection per token.
