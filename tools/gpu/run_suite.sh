@@ -90,8 +90,13 @@ if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = service ]; then
     # The integration kit (specstate.kit) on torch CUDA tensors: the Runner
     # against the float64 reference, a step captured in a CUDA graph, the KDA
     # example; then the example on its own server with --check, larger.
-    (unset LD_LIBRARY_PATH; SPECSTATED="$bundle/specstated" PYTHONPATH="$bundle/python" \
-      PYTHONUNBUFFERED=1 timeout 300 python3 "$bundle/python/tests/kit_gpu_test.py") > "$out/python_kit_gpu.log" 2>&1
+    # (its resume test starts a specstate-keeper, which needs the bundled libraries)
+    keeper=$(mktemp -d /tmp/ssXXXXXX)/specstate-keeper
+    printf '#!/bin/sh\nLD_LIBRARY_PATH="%s/lib" exec "%s/bin/specstate-keeper" "$@"\n' "$bundle" "$bundle" > "$keeper"
+    chmod +x "$keeper"
+    (unset LD_LIBRARY_PATH; SPECSTATED="$bundle/specstated" SPECSTATE_KEEPER="$keeper" \
+      PYTHONPATH="$bundle/python" PYTHONUNBUFFERED=1 timeout 300 python3 "$bundle/python/tests/kit_gpu_test.py") \
+      > "$out/python_kit_gpu.log" 2>&1
     rc=$?; note "python kit_gpu_test: exit $rc, $(grep -E '^(Ran|OK|FAILED)' "$out/python_kit_gpu.log" | tr '\n' ' ')"
     [ $rc -eq 0 ] || status=1
     no_skips "$out/python_kit_gpu.log" "python kit_gpu_test"

@@ -149,6 +149,11 @@ class FastCudaTest(kit_test.RunnerFastTest):
 
 
 @unittest.skipUnless(HAVE_CUDA, "needs torch with a CUDA device")
+class KeptPoolsResumeCudaTest(kit_test.KeptPoolsResumeTest):
+    FLAGS = FLAGS
+
+
+@unittest.skipUnless(HAVE_CUDA, "needs torch with a CUDA device")
 class KdaDecodeCudaTest(kit_test.KdaDecodeExampleTest):
     """examples/kda_decode.py against a CUDA specstated, torch CUDA tensors."""
 

@@ -524,15 +524,18 @@ class RunnerFastTest(_ServerTest):
 
 @NEEDS_TORCH
 class KeptPoolsResumeTest(unittest.TestCase):
-    """specstated SIGKILLed and restarted with its pools kept: the step in
-    flight raises Unavailable, runner.resume() re-opens, re-registers, reloads
-    and re-binds, the old step id is refused (LostSteps), and the states go on
-    matching the reference."""
+    """specstated SIGKILLed in the middle of a step and restarted with its pools
+    kept: the step raises Unavailable, runner.resume() re-opens, re-registers,
+    reloads and re-binds (and, on CUDA, releases the stream waits the dead
+    service left parked), the old step id is refused (LostSteps), and the
+    states go on matching the reference."""
+
+    FLAGS: dict = FLAGS
 
     def test_resume(self) -> None:
         directory = tempfile.mkdtemp(prefix="kk", dir="/tmp")
         keeper = server_fixture.Keeper(directory)
-        server = server_fixture.Server(keeper=keeper.socket, **FLAGS).start()
+        server = server_fixture.Server(keeper=keeper.socket, **self.FLAGS).start()
         try:
             with server.client() as client:
                 reference = Reference(client.layout(), seed=int.from_bytes(os.urandom(4),
@@ -545,15 +548,22 @@ class KeptPoolsResumeTest(unittest.TestCase):
                     helper = RunnerEagerTest("test_async_steps")
                     helper.decode_steps(runner, pools, reference, [1, 5], steps=2)
                     pools.close()
+                    step = runner.begin_step([0, 1, 2], [1, 5])
                     server.kill(hard=True)
                     with self.assertRaises(kit.Unavailable):
-                        runner.begin_step([0, 1, 2], [1, 5])
+                        # CPU: the host's wait for layer 0 sees the session end;
+                        # CUDA: the waits are on the stream, the Commit's RPC fails.
+                        for layer in range(runner.num_layers):
+                            step.verify(layer, **reference.inputs(shapes_of(step)))
+                        step.commit([1, 1])
                     server.start()
                     self.assertEqual(runner.resume(), [])
-                    lost = runner.session.lost_steps
-                    self.assertEqual(len(lost), 1)
+                    self.assertEqual(runner.last_recover.last_committed_step, step.id - 1)
+                    with self.assertRaises(kit.FailedPrecondition):
+                        step.verify(0, **reference.inputs(shapes_of(step)))
+                    self.assertEqual(runner.session.lost_steps, [step.id])
                     with self.assertRaises(kit.LostSteps) as cm:
-                        runner.session.commit(lost[0], [1, 1])
+                        runner.session.commit(step.id, [1, 1])
                     self.assertIn("was in flight when specstated restarted", cm.exception.message)
                     pools = kit.StatePools(client)
                     helper.decode_steps(runner, pools, reference, [5, 1], steps=2)
