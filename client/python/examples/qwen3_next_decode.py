@@ -772,9 +772,9 @@ class VerifyForward:
         if activation not in (None, "silu", "swish"):
             raise ExampleError(f"the GDN conv's activation is {activation!r}; expected silu")
         T, D = x.shape[0], x.shape[1]
-        if x.dim() != 3 or x.shape[2] != 1 or D != self.geo.conv_dim:
+        if x.dim() != 3 or x.shape[2] != 1 or D != self.geo.conv_dim or T != self.rows[-1].end:
             raise ExampleError(f"causal_conv1d_update input {tuple(x.shape)}, expected "
-                               f"[T, {self.geo.conv_dim}, 1]")
+                               f"[{self.rows[-1].end}, {self.geo.conv_dim}, 1]")
         if weight.dim() == 3:
             weight = weight.squeeze(1)
         if tuple(weight.shape) != (D, self.geo.conv_kernel):
@@ -1449,13 +1449,21 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{geo.conv_kernel}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M fp32 "
           f"parameters, seed {args.seed}")
     print("specstate I/O: " + ("specstate.kit" if args.use_kit and _kit_module() else "the plain client"))
-    prompts = make_prompts(args)
-
-    print(f"reference: transformers' greedy generate, {args.prompts} prompts x {args.new_tokens} "
-          "new tokens, one request at a time ...", flush=True)
-    ref = reference_generate(model, prompts, args.new_tokens, device)
     total = args.prompts * args.new_tokens
-    print(f"  generate: {total / ref.seconds:.1f} tokens/s ({ref.seconds:.2f} s)")
+    references: Dict[int, Tuple[List[List[int]], Decoded]] = {}  # by block size (0: none mode)
+
+    def reference(block_size: int) -> Tuple[List[List[int]], Decoded]:
+        """transformers' greedy generate on the pass's prompts (once per prompt set)."""
+        if block_size not in references:
+            ps = make_align_prompts(args, block_size) if block_size else make_prompts(args)
+            what = (f"prompts sharing a {args.align_prefix_blocks * block_size}-token prefix"
+                    if block_size else "prompts")
+            print(f"reference: transformers' greedy generate, {args.prompts} {what} x "
+                  f"{args.new_tokens} new tokens, one request at a time ...", flush=True)
+            r = reference_generate(model, ps, args.new_tokens, device)
+            print(f"  generate: {total / r.seconds:.1f} tokens/s ({r.seconds:.2f} s)")
+            references[block_size] = (ps, r)
+        return references[block_size]
 
     failed = False
     cache_modes = [c.strip().lower() for c in args.cache_mode.split(",") if c.strip()] or ["none"]
@@ -1463,7 +1471,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         passes = [(m, c) for c in cache_modes for m in (modes or ["eager"])]
     else:
         passes = [(modes[0] if modes else "", "")]  # the server's cache mode
-    align_ref: Dict[int, Tuple[List[List[int]], Decoded]] = {}
     for mode, cache_mode in passes:
         with contextlib.ExitStack() as stack:
             align = None
@@ -1490,16 +1497,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if args.num_spec > lo.num_spec:
                 raise ExampleError(f"--num_spec={args.num_spec} drafts, the server's num_spec is "
                                    f"{lo.num_spec}")
-            if align is None:
-                pass_prompts, pass_ref = prompts, ref
-            else:
-                if align.block_size not in align_ref:
-                    ps = make_align_prompts(args, align.block_size)
-                    print(f"reference for the align pass (prompts sharing a "
-                          f"{align.prefix_len}-token prefix): generate ...", flush=True)
-                    align_ref[align.block_size] = (ps, reference_generate(model, ps, args.new_tokens,
-                                                                          device))
-                pass_prompts, pass_ref = align_ref[align.block_size]
+            pass_prompts, pass_ref = reference(align.block_size if align else 0)
             print(f"\n== commit mode {served}, cache mode {pb.CacheMode.Name(lo.cache_mode)} "
                   f"({address}; num_spec {args.num_spec}"
                   + (f"; blocks of {align.block_size} tokens, a shared prefix of "
