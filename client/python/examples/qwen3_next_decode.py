@@ -456,8 +456,9 @@ class _PlainStep:
 
 
 class PlainRunner:
-    """A driving session and fp32 activation buffers registered once (shared memory on the
-    CPU backend, cudaMalloc'd device memory on CUDA), reused by every layer's Verify."""
+    """The same calls as KitRunner on the plain client (``--no_kit``): a driving session and
+    fp32 activation buffers registered once (shared memory on the CPU backend, cudaMalloc'd
+    device memory on CUDA), reused by every layer's SYNC Verify."""
 
     def __init__(self, client: Any, name: str, *, max_tokens: int, max_rows: int,
                  device: torch.device) -> None:
@@ -515,7 +516,9 @@ class PlainRunner:
 
 
 class KitRunner:
-    """specstate.kit's Runner behind the same four calls."""
+    """specstate.kit's Runner (ASYNC: one SubmitStep a step, doorbells) behind the calls
+    spec_decode makes: begin_step (whose Step has verify and commit), flush, free,
+    record_state_blocks, close."""
 
     def __init__(self, kit: Any, client: Any, name: str, *, max_tokens: int, max_rows: int,
                  device: torch.device, block_table_width: int = 0) -> None:
