@@ -449,10 +449,7 @@ class Runner:
             raise InvalidInput(grpc.StatusCode.INVALID_ARGUMENT,
                                f"state_indices: shape {list(idx.shape)}, expected [num_rows]")
         rows = int(idx.shape[0])
-        if not 1 <= rows <= self.max_rows:
-            raise InvalidInput(grpc.StatusCode.OUT_OF_RANGE,
-                               f"state_indices: {rows} rows is out of range: must be in "
-                               f"[1, {self.max_rows}] (the Runner's max_rows)")
+        self._check_rows(rows, "state_indices")
         if tuple(qsl.shape) != (rows + 1,):
             raise InvalidInput(grpc.StatusCode.INVALID_ARGUMENT,
                                f"query_start_loc: shape {list(qsl.shape)}, expected "
@@ -465,12 +462,29 @@ class Runner:
                 raise InvalidInput(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"num_tokens = {tokens} but query_start_loc[{rows}] = "
                                    f"{int(qsl[rows])}: they must be equal")
+        self._check_tokens(tokens, f" (query_start_loc[{rows}])")
+        return qsl, idx, rows, tokens
+
+    def _check_graphs(self, what: str) -> None:
+        if not self.cuda:
+            raise FailedPrecondition(grpc.StatusCode.FAILED_PRECONDITION,
+                                     f"{what}: CUDA graphs need the CUDA backend (this service "
+                                     "runs the CPU backend: use begin_step)")
+        if self.ordering != "async":
+            raise FailedPrecondition(grpc.StatusCode.FAILED_PRECONDITION,
+                                     f"{what} needs ordering='async' (doorbells)")
+
+    def _check_rows(self, rows: int, what: str) -> None:
+        if not 1 <= rows <= self.max_rows:
+            raise InvalidInput(grpc.StatusCode.OUT_OF_RANGE,
+                               f"{what}: {rows} rows is out of range: must be in "
+                               f"[1, {self.max_rows}] (the Runner's max_rows)")
+
+    def _check_tokens(self, tokens: int, what: str = "") -> None:
         if not 1 <= tokens <= self.max_tokens:
             raise InvalidInput(grpc.StatusCode.OUT_OF_RANGE,
-                               f"num_tokens = {tokens} (query_start_loc[{rows}]) is out of "
-                               f"range: must be in [1, {self.max_tokens}] (the Runner's "
-                               "max_tokens)")
-        return qsl, idx, rows, tokens
+                               f"num_tokens = {tokens}{what} is out of range: must be in "
+                               f"[1, {self.max_tokens}] (the Runner's max_tokens)")
 
     def _begin(self) -> None:
         if self.closed:
@@ -518,11 +532,9 @@ class Runner:
         ``torch.cuda.graph(g)``; then, every step, write the step's indices into
         :attr:`query_start_loc` / :attr:`state_indices` (and the graph writes
         :attr:`num_accepted`), call :meth:`replay_step` and ``g.replay()``."""
-        if self.ordering != "async":
-            raise FailedPrecondition(grpc.StatusCode.FAILED_PRECONDITION,
-                                     "capture_step needs ordering='async' (doorbells)")
-        self._counts(torch.zeros(num_rows + 1, dtype=torch.int32),
-                     torch.zeros(num_rows, dtype=torch.int32), num_tokens)
+        self._check_graphs("capture_step")
+        self._check_rows(num_rows, "num_rows")
+        self._check_tokens(num_tokens)
         return Step(self, 0, num_rows, num_tokens, mode="capture")
 
     def replay_step(self, num_tokens: int, num_rows: int,
@@ -533,9 +545,10 @@ class Runner:
         in ONE SubmitStep, all ASYNC on the kit's doorbells. Call it before
         the graph's replay. Returns the response (every call ``enqueued``);
         errors the service finds while running them come with the next call."""
+        self._check_graphs("replay_step")
         self._begin()
-        self._counts(torch.zeros(num_rows + 1, dtype=torch.int32),
-                     torch.zeros(num_rows, dtype=torch.int32), num_tokens)
+        self._check_rows(num_rows, "num_rows")
+        self._check_tokens(num_tokens)
         if commit_batch is not None and not 1 <= commit_batch <= self.max_batch:
             raise InvalidInput(grpc.StatusCode.OUT_OF_RANGE,
                                f"commit_batch = {commit_batch} is out of range: must be in "

@@ -319,6 +319,9 @@ class RunnerEagerTest(_ServerTest):
             self.assertIn("layers 0 to 1 were not verified", cm.exception.message)
             with self.assertRaises(kit.FailedPrecondition):
                 runner.begin_step([0, 1], [2])  # step still open
+            with self.assertRaises(kit.FailedPrecondition) as cm:
+                runner.capture_step(2, 1)
+            self.assertIn("CUDA graphs need the CUDA backend", cm.exception.message)
             step.abandon()  # the queued Verify calls run on what the buffers hold
             self.decode_steps(runner, pools, reference, [2, 6], steps=1)
             with self.assertRaises(kit.InvalidInput) as cm:
