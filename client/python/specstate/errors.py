@@ -4,21 +4,17 @@ Every failure is a :class:`SpecStateError` carrying its gRPC status code, and
 also an instance of the subclass for the *family* of that code, by what a
 scheduler must do about it:
 
-===========================  ==============================================  =========================
-class                        codes                                            what the engine does
-===========================  ==============================================  =========================
-:class:`InvalidInput`        INVALID_ARGUMENT, OUT_OF_RANGE, NOT_FOUND,       fix the call (a shape, a
-                             ALREADY_EXISTS                                   bound, a region name)
-:class:`FailedPrecondition`  FAILED_PRECONDITION                              the order of calls is wrong
-:class:`LostSteps`           FAILED_PRECONDITION (a step in flight across     re-run the step from Verify
-                             a restart of specstated)                         under a new step id
-:class:`Unavailable`         UNAVAILABLE                                      ``resume()``, then re-run
-:class:`Timeout`             DEADLINE_EXCEEDED                                the service (or a doorbell)
-                                                                              did not answer in time
-:class:`ResourceExhausted`   RESOURCE_EXHAUSTED                               fewer rows / smaller buffers
-:class:`DataLoss`            DATA_LOSS                                        a region changed under a call
-:class:`Internal`            INTERNAL, UNKNOWN, and the rest                  a bug or a device fault
-===========================  ==============================================  =========================
+- :class:`InvalidInput` (INVALID_ARGUMENT, OUT_OF_RANGE, NOT_FOUND,
+  ALREADY_EXISTS): fix the call (a shape, a bound, a region name).
+- :class:`FailedPrecondition` (FAILED_PRECONDITION): the order of calls is wrong.
+- :class:`LostSteps` (a FailedPrecondition: a step in flight across a restart
+  of specstated): re-run the step from Verify under a new step id.
+- :class:`Unavailable` (UNAVAILABLE): ``resume()``, then re-run the step.
+- :class:`Timeout` (DEADLINE_EXCEEDED): the service, or a doorbell, did not
+  answer in time.
+- :class:`ResourceExhausted` (RESOURCE_EXHAUSTED): fewer rows, smaller buffers.
+- :class:`DataLoss` (DATA_LOSS): a region changed under a call.
+- :class:`Internal` (INTERNAL, UNKNOWN and the rest): a bug or a device fault.
 
 ``SpecStateError(code, message)`` itself returns an instance of the code's
 class, so ``except specstate.SpecStateError`` still catches everything and

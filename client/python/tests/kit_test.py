@@ -426,14 +426,16 @@ class RunnerAlignModeTest(_ServerTest):
                     want, _ = ref.kda_tokens(reference.states[(layer, b)], *(
                         f[n] for n in ("q", "k", "v", "g", "beta")), reference.a_log[layer].numpy(),
                         reference.dt_bias[layer].numpy(), lo.lower_bound)
-                    self.assertLess(ref.rel_err(o[qsl[i]:qsl[i + 1]].double().cpu().numpy(), want), TOL)
+                    got = o[qsl[i]:qsl[i + 1]].double().cpu().numpy()
+                    self.assertLess(ref.rel_err(got, want), TOL)
             step.commit(accepted, block_table=tables, num_computed_tokens=torch.tensor(nc))
             boundaries = 0
             for i in range(2):
                 commit_len, final, boundary, boundary_len = ref.align_plan(
                     nc[i], accepted[i], lens[i], Q, bs, tables[i].tolist(), checkpoints[i])
                 for layer in range(runner.num_layers):
-                    f = {n: t[qsl[i]:qsl[i + 1]].double().cpu().numpy() for n, t in xs[layer].items()}
+                    f = {n: t[qsl[i]:qsl[i + 1]].double().cpu().numpy()
+                         for n, t in xs[layer].items()}
 
                     def state_after(n: int) -> np.ndarray:
                         _, st = ref.kda_tokens(
@@ -443,8 +445,8 @@ class RunnerAlignModeTest(_ServerTest):
                             lo.lower_bound)
                         return st
 
-                    self.assertLess(ref.rel_err(pools.recurrent(layer)[final].double().cpu().numpy(),
-                                                state_after(commit_len)), TOL)
+                    got = pools.recurrent(layer)[final].double().cpu().numpy()
+                    self.assertLess(ref.rel_err(got, state_after(commit_len)), TOL)
                     if boundary is not None and boundary > 0 and boundary_len < commit_len:
                         boundaries += 1
                         self.assertLess(ref.rel_err(
@@ -483,8 +485,8 @@ class RunnerDeferredTest(_ServerTest):
             self.decode_steps(runner, pools, reference, blocks, steps=2, check_states=False)
             runner.flush([blocks[0]])
             for layer in range(runner.num_layers):
-                self.assertLess(ref.rel_err(pools.recurrent(layer)[blocks[0]].double().cpu().numpy(),
-                                            reference.states[(layer, blocks[0])]), TOL)
+                got = pools.recurrent(layer)[blocks[0]].double().cpu().numpy()
+                self.assertLess(ref.rel_err(got, reference.states[(layer, blocks[0])]), TOL)
             # free: the pending tokens are forgotten, the checkpoint stays.
             held = [pools.recurrent(layer)[blocks[1]].clone() for layer in range(2)]
             runner.free([blocks[1]])
