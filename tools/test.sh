@@ -7,7 +7,9 @@
 # skipped), counted from this run's results only, and exits non-zero when
 # anything failed or did not build.
 #   tools/test.sh            # all of it
-#   tools/test.sh --fast     # the default build's tests only
+#   tools/test.sh --fast     # the default build's tests only, built without
+#                            # CUDA (SPECSTATE_CUDA=0: no nvcc, a few minutes
+#                            # cold); the full run compiles the CUDA code too
 # SPECSTATE_TEST_TARGETS (default //...) picks the targets (the self-test uses it).
 # GPU suites: bazel test --config=gpu //...   (see docs/gpu.md)
 set -uo pipefail
@@ -66,7 +68,14 @@ run_script() {
   failed=$((failed + f))
 }
 
-run default
+if [ "${1:-}" = "--fast" ] && [ -z "${SPECSTATE_TEST_TARGETS:-}" ]; then
+  # The CUDA kernels take most of a cold build and no test here runs them
+  # (the GPU cases need a GPU): the quick tier builds the CPU backend only.
+  # (The CI self-test's own --fast runs keep the build as it is.)
+  run default --repo_env=SPECSTATE_CUDA=0
+else
+  run default
+fi
 if [ "${1:-}" != "--fast" ]; then
   run asan --config=asan
   if [ -z "${SPECSTATE_TEST_TARGETS:-}" ]; then

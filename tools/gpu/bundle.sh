@@ -32,7 +32,7 @@ done
 ln "$dest/bin/specstated" "$dest/runfiles/specstate/server/"
 ln "$dest/bin/specstatectl" "$dest/runfiles/specstate/client/"
 ln "$dest/bin/specstate-keeper" "$dest/runfiles/specstate/keeper/"
-cp tools/gpu/run_suite.sh tools/gpu/diagnose.sh tools/gpu/profile_kernels.sh tools/gpu/ab_servers.sh \
+cp tools/gpu/run_suite.sh tools/gpu/examples.sh tools/gpu/diagnose.sh tools/gpu/profile_kernels.sh tools/gpu/ab_servers.sh \
   tools/gpu/trace/timeline.py tools/start_services.sh "$dest/"
 # The Python client with freshly generated stubs and its tests, and a
 # specstated launcher that finds the bundled libraries (the Python process
