@@ -65,7 +65,9 @@ its Verify of every layer < l of step n+1, which waited on doorbells the
 caller rang after resetting ``ready[l]`` of step n (and ``done[l]`` is reset
 before the caller rings the next ``ready[l]``). A per-step generation counter
 (value = step id) would need the stream to wait for a value that changes every
-step, which a captured ``cuStreamWaitValue32`` cannot.
+step, which a captured ``cuStreamWaitValue32`` cannot. (Capturing the stream
+memory operations needs CUDA 11.7 or later; kit_gpu_test captures and replays
+a step with torch 2.11 on CUDA 13.)
 
 **Commit modes.** EAGER: nothing to do. DEFERRED and FAST: a block's
 recurrent state in the pool may be a checkpoint with tokens pending: before
