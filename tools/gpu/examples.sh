@@ -8,7 +8,8 @@
 #   generate, in EAGER, DEFERRED and FAST (QWEN3_FLAGS adds flags, e.g.
 #   --cache_mode=none,align; QWEN3_PROMPTS and QWEN3_TOKENS size it);
 # - kda: client/python/examples/kda_decode.py (a KDA model in torch) against
-#   its own one-token-at-a-time reference, in the same three modes.
+#   its own one-token-at-a-time reference, in the same three modes (KDA_MODES,
+#   KDA_TOKENS and KDA_TIMEOUT change that).
 # MPS=1 runs both under a private MPS daemon (as production would).
 # Exits non-zero when a check failed.
 set -uo pipefail
@@ -51,14 +52,14 @@ if [ "$what" = all ] || [ "$what" = qwen3 ]; then
 fi
 
 if [ "$what" = all ] || [ "$what" = kda ]; then
-  for mode in eager deferred fast; do
+  for mode in ${KDA_MODES:-eager deferred fast}; do
     sock=$(mktemp -d /tmp/ssXXXXXX)/s.sock
     "$bundle/specstated" --backend=cuda --listen="unix://$sock" --layers=4 --heads=4 --head_dim=128 \
       --conv_dim=1536 --num_spec=3 --blocks=64 --max_rows=16 --activation_dtype=fp32 \
       --state_dtype=fp32 --commit_mode=$mode > "$out/kda_decode_${mode}_server.log" 2>&1 &
     server=$!
     for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
-    py 240 "$bundle/python/examples/kda_decode.py" --server="unix://$sock" --requests=8 \
+    py "${KDA_TIMEOUT:-240}" "$bundle/python/examples/kda_decode.py" --server="unix://$sock" --requests=8 \
       --tokens="${KDA_TOKENS:-512}" --check > "$out/kda_decode_$mode.log" 2>&1
     rc=$?
     note "kda_decode --check ($mode): exit $rc"
