@@ -38,7 +38,7 @@ flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -ffp-contract=off
 sources=(
   server/engine.cc server/submit_step.cc server/request_tensors.cc server/step_table.cc server/tensor_summary.cc
   server/regions.cc
-  server/config.cc server/cpu_device.cc
+  server/config.cc server/presets.cc server/sizing.cc server/pool_header.cc server/cpu_device.cc
   server/truncation_guard.cc server/no_cuda_device.cc server/log.cc server/phase_profile.cc
   server/test_crash.cc
   kernels/cpu/kda_cpu.cc kernels/kda_kernels.cc kernels/no_cuda.cc kernels/device_status.cc
