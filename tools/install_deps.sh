@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages SpecState builds and tests with (offline
-# Bazel, gRPC, protobuf, Abseil, GoogleTest, prometheus-cpp, Python's grpcio,
-# numpy and torch: CPU torch for the Python integration kit's tests).
+# Bazel, gRPC, protobuf, Abseil, GoogleTest, prometheus-cpp, Python's grpcio
+# and numpy); with --tests also CPU torch, for the Python integration kit's
+# tests (tools/test.sh passes it; the quick start and the image build do not
+# need it).
 # Safe to run again: apt-get skips what is there.
 set -euo pipefail
 packages=(
@@ -9,8 +11,10 @@ packages=(
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libabsl-dev libgtest-dev libgmock-dev prometheus-cpp-dev pkg-config g++
   python3 python3-grpcio python3-protobuf python3-numpy python3-yaml
-  python3-torch
 )
+if [ "${1:-}" = "--tests" ]; then
+  packages+=(python3-torch)
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

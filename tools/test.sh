@@ -14,7 +14,7 @@
 # GPU suites: bazel test --config=gpu //...   (see docs/gpu.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-tools/install_deps.sh || { echo "0 passed, 1 failed"; exit 1; }
+tools/install_deps.sh --tests || { echo "0 passed, 1 failed"; exit 1; }
 
 targets=${SPECSTATE_TEST_TARGETS:-//...}
 passed=0
