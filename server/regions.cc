@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/descriptor.h"
+#include "server/config.h"
 
 namespace specstate {
 namespace server {
@@ -143,21 +144,7 @@ std::string GivenShapeString(const Dims& shape) {
 
 // The wire's name of a kernel dtype (the proto enum's: "BF16"), the one
 // spelling of dtypes in the service's messages.
-v1::DType WireDType(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return v1::FP32;
-    case DType::kFloat16:
-      return v1::FP16;
-    case DType::kBFloat16:
-      return v1::BF16;
-    case DType::kInt32:
-      return v1::INT32;
-  }
-  return v1::DTYPE_UNSPECIFIED;
-}
-
-std::string WireDTypeName(DType dtype) { return v1::DType_Name(WireDType(dtype)); }
+std::string WireDTypeName(DType dtype) { return v1::DType_Name(ToProto(dtype)); }
 
 // The DType values a tensor may carry, with their numbers: "FP32 (1), FP16
 // (2), BF16 (3), INT32 (4)".
