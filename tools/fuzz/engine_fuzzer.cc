@@ -9,7 +9,7 @@
 // - Verify, BindVerifyInputs and RegisterRegion never change a pool byte;
 // - a rejected call (its status, or the device's) changes no pool byte.
 //
-//   tools/fuzz/run.sh --seconds=60      # builds with clang and runs over tools/fuzz/corpus
+//   tools/fuzz/run.sh --seconds=60      # builds with clang and runs over tools/fuzz/corpus.tar.xz
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>

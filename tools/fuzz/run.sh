@@ -2,7 +2,7 @@
 # Builds the fuzz target with clang (libFuzzer + AddressSanitizer +
 # UndefinedBehaviorSanitizer) and runs it, bounded, over the committed
 # corpus. Ends with "1 passed, 0 failed" or "0 passed, 1 failed".
-#   tools/fuzz/run.sh [--seconds=60] [--jobs=1] [--keep]   # --keep: add new inputs to the corpus
+#   tools/fuzz/run.sh [--seconds=60] [--jobs=1] [--keep]   # --keep: add new inputs to the corpus (corpus.tar.xz)
 # Outside Bazel on purpose: Bazel's one C++ toolchain is gcc's, and switching
 # its compiler would reconfigure (and rebuild) everything else.
 set -uo pipefail
@@ -63,10 +63,11 @@ absl="absl_base absl_status absl_statusor absl_str_format absl_strings absl_sync
 clang++ -fsanitize=fuzzer,address,undefined "${objects[@]}" -o "$out/engine_fuzzer" \
   $(pkg-config --libs protobuf $absl) -lpthread || fail "linking failed"
 
-corpus=tools/fuzz/corpus
+# The corpus is one archive (hundreds of small inputs would crowd the tree).
+corpus=tools/fuzz/corpus.tar.xz
 work=$(mktemp -d /tmp/fuzz-corpus.XXXXXX)
 trap 'rm -rf "$work"' EXIT
-cp "$corpus"/* "$work"/ 2>/dev/null || true
+tar -xJf "$corpus" -C "$work" || fail "cannot unpack $corpus"
 echo "fuzz: $(ls "$work" | wc -l) corpus inputs, ${seconds} s"
 # The pools are checked after every call; a crash, a sanitizer report or a
 # changed pool on a rejected call ends the run with a non-zero status.
@@ -76,9 +77,13 @@ ASAN_OPTIONS=abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || fail "the fuzz target failed (exit $rc); the input is under $out/"
 if [ "$keep" -eq 1 ]; then
-  mkdir -p "$corpus.new"
-  "$out/engine_fuzzer" -merge=1 "$corpus.new" "$work" "$corpus" >/dev/null 2>&1
-  rm -rf "$corpus" && mv "$corpus.new" "$corpus"
-  echo "fuzz: corpus now $(ls "$corpus" | wc -l) inputs"
+  # Minimized by libFuzzer's merge, then packed reproducibly (sorted names,
+  # no times or owners), so an unchanged corpus packs to the same bytes.
+  merged=$(mktemp -d /tmp/fuzz-merged.XXXXXX)
+  "$out/engine_fuzzer" -merge=1 "$merged" "$work" >/dev/null 2>&1
+  tar --sort=name --mtime='@0' --owner=0 --group=0 --numeric-owner -C "$merged" \
+    -cJf "$corpus" . || fail "cannot pack $corpus"
+  echo "fuzz: corpus now $(ls "$merged" | wc -l) inputs"
+  rm -rf "$merged"
 fi
 echo "1 passed, 0 failed"
