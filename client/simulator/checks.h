@@ -30,7 +30,7 @@
 #include "client/simulator/pools.h"
 #include "client/simulator/ranks.h"
 #include "client/simulator/report.h"
-#include "client/simulator/simulator.h"
+#include "client/simulator/simulation_report.h"
 #include "client/simulator/stock_path.h"
 
 namespace specstate {

@@ -24,7 +24,7 @@
 #include "client/simulator/model.h"
 #include "client/simulator/pools.h"
 #include "client/simulator/report.h"
-#include "client/simulator/simulator.h"
+#include "client/simulator/simulation_report.h"
 #include "client/simulator/stock_path.h"
 
 namespace specstate {

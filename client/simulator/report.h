@@ -1,6 +1,7 @@
 // The simulator's report as it is gathered: per-RPC latencies, and the tally
 // of comparisons (how many, how many differ, the first difference) kept in
-// the SimulationReport. FormatReport (simulator.h, defined in report.cc)
+// the SimulationReport (simulation_report.h). FormatReport (declared there,
+// defined in report.cc)
 // prints the report and its verdict.
 //
 //   Latencies latencies;
@@ -16,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "client/simulator/simulator.h"
+#include "client/simulator/simulation_report.h"
 
 namespace specstate {
 namespace client {
