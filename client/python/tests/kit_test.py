@@ -488,10 +488,10 @@ class RunnerDeferredTest(_ServerTest):
                 got = pools.recurrent(layer)[blocks[0]].double().cpu().numpy()
                 self.assertLess(ref.rel_err(got, reference.states[(layer, blocks[0])]), TOL)
             # free: the pending tokens are forgotten, the checkpoint stays.
-            held = [pools.recurrent(layer)[blocks[1]].clone() for layer in range(2)]
+            held = [pools.recurrent(layer)[blocks[1]].clone() for layer in range(runner.num_layers)]
             runner.free([blocks[1]])
             runner.flush()
-            for layer in range(2):
+            for layer in range(runner.num_layers):
                 self.assertTrue(torch.equal(pools.recurrent(layer)[blocks[1]], held[layer]))
             with self.assertRaises(kit.InvalidInput) as cm:
                 runner.flush([1, self.lo.num_blocks])
