@@ -131,6 +131,10 @@ def _prefill_in_transformers(model: Any, geo: Geometry, pools: Pools, req: Reque
         if conv.shape[-1] < hl:
             raise ExampleError(f"transformers' conv state has {conv.shape[-1]} columns, the conv "
                                f"needs {hl}")
+        if conv.shape[0] != geo.conv_dim or tuple(rec.shape) != (geo.value_heads, geo.head_dim, geo.head_dim):
+            raise ExampleError(f"layer {d}'s GDN cache: conv state {tuple(conv.shape)}, recurrent "
+                               f"state {tuple(rec.shape)} per request; expected [{geo.conv_dim}, W] "
+                               f"and [{geo.value_heads}, {geo.head_dim}, {geo.head_dim}]")
         pool_conv = pools.conv(i)
         pool_conv[block].zero_()
         pool_conv[block, :, :hl] = conv[:, -hl:].to(pool_conv.dtype)  # columns [0, hl): h_1..h_hl

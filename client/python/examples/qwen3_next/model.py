@@ -182,14 +182,25 @@ def decoder_layers(model: Any) -> Sequence[Any]:
 # ---------------------------------------------------------------------------
 # transformers' cache: the GDN states after prefill, and the attention KV.
 
+def _state0(x: Any) -> Any:
+    """transformers >= 5.1x keeps a layer's states in a dict by state index (Qwen3-Next's GDN
+    has one, index 0); earlier 5.x the tensor itself."""
+    if isinstance(x, dict):
+        return x.get(0)
+    if isinstance(x, (list, tuple)):
+        return x[0] if x else None
+    return x
+
+
 def cache_gdn_states(cache: Any, layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """(conv window [D, W_tf], recurrent state [HV, K, V]) of batch row 0 of decoder layer
-    `layer_idx`: transformers >= 5 keeps them on cache.layers[i] (LinearAttentionLayer),
-    4.57's Qwen3NextDynamicCache in cache.conv_states[i] / cache.recurrent_states[i]."""
+    `layer_idx`: transformers >= 5 keeps them on cache.layers[i] (LinearAttentionLayer:
+    .conv_states / .recurrent_states, tensors, or dicts {0: tensor} from 5.1x on), 4.57's
+    Qwen3NextDynamicCache in cache.conv_states[i] / cache.recurrent_states[i]."""
     layers = getattr(cache, "layers", None)
     conv = rec = None
     if layers is not None and layer_idx < len(layers) and hasattr(layers[layer_idx], "recurrent_states"):
-        conv, rec = layers[layer_idx].conv_states, layers[layer_idx].recurrent_states
+        conv, rec = _state0(layers[layer_idx].conv_states), _state0(layers[layer_idx].recurrent_states)
     elif hasattr(cache, "recurrent_states") and hasattr(cache, "conv_states"):
         conv, rec = cache.conv_states[layer_idx], cache.recurrent_states[layer_idx]
     else:
@@ -199,6 +210,9 @@ def cache_gdn_states(cache: Any, layer_idx: int) -> Tuple[torch.Tensor, torch.Te
     if not torch.is_tensor(conv) or not torch.is_tensor(rec):
         raise ExampleError(f"layer {layer_idx}'s GDN cache holds no tensors after prefill "
                            f"(conv {type(conv).__name__}, recurrent {type(rec).__name__})")
+    if conv.dim() != 3 or rec.dim() != 4:
+        raise ExampleError(f"layer {layer_idx}'s GDN cache: conv state {tuple(conv.shape)}, recurrent "
+                           f"state {tuple(rec.shape)}; expected [B, D, W] and [B, HV, K, V]")
     return conv[0], rec[0]
 
 
@@ -207,25 +221,34 @@ def cache_length(cache: Any) -> int:
 
 
 def cache_crop(cache: Any, length: int) -> None:
-    """Drops the attention KV of rejected drafts (the GDN entries are not used while decoding)."""
-    done = False
-    crop = getattr(cache, "crop", None)
-    if crop is not None:
-        try:
-            crop(length)
-            done = True
-        except (NotImplementedError, AttributeError):
-            done = False
-    if not done:
+    """Drops the attention KV of rejected drafts (the GDN entries are not used while decoding).
+
+    Only the full-attention layers: transformers 5.1x's Cache.crop also crops every
+    LinearAttentionLayer, which raises unless past recording was switched on, and its
+    positive (absolute-length) argument is deprecated (removed in 5.18); a negative one
+    removes that many tokens in every 5.x. 4.57's Qwen3NextDynamicCache has no crop: its
+    key_cache / value_cache lists are cut directly."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        for layer in layers:
+            keys = getattr(layer, "keys", None)
+            if not torch.is_tensor(keys) or keys.dim() != 4 or keys.shape[-2] <= length:
+                continue  # a linear-attention layer, an empty one, or nothing to drop
+            crop = getattr(layer, "crop", None)
+            if crop is not None:
+                crop(length - keys.shape[-2])  # negative: remove that many tokens
+            else:
+                layer.keys, layer.values = keys[..., :length, :], layer.values[..., :length, :]
+    else:
         for attr in ("key_cache", "value_cache"):
             tensors = getattr(cache, attr, None)
             if tensors is None:
-                raise ExampleError(f"{type(cache).__name__} has neither crop() nor key_cache/value_cache")
+                raise ExampleError(f"{type(cache).__name__} has neither .layers nor key_cache/value_cache")
             for i, t in enumerate(tensors):
                 if torch.is_tensor(t) and t.dim() == 4 and t.shape[-2] > length:
                     tensors[i] = t[..., :length, :]
     if cache_length(cache) != length:
-        raise ExampleError(f"{type(cache).__name__}.crop({length}) left {cache_length(cache)} tokens")
+        raise ExampleError(f"{type(cache).__name__}: cropping to {length} tokens left {cache_length(cache)}")
 
 
 def sync(device: torch.device) -> None:

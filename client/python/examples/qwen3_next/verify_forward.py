@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -28,10 +29,19 @@ class Row:
 
 
 class _Handle:
-    """Stands in for a cache tensor the GDN module reads and hands to a replaced kernel."""
+    """Stands in for a cache tensor the GDN module reads and hands to a replaced kernel.
+    transformers >= 5.1x keeps a dict of states per layer and reads `conv_states[0]`:
+    state 0 is the handle itself."""
 
     def __init__(self, what: str, layer: int) -> None:
         self.what, self.layer = what, layer
+
+    def __getitem__(self, i: Any) -> "_Handle":
+        if isinstance(i, int) and i == 0:
+            return self
+        raise ExampleError(f"the GDN module indexed its {self} with {i!r}: this example hands it "
+                           "the state it reads and replaces the kernels that use it, and knows "
+                           "only state 0")
 
     def __repr__(self) -> str:
         return f"<SpecState {self.what} of GDN layer {self.layer}>"
@@ -52,18 +62,23 @@ class _AnyIndex:
 
 
 class _LinearLayerView:
+    """cache.layers[i] of transformers >= 5: LinearAttentionLayer (its conv_states and
+    recurrent_states a tensor each, or a dict of them by state index in 5.1x)."""
+
     def __init__(self, conv: _Handle, rec: _Handle) -> None:
         self.conv_states, self.recurrent_states = conv, rec
-        self.has_previous_state = True
+        self.has_previous_state = {0: True}  # truthy, and per state index where a dict
+        self.record_past = False             # 5.1x: decode path only without past recording
 
 
 class _DecodeCacheView:
     """What a Qwen3NextGatedDeltaNet reads of its cache_params while it decodes: a previous
-    state exists (so it takes its decode path: causal_conv1d_update and
-    recurrent_gated_delta_rule), the states are SpecState's (the replaced kernels
-    use the pools), and the new state it stores is dropped. transformers >= 5:
-    has_previous_state(layer_idx), layers[i].conv_states, update_recurrent_state();
-    4.57: has_previous_state (truthy), conv_states[i], recurrent_states[i] = ..."""
+    state exists (so it takes its decode path: causal_conv1d_update and the recurrent
+    gated delta rule), the states are SpecState's (the replaced kernels use the pools),
+    and the new state it stores is dropped. transformers 5.x: has_previous_state(layer_idx
+    [, state_idx]), layers[i].conv_states (or .conv_states[0]), layers[i].record_past,
+    update_recurrent_state(); 4.57: has_previous_state (truthy), conv_states[i],
+    recurrent_states[i] = ..."""
 
     def __init__(self, spec_layer: int) -> None:
         conv, rec = _Handle("conv window", spec_layer), _Handle("recurrent state", spec_layer)
@@ -71,14 +86,65 @@ class _DecodeCacheView:
         self.recurrent_states = _AnyIndex(lambda i: rec)
         self.layers = _AnyIndex(lambda i: _LinearLayerView(conv, rec))
 
-    def has_previous_state(self, layer_idx: Optional[int] = None) -> bool:  # a method: truthy too
+    def has_previous_state(self, layer_idx: Optional[int] = None, state_idx: Optional[int] = None,
+                           **kwargs: Any) -> bool:  # a method: truthy too (4.57 reads it as such)
         return True
 
-    def update_recurrent_state(self, recurrent_states: Any, layer_idx: int, **kwargs: Any) -> Any:
+    def update_recurrent_state(self, recurrent_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
         return recurrent_states
 
-    def update_conv_state(self, conv_states: Any, layer_idx: int, **kwargs: Any) -> Any:
+    def update_conv_state(self, conv_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
         raise ExampleError("the GDN module took its prefill path inside a verify forward")
+
+
+# Where the two kernels the decode path calls live. transformers 4.57-5.1x: instance
+# attributes set in Qwen3NextGatedDeltaNet.__init__ (`self.causal_conv1d_update =
+# causal_conv1d_update or torch_causal_conv1d_update`, `self.recurrent_gated_delta_rule =
+# fused_recurrent_gated_delta_rule or torch_recurrent_gated_delta_rule`); newer ones call
+# module-level functions of modeling_qwen3_next (`causal_conv1d_update(...)`,
+# `torch_recurrent_gated_delta_rule(...)`, registered with @use_kernelized_func). Every one
+# of these names that exists is replaced while installed.
+_CONV_ATTRS = ("causal_conv1d_update",)
+_REC_ATTRS = ("recurrent_gated_delta_rule",)
+_CONV_GLOBALS = ("causal_conv1d_update", "torch_causal_conv1d_update")
+_REC_GLOBALS = ("recurrent_gated_delta_rule", "fused_recurrent_gated_delta_rule",
+                "torch_recurrent_gated_delta_rule")
+
+
+def _unwrapped(fn: Callable) -> Callable:
+    """The function behind a method and its decorators: through __wrapped__, or, where a
+    decorator sets none (transformers 5.x's @force_accelerate_hooks("conv1d") on the GDN
+    forward), through the closure cell holding a function of the same name."""
+    fn = getattr(fn, "__func__", fn)
+    name = getattr(fn, "__name__", None)
+    for _ in range(8):
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None:
+            cells = []
+            for cell in getattr(fn, "__closure__", None) or ():
+                try:
+                    cells.append(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    continue
+            found = [c for c in cells if inspect.isfunction(c) and c.__name__ in (name, "forward")]
+            if len(found) != 1:
+                break
+            inner = found[0]
+        fn = getattr(inner, "__func__", inner)
+    return fn
+
+
+def _kernel_globals(module: Any) -> List[Dict[str, Any]]:
+    """The globals the module's forward reads its kernels from (its modeling file's)."""
+    out: List[Dict[str, Any]] = []
+    real = _unwrapped(type(module).forward)
+    g = getattr(real, "__globals__", None)
+    if isinstance(g, dict):
+        out.append(g)
+    mod = sys.modules.get(type(module).__module__)
+    if mod is not None and all(mod.__dict__ is not d for d in out):
+        out.append(mod.__dict__)
+    return out
 
 
 class VerifyForward:
@@ -87,8 +153,9 @@ class VerifyForward:
     Full-attention layers: transformers' module per request, with its cache and an
     explicit causal mask over [past + window]. GDN layers: transformers' module on the
     packed tokens, seen as a batch of T one-token sequences so that it takes its
-    decode path, with `causal_conv1d_update` replaced by the window update on the
-    SpecState conv pool and `recurrent_gated_delta_rule` by SpecState's Verify.
+    decode path, with its causal conv update (`causal_conv1d_update`) replaced by the
+    window update on the SpecState conv pool and its recurrent gated delta rule by
+    SpecState's Verify, wherever this transformers keeps them (_kernel_slots).
     """
 
     def __init__(self, model: Any, geo: Geometry, pools: Pools) -> None:
@@ -106,12 +173,10 @@ class VerifyForward:
             m = getattr(layer, "linear_attn", None)
             if m is None:
                 raise ExampleError(f"decoder layer {d} (linear_attention) has no linear_attn module")
-            for attr in ("causal_conv1d_update", "recurrent_gated_delta_rule", "conv1d"):
-                if not hasattr(m, attr):
-                    raise ExampleError(
-                        f"{type(m).__name__} has no attribute {attr!r}: this example replaces the "
-                        "module's causal_conv1d_update and recurrent_gated_delta_rule (instance "
-                        "attributes in transformers 4.57-5.x) with SpecState's")
+            if not hasattr(m, "conv1d"):
+                raise ExampleError(f"{type(m).__name__} has no conv1d: this example reads the GDN "
+                                   "conv's weight from linear_attn.conv1d")
+            self._kernel_slots(m)  # raises, naming what it looked for, if a kernel is not found
         for d in geo.attn_layers:
             if getattr(self.layers[d], "self_attn", None) is None:
                 raise ExampleError(f"decoder layer {d} (full_attention) has no self_attn module")
@@ -124,8 +189,11 @@ class VerifyForward:
             m = self.layers[d].linear_attn
             spec_layer = self.spec_layer_of[d]
             self._swap(m, "forward", self._gdn_forward(m, m.forward, spec_layer))
-            self._swap(m, "causal_conv1d_update", self._conv_update)
-            self._swap(m, "recurrent_gated_delta_rule", self._recurrence)
+            conv_slots, rec_slots = self._kernel_slots(m)
+            for container, name in conv_slots:
+                self._swap_slot(container, name, self._conv_update)
+            for container, name in rec_slots:
+                self._swap_slot(container, name, self._recurrence)
         for d in self.geo.attn_layers:
             a = self.layers[d].self_attn
             self._swap(a, "forward", self._attention_forward(a.forward))
@@ -134,7 +202,9 @@ class VerifyForward:
             yield
         finally:
             for obj, name, had in reversed(self._saved):
-                if had is _MISSING:
+                if isinstance(obj, dict):  # a module's globals or a kernel registry
+                    obj[name] = had
+                elif had is _MISSING:
                     delattr(obj, name)
                 else:
                     setattr(obj, name, had)
@@ -145,15 +215,48 @@ class VerifyForward:
         self._saved.append((obj, name, obj.__dict__.get(name, _MISSING)))
         setattr(obj, name, value)
 
+    def _swap_slot(self, container: Any, name: str, value: Any) -> None:
+        if not isinstance(container, dict):
+            self._swap(container, name, value)
+        elif not any(obj is container and n == name for obj, n, _ in self._saved):
+            self._saved.append((container, name, container[name]))  # globals: once for all layers
+            container[name] = value
+
+    @staticmethod
+    def _kernel_slots(m: Any) -> Tuple[List[Tuple[Any, str]], List[Tuple[Any, str]]]:
+        """Where module m's decode path finds its conv update and recurrent kernel: instance
+        attributes (transformers 4.57-5.1x), its modeling file's module-level functions
+        (newer), and the @use_kernelized_func registry (m._hidden_kernels) where it has one."""
+        slots: Tuple[List[Tuple[Any, str]], List[Tuple[Any, str]]] = ([], [])
+        for out, attrs, names in ((slots[0], _CONV_ATTRS, _CONV_GLOBALS),
+                                  (slots[1], _REC_ATTRS, _REC_GLOBALS)):
+            out += [(m, a) for a in attrs if callable(getattr(m, a, None))]
+            hidden = m.__dict__.get("_hidden_kernels")
+            for d in _kernel_globals(m) + ([hidden] if isinstance(hidden, dict) else []):
+                out += [(d, n) for n in names if callable(d.get(n))]
+        for out, what in ((slots[0], "causal conv update"), (slots[1], "recurrent gated delta rule")):
+            if not out:
+                names = _CONV_ATTRS + _CONV_GLOBALS if out is slots[0] else _REC_ATTRS + _REC_GLOBALS
+                raise ExampleError(
+                    f"{type(m).__name__} ({type(m).__module__}) has no {what} this example can "
+                    f"replace: looked for the instance attribute {names[0]!r} (transformers "
+                    f"4.57-5.1x) and module-level functions {sorted(set(names))} in its modeling file")
+        return slots
+
     # -- GDN ---------------------------------------------------------------------
 
     def _gdn_forward(self, module: Any, original: Callable, spec_layer: int) -> Callable:
-        params = inspect.signature(original).parameters
+        # transformers 5.x decorates the forward with @force_accelerate_hooks("conv1d"), whose
+        # wrapper (self, *args, **kwargs) sets no __wrapped__: the parameters are the inner one's.
+        sig = inspect.signature(_unwrapped(original))
+        params = sig.parameters
         owner = self
         cache_name = next((n for n in ("cache_params", "past_key_values", "past_key_value")
                            if n in params), None)
+        if cache_name is None and any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            cache_name = "cache_params"  # a wrapper we could not see through: the name 4.57-5.x use
         if cache_name is None:
-            raise ExampleError(f"{type(module).__name__}.forward{inspect.signature(original)} takes "
+            raise ExampleError(f"{type(module).__name__}.forward{sig} takes "
                                "no cache_params / past_key_values: this example hands the GDN "
                                "module a cache view that makes it take its decode path")
 
@@ -174,10 +277,11 @@ class VerifyForward:
                 missing = {"conv", "recurrence"} - owner._seen
                 raise ExampleError(
                     f"{type(module).__name__}.forward did not call its "
-                    f"{' and '.join(sorted(missing))} kernel through the module attribute "
-                    "(causal_conv1d_update / recurrent_gated_delta_rule) with a cache that has a "
-                    "previous state: transformers' GDN decode path differs from what this "
-                    "example replaces")
+                    f"{' and '.join(sorted(missing))} kernel through a replaced name (instance "
+                    f"attributes {_CONV_ATTRS + _REC_ATTRS} or module-level "
+                    f"{_CONV_GLOBALS + _REC_GLOBALS}) with a cache that has a previous state and "
+                    "one token per sequence: transformers' GDN decode path differs from what "
+                    "this example replaces")
             return out.transpose(0, 1)
 
         return forward
