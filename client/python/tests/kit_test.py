@@ -554,12 +554,19 @@ class KeptPoolsResumeTest(unittest.TestCase):
                     helper.decode_steps(runner, pools, reference, [1, 5], steps=2)
                     pools.close()
                     step = runner.begin_step([0, 1, 2], [1, 5])
+                    # Every layer's inputs on the runner's device before the kill:
+                    # on CUDA the first Verify's wait parks the caller's stream
+                    # until resume() releases it, and a copy from host memory
+                    # would block the host behind it (kit/runner.py, resume).
+                    inputs = [{n: t.to(runner.device) for n, t in
+                               reference.inputs(shapes_of(step)).items()}
+                              for _ in range(runner.num_layers)]
                     server.kill(hard=True)
                     with self.assertRaises(kit.Unavailable):
                         # CPU: the host's wait for layer 0 sees the session end;
                         # CUDA: the waits are on the stream, the Commit's RPC fails.
                         for layer in range(runner.num_layers):
-                            step.verify(layer, **reference.inputs(shapes_of(step)))
+                            step.verify(layer, **inputs[layer])
                         step.commit([1, 1])
                     server.start()
                     self.assertEqual(runner.resume(), [])
