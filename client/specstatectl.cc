@@ -45,6 +45,7 @@
 #include "kernels/dtype.h"
 #include "kernels/kda_kernels.h"
 #include "server/config.h"
+#include "server/modes/rules.h"
 #include "server/presets.h"
 #include "server/sizing.h"
 
@@ -514,7 +515,7 @@ void PrintPlan(const server::SizingPlan& p, const std::string& model) {
                b.sizes.conv_width, v1::DType_Name(l.activation_dtype()));
   std::string bookkeeping =
       l.commit_mode() == v1::FAST
-          ? absl::StrCat("FAST's rings (", server::FoldEveryOf(l) * Q,
+          ? absl::StrCat("FAST's rings (", server::CommitModeOf(l).FoldEvery(l) * Q,
                          " tokens a layer), cursors, owner words")
           : l.commit_mode() == v1::DEFERRED ? "pending entries, owner words, a Flush's list"
                                             : "Commit's owner word, a Flush's list";

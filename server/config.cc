@@ -5,8 +5,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/fast/fast_args.h"
 #include "kernels/kda_kernels.h"
+#include "server/modes/rules.h"
 #include "server/presets.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/text_format.h"
@@ -171,36 +171,8 @@ absl::Status ValidateLayout(const v1::Layout& l) {
     return Bad("cache_mode", "must be NONE or ALIGN");
   }
   const int q = l.num_spec() + 1;
-  if (l.commit_mode() != v1::COMMIT_MODE_UNSPECIFIED && l.commit_mode() != v1::EAGER &&
-      l.commit_mode() != v1::DEFERRED && l.commit_mode() != v1::FAST) {
-    return Bad("commit_mode", "must be EAGER, DEFERRED or FAST");
-  }
-  if (IsDeferred(l)) {
-    if (absl::Status window = kernels::ValidateDeferredWindow(q); !window.ok()) {
-      return Bad("commit_mode", absl::StrCat("DEFERRED with num_spec = ", l.num_spec(), ": ",
-                                             window.message()));
-    }
-  }
-  if (!IsFast(l) && l.fold_every() != 0) {
-    return Bad("fold_every", absl::StrCat("= ", l.fold_every(),
-                                          " is for commit_mode FAST only (0 in the other modes)"));
-  }
-  if (IsFast(l)) {
-    if (q > kernels::kMaxFastQueryLen) {
-      return Bad("commit_mode", absl::StrCat("FAST with num_spec = ", l.num_spec(),
-                                             ": FAST verifies at most ",
-                                             kernels::kMaxFastQueryLen, " tokens a row (num_spec <= ",
-                                             kernels::kMaxFastQueryLen - 1, ")"));
-    }
-    const int max_fold_every = kernels::fast::kMaxFastRingCapacity / q;
-    if (l.fold_every() < 0 || l.fold_every() > max_fold_every) {
-      return Bad("fold_every",
-                 absl::StrCat("= ", l.fold_every(), " must be in [1, ", max_fold_every,
-                              "] (0: ", kernels::fast::kDefaultFoldEvery,
-                              "): the rings hold fold_every * Q tokens a block, at most ",
-                              kernels::fast::kMaxFastRingCapacity, " (Q = ", q, ")"));
-    }
-  }
+  if (absl::Status mode = ValidateCommitMode(l.commit_mode()); !mode.ok()) return mode;
+  if (absl::Status mode = CommitModeOf(l).Validate(l); !mode.ok()) return mode;
   if (l.cache_mode() == v1::ALIGN && l.mamba_block_size() < q) {
     return Bad("mamba_block_size", absl::StrCat("= ", l.mamba_block_size(),
                                                 " must cover one speculative window of ", q,
@@ -245,51 +217,22 @@ LayoutSizes ComputeLayoutSizes(const v1::Layout& l) {
   const int64_t act = DTypeSize(FromProto(l.activation_dtype()).value_or(DType::kFloat32));
   const int64_t st = DTypeSize(FromProto(l.state_dtype()).value_or(DType::kFloat32));
   const kernels::KdaShape shape = ShapeOf(l);
-  const int64_t hk = kernels::KeyWidth(shape), vw = kernels::ValueWidth(shape);
+  const int64_t vw = kernels::ValueWidth(shape);
   s.state_block_bytes = vw * l.head_dim() * st;
   s.conv_block_bytes = int64_t{l.conv_dim()} * s.conv_width * act;
   s.state_pool_bytes = Align256(s.state_block_bytes * l.num_blocks());
   s.conv_pool_bytes = Align256(s.conv_block_bytes * l.num_blocks());
   s.pool_bytes = (s.state_pool_bytes + s.conv_pool_bytes) * l.num_layers();
-  const int64_t tokens = int64_t{l.max_rows()} * s.spec_query_len;
-  // kv [tokens, H K + HV V], g [tokens, gate width], beta [tokens, HV].
-  s.records_per_layer_bytes = Align256(tokens * (hk + vw) * act) +
-                              Align256(tokens * kernels::GateWidth(shape) * act) +
-                              Align256(tokens * kernels::ValueHeads(shape) * act);
-  // DEFERRED double-buffers the records (a step's live until its blocks'
-  // next Verify) and keeps the pending bookkeeping; FAST keeps rings instead.
-  const int buffers = IsDeferred(l) ? 2 : 1;
-  s.record_bytes = s.records_per_layer_bytes * l.num_layers() * buffers;
-  // EAGER: a Flush's block list, copied to be checked (engine.cc, Flush);
-  // DEFERRED and FAST count theirs below.
-  s.mode_bytes = Align256(int64_t{l.num_blocks()} * 4);
-  if (IsFast(l)) {
-    s.records_per_layer_bytes = 0;
-    s.fast_ring_capacity = kernels::fast::FastRingCapacity(FoldEveryOf(l), s.spec_query_len);
-    s.fast_ring_k_bytes =
-        Align256(int64_t(kernels::fast::FastRingKBytes(shape, l.num_blocks(), s.fast_ring_capacity)));
-    s.fast_ring_u_bytes =
-        Align256(int64_t(kernels::fast::FastRingUBytes(shape, l.num_blocks(), s.fast_ring_capacity)));
-    s.fast_ring_log_decay_bytes = Align256(int64_t(
-        kernels::fast::FastRingLogDecayBytes(shape, l.num_blocks(), s.fast_ring_capacity)));
-    s.fast_cursor_bytes = Align256(int64_t(kernels::fast::FastCursorBytes(l.num_blocks())));
-    s.record_bytes = (s.fast_ring_k_bytes + s.fast_ring_u_bytes + s.fast_ring_log_decay_bytes +
-                      s.fast_cursor_bytes) *
-                     l.num_layers();
-    s.mode_bytes = int64_t(kernels::VerifyWorkspaceBytes(l.num_blocks())) +
-                   Align256(int64_t{l.num_blocks()} * 4) + 512;  // a Flush's checked blocks, status
-  }
-  if (IsDeferred(l)) {
-    s.mode_bytes =
-        int64_t(kernels::PendingEntriesBytes(l.num_layers(), l.num_blocks())) +
-        int64_t(kernels::PendingHeaderBytes(l.max_rows())) +
-        int64_t(kernels::VerifyWorkspaceBytes(l.num_blocks())) +
-        Align256(int64_t{l.num_layers()} * l.max_rows() * 4) +  // each layer's replay plan
-        int64_t(kernels::CommitJobsCapacity(l.max_rows(), l.num_layers()) +
-                kernels::FlushJobsCapacity(l.max_rows(), l.num_layers())) *
-            int64_t{sizeof(kernels::ReplayJob)} +
-        Align256(int64_t{l.num_blocks()} * 4) + 512;  // a Flush's checked blocks, counts
-  }
+  // The token scratch and bookkeeping of the commit mode.
+  const ModeScratchSizes scratch = CommitModeOf(l).ScratchSizes(l, shape);
+  s.record_bytes = scratch.record_bytes;
+  s.records_per_layer_bytes = scratch.records_per_layer_bytes;
+  s.mode_bytes = scratch.mode_bytes;
+  s.fast_ring_capacity = scratch.fast_ring_capacity;
+  s.fast_ring_k_bytes = scratch.fast_ring_k_bytes;
+  s.fast_ring_u_bytes = scratch.fast_ring_u_bytes;
+  s.fast_ring_log_decay_bytes = scratch.fast_ring_log_decay_bytes;
+  s.fast_cursor_bytes = scratch.fast_cursor_bytes;
   s.workspace_bytes =
       int64_t(kernels::CommitWorkspaceBytes(l.max_rows(), s.spec_query_len, l.num_blocks())) +
       int64_t(kernels::RecordStateBlocksWorkspaceBytes(l.max_rows()));
@@ -345,15 +288,6 @@ kernels::KdaShape ShapeOf(const v1::Layout& l) {
   shape.num_value_heads = ValueHeadsOf(l);
   shape.gate = l.kda_gate() == v1::PLAIN_GATE ? kernels::KdaGate::kPlain : kernels::KdaGate::kSafe;
   return shape;
-}
-
-bool IsDeferred(const v1::Layout& l) { return l.commit_mode() == v1::DEFERRED; }
-
-bool IsFast(const v1::Layout& l) { return l.commit_mode() == v1::FAST; }
-
-int FoldEveryOf(const v1::Layout& l) {
-  if (!IsFast(l)) return 0;
-  return l.fold_every() > 0 ? l.fold_every() : kernels::fast::kDefaultFoldEvery;
 }
 
 int ValueHeadsOf(const v1::Layout& l) {

@@ -99,12 +99,7 @@ v1::DType ToProto(DType dtype);
 kernels::KdaShape ShapeOf(const v1::Layout& layout);
 // HV: num_value_heads, or num_heads where it is 0.
 int ValueHeadsOf(const v1::Layout& layout);
-// commit_mode DEFERRED (EAGER otherwise, COMMIT_MODE_UNSPECIFIED included).
-bool IsDeferred(const v1::Layout& layout);
-// commit_mode FAST.
-bool IsFast(const v1::Layout& layout);
-// FAST: fold_every in use (the layout's, or 4 where it is 0); 0 otherwise.
-int FoldEveryOf(const v1::Layout& layout);
+// What differs by commit mode: server/modes/rules.h (CommitModeOf).
 
 }  // namespace server
 }  // namespace specstate

@@ -26,6 +26,7 @@
 #include "specstate/v1/specstate.pb.h"
 #include "server/config.h"
 #include "server/device.h"
+#include "server/modes/mode_engine.h"
 #include "server/pool_header.h"
 #include "server/phase_profile.h"
 #include "server/regions.h"
@@ -137,9 +138,7 @@ class Engine {
     float* a_log = nullptr;    // device [H]
     float* dt_bias = nullptr;  // device [H * K]
     bool params_loaded = false;
-    kernels::Records records;      // FAST: no buffers (rows and window only)
-    kernels::Records records_alt;  // DEFERRED's second records buffer
-    kernels::FastRings fast;       // FAST's rings (cursors null otherwise)
+    // Its records and rings: host_layer_table_'s entry (ModeEngine::AllocateLayer).
   };
 
   struct Ordering {
@@ -156,21 +155,10 @@ class Engine {
   struct StepCall;
 
   Engine(const v1::ServiceConfig& config, std::unique_ptr<Device> device);
-  absl::Status Allocate();
+  // `kept`: DEFERRED's parts in the kept allocation (may be null).
+  absl::Status Allocate(const DeferredParts* kept);
   absl::Status AllocateLayers();
   absl::StatusOr<std::vector<StepSlot>> AllocateSlots();
-  absl::Status AllocatePending();
-  absl::Status AllocateFast();
-  absl::Status AllocateRings(kernels::FastRings* rings);
-  // `at`: where the records lie (kept memory); null: allocated.
-  absl::StatusOr<kernels::Records> AllocateRecords(char* at = nullptr);
-
-  // DEFERRED and FAST: the launch of a flush of `blocks` (absent: every
-  // pending block, every non-empty ring) in `layer` (-1: every layer), its
-  // status mirrored to `mirror` (may be null). Under EAGER: nothing to launch.
-  std::function<absl::Status(kernels::Stream, Scratch&)> FlushLaunch(
-      std::shared_ptr<const IndexInput> blocks, int layer, bool discard,
-      kernels::DeviceStatus* mirror) const;
 
   // The step protocol of every Verify, Commit and RecordStateBlocks, in one
   // place: under the lock, a retry of an at-most-once call is answered from
@@ -267,15 +255,8 @@ class Engine {
   size_t commit_workspace_bytes_ = 0;
   void* record_workspace_ = nullptr;
   size_t record_workspace_bytes_ = 0;
-  // DEFERRED (pending_.entries null under EAGER and FAST).
-  kernels::PendingBlocks pending_;
-  DeferredParts kept_deferred_;  // pending.entries null: DEFERRED's parts are the engine's own
-  int32_t* replay_plans_ = nullptr;  // [layers, max_rows]
-  void* verify_workspace_ = nullptr;  // DEFERRED and FAST
-  size_t verify_workspace_bytes_ = 0;
-  kernels::ReplayJobs commit_jobs_, flush_jobs_;
-  int32_t* flush_checked_blocks_ = nullptr;          // [num_blocks]: a Flush's list, checked
-  kernels::DeviceStatus* flush_status_ = nullptr;    // every Flush's (stream-ordered)
+  // What the commit mode keeps and adds to each verb (server/modes/).
+  std::unique_ptr<ModeEngine> mode_;
   float* params_staging_ = nullptr;                  // LoadLayerParams: [H + H * K]
   kernels::DeviceStatus* params_status_ = nullptr;  // LoadLayerParams' device status
 

@@ -43,6 +43,7 @@
 #include "server/engine.h"
 #include "server/log.h"
 #include "server/metrics.h"
+#include "server/modes/rules.h"
 #include "server/presets.h"
 #include "server/reflection.h"
 #include "server/recovery.h"
@@ -309,17 +310,10 @@ absl::StatusOr<v1::ServiceConfig> BuildConfig(std::optional<Budget>* pool_memory
     }
   }
   if (Given(FLAGS_commit_mode)) {
-    const std::string mode = absl::GetFlag(FLAGS_commit_mode);
-    if (mode == "eager") {
-      l->set_commit_mode(v1::EAGER);
-    } else if (mode == "deferred") {
-      l->set_commit_mode(v1::DEFERRED);
-    } else if (mode == "fast") {
-      l->set_commit_mode(v1::FAST);
-    } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--commit_mode=", mode, ": expected eager, deferred or fast"));
-    }
+    absl::StatusOr<v1::CommitMode> mode =
+        ParseCommitMode(absl::GetFlag(FLAGS_commit_mode), "--commit_mode");
+    if (!mode.ok()) return mode.status();
+    l->set_commit_mode(*mode);
   }
   if (Given(FLAGS_fold_every)) l->set_fold_every(absl::GetFlag(FLAGS_fold_every));
   if (Given(FLAGS_mamba_block_size)) l->set_mamba_block_size(absl::GetFlag(FLAGS_mamba_block_size));
@@ -428,7 +422,7 @@ absl::Status SizeBlocks(const Budget& budget, const Device& device, bool kept_po
                           : std::string(),
       ": ", *blocks, " blocks (", *blocks - 1, " requests' states; block 0 is null), ",
       bytes.total, " bytes allocated (pools ", bytes.pools, ", ",
-      IsFast(*layout) ? "rings " : "records ", bytes.records, ", the rest ",
+      CommitModeOf(*layout).scratch_name(), " ", bytes.records, ", the rest ",
       bytes.total - bytes.pools - bytes.records, ")"));
   return absl::OkStatus();
 }
@@ -620,7 +614,7 @@ int Run() {
       l.layer_kind() == v1::GDN ? "GDN" : "KDA", l.num_heads(), ValueHeadsOf(l), l.head_dim(), l.num_blocks(), l.max_rows(), l.num_spec() + 1,
       v1::DType_Name(l.activation_dtype()).c_str(), v1::DType_Name(l.state_dtype()).c_str(),
       v1::CacheMode_Name(l.cache_mode()).c_str(), v1::CommitMode_Name(l.commit_mode()).c_str(),
-      IsFast(l) ? absl::StrCat(" (fold every ", l.fold_every(), ")").c_str() : "");
+      l.fold_every() > 0 ? absl::StrCat(" (fold every ", l.fold_every(), ")").c_str() : "");
   std::fflush(stdout);
   if (l.backend() == v1::CUDA) {
     if (l.mps_client()) {

@@ -13,6 +13,7 @@
 #include "absl/strings/str_split.h"
 #include "kernels/kda_kernels.h"
 #include "server/fnv1a.h"
+#include "server/modes/rules.h"
 
 namespace specstate {
 namespace server {
@@ -265,7 +266,7 @@ HeaderLayout HeaderLayoutFor(int64_t num_blocks, const KeptDeferred& d) {
 
 KeptDeferred KeptDeferredFor(const v1::Layout& layout, uint64_t records_per_layer_bytes) {
   KeptDeferred d;
-  if (layout.commit_mode() != v1::DEFERRED) return d;
+  if (!CommitModeOf(layout).RecordsInKeptAllocation()) return d;
   d.present = 1;
   d.num_layers = layout.num_layers();
   d.capacity = layout.max_rows();
@@ -315,12 +316,9 @@ std::string LayoutIdentity(const v1::Layout& l) {
     absl::StrAppend(&s, " kda_gate=", v1::KdaGate_Name(l.kda_gate()),
                     " lower_bound=", absl::StrFormat("%.9g", l.lower_bound()));
   }
-  // DEFERRED keeps its records and pending tokens: the mode and the records'
-  // rows give them their meaning. (Absent for EAGER, whose fingerprints stay
-  // those of pools made before DEFERRED could be kept.)
-  if (l.commit_mode() == v1::DEFERRED) {
-    absl::StrAppend(&s, " commit_mode=DEFERRED max_rows=", l.max_rows());
-  }
+  // The commit mode's kept parts (DEFERRED's records and pending tokens) need
+  // the fields that give them their meaning.
+  absl::StrAppend(&s, CommitModeOf(l).IdentitySuffix(l));
   return s;
 }
 

@@ -17,6 +17,7 @@
 #include "keeper/fd_passing.h"
 #include "server/config.h"
 #include "server/log.h"
+#include "server/modes/rules.h"
 #include "server/pool_header.h"
 #include "server/sd_notify.h"
 
@@ -42,15 +43,7 @@ absl::StatusOr<std::unique_ptr<Recovery>> Recovery::Start(const v1::Layout& layo
                                                           Device& device,
                                                           const RecoveryOptions& options,
                                                           absl::Time process_start) {
-  if (IsFast(layout)) {
-    // Its accepted tokens live in the rings, beside the pools but not kept
-    // with them (and its folds keep no journal): a restart would lose them
-    // silently.
-    return absl::FailedPreconditionError(
-        "commit_mode FAST keeps accepted tokens in rings beside the pools, which do not outlive "
-        "specstated: keeping the pools across restarts (--keeper, systemd's file-descriptor "
-        "store) needs commit_mode EAGER or DEFERRED");
-  }
+  if (absl::Status keeps = CommitModeOf(layout).CheckKeepsPools(); !keeps.ok()) return keeps;
   std::unique_ptr<Recovery> r(new Recovery(device, options));
   const LayoutSizes sizes = ComputeLayoutSizes(layout);
   r->pool_bytes_ = static_cast<uint64_t>(sizes.pool_bytes);

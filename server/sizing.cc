@@ -13,6 +13,7 @@
 #include "kernels/kda_args.h"
 #include "kernels/kda_kernels.h"
 #include "server/pool_header.h"
+#include "server/modes/rules.h"
 #include "server/step_table.h"
 
 namespace specstate {
@@ -137,7 +138,7 @@ ServiceBytes ComputeServiceBytes(const v1::Layout& layout, bool kept_pools) {
         KeptDeferredFor(layout, static_cast<uint64_t>(s.records_per_layer_bytes));
     b.kept_header = static_cast<int64_t>(HeaderLayoutFor(layout.num_blocks(), deferred).bytes);
     // DEFERRED's records live in the kept allocation; the engine allocates none.
-    b.total += b.kept_header - (IsDeferred(layout) ? b.records : 0);
+    b.total += b.kept_header - (CommitModeOf(layout).RecordsInKeptAllocation() ? b.records : 0);
   }
   return b;
 }

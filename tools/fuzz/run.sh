@@ -37,6 +37,10 @@ flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -ffp-contract=off
        -I. -I"$out/gen" $(pkg-config --cflags protobuf))
 sources=(
   server/engine.cc server/submit_step.cc server/request_tensors.cc server/step_table.cc server/tensor_summary.cc
+  server/commit.cc server/flush.cc server/load_params.cc server/read_state.cc server/record_state_blocks.cc
+  server/step_protocol.cc server/verify.cc
+  server/modes/rules.cc server/modes/mode_engine.cc server/modes/eager.cc server/modes/deferred.cc
+  server/modes/fast.cc
   server/regions.cc
   server/config.cc server/presets.cc server/sizing.cc server/pool_header.cc server/cpu_device.cc
   server/truncation_guard.cc server/no_cuda_device.cc server/log.cc server/phase_profile.cc

@@ -1,0 +1,122 @@
+// DEFERRED's engine side: two records buffers a layer (a step's records live
+// until its blocks' next Verify), the pending table (kept across a restart
+// with the pools), each layer's replay plan, and the replay lists of Commit
+// and Flush. A Commit plans; a block's next Verify (or a Flush, a ReadState,
+// the end of the driving session) replays its pending tokens.
+#include "server/modes/mode_engine.h"
+#include "server/test_crash.h"
+
+namespace specstate {
+namespace server {
+namespace {
+
+class DeferredEngine final : public ModeEngine {
+ public:
+  explicit DeferredEngine(const ModeEnvironment& env) : ModeEngine(env) {}
+
+  uint64_t BytesAlreadyKept() const override {
+    return kept() ? uint64_t(sizes().record_bytes) : 0;
+  }
+
+  absl::Status AllocateLayer(int l, kernels::CommitLayer& entry) override {
+    absl::StatusOr<kernels::Records> records =
+        AllocateRecords(kept() ? env_.kept.records[2 * l] : nullptr);
+    if (!records.ok()) return records.status();
+    entry.records = *records;
+    records = AllocateRecords(kept() ? env_.kept.records[2 * l + 1] : nullptr);
+    if (!records.ok()) return records.status();
+    entry.records_alt = *records;
+    return absl::OkStatus();
+  }
+
+  // The pending table (zeroed: nothing pending; kept: as the last instance
+  // left it, with its journal), each layer's replay plan, the replay lists
+  // of Commit and Flush, a Flush's checked blocks and status.
+  absl::Status AllocateShared(const LayerTables& tables) override {
+    tables_ = tables;
+    const int L = layout().num_layers();
+    const int rows = layout().max_rows();
+    const int64_t blocks = layout().num_blocks();
+    absl::Status st;
+    if (kept()) {
+      pending_ = env_.kept.pending;
+    } else {
+      pending_.num_layers = L;
+      pending_.num_blocks = blocks;
+      pending_.capacity = rows;
+      st = AllocateDevice(kernels::PendingEntriesBytes(L, blocks), &pending_.entries);
+      if (st.ok()) st = AllocateDevice(kernels::PendingHeaderBytes(rows), &pending_.header);
+    }
+    if (st.ok()) st = AllocateDevice(uint64_t(L) * rows * 4, &replay_plans_);
+    workspace_bytes_ = kernels::VerifyWorkspaceBytes(blocks);
+    if (st.ok()) st = AllocateDevice(workspace_bytes_, reinterpret_cast<char**>(&workspace_));
+    commit_jobs_.capacity = static_cast<int>(kernels::CommitJobsCapacity(rows, L));
+    flush_jobs_.capacity = static_cast<int>(kernels::FlushJobsCapacity(rows, L));
+    if (st.ok()) st = AllocateDevice(commit_jobs_.capacity * sizeof(kernels::ReplayJob), &commit_jobs_.jobs);
+    if (st.ok()) st = AllocateDevice(sizeof(int32_t), &commit_jobs_.count);
+    if (st.ok()) st = AllocateDevice(flush_jobs_.capacity * sizeof(kernels::ReplayJob), &flush_jobs_.jobs);
+    if (st.ok()) st = AllocateDevice(sizeof(int32_t), &flush_jobs_.count);
+    if (st.ok()) st = AllocateDevice(uint64_t(blocks) * 4, &checked_blocks_);
+    if (st.ok()) st = AllocateDevice(sizeof(kernels::DeviceStatus), &flush_status_);
+    return st;
+  }
+
+  // A journal with a test hook installs the pending table's too.
+  void SetCommitJournal(const kernels::CommitJournal& journal) override {
+    if (journal.test_hook != nullptr && pending_.journal != nullptr) {
+      pending_.test_hook = &PendingTestHook;
+    }
+  }
+
+  void AddToVerify(int layer, kernels::VerifyArgs& args) const override {
+    args.pending = pending_;
+    args.layer = layer;
+    args.records_alt = tables_.host[layer].records_alt;
+    args.replay_plan = replay_plans_ + int64_t{layer} * layout().max_rows();
+    args.workspace = workspace_;
+    args.workspace_bytes = workspace_bytes_;
+  }
+
+  void AddToCommit(kernels::CommitArgs& args) const override {
+    args.pending = pending_;
+    args.jobs = commit_jobs_;
+  }
+
+  Launch Materialize(std::shared_ptr<const IndexInput> blocks, int layer, bool discard,
+                     kernels::DeviceStatus* mirror) const override {
+    kernels::FlushArgs args = FlushArgsFor(tables_, layer, discard, flush_status_, mirror);
+    args.pending = pending_;
+    args.jobs = flush_jobs_;
+    return FlushLaunchOf(args, std::move(blocks), checked_blocks_);
+  }
+
+ private:
+  bool kept() const { return env_.kept.pending.entries != nullptr; }
+
+  LayerTables tables_;
+  kernels::PendingBlocks pending_;
+  int32_t* replay_plans_ = nullptr;  // [layers, max_rows]
+  void* workspace_ = nullptr;        // the Verify owner table
+  size_t workspace_bytes_ = 0;
+  kernels::ReplayJobs commit_jobs_, flush_jobs_;
+  int32_t* checked_blocks_ = nullptr;        // [num_blocks]: a Flush's list, checked
+  kernels::DeviceStatus* flush_status_ = nullptr;  // every Flush's (stream-ordered)
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModeEngine>> NewDeferredEngine(const ModeEnvironment& env) {
+  const DeferredParts& kept = env.kept;
+  const v1::Layout& l = *env.layout;
+  if (kept.pending.entries != nullptr &&
+      (static_cast<int>(kept.records.size()) != 2 * l.num_layers() ||
+       kept.pending.num_layers != l.num_layers() || kept.pending.num_blocks != l.num_blocks() ||
+       kept.pending.capacity != l.max_rows())) {
+    return absl::InternalError(
+        "the kept DEFERRED parts were not made for this layout (Recovery checks that first)");
+  }
+  return std::unique_ptr<ModeEngine>(new DeferredEngine(env));
+}
+
+}  // namespace server
+}  // namespace specstate
