@@ -44,10 +44,10 @@
 #include "google/protobuf/util/json_util.h"
 #include "kernels/dtype.h"
 #include "kernels/kda_kernels.h"
-#include "server/config.h"
+#include "server/config/config.h"
 #include "server/modes/rules.h"
-#include "server/presets.h"
-#include "server/sizing.h"
+#include "server/config/presets.h"
+#include "server/config/sizing.h"
 
 ABSL_FLAG(std::string, server, "unix:///tmp/specstate.sock",
           "the service's address: unix:///PATH or HOST:PORT");

@@ -28,7 +28,7 @@ namespace kernels {
 //   uncorrectable ECC or NVLink errors, a contained error), after which
 //   every CUDA call fails until the process restarts. Nothing the caller
 //   sent explains them. Which failure is sticky the service learns from the
-//   runtime itself (its reaper in server/cuda_device.cc), not from a list.
+//   runtime itself (its reaper in server/device/cuda_device.cc), not from a list.
 absl::StatusCode CudaStatusCode(cudaError_t error) {
   switch (error) {
     case cudaSuccess:

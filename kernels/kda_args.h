@@ -128,7 +128,7 @@ struct Records {
 //    entry is one of them (each commit materializes what the previous one
 //    left and no Verify took).
 //
-// With kept pools (server/pool_header.h) the table, both records buffers
+// With kept pools (server/kept/pool_header.h) the table, both records buffers
 // and `journal` live in memory that outlives the service. The journal then
 // brackets every call that changes the table or materializes pending
 // tokens into the pool (a Verify that replays, a Commit, a Flush): once its
@@ -341,7 +341,7 @@ struct VerifyArgs {
 };
 
 // Crash bookkeeping of commits (optional; null `record`: none). The service
-// keeps it in memory that outlives its process (server/pool_header.h), so
+// keeps it in memory that outlives its process (server/kept/pool_header.h), so
 // that after a crash the blocks of a commit that started and did not finish
 // are known, and nothing half-written passes for a committed state. Only the
 // commit's kernels write it, in stream order: once the commit's checks have

@@ -39,18 +39,18 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "kernels/kda_kernels.h"
 #include "proto/served_descriptor_set.h"
-#include "server/config.h"
-#include "server/engine.h"
-#include "server/log.h"
-#include "server/metrics.h"
+#include "server/config/config.h"
+#include "server/engine/engine.h"
+#include "server/base/log.h"
+#include "server/api/metrics.h"
 #include "server/modes/rules.h"
-#include "server/presets.h"
-#include "server/reflection.h"
-#include "server/recovery.h"
-#include "server/sd_notify.h"
-#include "server/test_crash.h"
-#include "server/service.h"
-#include "server/sizing.h"
+#include "server/config/presets.h"
+#include "server/api/reflection.h"
+#include "server/kept/recovery.h"
+#include "server/kept/sd_notify.h"
+#include "server/base/test_crash.h"
+#include "server/api/service.h"
+#include "server/config/sizing.h"
 
 // Every flag's default is the default configuration's value (config.cc's
 // DefaultServiceConfig(), checked at start); a flag overrides the config
@@ -129,7 +129,7 @@ ABSL_FLAG(std::string, pools_fd_socket, "",
           "CUDA kept pools: where clients fetch the pools' descriptor when cudaIpcGetMemHandle "
           "cannot export them (default: the --listen socket's path + \".pools\")");
 ABSL_FLAG(std::string, test_crash_at, "",
-          "tests only: SIGKILL this process at POINT:N (server/test_crash.h), e.g. "
+          "tests only: SIGKILL this process at POINT:N (server/base/test_crash.h), e.g. "
           "commit:layer:3");
 // Not a ServiceConfig field: where metrics are served is the deployment's
 // choice, not the layout's.
@@ -391,7 +391,7 @@ absl::Status PrepareSocketPath(const std::string& path) {
 }
 
 // --pool_memory: sets the layout's blocks to the most that fit the budget
-// (server/sizing.h, as specstatectl plan computes them) and logs them.
+// (server/config/sizing.h, as specstatectl plan computes them) and logs them.
 absl::Status SizeBlocks(const Budget& budget, const Device& device, bool kept_pools,
                         v1::Layout* layout) {
   const PoolMemory& memory = budget.memory;

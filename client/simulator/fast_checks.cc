@@ -8,7 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "client/simulator/host_bytes.h"
 #include "kernels/fast/contract_errors.h"
-#include "server/fnv1a.h"
+#include "server/base/fnv1a.h"
 
 namespace specstate {
 namespace client {

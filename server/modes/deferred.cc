@@ -4,7 +4,7 @@
 // and Flush. A Commit plans; a block's next Verify (or a Flush, a ReadState,
 // the end of the driving session) replays its pending tokens.
 #include "server/modes/mode_engine.h"
-#include "server/test_crash.h"
+#include "server/base/test_crash.h"
 
 namespace specstate {
 namespace server {

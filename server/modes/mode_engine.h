@@ -16,10 +16,10 @@
 #include "absl/status/statusor.h"
 #include "kernels/kda_args.h"
 #include "kernels/kda_kernels.h"
-#include "server/config.h"
-#include "server/device.h"
-#include "server/pool_header.h"
-#include "server/request_tensors.h"
+#include "server/config/config.h"
+#include "server/device/device.h"
+#include "server/kept/pool_header.h"
+#include "server/engine/request_tensors.h"
 #include "specstate/v1/specstate.pb.h"
 
 namespace specstate {

@@ -41,7 +41,7 @@
 #include "kernels/fast/from_interface.h"
 #include "kernels/kda_kernels.h"
 #include "kernels/numeric.h"
-#include "server/presets.h"
+#include "server/config/presets.h"
 #include "tests/bench/cuda_check.h"
 
 ABSL_FLAG(std::string, shapes, "kimi_linear,kimi_k3,qwen3_next", "shapes to run");
@@ -89,7 +89,7 @@ struct Shape {
   bool gdn() const { return kind == kernels::LayerKind::kGdn; }
 };
 
-// The models' shapes: the service's presets (server/presets.cc, where each
+// The models' shapes: the service's presets (server/config/presets.cc, where each
 // field's source is cited; specstated --model takes the same names).
 Shape FromPreset(const char* preset, const char* label) {
   const server::ModelPreset* p = server::FindModelPreset(preset);

@@ -18,7 +18,7 @@
 #include "client/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/http_get_for_test.h"
+#include "server/testing/http_get_for_test.h"
 #include "tests/integration/server_process.h"
 #include "tests/integration/test_scheduler.h"
 

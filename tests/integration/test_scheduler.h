@@ -19,7 +19,7 @@
 #include "client/shared_memory.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/fnv1a.h"
+#include "server/base/fnv1a.h"
 
 namespace specstate {
 namespace testing {

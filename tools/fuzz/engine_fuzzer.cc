@@ -27,9 +27,9 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
-#include "server/config.h"
-#include "server/device.h"
-#include "server/engine.h"
+#include "server/config/config.h"
+#include "server/device/device.h"
+#include "server/engine/engine.h"
 
 namespace specstate {
 namespace server {

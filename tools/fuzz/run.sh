@@ -36,15 +36,15 @@ flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -ffp-contract=off
        -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined
        -I. -I"$out/gen" $(pkg-config --cflags protobuf))
 sources=(
-  server/engine.cc server/submit_step.cc server/request_tensors.cc server/step_table.cc server/tensor_summary.cc
-  server/commit.cc server/flush.cc server/load_params.cc server/read_state.cc server/record_state_blocks.cc
-  server/step_protocol.cc server/verify.cc
+  server/engine/engine.cc server/engine/submit_step.cc server/engine/request_tensors.cc server/engine/step_table.cc server/engine/tensor_summary.cc
+  server/engine/commit.cc server/engine/flush.cc server/engine/load_params.cc server/engine/read_state.cc server/engine/record_state_blocks.cc
+  server/engine/step_protocol.cc server/engine/verify.cc
   server/modes/rules.cc server/modes/mode_engine.cc server/modes/eager.cc server/modes/deferred.cc
   server/modes/fast.cc
-  server/regions.cc
-  server/config.cc server/presets.cc server/sizing.cc server/pool_header.cc server/cpu_device.cc
-  server/truncation_guard.cc server/no_cuda_device.cc server/log.cc server/phase_profile.cc
-  server/test_crash.cc
+  server/engine/regions.cc
+  server/config/config.cc server/config/presets.cc server/config/sizing.cc server/kept/pool_header.cc server/device/cpu_device.cc
+  server/device/truncation_guard.cc server/device/no_cuda_device.cc server/base/log.cc server/engine/phase_profile.cc
+  server/base/test_crash.cc
   kernels/cpu/kda_cpu.cc kernels/kda_kernels.cc kernels/no_cuda.cc kernels/device_status.cc
   kernels/check_shape.cc kernels/fast/cpu/fast_cpu.cc kernels/fast/fast_kernels.cc
   kernels/dtype.cc "$out/gen/specstate/v1/specstate.pb.cc" tools/fuzz/engine_fuzzer.cc

@@ -1,0 +1,95 @@
+// Engine::ReadState: a summary (and optionally the values) of one block's
+// recurrent and conv state in one layer, for debugging.
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "server/engine/engine.h"
+#include "server/engine/tensor_summary.h"
+
+namespace specstate {
+namespace server {
+
+void Engine::ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateResponse> reply) {
+  if (request.layer() < 0 || request.layer() >= layout_.num_layers()) {
+    reply(absl::OutOfRangeError(absl::StrCat("layer ", request.layer(),
+                                             " is out of range: the layout has ",
+                                             layout_.num_layers(), " layers")),
+          {});
+    return;
+  }
+  if (request.block() < 0 || request.block() >= layout_.num_blocks()) {
+    reply(absl::OutOfRangeError(absl::StrCat("block ", request.block(),
+                                             " is out of range: the pools have ",
+                                             layout_.num_blocks(), " blocks")),
+          {});
+    return;
+  }
+  const LayerState& layer = layers_[request.layer()];
+  // Host memory the device copies into (pinned on CUDA, so the copies stay
+  // asynchronous); reused across calls.
+  char* buffer = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!read_buffers_.empty()) {
+      buffer = read_buffers_.back();
+      read_buffers_.pop_back();
+    }
+  }
+  if (buffer == nullptr) {
+    absl::StatusOr<void*> p =
+        device_->AllocateHost(sizes_.state_block_bytes + sizes_.conv_block_bytes);
+    if (!p.ok()) {
+      reply(p.status(), {});
+      return;
+    }
+    buffer = static_cast<char*>(*p);
+  }
+  const int64_t state_bytes = sizes_.state_block_bytes;
+  const int64_t conv_bytes = sizes_.conv_block_bytes;
+  Work work;
+  // What the mode keeps unapplied for the block in this layer is applied
+  // first (DEFERRED replays its pending tokens; FAST folds its ring, the
+  // candidates of a step in flight kept): the summary is of its current state.
+  auto block = std::make_shared<IndexInput>();
+  block->present = true;
+  block->values = {request.block()};
+  block->rows = 1;
+  work.launch = mode_->Materialize(std::move(block), request.layer(), false, nullptr);
+  work.readbacks.push_back(Readback{
+      static_cast<const char*>(layer.state.data) + request.block() * state_bytes, buffer,
+      uint64_t(state_bytes)});
+  work.readbacks.push_back(Readback{
+      static_cast<const char*>(layer.conv.data) + request.block() * conv_bytes,
+      buffer + state_bytes, uint64_t(conv_bytes)});
+  const v1::Layout layout = layout_;
+  const bool values = request.values();
+  work.done = [this, buffer, state_bytes, conv_bytes, layout, values,
+               reply](absl::Status launched) {
+    v1::ReadStateResponse out;
+    if (launched.ok()) {
+      const int64_t k = layout.head_dim();
+      SummarizeTensor(buffer, state_bytes, FromProto(layout.state_dtype()).value(), values,
+                      {ValueHeadsOf(layout), k, k}, out.mutable_recurrent());
+      SummarizeTensor(buffer + state_bytes, conv_bytes,
+                      FromProto(layout.activation_dtype()).value(), values,
+                      {layout.conv_dim(), layout.conv_width()}, out.mutable_conv());
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      read_buffers_.push_back(buffer);
+    }
+    reply(launched, std::move(out));
+  };
+  absl::Status st = device_->Submit(std::move(work));
+  if (!st.ok()) {
+    {
+      absl::MutexLock lock(&mu_);
+      read_buffers_.push_back(buffer);
+    }
+    reply(st, {});
+  }
+}
+
+}  // namespace server
+}  // namespace specstate
