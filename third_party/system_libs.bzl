@@ -29,7 +29,7 @@ _LIBS = {
     "protobuf": (["protobuf"], []),
     "grpc": (["grpc++", "protobuf"], []),
     # No grpc_reflection (-lgrpc++_reflection): specstated serves reflection
-    # itself (server/reflection.h), and gRPC's library would register the
+    # itself (server/api/reflection.h), and gRPC's library would register the
     # same v1alpha messages a second time (protobuf aborts at start).
     "gtest": (["gtest", "gmock"], []),
     "gtest_main": (["gtest_main"], []),
