@@ -23,7 +23,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "client/shared_memory.h"
+#include "client/lib/shared_memory.h"
 #include "client/simulator/deferred_checks.h"
 #include "client/simulator/fast_checks.h"
 #include "client/simulator/model.h"

@@ -20,7 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "client/shared_memory.h"
+#include "client/lib/shared_memory.h"
 #include "client/simulator/model.h"
 #include "client/simulator/pools.h"
 #include "client/simulator/report.h"

@@ -21,7 +21,6 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/restart_drill.h"
 #include "client/simulator/checks.h"
 #include "client/simulator/deferred_checks.h"
 #include "client/simulator/fast_checks.h"
@@ -29,6 +28,7 @@
 #include "client/simulator/pools.h"
 #include "client/simulator/ranks.h"
 #include "client/simulator/report.h"
+#include "client/simulator/restart_drill.h"
 #include "client/simulator/stock_path.h"
 
 namespace specstate {

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/client.h"
+#include "client/lib/client.h"
 #include "client/simulator/simulator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -94,7 +94,7 @@ TEST_F(DeferredCommitTest, TheLayoutSaysSo) {
   EXPECT_EQ(deferred.commit_mode(), v1::DEFERRED);
   EXPECT_EQ(deferred.record_bytes(), 2 * eager.record_bytes()) << "records are double-buffered";
   const testing::ProcessResult layout = ValueOrDie(testing::RunProcess(
-      {testing::RunfilePath("client/specstatectl"), "--server=" + deferred_server_->address(),
+      {testing::RunfilePath("client/cli/specstatectl"), "--server=" + deferred_server_->address(),
        "layout"}));
   EXPECT_THAT(layout.output, ::testing::HasSubstr("commit mode      DEFERRED"));
 }

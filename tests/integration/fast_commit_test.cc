@@ -28,7 +28,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "client/client.h"
+#include "client/lib/client.h"
 #include "client/simulator/simulator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -275,7 +275,7 @@ TEST_F(FastCommitTest, TheLayoutSaysSo) {
                                                      align(tokens * hk * 4) +
                                                      align(int64_t{fast.num_blocks()} * 12)));
   const testing::ProcessResult layout = ValueOrDie(testing::RunProcess(
-      {testing::RunfilePath("client/specstatectl"), "--server=" + fast_server_->address(),
+      {testing::RunfilePath("client/cli/specstatectl"), "--server=" + fast_server_->address(),
        "layout"}));
   EXPECT_THAT(layout.output,
               HasSubstr("commit mode      FAST (fold every 2 steps: rings of 8 tokens a block)"));
