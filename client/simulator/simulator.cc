@@ -2,11 +2,11 @@
 // session, shared buffers, the stock path's memory and the layer parameters)
 // and runs the decode steps on it, as a scheduler does, calling on the model
 // (model.h) for the draws, the stock path (stock_path.h) for the reference
-// and the checks (checks.h, deferred_checks.h, fast_checks.h) after each
-// phase; in commit modes DEFERRED and FAST it also flushes and reads pending
-// blocks (FAST: and runs the float64 reference beside); under a restart
-// drill it resumes its session across the service's restarts; under tensor
-// parallelism one driver per rank, on worker threads (ranks.h for the group).
+// and the checker of the service's commit mode (mode_checker.h) after each
+// phase; where the mode keeps pending blocks (DEFERRED, FAST) it also
+// flushes and reads them between steps; under a restart drill it resumes its
+// session across the service's restarts; under tensor parallelism one driver
+// per rank, on worker threads (ranks.h for the group).
 #include "client/simulator/simulator.h"
 
 #include <signal.h>
@@ -21,9 +21,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/simulator/checks.h"
-#include "client/simulator/deferred_checks.h"
-#include "client/simulator/fast_checks.h"
+#include "client/simulator/mode_checker.h"
 #include "client/simulator/model.h"
 #include "client/simulator/pools.h"
 #include "client/simulator/ranks.h"
@@ -35,10 +33,7 @@ namespace specstate {
 namespace client {
 namespace {
 
-using simulator_internal::Checks;
 using simulator_internal::Clock;
-using simulator_internal::DeferredChecks;
-using simulator_internal::FastChecks;
 using simulator_internal::Dims;
 using simulator_internal::GateParams;
 using simulator_internal::LayerBuffers;
@@ -46,6 +41,8 @@ using simulator_internal::LayerInputs;
 using simulator_internal::Latencies;
 using simulator_internal::Materialization;
 using simulator_internal::MetaOffsets;
+using simulator_internal::ModeChecker;
+using simulator_internal::ModePhases;
 using simulator_internal::Model;
 using simulator_internal::PrefillLayer;
 using simulator_internal::ServicePools;
@@ -118,9 +115,7 @@ class Simulator {
   absl::Status CorruptARunningState(bool flip, int step);
   [[noreturn]] void Crash();
 
-  // ---- commit modes DEFERRED and FAST ----
-  // Per request slot, its block with pending tokens (0: none).
-  std::vector<int32_t> PendingBlocks() const;
+  // ---- pending blocks (ModePhases::pending_blocks: DEFERRED, FAST) ----
   absl::Status FlushAndCheck(const std::vector<int32_t>& blocks, int step, absl::string_view how);
   absl::Status MaterializeSome(int step);
   absl::Status MaterializeSomeOnce(int step);
@@ -130,7 +125,7 @@ class Simulator {
   // blocks re-prefilled (a pending one with its materialized state).
   struct DeferredSnapshot {
     DeferredExpect expect;
-    std::vector<DeferredChecks::Expected> expected;
+    std::vector<ModeChecker::Expected> expected;
   };
   DeferredSnapshot SnapshotPending(bool between_steps) const;
   absl::Status RePrefill(const std::vector<int32_t>& lost, const std::vector<char>& before,
@@ -138,7 +133,7 @@ class Simulator {
   // Runs `call` (a Flush or ReadState between steps) across the drill's
   // restarts.
   absl::Status BetweenStepsAcrossRestarts(const std::function<absl::Status()>& call);
-  std::vector<int32_t> last_listed_;  // DEFERRED: what the last Commit left pending
+  std::vector<int32_t> last_listed_;  // what the last Commit left pending
   uint64_t last_step_id_ = 0;
 
   // ---- the metadata buffer and its doorbells ----
@@ -168,10 +163,11 @@ class Simulator {
   LayerBuffers proj_, g_, o_;
   std::unique_ptr<SharedBuffer> meta_;
   std::unique_ptr<IpcEvent> inputs_ready_, work_done_;
-  std::unique_ptr<Tp1Checks> tp1_;
-  std::unique_ptr<DeferredChecks> deferred_;  // commit mode DEFERRED only
-  std::unique_ptr<FastChecks> fast_;          // commit mode FAST only
-  std::unique_ptr<Checks> checks_;
+  std::unique_ptr<Tp1Checks> tp1_;  // tensor parallelism only
+  // The checks of the service's commit mode, and the phases it has: both
+  // chosen once, at set-up.
+  std::unique_ptr<ModeChecker> checker_;
+  ModePhases phases_;
 };
 
 absl::StatusOr<SimulationReport> Simulator::Run() {
@@ -187,13 +183,12 @@ absl::StatusOr<SimulationReport> Simulator::Run() {
                                            report_.mismatches});
     }
   }
-  if (deferred_ != nullptr || fast_ != nullptr) {  // what is still pending, materialized and checked
-    st = options_.drill != nullptr && deferred_ != nullptr
-             ? BetweenStepsAcrossRestarts([this] { return FinalFlush(); })
-             : FinalFlush();
+  if (phases_.pending_blocks) {  // what is still pending, materialized and checked
+    st = options_.drill != nullptr ? BetweenStepsAcrossRestarts([this] { return FinalFlush(); })
+                                   : FinalFlush();
     if (!st.ok()) return st;
   }
-  if (fast_ != nullptr) fast_->Verdict();
+  checker_->Verdict();
   report_.latency = latencies_.Summaries();
   if (options_.drill != nullptr) report_.restart_summary = options_.drill->Summary();
   st = session_->Close();
@@ -205,7 +200,8 @@ absl::StatusOr<SimulationReport> Simulator::Run() {
 
 // The layout, the pools, the session, the shared buffers, the stock path's
 // memory and the layer parameters, in this order (the parameters are the
-// set-up's only random draws), then the checks.
+// set-up's only random draws); the checks, by the commit mode, come before
+// the parameters and the first prefill (FAST's reference keeps copies).
 absl::Status Simulator::Setup() {
   absl::Status st = ReadLayout();
   if (st.ok()) st = OpenMemoryAndPools();
@@ -214,24 +210,16 @@ absl::Status Simulator::Setup() {
       client_.OpenSession("specstatectl simulate", /*drive=*/true);
   if (!session.ok()) return session.status();
   session_ = *std::move(session);
-  if (d_.fast) {  // before the parameters and the first prefill: it keeps copies
-    fast_ = std::make_unique<FastChecks>(*memory_, *pools_, *stock_, *model_, d_, report_);
-  }
+  if (tp_ > 1) tp1_ = std::make_unique<Tp1Checks>(*memory_, *pools_, *stock_, o_, d_, report_);
+  checker_ = simulator_internal::MakeModeChecker(*memory_, *pools_, *stock_, o_, *model_, d_,
+                                                 report_, tp1_.get());
+  phases_ = checker_->phases();
   st = AllocateSharedBuffers();
   if (st.ok()) st = stock_->Allocate();
   if (st.ok()) st = LoadLayerParams();
   if (st.ok() && options_.bound_inputs) st = BindInputs();
   if (st.ok() && options_.async && options_.events) st = CreateEvents();
-  if (!st.ok()) return st;
-  if (tp_ > 1) {
-    tp1_ = std::make_unique<Tp1Checks>(*memory_, *pools_, *stock_, o_, d_, report_);
-  }
-  if (d_.deferred) {
-    deferred_ = std::make_unique<DeferredChecks>(*memory_, *pools_, *stock_, *model_, d_, report_);
-  }
-  checks_ = std::make_unique<Checks>(*memory_, *pools_, *stock_, o_, *model_, d_, report_,
-                                     tp1_.get(), deferred_.get(), fast_.get());
-  return absl::OkStatus();
+  return st;
 }
 
 // The service's layout, the sizes derived from it, and the model.
@@ -244,8 +232,6 @@ absl::Status Simulator::ReadLayout() {
   absl::StatusOr<Dims> dims = simulator_internal::ReadDims(layout_, options_, rank_, tp_);
   if (!dims.ok()) return dims.status();
   d_ = *dims;
-  report_.deferred = d_.deferred;
-  report_.fast = d_.fast;
   report_.fold_every = d_.fold_every;
   at_ = simulator_internal::MetaLayout(d_);
   model_ = std::make_unique<Model>(d_, options_, report_);
@@ -309,7 +295,7 @@ absl::Status Simulator::LoadLayerParams() {
     absl::Status st =
         latencies_.Time("LoadLayerParams", [&] { return session_->LoadLayerParams(req); });
     if (st.ok()) st = stock_->LoadParams(params);
-    if (st.ok() && fast_ != nullptr) fast_->LoadParams(l, params);
+    if (st.ok()) checker_->LoadParams(l, params);
     if (!st.ok()) return st;
   }
   return absl::OkStatus();
@@ -393,17 +379,15 @@ absl::Status Simulator::Step(int s) {
   TracePhase(s, "stock path done");
 
   st = options_.drill != nullptr ? ServiceCallsAcrossRestarts(p) : ServiceCalls(p);
-  if (st.ok()) st = checks_->CompareCommitted(p);
+  if (st.ok()) st = checker_->CompareCommitted(p);
   if (!st.ok()) return st;
   model_->Advance(p);
-  if (deferred_ != nullptr) {
-    last_listed_.clear();
-    for (int32_t b : deferred_->PendingBlocks()) {
-      if (b > 0) last_listed_.push_back(b);
-    }
-    last_step_id_ = p.step_id;
+  last_listed_.clear();
+  for (int32_t b : checker_->PendingBlocks()) {
+    if (b > 0) last_listed_.push_back(b);
   }
-  if (deferred_ != nullptr || fast_ != nullptr) st = MaterializeSome(p.step);
+  last_step_id_ = p.step_id;
+  if (phases_.pending_blocks) st = MaterializeSome(p.step);
   if (st.ok() && s == options_.corrupt_after_step) {
     st = CorruptARunningState(/*flip=*/rank_ == options_.corrupt_rank, s);
   }
@@ -418,9 +402,8 @@ absl::Status Simulator::ServiceCalls(const StepPlan& p) {
   if (!st.ok()) return st;
   TracePhase(s, "Verify done");
   if (s == options_.crash_after_verify_step) Crash();
-  st = checks_->CompareOutputs(p);
-  if (st.ok() && deferred_ != nullptr) st = deferred_->CheckMaterializedByVerify(p);
-  if (st.ok() && deferred_ != nullptr) st = deferred_->SnapshotCheckpoints(p);
+  st = checker_->CompareOutputs(p);
+  if (st.ok()) st = checker_->BeforeCommit(p);
   if (st.ok()) st = CommitStep(p);
   if (st.ok() && d_.align) st = RecordStateBlocks(p);
   return st;
@@ -436,7 +419,7 @@ absl::Status Simulator::ServiceCallsAcrossRestarts(StepPlan& p) {
   absl::Status st = pools_->ReadAll(&before);
   if (!st.ok()) return st;
   for (int attempt = 0;; ++attempt) {
-    // DEFERRED: the pending blocks as the (re-)run begins.
+    // The pending blocks a restart keeps, as the (re-)run begins.
     const DeferredSnapshot snapshot = SnapshotPending(false);
     st = ServiceCalls(p);
     if (st.code() != absl::StatusCode::kUnavailable || attempt == 4) return st;
@@ -447,11 +430,11 @@ absl::Status Simulator::ServiceCallsAcrossRestarts(StepPlan& p) {
         [this, s = p.step](const std::string& what) {
           Tally(report_).Mismatch(absl::StrCat("step ", s, ": ", what));
         },
-        deferred_ != nullptr ? &snapshot.expect : nullptr);
+        phases_.drill_keeps_pending ? &snapshot.expect : nullptr);
     if (!resumed.ok()) return resumed.status();
     ++report_.restarts;
     report_.lost_blocks += resumed->lost.size();
-    st = RePrefill(resumed->lost, before, deferred_ != nullptr ? &snapshot : nullptr);
+    st = RePrefill(resumed->lost, before, phases_.drill_keeps_pending ? &snapshot : nullptr);
     if (!st.ok()) return st;
     if (resumed->committed) {
       // Its Commit finished; its answer (and, in align mode, its
@@ -482,20 +465,19 @@ absl::Status Simulator::ChurnRequests(int s) {
   return absl::OkStatus();
 }
 
-// DEFERRED and FAST: a finished request's blocks go back to the pool, so
-// their pending tokens must not land on the next request's state: Flush
-// with `discard` first.
+// A finished request's blocks go back to the pool, so their pending tokens
+// (DEFERRED, FAST) must not land on the next request's state: Flush with
+// `discard` first.
 absl::Status Simulator::FinishRequest(int slot) {
-  const std::vector<int32_t> pending = PendingBlocks();
-  if (!pending.empty() && pending[slot] > 0) {
+  const int32_t pending = checker_->PendingBlock(slot);
+  if (pending > 0) {
     v1::FlushRequest discard;
-    discard.mutable_blocks()->mutable_values()->add_values(pending[slot]);
+    discard.mutable_blocks()->mutable_values()->add_values(pending);
     discard.set_discard(true);
     absl::StatusOr<v1::FlushResponse> flushed =
         latencies_.Time("Flush (discard)", [&] { return session_->Flush(discard); });
     if (!flushed.ok()) return flushed.status();
-    if (deferred_ != nullptr) deferred_->Discarded(slot);
-    if (fast_ != nullptr) fast_->Discarded(slot);
+    checker_->Discarded(slot);
   }
   model_->Finish(slot);
   return absl::OkStatus();
@@ -509,7 +491,7 @@ absl::Status Simulator::Prefill(int slot) {
     const PrefillLayer prefill = model_->DrawPrefill(slot, l);
     absl::Status st = pools_->WriteState(l, block, prefill.state());
     if (st.ok()) st = stock_->StartRequest(l, slot, prefill);
-    if (st.ok() && fast_ != nullptr) fast_->StartRequest(l, slot, prefill);
+    if (st.ok()) checker_->StartRequest(l, slot, prefill);
     if (st.ok()) st = pools_->WriteConv(l, block, prefill.conv);
     if (!st.ok()) return st;
   }
@@ -586,9 +568,7 @@ absl::Status Simulator::WriteInputs(const StepPlan& p) {
     const LayerInputs model = model_->DrawLayerInputs();
     if (tp_ == 1) {
       st = WriteLayerInputs(l, model, poison);
-      if (fast_ != nullptr) {
-        fast_->RunReference(l, model, model_->requests(), p.qsl, p.num_tokens);
-      }
+      checker_->RunReference(l, model, model_->requests(), p.qsl, p.num_tokens);
     } else {
       st = WriteLayerInputs(l, model_->RankPart(model), poison);
       if (st.ok()) st = stock_->WriteModelInputs(l, model, poison);
@@ -713,7 +693,7 @@ absl::Status Simulator::RecordStateBlocks(const StepPlan& p) {
       "RecordStateBlocks", [&] { return session_->RecordStateBlocks(record); });
   if (!r.ok()) return r.status();
   TracePhase(p.step, "RecordStateBlocks done");
-  return checks_->CheckRecordedBlocks(p, Meta(p.at.out_idx));
+  return checker_->CheckRecordedBlocks(p, Meta(p.at.out_idx));
 }
 
 // The verdict's own test (`corrupt_after_step`): flips one mantissa bit of
@@ -721,20 +701,18 @@ absl::Status Simulator::RecordStateBlocks(const StepPlan& p) {
 // service's pool, through the exported handle; the request never finishes.
 // Under tensor parallelism only `corrupt_rank` flips the bit, but every
 // rank pins the request (which changes the random draws that follow).
-// FAST: the block is flushed first (a checkpoint behind a ring is decayed
-// by the ring's gates, which can hide any flip in it) and the bit flipped in
-// every element of the block: one element's flip changes bf16 outputs by
-// less than their rounding, which the contract tolerates.
+// FAST (ModePhases::corrupt_whole_block): the block is flushed first and
+// the bit flipped in every element of the block.
 absl::Status Simulator::CorruptARunningState(bool flip, int step) {
   const int slot = model_->FirstLive();
   if (slot < 0) return absl::OkStatus();
   const int32_t block = model_->CheckpointBlock(model_->requests()[slot]);
-  if (fast_ != nullptr && fast_->PendingBlock(slot) > 0) {
+  if (phases_.corrupt_whole_block && checker_->PendingBlock(slot) > 0) {
     absl::Status st = FlushAndCheck({block}, step, "a Flush before the planted corruption");
     if (!st.ok()) return st;
   }
   if (flip) {
-    absl::Status st = pools_->FlipStateBit(0, block, fast_ != nullptr ? d_.VW * d_.K : 1,
+    absl::Status st = pools_->FlipStateBit(0, block, phases_.corrupt_whole_block ? d_.VW * d_.K : 1,
                                            options_.corrupt_with_nan);
     if (!st.ok()) return st;
   }
@@ -752,13 +730,7 @@ void Simulator::Crash() {
   std::abort();
 }
 
-// ---- commit modes DEFERRED and FAST ----
-
-std::vector<int32_t> Simulator::PendingBlocks() const {
-  if (deferred_ != nullptr) return deferred_->PendingBlocks();
-  if (fast_ != nullptr) return fast_->PendingBlocks();
-  return {};
-}
+// ---- pending blocks (ModePhases::pending_blocks: DEFERRED, FAST) ----
 
 // Flush of `blocks` (empty: every pending block), SYNC, then each flushed
 // pending block checked.
@@ -769,15 +741,14 @@ absl::Status Simulator::FlushAndCheck(const std::vector<int32_t>& blocks, int st
   absl::StatusOr<v1::FlushResponse> r =
       latencies_.Time("Flush", [&] { return session_->Flush(flush); });
   if (!r.ok()) return r.status();
-  return fast_ != nullptr ? fast_->CheckFlushed(blocks, step, how)
-                          : deferred_->CheckFlushed(blocks, step, how);
+  return checker_->CheckFlushed(blocks, step, how);
 }
 
 Simulator::DeferredSnapshot Simulator::SnapshotPending(bool between_steps) const {
   DeferredSnapshot s;
-  if (deferred_ == nullptr) return s;
-  s.expected = deferred_->Expectations();
-  for (const DeferredChecks::Expected& e : s.expected) s.expect.pending.push_back(e.block);
+  if (!phases_.drill_keeps_pending) return s;
+  s.expected = checker_->Expectations();
+  for (const ModeChecker::Expected& e : s.expected) s.expect.pending.push_back(e.block);
   s.expect.listed = last_listed_;
   s.expect.between_steps = between_steps;
   return s;
@@ -793,13 +764,13 @@ absl::Status Simulator::RePrefill(const std::vector<int32_t>& lost,
     absl::Status st = pools_->Restore(block, before);
     if (!st.ok()) return st;
     if (snapshot == nullptr) continue;
-    for (const DeferredChecks::Expected& e : snapshot->expected) {
+    for (const ModeChecker::Expected& e : snapshot->expected) {
       if (e.block != block) continue;
       for (int l = 0; l < d_.L; ++l) {
         st = pools_->WriteState(l, block, e.state[l].data());
         if (!st.ok()) return st;
       }
-      if (deferred_->PendingBlock(e.slot) == block) deferred_->Forget(e.slot);
+      if (checker_->PendingBlock(e.slot) == block) checker_->Forget(e.slot);
     }
   }
   return absl::OkStatus();
@@ -836,7 +807,7 @@ absl::Status Simulator::BetweenStepsAcrossRestarts(const std::function<absl::Sta
 absl::Status Simulator::FinalFlush() { return FlushAndCheck({}, options_.steps, "the final Flush"); }
 
 absl::Status Simulator::MaterializeSome(int step) {
-  if (options_.drill == nullptr || deferred_ == nullptr) return MaterializeSomeOnce(step);
+  if (options_.drill == nullptr) return MaterializeSomeOnce(step);
   return BetweenStepsAcrossRestarts([this, step] { return MaterializeSomeOnce(step); });
 }
 
@@ -844,7 +815,7 @@ absl::Status Simulator::MaterializeSome(int step) {
 // pending block, of some of them, or a ReadState of one pending block in
 // one layer (its checksum, and the block's bytes in that layer).
 absl::Status Simulator::MaterializeSomeOnce(int step) {
-  const std::vector<int32_t> pending = PendingBlocks();
+  const std::vector<int32_t> pending = checker_->PendingBlocks();
   const Materialization m = model_->DrawMaterialization(pending);
   switch (m.kind) {
     case Materialization::kNone:
@@ -860,8 +831,7 @@ absl::Status Simulator::MaterializeSomeOnce(int step) {
   absl::StatusOr<v1::ReadStateResponse> r =
       latencies_.Time("ReadState", [&] { return client_.ReadState(m.layer, block, false); });
   if (!r.ok()) return r.status();
-  return fast_ != nullptr ? fast_->CheckRead(step, m.slot, m.layer, *r)
-                          : deferred_->CheckRead(step, m.slot, m.layer, *r);
+  return checker_->CheckRead(step, m.slot, m.layer, *r);
 }
 
 // ---- the metadata buffer and its doorbells ----

@@ -25,7 +25,7 @@
 //
 // Against a service in commit mode FAST (docs/semantics.md, "Fast mode
 // (FAST)") outputs and states are checked by FAST's accuracy contract
-// instead (fast_checks.h): the simulator also runs a float64 reference, and
+// instead (fast_checker.h): the simulator also runs a float64 reference, and
 // FAST's errors against it must stay within 2x its stock path's over the
 // run; the conv windows stay bit for bit. One service (no tensor
 // parallelism, no restart drill: FAST's rings are not kept).
