@@ -602,7 +602,7 @@ class DockerfileTest(unittest.TestCase):
         # The same package list as CI's, and the three binaries from Bazel.
         self.assertIn("tools/install_deps.sh", runs)
         for target in ("//server:specstated", "//deploy/health:specstate-health",
-                       "//client:specstatectl"):
+                       "//client/cli:specstatectl"):
             self.assertIn(target, runs)
         self.assertIn("SPECSTATE_CUDA=${CUDA}", runs)
         self.assertIn(("ARG", "CUDA=0"), build)

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/install_deps.sh
 echo "building (the first build takes a few minutes)..."
-bazel build //server:specstated //client:specstatectl 2>&1 | tail -n 2
+bazel build //server:specstated //client/cli:specstatectl 2>&1 | tail -n 2
 dir=$(mktemp -d /tmp/specstate-XXXXXX)
 address="unix://$dir/specstate.sock"
 bazel-bin/server/specstated --listen="$address" > "$dir/specstated.log" 2>&1 &
@@ -16,7 +16,7 @@ server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -rf "$dir"' EXIT
 for _ in $(seq 100); do [ -S "$dir/specstate.sock" ] && break; sleep 0.1; done
 grep -h "serving on" "$dir/specstated.log" || { cat "$dir/specstated.log"; exit 1; }
-ctl() { bazel-bin/client/specstatectl --server="$address" "$@"; }
+ctl() { bazel-bin/client/cli/specstatectl --server="$address" "$@"; }
 echo; echo "$ specstatectl health"; ctl health
 echo; echo "$ specstatectl layout"; ctl layout
 echo; echo "$ specstatectl simulate --steps=50 --requests=8 $*"

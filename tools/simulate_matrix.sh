@@ -21,7 +21,7 @@
 # (`tools/simulate_matrix.sh fast-1000`: the runs of docs/results/
 # simulate_fast_cpu_1000.md).
 #
-# Builds nothing: run `bazel build //server:specstated //client:specstatectl
+# Builds nothing: run `bazel build //server:specstated //client/cli:specstatectl
 # //keeper:specstate-keeper` first, or set SPECSTATED, SPECSTATECTL and
 # SPECSTATE_KEEPER to the binaries. Takes about 2 minutes (the FAST 1,000-step
 # runs take most of it).
@@ -30,7 +30,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 server_bin=${SPECSTATED:-$here/bazel-bin/server/specstated}
-ctl_bin=${SPECSTATECTL:-$here/bazel-bin/client/specstatectl}
+ctl_bin=${SPECSTATECTL:-$here/bazel-bin/client/cli/specstatectl}
 keeper_bin=${SPECSTATE_KEEPER:-$here/bazel-bin/keeper/specstate-keeper}
 for bin in "$server_bin" "$ctl_bin" "$keeper_bin"; do
   [ -x "$bin" ] || { echo "simulate_matrix.sh: no $bin: build it first" >&2; exit 1; }

@@ -6,7 +6,7 @@
 set -euo pipefail
 script=tools/start_services.sh
 export SPECSTATED=$PWD/server/specstated
-ctl=client/specstatectl
+ctl=client/cli/specstatectl
 
 # Socket paths are limited to 107 bytes; Bazel's temporary directory is deep.
 dir=$(mktemp -d /tmp/specstate-tp.XXXXXX)

@@ -25,7 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "client/client.h"
+#include "client/lib/client.h"
 #include "client/simulator/simulator.h"
 #include "kernels/dtype.h"
 

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "client/shared_memory.h"
+#include "client/lib/shared_memory.h"
 #include "client/simulator/model.h"
 
 namespace specstate {

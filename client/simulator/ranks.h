@@ -25,7 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "client/client.h"
+#include "client/lib/client.h"
 #include "client/simulator/model.h"
 #include "client/simulator/pools.h"
 #include "client/simulator/report.h"

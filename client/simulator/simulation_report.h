@@ -1,8 +1,8 @@
 // What a simulation found: counts, comparisons and their verdict, latencies,
 // and what each commit mode's checks measured. The driver (simulator.h) fills
-// it; the checkers (checks.h, deferred_checks.h, fast_checks.h) add to it
-// through report.h's Tally without including the driver; specstatectl prints
-// it with FormatReport (defined in report.cc).
+// it; the checkers (mode_checker.h, deferred_checker.h, fast_checker.h) add
+// to it through report.h's Tally without including the driver; specstatectl
+// prints it with FormatReport (defined in report.cc).
 #ifndef SPECSTATE_CLIENT_SIMULATOR_SIMULATION_REPORT_H_
 #define SPECSTATE_CLIENT_SIMULATOR_SIMULATION_REPORT_H_
 

@@ -25,7 +25,7 @@
 //
 // Against a service in commit mode FAST (docs/semantics.md, "Fast mode
 // (FAST)") outputs and states are checked by FAST's accuracy contract
-// instead (fast_checks.h): the simulator also runs a float64 reference, and
+// instead (fast_checker.h): the simulator also runs a float64 reference, and
 // FAST's errors against it must stay within 2x its stock path's over the
 // run; the conv windows stay bit for bit. One service (no tensor
 // parallelism, no restart drill: FAST's rings are not kept).
@@ -56,13 +56,13 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "client/client.h"
+#include "client/lib/client.h"
 #include "client/simulator/simulation_report.h"
 
 namespace specstate {
 namespace client {
 
-class RestartDrill;  // client/restart_drill.h
+class RestartDrill;  // client/simulator/restart_drill.h
 
 struct SimulationProgress {
   int step = 0;
@@ -109,7 +109,7 @@ struct SimulationOptions {
   // "fast" (FAILED_PRECONDITION otherwise). The checks follow the service's
   // mode.
   std::string commit_mode;
-  // Restart drills (client/restart_drill.h; specstatectl simulate
+  // Restart drills (client/simulator/restart_drill.h; specstatectl simulate
   // --restart_every): the drill kills the service now and then (between
   // calls, inside a Verify, inside a Commit) and starts it again; the
   // simulator then resumes its session (Session::Resume), checks what the

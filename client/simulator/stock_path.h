@@ -20,7 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "client/shared_memory.h"
+#include "client/lib/shared_memory.h"
 #include "client/simulator/model.h"
 #include "kernels/kda_kernels.h"
 

@@ -31,7 +31,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
-#include "client/client.h"
+#include "client/lib/client.h"
 #include "kernels/kda_kernels.h"
 #include "kernels/numeric.h"
 #include "tests/bench/cuda_check.h"

@@ -5,16 +5,16 @@
 // the driving session ends. Until then a pending block holds its checkpoint.
 // Misuse the service can detect is refused, with the field and the rows.
 #include <cstring>
-#include <random>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/client.h"
+#include "client/lib/client.h"
 #include "client/simulator/simulator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/integration/mode_fixture.h"
 #include "tests/integration/server_process.h"
 #include "tests/integration/test_scheduler.h"
 
@@ -27,45 +27,26 @@ using testing::Scheduler;
 using testing::ServerProcess;
 using testing::ValueOrDie;
 
-// Bytes of one layer's recurrent-state block `block` in a pools snapshot.
-std::string StateBlock(const std::string& pools, const v1::ExportPoolsResponse& views, int layer,
-                       int block) {
-  for (const v1::PoolView& view : views.pools()) {
-    if (view.layer() != layer || view.kind() != "recurrent") continue;
-    const uint64_t block_bytes = view.byte_size() / view.shape(0);
-    return pools.substr(view.offset_bytes() + block * block_bytes, block_bytes);
-  }
-  return "";
-}
-
-class DeferredCommitTest : public ::testing::Test {
+// The EAGER and the DEFERRED service side by side (mode_fixture.h);
+// deferred_, deferred_client_ and deferred_server_ name the DEFERRED one.
+class DeferredCommitTest : public testing::ModePairTest {
  protected:
   void SetUp() override {
-    eager_server_ = ValueOrDie(ServerProcess::Start({"--commit_mode=eager"}));
-    deferred_server_ = ValueOrDie(ServerProcess::Start({"--commit_mode=deferred"}));
-    eager_client_ = ValueOrDie(Client::Connect(eager_server_->address()));
-    deferred_client_ = ValueOrDie(Client::Connect(deferred_server_->address()));
-    eager_ = std::make_unique<Scheduler>(*eager_client_);
-    deferred_ = std::make_unique<Scheduler>(*deferred_client_);
-    views_ = ValueOrDie(deferred_client_->ExportPools());
-  }
-  void TearDown() override {
-    if (HasFailure()) {
-      std::fprintf(stderr, "DEFERRED server log:\n%s", deferred_server_->Log().c_str());
-    }
+    StartPair({"--commit_mode=eager"}, {"--commit_mode=deferred"}, "DEFERRED");
+    deferred_server_ = mode_server_.get();
+    deferred_client_ = mode_client_.get();
+    deferred_ = mode_.get();
   }
 
   // A step on both services: every layer verified, outputs compared, then
   // committed with `accepted`.
   void Step(uint64_t step, std::vector<int> accepted) {
     for (int l = 0; l < eager_->layout().num_layers(); ++l) {
-      ASSERT_TRUE(eager_->session().Verify(eager_->Verify(step, l)).ok());
-      ASSERT_TRUE(deferred_->session().Verify(deferred_->Verify(step, l)).ok());
+      ASSERT_NO_FATAL_FAILURE(VerifyLayerOnBoth(step, l));
       ASSERT_EQ(eager_->Outputs(), deferred_->Outputs())
           << "step " << step << ", layer " << l << ": DEFERRED's outputs differ from EAGER's";
     }
-    ASSERT_TRUE(eager_->session().Commit(eager_->Commit(step, accepted)).ok());
-    ASSERT_TRUE(deferred_->session().Commit(deferred_->Commit(step, accepted)).ok());
+    ASSERT_TRUE(CommitOnBoth(step, accepted));
   }
 
   // Whether every block of every layer but `pending` holds the same bytes,
@@ -75,17 +56,15 @@ class DeferredCommitTest : public ::testing::Test {
     for (int l = 0; l < eager_->layout().num_layers(); ++l) {
       for (int b = 1; b < eager_->layout().num_blocks(); ++b) {
         const bool is_pending = std::find(pending.begin(), pending.end(), b) != pending.end();
-        EXPECT_EQ(StateBlock(deferred, views_, l, b),
-                  StateBlock(is_pending ? before : eager, views_, l, b))
+        EXPECT_EQ(Block(deferred, l, b), Block(is_pending ? before : eager, l, b))
             << "layer " << l << ", block " << b << (is_pending ? " (pending)" : "");
       }
     }
   }
 
-  std::unique_ptr<ServerProcess> eager_server_, deferred_server_;
-  std::unique_ptr<Client> eager_client_, deferred_client_;
-  std::unique_ptr<Scheduler> eager_, deferred_;
-  v1::ExportPoolsResponse views_;
+  ServerProcess* deferred_server_ = nullptr;
+  Client* deferred_client_ = nullptr;
+  Scheduler* deferred_ = nullptr;
 };
 
 TEST_F(DeferredCommitTest, TheLayoutSaysSo) {
@@ -93,10 +72,7 @@ TEST_F(DeferredCommitTest, TheLayoutSaysSo) {
   EXPECT_EQ(eager.commit_mode(), v1::EAGER);
   EXPECT_EQ(deferred.commit_mode(), v1::DEFERRED);
   EXPECT_EQ(deferred.record_bytes(), 2 * eager.record_bytes()) << "records are double-buffered";
-  const testing::ProcessResult layout = ValueOrDie(testing::RunProcess(
-      {testing::RunfilePath("client/specstatectl"), "--server=" + deferred_server_->address(),
-       "layout"}));
-  EXPECT_THAT(layout.output, ::testing::HasSubstr("commit mode      DEFERRED"));
+  EXPECT_THAT(CtlLayout(), ::testing::HasSubstr("commit mode      DEFERRED"));
 }
 
 TEST_F(DeferredCommitTest, PendingBlocksHoldTheirCheckpointUntilMaterialized) {
@@ -111,8 +87,8 @@ TEST_F(DeferredCommitTest, PendingBlocksHoldTheirCheckpointUntilMaterialized) {
   const v1::ReadStateResponse eager_read = ValueOrDie(eager_client_->ReadState(1, 3, false));
   const v1::ReadStateResponse deferred_read = ValueOrDie(deferred_client_->ReadState(1, 3, false));
   EXPECT_EQ(deferred_read.recurrent().checksum(), eager_read.recurrent().checksum());
-  EXPECT_EQ(StateBlock(deferred_->Pools(), views_, 1, 3), StateBlock(eager_->Pools(), views_, 1, 3));
-  EXPECT_EQ(StateBlock(deferred_->Pools(), views_, 0, 3), StateBlock(after_two, views_, 0, 3))
+  EXPECT_EQ(Block(deferred_->Pools(), 1, 3), Block(eager_->Pools(), 1, 3));
+  EXPECT_EQ(Block(deferred_->Pools(), 0, 3), Block(after_two, 0, 3))
       << "ReadState of layer 1 changed layer 0's pending block";
   // Flush of blocks 1 and 2 (3 is still pending in layer 0).
   v1::FlushRequest flush;
@@ -120,8 +96,7 @@ TEST_F(DeferredCommitTest, PendingBlocksHoldTheirCheckpointUntilMaterialized) {
   ASSERT_TRUE(deferred_->session().Flush(flush).ok());
   for (int l = 0; l < 4; ++l) {
     for (int b : {1, 2}) {
-      EXPECT_EQ(StateBlock(deferred_->Pools(), views_, l, b),
-                StateBlock(eager_->Pools(), views_, l, b))
+      EXPECT_EQ(Block(deferred_->Pools(), l, b), Block(eager_->Pools(), l, b))
           << "layer " << l << ", block " << b << " after its Flush";
     }
   }
@@ -157,9 +132,8 @@ TEST_F(DeferredCommitTest, DiscardForgetsThePendingTokens) {
   ASSERT_TRUE(deferred_->session().Flush(v1::FlushRequest()).ok());
   const std::string after = deferred_->Pools();
   for (int l = 0; l < 4; ++l) {
-    EXPECT_EQ(StateBlock(after, views_, l, 2), StateBlock(before, views_, l, 2))
-        << "block 2 got its discarded tokens";
-    EXPECT_EQ(StateBlock(after, views_, l, 1), StateBlock(eager_->Pools(), views_, l, 1));
+    EXPECT_EQ(Block(after, l, 2), Block(before, l, 2)) << "block 2 got its discarded tokens";
+    EXPECT_EQ(Block(after, l, 1), Block(eager_->Pools(), l, 1));
   }
 }
 
@@ -196,20 +170,9 @@ TEST_F(DeferredCommitTest, MisuseIsRefusedAndChangesNothing) {
 // The simulator against DEFERRED services: every output, and every state
 // where it is materialized (Verify, Flush, ReadState), bit for bit against
 // its stock path; the blocks a Commit leaves pending hold their checkpoint.
-class DeferredSimulationTest : public ::testing::Test {
+class DeferredSimulationTest : public testing::ModeSimulationTest {
  protected:
-  client::SimulationReport Simulate(std::vector<std::string> flags, client::SimulationOptions o) {
-    flags.push_back("--commit_mode=deferred");
-    flags.push_back("--blocks=200");
-    server_ = ValueOrDie(ServerProcess::Start(flags));
-    client_ = ValueOrDie(Client::Connect(server_->address()));
-    o.commit_mode = "deferred";
-    o.seed = std::random_device()();
-    SCOPED_TRACE(absl::StrCat("seed ", o.seed));
-    return ValueOrDie(client::RunSimulation(*client_, o));
-  }
-  std::unique_ptr<ServerProcess> server_;
-  std::unique_ptr<Client> client_;
+  DeferredSimulationTest() : ModeSimulationTest("deferred", {"--blocks=200"}) {}
 };
 
 void ExpectDeferredPass(const client::SimulationReport& r) {
@@ -259,13 +222,8 @@ TEST_F(DeferredSimulationTest, APlantedCorruptionOfAPendingBlockFailsTheVerdict)
 }
 
 TEST_F(DeferredSimulationTest, TheModeIsChecked) {
-  server_ = ValueOrDie(ServerProcess::Start({"--commit_mode=eager"}));
-  client_ = ValueOrDie(Client::Connect(server_->address()));
-  client::SimulationOptions o;
-  o.commit_mode = "deferred";
-  const absl::StatusOr<client::SimulationReport> r = client::RunSimulation(*client_, o);
-  ExpectError(r.status(), absl::StatusCode::kFailedPrecondition,
-              "the service runs commit mode EAGER, not deferred");
+  ExpectTheModeIsChecked({"--commit_mode=eager"},
+                         "the service runs commit mode EAGER, not deferred");
 }
 
 }  // namespace

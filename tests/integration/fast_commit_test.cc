@@ -28,10 +28,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "client/client.h"
+#include "client/lib/client.h"
 #include "client/simulator/simulator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/integration/mode_fixture.h"
 #include "tests/integration/server_process.h"
 #include "tests/integration/test_scheduler.h"
 
@@ -100,30 +101,20 @@ double Error(const std::vector<double>& got, const std::vector<double>& want) {
   return std::max(std::sqrt(diff / std::max(norm, 1e-300)), max_diff / std::max(max_want, 1e-300));
 }
 
-// Bytes of one layer's block `block` of pool `kind` in a pools snapshot.
-std::string Block(const std::string& pools, const v1::ExportPoolsResponse& views, int layer,
-                  int block, const std::string& kind = "recurrent") {
-  for (const v1::PoolView& view : views.pools()) {
-    if (view.layer() != layer || view.kind() != kind) continue;
-    const uint64_t block_bytes = view.byte_size() / view.shape(0);
-    return pools.substr(view.offset_bytes() + block * block_bytes, block_bytes);
-  }
-  return "";
-}
-
-class FastCommitTest : public ::testing::Test {
+// The EAGER and the FAST service side by side (mode_fixture.h); fast_,
+// fast_client_ and fast_server_ name the FAST one.
+class FastCommitTest : public testing::ModePairTest {
  protected:
   void SetUp() override {
     seed_ = std::random_device()();
+    seed_drawn_ = true;
     rng_.seed(seed_);
-    eager_server_ = ValueOrDie(ServerProcess::Start({"--backend=cpu", "--commit_mode=eager"}));
-    fast_server_ = ValueOrDie(ServerProcess::Start(
-        {"--backend=cpu", "--commit_mode=fast", absl::StrCat("--fold_every=", kFoldEvery)}));
-    eager_client_ = ValueOrDie(Client::Connect(eager_server_->address()));
-    fast_client_ = ValueOrDie(Client::Connect(fast_server_->address()));
-    eager_ = std::make_unique<Scheduler>(*eager_client_);
-    fast_ = std::make_unique<Scheduler>(*fast_client_);
-    views_ = ValueOrDie(fast_client_->ExportPools());
+    StartPair({"--backend=cpu", "--commit_mode=eager"},
+              {"--backend=cpu", "--commit_mode=fast", absl::StrCat("--fold_every=", kFoldEvery)},
+              "FAST");
+    fast_server_ = mode_server_.get();
+    fast_client_ = mode_client_.get();
+    fast_ = mode_.get();
     layers_ = eager_->layout().num_layers();
     q_ = eager_->layout().num_spec() + 1;
     capacity_ = kFoldEvery * q_;
@@ -145,12 +136,6 @@ class FastCommitTest : public ::testing::Test {
     fast_->RestorePools(pools);
   }
 
-  void TearDown() override {
-    if (HasFailure()) {
-      std::fprintf(stderr, "seed %u; FAST server log:\n%s", seed_, fast_server_->Log().c_str());
-    }
-  }
-
   // Fresh random activations, the same in both services' regions.
   void DrawInputs() {
     const int64_t elems = int64_t{Scheduler::kRows} * Scheduler::kTokensPerRow *
@@ -169,9 +154,7 @@ class FastCommitTest : public ::testing::Test {
     const int per_row = Scheduler::kTokensPerRow * eager_->layout().num_heads() *
                         eager_->layout().head_dim() * 2;
     for (int l = 0; l < layers_; ++l) {
-      ASSERT_TRUE(eager_->session().Verify(eager_->Verify(step, l)).ok());
-      const absl::StatusOr<v1::VerifyResponse> r = fast_->session().Verify(fast_->Verify(step, l));
-      ASSERT_TRUE(r.ok()) << r.status();
+      ASSERT_NO_FATAL_FAILURE(VerifyLayerOnBoth(step, l));
       const std::string eager = eager_->Outputs(), fast = fast_->Outputs();
       for (int n = 0; n < Scheduler::kRows; ++n) {
         const double err = Error(Bf16Values(fast.substr(n * per_row, per_row)),
@@ -194,9 +177,7 @@ class FastCommitTest : public ::testing::Test {
     VerifyBoth(step);
     if (between) between();
     const std::string before = fast_->Pools();
-    EXPECT_TRUE(eager_->session().Commit(eager_->Commit(step, accepted)).ok());
-    const absl::StatusOr<v1::CommitResponse> c = fast_->session().Commit(fast_->Commit(step, accepted));
-    EXPECT_TRUE(c.ok()) << c.status();
+    CommitOnBoth(step, accepted);
     int folded = 0;
     const std::string after = fast_->Pools(), eager = eager_->Pools();
     for (int n = 0; n < Scheduler::kRows; ++n) {
@@ -209,12 +190,12 @@ class FastCommitTest : public ::testing::Test {
           tokens = 0;
           ++folded;
         }
-        EXPECT_EQ(Block(after, views_, l, block, "conv"), Block(eager, views_, l, block, "conv"))
+        EXPECT_EQ(Block(after, l, block, "conv"), Block(eager, l, block, "conv"))
             << "step " << step << ", layer " << l << ", block " << block << ": conv window";
         if (fold) {
           ExpectStateNear(after, eager, l, block, absl::StrCat("step ", step, ", folded"));
         } else {
-          EXPECT_EQ(Block(after, views_, l, block), Block(before, views_, l, block))
+          EXPECT_EQ(Block(after, l, block), Block(before, l, block))
               << "step " << step << ", layer " << l << ", block " << block
               << ": written without a fold";
         }
@@ -225,8 +206,8 @@ class FastCommitTest : public ::testing::Test {
 
   void ExpectStateNear(const std::string& fast, const std::string& eager, int layer, int block,
                        const std::string& when) {
-    const double err = Error(Fp32Values(Block(fast, views_, layer, block)),
-                             Fp32Values(Block(eager, views_, layer, block)));
+    const double err = Error(Fp32Values(Block(fast, layer, block)),
+                             Fp32Values(Block(eager, layer, block)));
     EXPECT_LT(err, kStateTolerance) << when << ": layer " << layer << ", block " << block;
     max_state_error_ = std::max(max_state_error_, err);
   }
@@ -246,12 +227,10 @@ class FastCommitTest : public ::testing::Test {
     return a;
   }
 
-  uint32_t seed_ = 0;
+  ServerProcess* fast_server_ = nullptr;
+  Client* fast_client_ = nullptr;
+  Scheduler* fast_ = nullptr;
   std::mt19937 rng_;
-  std::unique_ptr<ServerProcess> eager_server_, fast_server_;
-  std::unique_ptr<Client> eager_client_, fast_client_;
-  std::unique_ptr<Scheduler> eager_, fast_;
-  v1::ExportPoolsResponse views_;
   int layers_ = 0, q_ = 0, capacity_ = 0;
   // Each (layer, block)'s ring tokens, as the Commits, Flushes and ReadStates
   // left them.
@@ -274,12 +253,10 @@ TEST_F(FastCommitTest, TheLayoutSaysSo) {
   EXPECT_EQ(fast.record_bytes(), fast.num_layers() * (align(tokens * hk * 2) + align(tokens * hk * 4) +
                                                      align(tokens * hk * 4) +
                                                      align(int64_t{fast.num_blocks()} * 12)));
-  const testing::ProcessResult layout = ValueOrDie(testing::RunProcess(
-      {testing::RunfilePath("client/specstatectl"), "--server=" + fast_server_->address(),
-       "layout"}));
-  EXPECT_THAT(layout.output,
+  const std::string layout = CtlLayout();
+  EXPECT_THAT(layout,
               HasSubstr("commit mode      FAST (fold every 2 steps: rings of 8 tokens a block)"));
-  EXPECT_THAT(layout.output, HasSubstr(absl::StrCat("rings ", fast.record_bytes())));
+  EXPECT_THAT(layout, HasSubstr(absl::StrCat("rings ", fast.record_bytes())));
 }
 
 TEST_F(FastCommitTest, ManyStepsStayWithinTheContractOfEager) {
@@ -308,12 +285,12 @@ TEST_F(FastCommitTest, ReadStateFlushAndDiscard) {
   const v1::ReadStateResponse read = ValueOrDie(fast_client_->ReadState(1, 2, false));
   ring_tokens_[{1, 2}] = 0;
   const std::string after_read = fast_->Pools();
-  EXPECT_EQ(read.recurrent().checksum(), testing::Fnv1a(Block(after_read, views_, 1, 2)))
+  EXPECT_EQ(read.recurrent().checksum(), testing::Fnv1a(Block(after_read, 1, 2)))
       << "ReadState summarized other bytes than the block's current state";
   ExpectStateNear(after_read, eager_->Pools(), 1, 2, "after ReadState");
-  EXPECT_EQ(Block(after_read, views_, 0, 2), Block(checkpoints, views_, 0, 2))
+  EXPECT_EQ(Block(after_read, 0, 2), Block(checkpoints, 0, 2))
       << "ReadState of layer 1 changed layer 0";
-  EXPECT_EQ(Block(after_read, views_, 1, 3), Block(checkpoints, views_, 1, 3))
+  EXPECT_EQ(Block(after_read, 1, 3), Block(checkpoints, 1, 3))
       << "ReadState of block 2 changed block 3";
   // A ReadState between a step's Verify and its Commit keeps the step's
   // candidates: the Commit succeeds and agrees.
@@ -334,7 +311,7 @@ TEST_F(FastCommitTest, ReadStateFlushAndDiscard) {
   const std::string after_flush = fast_->Pools();
   for (int l = 0; l < layers_; ++l) {
     for (int b : {1, 2}) ExpectStateNear(after_flush, eager_->Pools(), l, b, "after its Flush");
-    EXPECT_EQ(Block(after_flush, views_, l, 3), Block(before_flush, views_, l, 3))
+    EXPECT_EQ(Block(after_flush, l, 3), Block(before_flush, l, 3))
         << "a Flush of blocks 1 and 2 wrote block 3";
   }
   // Discard: block 3 forgets its ring (it keeps its checkpoint), and a later
@@ -346,7 +323,7 @@ TEST_F(FastCommitTest, ReadStateFlushAndDiscard) {
   ASSERT_TRUE(fast_->session().Flush(v1::FlushRequest()).ok());
   const std::string after_discard = fast_->Pools();
   for (int l = 0; l < layers_; ++l) {
-    EXPECT_EQ(Block(after_discard, views_, l, 3), Block(before_flush, views_, l, 3))
+    EXPECT_EQ(Block(after_discard, l, 3), Block(before_flush, l, 3))
         << "block 3 got its discarded tokens";
   }
 }
@@ -366,8 +343,8 @@ TEST_F(FastCommitTest, TheEndOfTheDriverMaterializesEverything) {
     current = true;
     for (int l = 0; l < layers_ && current; ++l) {
       for (int b = 1; b <= Scheduler::kRows; ++b) {
-        current = current && Error(Fp32Values(Block(fast, views_, l, b)),
-                                   Fp32Values(Block(eager, views_, l, b))) < kStateTolerance;
+        current = current && Error(Fp32Values(Block(fast, l, b)),
+                                   Fp32Values(Block(eager, l, b))) < kStateTolerance;
       }
     }
     if (!current) absl::SleepFor(absl::Milliseconds(20));
@@ -457,19 +434,9 @@ TEST(FastCommitStartTest, LayoutsFastCannotServeAreRefused) {
 
 // The simulator's verdict in FAST: outputs and materialized states within the
 // contract of the float64 reference, conv windows bit for bit.
-class FastSimulationTest : public ::testing::Test {
+class FastSimulationTest : public testing::ModeSimulationTest {
  protected:
-  client::SimulationReport Simulate(std::vector<std::string> flags, client::SimulationOptions o) {
-    flags.push_back("--commit_mode=fast");
-    server_ = ValueOrDie(ServerProcess::Start(flags));
-    client_ = ValueOrDie(Client::Connect(server_->address()));
-    o.commit_mode = "fast";
-    o.seed = std::random_device()();
-    SCOPED_TRACE(absl::StrCat("seed ", o.seed));
-    return ValueOrDie(client::RunSimulation(*client_, o));
-  }
-  std::unique_ptr<ServerProcess> server_;
-  std::unique_ptr<Client> client_;
+  FastSimulationTest() : ModeSimulationTest("fast", {}) {}
 };
 
 void ExpectFastPass(const client::SimulationReport& r) {
@@ -541,13 +508,8 @@ TEST_F(FastSimulationTest, APlantedNaNFailsTheVerdict) {
 }
 
 TEST_F(FastSimulationTest, TheModeIsChecked) {
-  server_ = ValueOrDie(ServerProcess::Start({"--commit_mode=deferred"}));
-  client_ = ValueOrDie(Client::Connect(server_->address()));
-  client::SimulationOptions o;
-  o.commit_mode = "fast";
-  const absl::StatusOr<client::SimulationReport> r = client::RunSimulation(*client_, o);
-  ExpectError(r.status(), absl::StatusCode::kFailedPrecondition,
-              "the service runs commit mode DEFERRED, not fast");
+  ExpectTheModeIsChecked({"--commit_mode=deferred"},
+                         "the service runs commit mode DEFERRED, not fast");
 }
 
 }  // namespace

@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "client/client.h"
+#include "client/lib/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_process.h"
@@ -42,7 +42,7 @@ class GpuServiceTest : public ::testing::Test {
     server_ = *std::move(s);
   }
   testing::ProcessResult Simulate(std::vector<std::string> flags) {
-    std::vector<std::string> argv = {RunfilePath("client/specstatectl"),
+    std::vector<std::string> argv = {RunfilePath("client/cli/specstatectl"),
                                      absl::StrCat("--server=", server_->address()), "simulate"};
     argv.insert(argv.end(), flags.begin(), flags.end());
     auto r = testing::RunProcess(argv);

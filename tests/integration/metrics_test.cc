@@ -15,7 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "client/client.h"
+#include "client/lib/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/testing/http_get_for_test.h"

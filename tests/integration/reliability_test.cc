@@ -16,8 +16,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "client/client.h"
-#include "client/shared_memory.h"
+#include "client/lib/client.h"
+#include "client/lib/shared_memory.h"
 #include "client/simulator/simulator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

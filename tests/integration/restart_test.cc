@@ -36,8 +36,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "client/client.h"
-#include "client/restart_drill.h"
+#include "client/lib/client.h"
+#include "client/simulator/restart_drill.h"
 #include "client/simulator/simulator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -181,7 +181,7 @@ TEST(RestartTest, AnInterruptedCommitReportsItsBlocksLostUntilRewritten) {
               "step 2's Commit was interrupted when specstated restarted: 3 blocks are lost");
   // verify-pools lists them; exit status 4.
   absl::StatusOr<ProcessResult> verify = RunProcess(
-      {RunfilePath("client/specstatectl"), "--server=" + service->address(), "verify-pools"});
+      {RunfilePath("client/cli/specstatectl"), "--server=" + service->address(), "verify-pools"});
   ASSERT_TRUE(verify.ok());
   EXPECT_EQ(verify->exit_code, 4) << verify->output;
   EXPECT_THAT(verify->output, HasSubstr("INCONSISTENT"));
@@ -206,7 +206,7 @@ TEST(RestartTest, AnInterruptedCommitReportsItsBlocksLostUntilRewritten) {
   EXPECT_THAT(kept.lost_blocks(), ::testing::IsEmpty());
   EXPECT_EQ(kept.last_committed_step(), 4u);
   verify = RunProcess(
-      {RunfilePath("client/specstatectl"), "--server=" + service->address(), "verify-pools"});
+      {RunfilePath("client/cli/specstatectl"), "--server=" + service->address(), "verify-pools"});
   EXPECT_EQ(verify->exit_code, 0) << verify->output;
   EXPECT_THAT(verify->output, HasSubstr("verify       consistent"));
 }
@@ -413,7 +413,7 @@ TEST(RestartTest, SystemdsFileDescriptorStoreKeepsThePools) {
 // The whole drill as one command, as a user runs it.
 TEST(RestartTest, SpecstatectlSimulateRestartEvery) {
   absl::StatusOr<ProcessResult> r = RunProcess(
-      {RunfilePath("client/specstatectl"), "simulate", "--restart_every=5", "--steps=25",
+      {RunfilePath("client/cli/specstatectl"), "simulate", "--restart_every=5", "--steps=25",
        "--specstated=" + RunfilePath("server/specstated"),
        "--keeper_binary=" + RunfilePath("keeper/specstate-keeper")});
   ASSERT_TRUE(r.ok());
@@ -422,7 +422,7 @@ TEST(RestartTest, SpecstatectlSimulateRestartEvery) {
   EXPECT_THAT(r->output, HasSubstr("verdict: PASS"));
   EXPECT_THAT(r->output, HasSubstr("restarts of the service"));
   // commit_mode DEFERRED: its own service serves it, with its own kill points.
-  r = RunProcess({RunfilePath("client/specstatectl"), "simulate", "--restart_every=3",
+  r = RunProcess({RunfilePath("client/cli/specstatectl"), "simulate", "--restart_every=3",
                   "--steps=40", "--commit_mode=deferred", "--service_flags=--layers=2 --blocks=64",
                   "--specstated=" + RunfilePath("server/specstated"),
                   "--keeper_binary=" + RunfilePath("keeper/specstate-keeper")});
@@ -432,7 +432,7 @@ TEST(RestartTest, SpecstatectlSimulateRestartEvery) {
   EXPECT_THAT(r->output, HasSubstr("inside Verify's replay"));
   EXPECT_THAT(r->output, HasSubstr("verdict: PASS"));
   // With --server it refuses: it only restarts a service of its own.
-  r = RunProcess({RunfilePath("client/specstatectl"), "--server=unix:///tmp/x.sock", "simulate",
+  r = RunProcess({RunfilePath("client/cli/specstatectl"), "--server=unix:///tmp/x.sock", "simulate",
                   "--restart_every=5"});
   EXPECT_EQ(r->exit_code, 2) << r->output;
   EXPECT_THAT(r->output, HasSubstr("leave out --server"));

@@ -11,7 +11,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "client/client.h"
+#include "client/lib/client.h"
 
 namespace specstate {
 namespace testing {

@@ -19,8 +19,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "client/client.h"
-#include "client/shared_memory.h"
+#include "client/lib/client.h"
+#include "client/lib/shared_memory.h"
 #include "client/simulator/simulator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -712,7 +712,7 @@ TEST_F(ServiceTest, ASecondDriverIsRefusedAndReadOnlyCallsStayOpen) {
 // killed one left them, and runs correctly on them.
 void ExpectTakeoverAfterKill(const std::string& address, client::Client& client,
                              const std::vector<std::string>& crash_flags) {
-  std::vector<std::string> argv = {testing::RunfilePath("client/specstatectl"),
+  std::vector<std::string> argv = {testing::RunfilePath("client/cli/specstatectl"),
                                    absl::StrCat("--server=", address), "simulate", "--steps=6",
                                    "--requests=3"};
   argv.insert(argv.end(), crash_flags.begin(), crash_flags.end());
@@ -933,7 +933,7 @@ TEST_F(ServiceTest, SpecstatectlSubcommands) {
   ASSERT_OK(s.VerifyAll(1));
   ASSERT_OK(s.session().Commit(s.Commit(1)).status());
   const auto ctl = [&](std::vector<std::string> args) {
-    std::vector<std::string> argv = {testing::RunfilePath("client/specstatectl"),
+    std::vector<std::string> argv = {testing::RunfilePath("client/cli/specstatectl"),
                                      absl::StrCat("--server=", server_->address())};
     argv.insert(argv.end(), args.begin(), args.end());
     return ValueOrDie(testing::RunProcess(argv));

@@ -15,7 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "client/client.h"
+#include "client/lib/client.h"
 #include "gtest/gtest.h"
 #include "tests/integration/server_process.h"
 #include "tests/integration/test_scheduler.h"
@@ -43,7 +43,7 @@ int64_t JsonInt(const std::string& json, const std::string& key) {
 }
 
 ProcessResult Plan(std::vector<std::string> flags) {
-  flags.insert(flags.begin(), {RunfilePath("client/specstatectl"), "plan"});
+  flags.insert(flags.begin(), {RunfilePath("client/cli/specstatectl"), "plan"});
   return ValueOrDie(RunProcess(flags));
 }
 

@@ -13,8 +13,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "client/client.h"
-#include "client/shared_memory.h"
+#include "client/lib/client.h"
+#include "client/lib/shared_memory.h"
 #include "client/simulator/simulator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -51,7 +51,7 @@ class TensorParallelTest : public ::testing::Test {
     return out;
   }
   testing::ProcessResult Ctl(std::vector<std::string> args) const {
-    std::vector<std::string> argv = {testing::RunfilePath("client/specstatectl"),
+    std::vector<std::string> argv = {testing::RunfilePath("client/cli/specstatectl"),
                                      absl::StrCat("--servers=", absl::StrJoin(addresses_, ","))};
     argv.insert(argv.end(), args.begin(), args.end());
     return ValueOrDie(testing::RunProcess(argv));

@@ -15,8 +15,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "client/client.h"
-#include "client/shared_memory.h"
+#include "client/lib/client.h"
+#include "client/lib/shared_memory.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/base/fnv1a.h"

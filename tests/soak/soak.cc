@@ -42,8 +42,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "client/client.h"
-#include "client/shared_memory.h"
+#include "client/lib/client.h"
+#include "client/lib/shared_memory.h"
 #include "client/simulator/simulator.h"
 
 ABSL_FLAG(std::string, server, "", "specstated's address");

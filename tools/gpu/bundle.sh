@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 dest=${1:-.gpu}
-default_targets="//server:specstated //client:specstatectl //kernels:kda_kernels_gpu_test
+default_targets="//server:specstated //client/cli:specstatectl //kernels:kda_kernels_gpu_test
   //tests/integration:gpu_service_test //tests/bench:kda_bench //tests/bench:service_bench //tests/bench:handoff_bench
   //tools/gpu/trace:libcupti_trace.so //keeper:specstate-keeper //tools/gpu:vmm_probe
   //kernels/fast:fast_cuda_gpu_test //tests/bench:fast_bench"
@@ -16,7 +16,7 @@ read -r -a targets <<< "$(echo ${BUNDLE_TARGETS:-$default_targets})"
 bazel build "${targets[@]}"
 final=$dest
 dest=$(mktemp -d)
-mkdir -p "$dest/bin" "$dest/lib" "$dest/runfiles/specstate/server" "$dest/runfiles/specstate/client" \
+mkdir -p "$dest/bin" "$dest/lib" "$dest/runfiles/specstate/server" "$dest/runfiles/specstate/client/cli" \
   "$dest/runfiles/specstate/keeper"
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|libstdc\+\+\.so|libgcc_s\.so|libcuda\.so)'
 for target in "${targets[@]}"; do
@@ -30,7 +30,7 @@ done
 # Tests find the server and the CLI through their runfiles, as under Bazel
 # (hard links: the archive holds each binary once).
 ln "$dest/bin/specstated" "$dest/runfiles/specstate/server/"
-ln "$dest/bin/specstatectl" "$dest/runfiles/specstate/client/"
+ln "$dest/bin/specstatectl" "$dest/runfiles/specstate/client/cli/"
 ln "$dest/bin/specstate-keeper" "$dest/runfiles/specstate/keeper/"
 cp tools/gpu/run_suite.sh tools/gpu/examples.sh tools/gpu/diagnose.sh tools/gpu/profile_kernels.sh tools/gpu/ab_servers.sh \
   tools/gpu/trace/timeline.py tools/start_services.sh "$dest/"

@@ -31,8 +31,8 @@
 //     // re-prefill kept.lost_blocks(); re-run the step unless it is
 //     // kept.last_committed_step()
 //   }
-#ifndef SPECSTATE_CLIENT_CLIENT_H_
-#define SPECSTATE_CLIENT_CLIENT_H_
+#ifndef SPECSTATE_CLIENT_LIB_CLIENT_H_
+#define SPECSTATE_CLIENT_LIB_CLIENT_H_
 
 #include <atomic>
 #include <cstdint>
@@ -47,7 +47,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "client/shared_memory.h"
+#include "client/lib/shared_memory.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/dtype.h"
 #include "specstate/v1/specstate.grpc.pb.h"
@@ -261,4 +261,4 @@ class Session {
 }  // namespace client
 }  // namespace specstate
 
-#endif  // SPECSTATE_CLIENT_CLIENT_H_
+#endif  // SPECSTATE_CLIENT_LIB_CLIENT_H_

@@ -1,4 +1,4 @@
-#include "client/simulator/fast_checks.h"
+#include "client/simulator/fast_checker.h"
 
 #include <algorithm>
 #include <cmath>
@@ -34,26 +34,27 @@ std::vector<double> AsDoubles(const char* p, int64_t count, DType dtype) {
 
 int32_t ReferenceBlock(const Dims& d, int slot, int col) { return 1 + slot * d.Q + col; }
 
-double Bound(double exact) {
-  return kFastContractFactor * std::max(exact, kFastContractFloor);
+double Bound(double exact) { return kFastContractFactor * std::max(exact, kFastContractFloor); }
+
+ModePhases FastPhases() {
+  ModePhases phases;
+  phases.pending_blocks = true;
+  phases.corrupt_whole_block = true;
+  return phases;
 }
 
 }  // namespace
 
-FastChecks::FastChecks(SharedMemory& memory, const ServicePools& pools, const StockPath& stock,
-                       const Model& model, const Dims& dims, SimulationReport& report)
-    : memory_(memory),
-      pools_(pools),
-      stock_(stock),
-      model_(model),
-      d_(dims),
-      report_(report),
-      tally_(report),
+FastChecker::FastChecker(SharedMemory& memory, const ServicePools& pools, const StockPath& stock,
+                         const LayerBuffers& outputs, const Model& model, const Dims& dims,
+                         SimulationReport& report, Tp1Checks* tp1)
+    : ModeChecker(FastPhases(), memory, pools, stock, outputs, model, dims, report, tp1),
       params_(dims.L),
       pools64_(dims.L),
       out64_(dims.L),
       written64_(dims.L),
       pending_(dims.R, 0) {
+  report_.fast = true;
   shape_.heads = d_.H;
   shape_.head_dim = d_.K;
   shape_.lower_bound = d_.lower_bound;
@@ -62,21 +63,20 @@ FastChecks::FastChecks(SharedMemory& memory, const ServicePools& pools, const St
   shape_.plain_gate = d_.plain_gate;
 }
 
-void FastChecks::LoadParams(int layer, const GateParams& params) {
+void FastChecker::LoadParams(int layer, const GateParams& params) {
   const float* a_log = reinterpret_cast<const float*>(params.a_log.data());
   const float* dt_bias = reinterpret_cast<const float*>(params.dt_bias.data());
   params_[layer].a_log.assign(a_log, a_log + d_.H);
   params_[layer].dt_bias.assign(dt_bias, dt_bias + d_.HK);
 }
 
-void FastChecks::StartRequest(int layer, int slot, const PrefillLayer& prefill) {
-  pools64_[layer][ReferenceBlock(d_, slot, 0)] =
-      AsDoubles(prefill.state(), d_.VW * d_.K, d_.state);
+void FastChecker::StartRequest(int layer, int slot, const PrefillLayer& prefill) {
+  pools64_[layer][ReferenceBlock(d_, slot, 0)] = AsDoubles(prefill.state(), d_.VW * d_.K, d_.state);
 }
 
-void FastChecks::RunReference(int layer, const LayerInputs& inputs,
-                              const std::vector<Request>& requests,
-                              const std::vector<int32_t>& qsl, int64_t num_tokens) {
+void FastChecker::RunReference(int layer, const LayerInputs& inputs,
+                               const std::vector<Request>& requests,
+                               const std::vector<int32_t>& qsl, int64_t num_tokens) {
   // proj = [q | k | v | beta] per token, as the service reads it.
   reference::Tokens tokens;
   tokens.count = num_tokens;
@@ -109,11 +109,11 @@ void FastChecks::RunReference(int layer, const LayerInputs& inputs,
   written64_[layer] = std::move(r.written);
 }
 
-absl::Status FastChecks::CompareOutputs(const StepPlan& p, const LayerBuffers& outputs) {
+absl::Status FastChecker::CompareOutputs(const StepPlan& p) {
   const int64_t T = p.num_tokens, VW = d_.VW, as = d_.as;
   for (int l = 0; l < d_.L; ++l) {
     std::vector<char> service(T * VW * as), stock(T * VW * as);
-    absl::Status st = memory_.CopyOut(service.data(), outputs[l]->data(), service.size());
+    absl::Status st = memory_.CopyOut(service.data(), outputs_[l]->data(), service.size());
     if (st.ok()) st = memory_.CopyOut(stock.data(), stock_.Output(l).data(), stock.size());
     if (!st.ok()) return st;
     // The tokens of live rows: the others have no outputs.
@@ -133,15 +133,15 @@ absl::Status FastChecks::CompareOutputs(const StepPlan& p, const LayerBuffers& o
   return absl::OkStatus();
 }
 
-bool FastChecks::StaysPending(const StepPlan& p, int slot, const CommittedBlocks& c) {
+bool FastChecker::StartsPending(const StepPlan& p, int slot, const CommittedBlocks& c) {
   const bool stays = c.final_block == p.checkpoint[slot] && c.boundary_block <= 0;
   pending_[slot] = stays ? c.final_block : 0;
   if (stays) ++report_.pending_checked;
   return stays;
 }
 
-absl::Status FastChecks::CompareState(int step, int layer, int slot, int32_t block, int col,
-                                      absl::string_view what) {
+absl::Status FastChecker::CompareStates(int step, int layer, int slot, int32_t block, int col,
+                                        absl::string_view what) {
   std::vector<char> service, stock(d_.state_block_bytes);
   absl::Status st = pools_.ReadState(layer, block, &service);
   if (st.ok()) st = memory_.CopyOut(stock.data(), stock_.Block(layer, slot, col), stock.size());
@@ -155,8 +155,8 @@ absl::Status FastChecks::CompareState(int step, int layer, int slot, int32_t blo
   return absl::OkStatus();
 }
 
-absl::Status FastChecks::CheckFlushed(const std::vector<int32_t>& blocks, int step,
-                                      absl::string_view how) {
+absl::Status FastChecker::CheckFlushed(const std::vector<int32_t>& blocks, int step,
+                                       absl::string_view how) {
   for (int i = 0; i < d_.R; ++i) {
     const int32_t b = pending_[i];
     if (b <= 0) continue;
@@ -165,7 +165,7 @@ absl::Status FastChecks::CheckFlushed(const std::vector<int32_t>& blocks, int st
     const int col = model_.requests()[i].acc_prev - 1;
     for (int l = 0; l < d_.L; ++l) {
       absl::Status st =
-          CompareState(step, l, i, b, col, absl::StrCat("state materialized by ", how));
+          CompareStates(step, l, i, b, col, absl::StrCat("state materialized by ", how));
       if (!st.ok()) return st;
     }
     pending_[i] = 0;
@@ -173,8 +173,8 @@ absl::Status FastChecks::CheckFlushed(const std::vector<int32_t>& blocks, int st
   return absl::OkStatus();
 }
 
-absl::Status FastChecks::CheckRead(int step, int slot, int layer,
-                                   const v1::ReadStateResponse& read) {
+absl::Status FastChecker::CheckRead(int step, int slot, int layer,
+                                    const v1::ReadStateResponse& read) {
   const int32_t block = pending_[slot];
   std::vector<char> service;
   absl::Status st = pools_.ReadState(layer, block, &service);
@@ -189,17 +189,17 @@ absl::Status FastChecks::CheckRead(int step, int slot, int layer,
         step, layer, slot, block));
   }
   // The block stays pending in the other layers.
-  return CompareState(step, layer, slot, block, model_.requests()[slot].acc_prev - 1,
-                      "state materialized by ReadState");
+  return CompareStates(step, layer, slot, block, model_.requests()[slot].acc_prev - 1,
+                       "state materialized by ReadState");
 }
 
-void FastChecks::Discarded(int slot) {
+void FastChecker::Discarded(int slot) {
   pending_[slot] = 0;
   ++report_.discarded;
 }
 
-void FastChecks::Measure(const std::vector<double>& got, const std::vector<double>& exact,
-                         const std::vector<double>& want, bool state, const std::string& what) {
+void FastChecker::Measure(const std::vector<double>& got, const std::vector<double>& exact,
+                          const std::vector<double>& want, bool state, const std::string& what) {
   tally_.Count();
   const int base = state ? kStateElem : kOutElem;
   const double fast_errors[2] = {ElementwiseError(got, want), NormError(got, want)};
@@ -212,13 +212,13 @@ void FastChecks::Measure(const std::vector<double>& got, const std::vector<doubl
     const double ratio = fast_errors[k] / std::max(exact_errors[k], kFastContractFloor);
     if (ratio > worst_ratio_[base + k] || !std::isfinite(fast_errors[k])) {
       worst_ratio_[base + k] = std::isfinite(ratio) ? ratio : INFINITY;
-      worst_[base + k] = absl::StrFormat("%s: FAST %.3g, exact %.3g", what, fast_errors[k],
-                                         exact_errors[k]);
+      worst_[base + k] =
+          absl::StrFormat("%s: FAST %.3g, exact %.3g", what, fast_errors[k], exact_errors[k]);
     }
   }
 }
 
-void FastChecks::Verdict() {
+void FastChecker::Verdict() {
   for (int q = 0; q < 4; ++q) {
     const double f = report_.fast_error[q], e = report_.exact_error[q];
     if (std::isfinite(f) && f <= Bound(e)) continue;

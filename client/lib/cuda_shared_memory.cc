@@ -8,7 +8,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
-#include "client/shared_memory.h"
+#include "client/lib/shared_memory.h"
 #include "keeper/fd_passing.h"
 #include "kernels/cuda_status.h"
 

@@ -19,8 +19,8 @@
 //   RestartDrill drill(service.get(), /*every=*/8, /*seed=*/1);
 //   options.drill = &drill;
 //   RunSimulation(*client, options);
-#ifndef SPECSTATE_CLIENT_RESTART_DRILL_H_
-#define SPECSTATE_CLIENT_RESTART_DRILL_H_
+#ifndef SPECSTATE_CLIENT_SIMULATOR_RESTART_DRILL_H_
+#define SPECSTATE_CLIENT_SIMULATOR_RESTART_DRILL_H_
 
 #include <sys/types.h>
 
@@ -42,7 +42,8 @@ namespace client {
 
 struct OwnServiceOptions {
   // The binaries; empty: found beside this program (the same directory, or
-  // Bazel's bazel-bin layout: ../server/specstated, ../keeper/specstate-keeper).
+  // Bazel's bazel-bin layout: from bazel-bin/client/cli/specstatectl,
+  // ../../server/specstated and ../../keeper/specstate-keeper).
   std::string specstated;
   std::string keeper;
   // specstated's flags besides --listen and --keeper (e.g. --backend=cpu,
@@ -219,4 +220,4 @@ absl::StatusOr<ResumeOutcome> ResumeAfterRestart(
 }  // namespace client
 }  // namespace specstate
 
-#endif  // SPECSTATE_CLIENT_RESTART_DRILL_H_
+#endif  // SPECSTATE_CLIENT_SIMULATOR_RESTART_DRILL_H_

@@ -1,4 +1,4 @@
-#include "client/simulator/deferred_checks.h"
+#include "client/simulator/deferred_checker.h"
 
 #include <algorithm>
 #include <cstring>
@@ -12,20 +12,33 @@
 namespace specstate {
 namespace client {
 namespace simulator_internal {
+namespace {
 
-DeferredChecks::DeferredChecks(SharedMemory& memory, const ServicePools& pools,
-                               const StockPath& stock, const Model& model, const Dims& dims,
-                               SimulationReport& report)
-    : memory_(memory),
-      pools_(pools),
-      stock_(stock),
-      model_(model),
-      d_(dims),
-      report_(report),
-      tally_(report),
-      pending_(dims.R) {}
+ModePhases DeferredPhases() {
+  ModePhases phases;
+  phases.pending_blocks = true;
+  phases.drill_keeps_pending = true;
+  return phases;
+}
 
-absl::Status DeferredChecks::CheckMaterializedByVerify(const StepPlan& p) {
+}  // namespace
+
+DeferredChecker::DeferredChecker(SharedMemory& memory, const ServicePools& pools,
+                                 const StockPath& stock, const LayerBuffers& outputs,
+                                 const Model& model, const Dims& dims, SimulationReport& report,
+                                 Tp1Checks* tp1)
+    : ModeChecker(DeferredPhases(), memory, pools, stock, outputs, model, dims, report, tp1),
+      pending_(dims.R) {
+  report_.deferred = true;
+}
+
+absl::Status DeferredChecker::BeforeCommit(const StepPlan& p) {
+  absl::Status st = CheckMaterializedByVerify(p);
+  if (st.ok()) st = SnapshotCheckpoints(p);
+  return st;
+}
+
+absl::Status DeferredChecker::CheckMaterializedByVerify(const StepPlan& p) {
   for (int i = 0; i < d_.R; ++i) {
     if (!model_.requests()[i].live || pending_[i].block <= 0) continue;
     if (pending_[i].block != p.checkpoint[i]) continue;  // (align: it moved on)
@@ -36,7 +49,7 @@ absl::Status DeferredChecks::CheckMaterializedByVerify(const StepPlan& p) {
   return absl::OkStatus();
 }
 
-absl::Status DeferredChecks::SnapshotCheckpoints(const StepPlan& p) {
+absl::Status DeferredChecker::SnapshotCheckpoints(const StepPlan& p) {
   checkpoints_.assign(d_.R, {});
   for (int i = 0; i < d_.R; ++i) {
     if (!model_.requests()[i].live) continue;
@@ -49,7 +62,7 @@ absl::Status DeferredChecks::SnapshotCheckpoints(const StepPlan& p) {
   return absl::OkStatus();
 }
 
-bool DeferredChecks::StartPending(const StepPlan& p, int slot, const CommittedBlocks& c) {
+bool DeferredChecker::StartsPending(const StepPlan& p, int slot, const CommittedBlocks& c) {
   const bool pending =
       p.accepted[slot] > 0 && c.final_block == p.checkpoint[slot] && c.boundary_block <= 0;
   if (!pending) return false;
@@ -64,14 +77,16 @@ bool DeferredChecks::StartPending(const StepPlan& p, int slot, const CommittedBl
   return true;
 }
 
-absl::Status DeferredChecks::CheckPending(const StepPlan& p, int slot, int layer) {
+absl::Status DeferredChecker::CheckPending(const StepPlan& p, int slot, int layer) {
   Pending& pend = pending_[slot];
   const int col = p.accepted[slot] - 1;
   const int64_t bytes = d_.state_block_bytes;
   absl::Status st = CompareBytes(p.step, layer, slot, pend.block, checkpoints_[slot][layer],
                                  "pending block (its checkpoint, after Commit)", "the checkpoint");
   pend.state[layer].resize(bytes);
-  if (st.ok()) st = memory_.CopyOut(pend.state[layer].data(), stock_.Block(layer, slot, col), bytes);
+  if (st.ok()) {
+    st = memory_.CopyOut(pend.state[layer].data(), stock_.Block(layer, slot, col), bytes);
+  }
   if (st.ok() && d_.tp > 1) {
     pend.tp1_state[layer].resize(bytes);
     st = memory_.CopyOut(pend.tp1_state[layer].data(),
@@ -80,8 +95,8 @@ absl::Status DeferredChecks::CheckPending(const StepPlan& p, int slot, int layer
   return st;
 }
 
-absl::Status DeferredChecks::CheckFlushed(const std::vector<int32_t>& blocks, int step,
-                                          absl::string_view how) {
+absl::Status DeferredChecker::CheckFlushed(const std::vector<int32_t>& blocks, int step,
+                                           absl::string_view how) {
   for (int i = 0; i < d_.R; ++i) {
     const int32_t b = pending_[i].block;
     if (b <= 0) continue;
@@ -93,8 +108,8 @@ absl::Status DeferredChecks::CheckFlushed(const std::vector<int32_t>& blocks, in
   return absl::OkStatus();
 }
 
-absl::Status DeferredChecks::CheckRead(int step, int slot, int layer,
-                                       const v1::ReadStateResponse& read) {
+absl::Status DeferredChecker::CheckRead(int step, int slot, int layer,
+                                        const v1::ReadStateResponse& read) {
   Pending& pend = pending_[slot];
   const std::vector<char>& state = pend.state[layer];
   tally_.Count();
@@ -112,13 +127,13 @@ absl::Status DeferredChecks::CheckRead(int step, int slot, int layer,
   return absl::OkStatus();
 }
 
-std::vector<int32_t> DeferredChecks::PendingBlocks() const {
+std::vector<int32_t> DeferredChecker::PendingBlocks() const {
   std::vector<int32_t> blocks;
   for (const Pending& pend : pending_) blocks.push_back(pend.block);
   return blocks;
 }
 
-std::vector<DeferredChecks::Expected> DeferredChecks::Expectations() const {
+std::vector<ModeChecker::Expected> DeferredChecker::Expectations() const {
   std::vector<Expected> out;
   for (int i = 0; i < d_.R; ++i) {
     if (pending_[i].block > 0) out.push_back(Expected{i, pending_[i].block, pending_[i].state});
@@ -126,22 +141,22 @@ std::vector<DeferredChecks::Expected> DeferredChecks::Expectations() const {
   return out;
 }
 
-void DeferredChecks::Discarded(int slot) {
+void DeferredChecker::Discarded(int slot) {
   pending_[slot] = Pending();
   ++report_.discarded;
 }
 
-absl::Status DeferredChecks::CheckMaterialized(int step, int slot, absl::string_view how) {
+absl::Status DeferredChecker::CheckMaterialized(int step, int slot, absl::string_view how) {
   Pending& pend = pending_[slot];
   for (int l = 0; l < d_.L; ++l) {
     if (pend.materialized[l]) continue;
     const std::string what =
         absl::StrCat("state materialized by ", how, " (committed at step ", pend.step, ")");
-    absl::Status st = CompareBytes(step, l, slot, pend.block, pend.state[l], what,
-                                   "the stock path's state");
+    absl::Status st =
+        CompareBytes(step, l, slot, pend.block, pend.state[l], what, "the stock path's state");
     if (st.ok() && d_.tp > 1) {
-      st = CompareBytes(step, l, slot, pend.block, pend.tp1_state[l], what,
-                        "the TP=1 run's state", /*tp1=*/true);
+      st = CompareBytes(step, l, slot, pend.block, pend.tp1_state[l], what, "the TP=1 run's state",
+                        /*tp1=*/true);
     }
     if (!st.ok()) return st;
   }
@@ -149,10 +164,10 @@ absl::Status DeferredChecks::CheckMaterialized(int step, int slot, absl::string_
   return absl::OkStatus();
 }
 
-absl::Status DeferredChecks::CompareBytes(int step, int layer, int slot, int32_t block,
-                                          const std::vector<char>& expected,
-                                          absl::string_view what, absl::string_view against,
-                                          bool tp1) {
+absl::Status DeferredChecker::CompareBytes(int step, int layer, int slot, int32_t block,
+                                           const std::vector<char>& expected,
+                                           absl::string_view what, absl::string_view against,
+                                           bool tp1) {
   std::vector<char> service;
   absl::Status st = pools_.ReadState(layer, block, &service);
   if (!st.ok()) return st;

@@ -1,5 +1,5 @@
 // Linked instead of cuda_shared_memory.cc in builds without CUDA.
-#include "client/shared_memory.h"
+#include "client/lib/shared_memory.h"
 
 namespace specstate {
 namespace client {

@@ -1,6 +1,6 @@
 // The client library's checks that need no server: the tensor-parallel
 // ranks' layouts (CheckRankLayouts) and ConnectRanks' argument checks.
-#include "client/client.h"
+#include "client/lib/client.h"
 
 #include <functional>
 #include <string>

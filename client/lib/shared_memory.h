@@ -10,8 +10,8 @@
 //   auto memory = SharedMemory::Create(v1::CPU).value();
 //   auto buffer = memory->Allocate(1 << 20).value();
 //   session->RegisterBuffer("acts", *buffer);
-#ifndef SPECSTATE_CLIENT_SHARED_MEMORY_H_
-#define SPECSTATE_CLIENT_SHARED_MEMORY_H_
+#ifndef SPECSTATE_CLIENT_LIB_SHARED_MEMORY_H_
+#define SPECSTATE_CLIENT_LIB_SHARED_MEMORY_H_
 
 #include <cstdint>
 #include <memory>
@@ -89,4 +89,4 @@ class SharedMemory {
 }  // namespace client
 }  // namespace specstate
 
-#endif  // SPECSTATE_CLIENT_SHARED_MEMORY_H_
+#endif  // SPECSTATE_CLIENT_LIB_SHARED_MEMORY_H_

@@ -1,4 +1,4 @@
-#include "client/restart_drill.h"
+#include "client/simulator/restart_drill.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -18,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
-#include "client/client.h"
+#include "client/lib/client.h"
 
 namespace specstate {
 namespace client {
@@ -26,8 +26,9 @@ namespace {
 
 bool Executable(const std::string& path) { return access(path.c_str(), X_OK) == 0; }
 
-// `name` of `package`: beside this program, in Bazel's bazel-bin layout, or
-// in a test's runfiles.
+// `name` of `package`: beside this program, in Bazel's bazel-bin layout (the
+// program one or two folders deep: bazel-bin/client/cli/specstatectl), or in
+// a test's runfiles.
 std::string FindBinary(const std::string& package, const std::string& name) {
   std::vector<std::string> candidates;
   char self[4096];
@@ -38,6 +39,7 @@ std::string FindBinary(const std::string& package, const std::string& name) {
     dir = dir.substr(0, dir.rfind('/'));
     candidates.push_back(absl::StrCat(dir, "/", name));
     candidates.push_back(absl::StrCat(dir, "/../", package, "/", name));
+    candidates.push_back(absl::StrCat(dir, "/../../", package, "/", name));
   }
   if (const char* runfiles = std::getenv("TEST_SRCDIR")) {
     candidates.push_back(absl::StrCat(runfiles, "/specstate/", package, "/", name));

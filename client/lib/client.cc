@@ -1,4 +1,4 @@
-#include "client/client.h"
+#include "client/lib/client.h"
 
 #include <algorithm>
 #include <chrono>

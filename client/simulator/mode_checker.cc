@@ -1,19 +1,47 @@
-#include "client/simulator/checks.h"
+#include "client/simulator/mode_checker.h"
 
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include "absl/strings/str_format.h"
+#include "client/simulator/deferred_checker.h"
+#include "client/simulator/fast_checker.h"
 #include "client/simulator/host_bytes.h"
 
 namespace specstate {
 namespace client {
 namespace simulator_internal {
+namespace {
 
-Checks::Checks(SharedMemory& memory, const ServicePools& pools, const StockPath& stock,
+// EAGER: ModeChecker's checks as they stand, and none of the phases.
+class EagerChecker final : public ModeChecker {
+ public:
+  EagerChecker(SharedMemory& memory, const ServicePools& pools, const StockPath& stock,
                const LayerBuffers& outputs, const Model& model, const Dims& dims,
-               SimulationReport& report, Tp1Checks* tp1, DeferredChecks* deferred,
-               FastChecks* fast)
+               SimulationReport& report, Tp1Checks* tp1)
+      : ModeChecker(ModePhases(), memory, pools, stock, outputs, model, dims, report, tp1) {}
+};
+
+}  // namespace
+
+std::unique_ptr<ModeChecker> MakeModeChecker(SharedMemory& memory, const ServicePools& pools,
+                                             const StockPath& stock, const LayerBuffers& outputs,
+                                             const Model& model, const Dims& dims,
+                                             SimulationReport& report, Tp1Checks* tp1) {
+  if (dims.deferred) {
+    return std::make_unique<DeferredChecker>(memory, pools, stock, outputs, model, dims, report,
+                                             tp1);
+  }
+  if (dims.fast) {
+    return std::make_unique<FastChecker>(memory, pools, stock, outputs, model, dims, report, tp1);
+  }
+  return std::make_unique<EagerChecker>(memory, pools, stock, outputs, model, dims, report, tp1);
+}
+
+ModeChecker::ModeChecker(const ModePhases& phases, SharedMemory& memory, const ServicePools& pools,
+                         const StockPath& stock, const LayerBuffers& outputs, const Model& model,
+                         const Dims& dims, SimulationReport& report, Tp1Checks* tp1)
     : memory_(memory),
       pools_(pools),
       stock_(stock),
@@ -23,11 +51,9 @@ Checks::Checks(SharedMemory& memory, const ServicePools& pools, const StockPath&
       report_(report),
       tally_(report),
       tp1_(tp1),
-      deferred_(deferred),
-      fast_(fast) {}
+      phases_(phases) {}
 
-absl::Status Checks::CompareOutputs(const StepPlan& p) {
-  if (fast_ != nullptr) return fast_->CompareOutputs(p, outputs_);
+absl::Status ModeChecker::CompareOutputs(const StepPlan& p) {
   const int64_t T = p.num_tokens;
   const int64_t as = d_.as, VW = d_.VW, K = d_.K;
   for (int l = 0; l < d_.L; ++l) {
@@ -47,7 +73,7 @@ absl::Status Checks::CompareOutputs(const StepPlan& p) {
   return tp1_ != nullptr ? tp1_->CompareOutputs(p) : absl::OkStatus();
 }
 
-absl::Status Checks::CheckRecordedBlocks(const StepPlan& p, const int32_t* recorded) {
+absl::Status ModeChecker::CheckRecordedBlocks(const StepPlan& p, const int32_t* recorded) {
   std::vector<int32_t> out(2 * d_.batch_max);
   absl::Status st = memory_.CopyOut(out.data(), recorded, out.size() * 4);
   if (!st.ok()) return st;
@@ -66,7 +92,7 @@ absl::Status Checks::CheckRecordedBlocks(const StepPlan& p, const int32_t* recor
   return absl::OkStatus();
 }
 
-absl::Status Checks::CompareCommitted(const StepPlan& p) {
+absl::Status ModeChecker::CompareCommitted(const StepPlan& p) {
   for (int i = 0; i < d_.R; ++i) {
     if (!model_.requests()[i].live) continue;
     absl::Status st = CompareCommittedRow(p, i);
@@ -75,24 +101,22 @@ absl::Status Checks::CompareCommitted(const StepPlan& p) {
   return absl::OkStatus();
 }
 
-// Per layer, the committed state (column acc - 1; DEFERRED: the checkpoint
-// its pending block still holds; FAST: by the contract, unless its block
-// keeps its ring) and the conv window ending at the last accepted token; in
-// align mode also the state and window at a mamba-block boundary the
-// accepted tokens crossed.
-absl::Status Checks::CompareCommittedRow(const StepPlan& p, int slot) {
+// Per layer, the committed state (column acc - 1; a pending row: what
+// CheckPending checks) and the conv window ending at the last accepted
+// token; in align mode also the state and window at a mamba-block boundary
+// the accepted tokens crossed.
+absl::Status ModeChecker::CompareCommittedRow(const StepPlan& p, int slot) {
   const int acc = p.accepted[slot];
   const int tokens = p.tokens[slot];
   const CommittedBlocks c = model_.Committed(p, slot);
   const bool boundary = c.boundary_block > 0 && c.boundary_len < acc;
   const int s = p.step;
-  const bool pending = deferred_ != nullptr && deferred_->StartPending(p, slot, c);
-  const bool ring = fast_ != nullptr && fast_->StaysPending(p, slot, c);
+  const bool pending = StartsPending(p, slot, c);
   for (int l = 0; l < d_.L; ++l) {
     const std::vector<char>& updated = p.updated[slot][l];
-    absl::Status st = pending ? deferred_->CheckPending(p, slot, l)
-                      : ring  ? absl::OkStatus()
-                              : CompareStates(s, l, slot, c.final_block, acc - 1, "committed state");
+    absl::Status st = pending
+                          ? CheckPending(p, slot, l)
+                          : CompareStates(s, l, slot, c.final_block, acc - 1, "committed state");
     if (st.ok()) {
       st = CompareWindow(s, l, slot, c.final_block, model_.WindowEndingAt(updated, tokens, acc),
                          "conv window");
@@ -111,16 +135,15 @@ absl::Status Checks::CompareCommittedRow(const StepPlan& p, int slot) {
   return absl::OkStatus();
 }
 
-absl::Status Checks::CompareStates(int step, int layer, int slot, int32_t block, int col,
-                                   absl::string_view what) {
-  if (fast_ != nullptr) return fast_->CompareState(step, layer, slot, block, col, what);
+absl::Status ModeChecker::CompareStates(int step, int layer, int slot, int32_t block, int col,
+                                        absl::string_view what) {
   absl::Status st = CompareState(step, layer, slot, block, col, what);
   if (st.ok() && tp1_ != nullptr) st = tp1_->CompareState(step, layer, slot, block, col, what);
   return st;
 }
 
-absl::Status Checks::CompareState(int step, int layer, int slot, int32_t block, int col,
-                                  absl::string_view what) {
+absl::Status ModeChecker::CompareState(int step, int layer, int slot, int32_t block, int col,
+                                       absl::string_view what) {
   std::vector<char> service, stock(d_.state_block_bytes);
   absl::Status st = pools_.ReadState(layer, block, &service);
   if (st.ok()) st = memory_.CopyOut(stock.data(), stock_.Block(layer, slot, col), stock.size());
@@ -138,8 +161,8 @@ absl::Status Checks::CompareState(int step, int layer, int slot, int32_t block, 
   return absl::OkStatus();
 }
 
-absl::Status Checks::CompareWindow(int step, int layer, int slot, int32_t block,
-                                   const std::vector<char>& expected, absl::string_view what) {
+absl::Status ModeChecker::CompareWindow(int step, int layer, int slot, int32_t block,
+                                        const std::vector<char>& expected, absl::string_view what) {
   std::vector<char> dw;
   absl::Status st = pools_.ReadConv(layer, block, &dw);
   if (!st.ok()) return st;
