@@ -208,13 +208,13 @@ int Layout(Client& c) {
       l->cache_mode() == v1::ALIGN ? absl::StrCat(" (block size ", l->mamba_block_size(), ")").c_str()
                                    : "",
       v1::CommitMode_Name(l->commit_mode()).c_str(),
-      l->commit_mode() == v1::FAST
+      l->fold_every() > 0  // FAST's, as the service runs it (0 in the other modes)
           ? absl::StrCat(" (fold every ", l->fold_every(), " steps: rings of ",
                          l->fold_every() * (l->num_spec() + 1), " tokens a block)")
                 .c_str()
           : "",
       l->lower_bound(), l->state_block_bytes(), l->conv_block_bytes(), l->pool_bytes(),
-      l->commit_mode() == v1::FAST ? "rings" : "records", l->record_bytes());
+      std::string(server::CommitModeOf(*l).scratch_name()).c_str(), l->record_bytes());
   if (l->backend() == v1::CUDA) {
     std::printf("mps client       %s\n", l->mps_client() ? "yes" : "NO (see `stats`)");
   }
@@ -513,18 +513,17 @@ void PrintPlan(const server::SizingPlan& p, const std::string& model) {
   absl::PrintF("  %-32s %14s %16s   %d layers x %d channels x %d %s\n", "conv window",
                FormatBytes(p.conv_bytes), FormatBytes(p.stock_conv_bytes), L, l.conv_dim(),
                b.sizes.conv_width, v1::DType_Name(l.activation_dtype()));
-  std::string bookkeeping =
-      l.commit_mode() == v1::FAST
-          ? absl::StrCat("FAST's rings (", server::CommitModeOf(l).FoldEvery(l) * Q,
-                         " tokens a layer), cursors, owner words")
-          : l.commit_mode() == v1::DEFERRED ? "pending entries, owner words, a Flush's list"
-                                            : "Commit's owner word, a Flush's list";
+  const server::CommitModeRules& mode = server::CommitModeOf(l);
+  std::string bookkeeping = mode.BookkeepingContents(l);
   if (b.kept_header > 0) bookkeeping += ", the kept block record";
   absl::PrintF("  %-32s %14s %16s   %s\n", "per-block bookkeeping",
                FormatBytes(p.block_bytes - p.state_bytes - p.conv_bytes), "-", bookkeeping);
   absl::PrintF("  %-32s %14s %16s   records%s, workspaces, slots of %d rows / %d\n",
                "step scratch, one row's share", FormatBytes(p.row_bytes), "-",
-               l.commit_mode() == v1::FAST ? " (none: rings)" : "", l.max_rows(), l.max_rows());
+               b.sizes.records_per_layer_bytes == 0
+                   ? absl::StrCat(" (none: ", mode.scratch_name(), ")").c_str()
+                   : "",
+               l.max_rows(), l.max_rows());
   absl::PrintF("  %-32s %14s %16s\n", "total", FormatBytes(p.request_bytes),
                FormatBytes(p.stock_request_bytes));
   absl::PrintF("%-34s %14s %16s   stock / SpecState = %.2fx\n", "saving per request", "",
@@ -544,7 +543,7 @@ void PrintPlan(const server::SizingPlan& p, const std::string& model) {
   absl::PrintF(
       "allocated     %d bytes (%s): pools %s, %s %s, workspaces %s, mode %s, other %s%s\n",
       b.total, FormatBytes(b.total), FormatBytes(b.pools),
-      l.commit_mode() == v1::FAST ? "rings" : "records", FormatBytes(b.records),
+      mode.scratch_name(), FormatBytes(b.records),
       FormatBytes(b.workspaces), FormatBytes(b.mode),
       FormatBytes(b.params + b.step_slots + b.layer_table),
       b.kept_header > 0 ? absl::StrCat(", kept header ", FormatBytes(b.kept_header)) : "");
@@ -701,7 +700,7 @@ int main(int argc, char** argv) {
     if (!layout.ok()) return Fail(layout.status());
     RestartDrill drill(service->get(), restart_every, absl::GetFlag(FLAGS_seed),
                        layout->num_layers(), layout->backend() == v1::CUDA,
-                       layout->commit_mode() == v1::DEFERRED);
+                       specstate::server::CommitModeOf(*layout).RecordsInKeptAllocation());
     return Simulate({client->get()}, &drill);
   }
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(absl::GetFlag(FLAGS_server));

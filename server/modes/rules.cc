@@ -35,8 +35,8 @@ class EagerRules final : public CommitModeRules {
  public:
   v1::CommitMode id() const override { return v1::EAGER; }
   absl::string_view flag_name() const override { return "eager"; }
-  std::string ModeBytesContents(const v1::Layout&) const override {
-    return "a Flush's checked block list";
+  std::string BookkeepingContents(const v1::Layout&) const override {
+    return "Commit's owner word, a Flush's list";
   }
   absl::Status Validate(const v1::Layout& l) const override { return NoFoldEvery(l); }
   ModeScratchSizes ScratchSizes(const v1::Layout& l,
@@ -57,7 +57,7 @@ class DeferredRules final : public CommitModeRules {
  public:
   v1::CommitMode id() const override { return v1::DEFERRED; }
   absl::string_view flag_name() const override { return "deferred"; }
-  std::string ModeBytesContents(const v1::Layout&) const override {
+  std::string BookkeepingContents(const v1::Layout&) const override {
     return "pending entries, owner words, a Flush's list";
   }
   absl::Status Validate(const v1::Layout& l) const override {
@@ -101,10 +101,9 @@ class FastRules final : public CommitModeRules {
   v1::CommitMode id() const override { return v1::FAST; }
   absl::string_view flag_name() const override { return "fast"; }
   absl::string_view scratch_name() const override { return "rings"; }
-  std::string ModeBytesContents(const v1::Layout& l) const override {
+  std::string BookkeepingContents(const v1::Layout& l) const override {
     return absl::StrCat("FAST's rings (", FoldEvery(l) * (l.num_spec() + 1),
-                        " tokens a block) are counted above; here the Verify owner table and a "
-                        "Flush's list");
+                        " tokens a layer), cursors, owner words");
   }
   absl::Status Validate(const v1::Layout& l) const override {
     const int q = l.num_spec() + 1;

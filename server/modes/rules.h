@@ -52,8 +52,8 @@ class CommitModeRules {
   virtual absl::string_view flag_name() const = 0;
   // What holds a step's tokens until they are applied: "records" or "rings".
   virtual absl::string_view scratch_name() const { return "records"; }
-  // What mode_bytes holds, in words (specstatectl plan).
-  virtual std::string ModeBytesContents(const v1::Layout& layout) const = 0;
+  // What a block's bookkeeping holds in this mode, in words (specstatectl plan).
+  virtual std::string BookkeepingContents(const v1::Layout& layout) const = 0;
 
   // The mode's own bounds on `layout` (INVALID_ARGUMENT naming the field and
   // the bound), after the shared fields were checked.
