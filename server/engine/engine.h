@@ -150,7 +150,7 @@ class Engine {
   };
 
   // One driving call of a step once its host checks passed: what its verb
-  // states (engine.cc); Drive() runs the step protocol around it.
+  // states (drive.h); Drive() runs the step protocol around it.
   template <typename Response>
   struct StepCall;
 

@@ -35,20 +35,13 @@ protoc -Iproto --cpp_out="$out/gen" proto/specstate/v1/specstate.proto || fail "
 flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -ffp-contract=off
        -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined
        -I. -I"$out/gen" $(pkg-config --cflags protobuf))
-sources=(
-  server/engine/engine.cc server/engine/submit_step.cc server/engine/request_tensors.cc server/engine/step_table.cc server/engine/tensor_summary.cc
-  server/engine/commit.cc server/engine/flush.cc server/engine/load_params.cc server/engine/read_state.cc server/engine/record_state_blocks.cc
-  server/engine/step_protocol.cc server/engine/verify.cc
-  server/modes/rules.cc server/modes/mode_engine.cc server/modes/eager.cc server/modes/deferred.cc
-  server/modes/fast.cc
-  server/engine/regions.cc
-  server/config/config.cc server/config/presets.cc server/config/sizing.cc server/kept/pool_header.cc server/device/cpu_device.cc
-  server/device/truncation_guard.cc server/device/no_cuda_device.cc server/base/log.cc server/engine/phase_profile.cc
-  server/base/test_crash.cc
-  kernels/cpu/kda_cpu.cc kernels/kda_kernels.cc kernels/no_cuda.cc kernels/device_status.cc
-  kernels/check_shape.cc kernels/fast/cpu/fast_cpu.cc kernels/fast/fast_kernels.cc
-  kernels/dtype.cc "$out/gen/specstate/v1/specstate.pb.cc" tools/fuzz/engine_fuzzer.cc
-)
+# The engine's own sources, as its Bazel target has them in the CPU-only
+# build (so that a moved or added file needs no edit here), and the target's.
+mapfile -t sources < <(bazel query --repo_env=SPECSTATE_CUDA=0 --noshow_progress \
+  'kind("source file", deps(//server/engine:engine))' 2>/dev/null |
+  grep -E '^//(server|kernels)[/:]' | grep -E '\.cc$' | sed -e 's|^//||' -e 's|:|/|')
+[ ${#sources[@]} -gt 10 ] || fail "bazel query found no sources of //server/engine:engine"
+sources+=("$out/gen/specstate/v1/specstate.pb.cc" tools/fuzz/engine_fuzzer.cc)
 objects=()
 pids=()
 for src in "${sources[@]}"; do
