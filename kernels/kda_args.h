@@ -205,9 +205,10 @@ inline constexpr int kMaxFastQueryLen = 8;
 struct FastCursor {
   int32_t tokens;
   int32_t candidates;
-  // CUDA Verify with fold_ahead: the row's value heads that have finished a
-  // fold ahead (the last one resets the cursor); 0 between calls.
-  int32_t arrivals;
+  // Unused, zero: keeps a cursor 12 bytes, the size the service plans
+  // (FastCursorBytes). (It counted the heads of a fold ahead, a schedule
+  // measured slower and removed: docs/benchmarks.md, "Fold ahead".)
+  int32_t reserved;
 };
 
 // One layer's rings, one per state block, indexed like the state pool (block
@@ -226,13 +227,6 @@ struct FastRings {
   FastCursor* cursors = nullptr;
   int64_t num_blocks = 0;
   int capacity = 0;  // R tokens: fold_every * Q
-  // The fold schedule (fast_args.h, FoldsAhead): false, Commit folds a ring
-  // the next window might not fit (what the service runs); true, the Verify
-  // that reads a ring the window after it might not fit folds it too, in
-  // place, where it reads the checkpoint anyway (Commit's fold then never
-  // comes due). Measured slower on the H200 (docs/benchmarks.md, "Fold
-  // ahead"): it folds up to 85% more often, for no cheaper a fold.
-  bool fold_ahead = false;
 };
 
 // Statuses of earlier calls this call depends on (device memory on CUDA).

@@ -17,8 +17,7 @@
 #ifndef SPECSTATE_KERNELS_KDA_KERNELS_H_
 #define SPECSTATE_KERNELS_KDA_KERNELS_H_
 
-#include <string>
-#include <utility>
+#include <cstdint>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -110,13 +109,6 @@ absl::Status CopyToHostOnStream(void* host, const void* device, uint64_t bytes, 
 // rings only after this launch returns, that is a deadlock. (Seen on the
 // H200: the first ASYNC Verify of a shape never returned.)
 void UseEagerCudaModuleLoading();
-
-// For the benchmark's sweep: the CUDA kernels with other thread layouts of
-// the recurrent kernel (variant 0 is the production one; the others support
-// bf16 activations, fp32 state and head dim 128 only). Within a variant the
-// stock kernel, verify and replay share the layout, so bit identity holds.
-int NumCudaLayoutVariants();
-absl::StatusOr<std::pair<std::string, const KdaKernels*>> CudaKdaKernelsWithLayout(int variant);
 
 // Host-side validation, exposed for the service (which checks a request
 // before it enqueues anything) and for tests.

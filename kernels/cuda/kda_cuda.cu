@@ -1,19 +1,11 @@
 // The CUDA backend (sm_90).
 //
-// One kernel template, RecurrentKernel<Mode>, is the stock spec-path kernel,
-// RecoverSSM verify and the commit's replay: all three run the per-token math
-// of kernels/kda_math.h with the same thread layout and reduction order, so
-// verify's outputs equal the stock kernel's and the replayed states equal the
-// stock kernel's stored states bit for bit.
-//
-// Layout of a recurrent block: 128 threads own kRows = 32 consecutive rows
-// of one head's state [V, K], 4 lanes per row, each lane holding K / 4 fp32
-// state values in registers (quads l, l + 4, ... of the row). The per-token
-// inputs that every row needs (normalized q and k, the gate's decay factors,
-// sigmoid(beta)) are computed once per block into shared memory, for all of
-// the row's tokens, before the token loop; lanes read them as float4, which
-// is conflict-free with this quad interleaving. Grid: one block per
-// (layer, row, head, chunk of 32 state rows).
+// One kernel template, PipelinedRecurrentKernel<Mode> (pipelined_recurrent.cuh),
+// is the stock spec-path kernel, RecoverSSM verify and the commit's replay:
+// all three run the per-token math of kernels/kda_math.h with the same
+// thread layout and reduction order, so verify's outputs equal the stock
+// kernel's and the replayed states equal the stock kernel's stored states
+// bit for bit.
 //
 // Every call starts with a single-block check kernel (the values it checks
 // live in device memory); the kernels that follow read its DeviceStatus
@@ -48,24 +40,6 @@ namespace {
 
 using internal::IsBlock;
 using internal::RowFault;
-
-// The recurrent kernel's thread layout: kLanes lanes per state row, kThreads
-// threads (kRows = kThreads / kLanes state rows) per block. It fixes the
-// reduction order over K, so the stock kernel, verify and replay of a build
-// always share one layout; other layouts exist only for the benchmark's sweep
-// (CudaKdaKernelsWithLayout()).
-template <int kLanes_, int kThreads_, int kMinBlocks_>
-struct ThreadLayout {
-  static constexpr int kLanes = kLanes_;
-  static constexpr int kThreads = kThreads_;
-  static constexpr int kRows = kThreads_ / kLanes_;
-  static constexpr int kMinBlocks = kMinBlocks_;
-};
-
-// Measured on the H200 (docs/benchmarks.md): the best of the sweep. Capping
-// registers at 80 (6 blocks of 128 threads per SM) hides more of the memory
-// latency than the uncapped kernel does.
-using ProductionLayout = ThreadLayout<4, 128, 6>;
 
 constexpr int kCheckThreads = 1024;
 constexpr int kConvThreads = 256;
@@ -208,13 +182,6 @@ __device__ __forceinline__ LayerView ReplayView(const CommitLayer& l, int buffer
   return view;
 }
 
-// Shared memory of one block, carved from the dynamic allocation:
-// q, k, decay [T][K], v [T][kRows], beta [T], partial squares [2][T][K / 32].
-template <int K, typename Layout>
-__host__ __device__ constexpr size_t RecurrentSmemBytes(int max_tokens) {
-  return sizeof(float) * size_t(max_tokens) * (3 * K + Layout::kRows + 1 + 2 * (K / 32));
-}
-
 // The sum over a row's kLanes consecutive lanes, in a fixed butterfly order;
 // every lane gets the total.
 template <int kLanes>
@@ -244,162 +211,6 @@ __device__ __forceinline__ float WarpSum(float x) {
   return x;
 }
 
-template <Mode M, typename Act, typename State, int K, typename Layout>
-__global__ void __launch_bounds__(Layout::kThreads, Layout::kMinBlocks)
-    RecurrentKernel(const RecurrentLaunch p) {
-  constexpr int kLanes = Layout::kLanes;
-  constexpr int kThreads = Layout::kThreads;
-  constexpr int kRows = Layout::kRows;
-  constexpr int V = K;
-  constexpr int kSeg = K / kLanes;
-  constexpr int kChunks = V / kRows;
-  static_assert(V % kRows == 0 && kSeg % 4 == 0, "layout does not tile the head");
-  constexpr bool kWantOutput = M != Mode::kReplay;
-  WaitForPrerequisiteGrid();
-  if (p.status->failed) return;
-
-  int64_t block = blockIdx.x;
-  const int chunk = static_cast<int>(block % kChunks);
-  block /= kChunks;
-  const int h = static_cast<int>(block % p.num_heads);
-  block /= p.num_heads;
-  const int n = static_cast<int>(block % p.num_rows);
-  const int layer = static_cast<int>(block / p.num_rows);
-  const int H = p.num_heads;
-
-  // The row: its tokens, initial block and store destinations.
-  int64_t bos;
-  int tokens;
-  int32_t source;
-  const int32_t* idx = p.indices + n * p.indices_stride;
-  if (M == Mode::kReplay) {
-    bos = int64_t{n} * p.window;
-    source = idx[p.window];
-    tokens = internal::ReplayTokens(idx, p.window);
-  } else {
-    bos = p.qsl[n];
-    tokens = static_cast<int>(p.qsl[n + 1] - bos);
-    const int first_col =
-        (M == Mode::kStock && p.num_accepted != nullptr) ? p.num_accepted[n] - 1 : 0;
-    source = tokens > 0 ? idx[first_col] : kNullBlock;
-  }
-  if (tokens == 0 || !IsBlock(source)) return;
-  const LayerView L =
-      M == Mode::kReplay ? ReplayView<Act>(p.replay_layers[layer], 0, p, K) : p.layer;
-
-  const int tid = threadIdx.x;
-  const int row = tid / kLanes;
-  const int lane = tid % kLanes;
-  const int v = chunk * kRows + row;
-
-  // Start the state load first: it is the bulk of the bytes, and the loads
-  // stay in flight while the block prepares the token inputs.
-  float s[kSeg];
-  State* const state = static_cast<State*>(L.state);
-  const int64_t row_offset = (int64_t{h} * V + v) * K;
-  {
-    const State* src = state + int64_t{source} * L.block_stride + row_offset;
-#pragma unroll
-    for (int i = 0; i < kSeg / 4; ++i) {
-      const kda::Quad quad = StateIo<State>::Load(src + kda::QuadColumn<kLanes>(lane, i));
-#pragma unroll
-      for (int c = 0; c < 4; ++c) s[4 * i + c] = quad.x[c];
-    }
-  }
-
-  extern __shared__ float4 smem_raw[];
-  float* const sq = reinterpret_cast<float*>(smem_raw);
-  float* const sk = sq + p.max_tokens * K;
-  float* const sdecay = sk + p.max_tokens * K;
-  float* const sv = sdecay + p.max_tokens * K;
-  float* const sbeta = sv + p.max_tokens * kRows;
-  float* const spart_q = sbeta + p.max_tokens;
-  float* const spart_k = spart_q + p.max_tokens * (K / 32);
-
-  const Act* const q = static_cast<const Act*>(L.q);
-  const Act* const k = static_cast<const Act*>(L.k);
-  const Act* const g = static_cast<const Act*>(L.g);
-  const float a = expf(L.a_log[h]);
-  const float scale = kda::QueryScale(K);
-  const bool record = M == Mode::kVerify && chunk == 0;
-  const int64_t rec0 = int64_t{n} * p.window;
-
-  // Raw q and k, the decay factors, and per-warp partial sums of squares.
-  // K is a multiple of 32, so the 32 items of a warp share one token.
-  for (int item = tid; item < tokens * K; item += kThreads) {
-    const int t = item / K;
-    const int j = item % K;
-    const int64_t tok = bos + t;
-    const Act q_raw = q[tok * L.q_stride + int64_t{h} * K + j];
-    const Act k_raw = k[tok * L.k_stride + int64_t{h} * K + j];
-    const Act g_raw = g[(tok * H + h) * K + j];
-    const float xq = ToFloat(q_raw);
-    const float xk = ToFloat(k_raw);
-    sq[t * K + j] = xq;
-    sk[t * K + j] = xk;
-    sdecay[t * K + j] = kda::GateDecay(ToFloat(g_raw), L.dt_bias[h * K + j], a, p.lower_bound);
-    const float sum_q = WarpSum(xq * xq);
-    const float sum_k = WarpSum(xk * xk);
-    if ((tid & 31) == 0) {
-      spart_q[t * (K / 32) + j / 32] = sum_q;
-      spart_k[t * (K / 32) + j / 32] = sum_k;
-    }
-    if (record) {
-      Act* rec_kv = static_cast<Act*>(L.rec_kv);
-      rec_kv[((rec0 + t) * 2) * H * K + int64_t{h} * K + j] = k_raw;
-      static_cast<Act*>(L.rec_g)[((rec0 + t) * H + h) * K + j] = g_raw;
-    }
-  }
-  const Act* const vin = static_cast<const Act*>(L.v);
-  for (int item = tid; item < tokens * kRows; item += kThreads) {
-    const int t = item / kRows;
-    const int r = item % kRows;
-    const Act v_raw = vin[(bos + t) * L.v_stride + int64_t{h} * V + chunk * kRows + r];
-    sv[t * kRows + r] = ToFloat(v_raw);
-    if (M == Mode::kVerify) {
-      static_cast<Act*>(L.rec_kv)[((rec0 + t) * 2 + 1) * H * K + int64_t{h} * V + chunk * kRows +
-                                  r] = v_raw;
-    }
-  }
-  for (int t = tid; t < tokens; t += kThreads) {
-    const Act b_raw = static_cast<const Act*>(L.beta)[(bos + t) * L.beta_stride + h];
-    sbeta[t] = kda::Sigmoid(ToFloat(b_raw));
-    if (record) static_cast<Act*>(L.rec_beta)[(rec0 + t) * H + h] = b_raw;
-  }
-  __syncthreads();
-  for (int item = tid; item < tokens * K; item += kThreads) {
-    const int t = item / K;
-    float sum_q = 0.0f, sum_k = 0.0f;
-#pragma unroll
-    for (int c = 0; c < K / 32; ++c) {
-      sum_q += spart_q[t * (K / 32) + c];
-      sum_k += spart_k[t * (K / 32) + c];
-    }
-    sq[item] = kda::Normalize(sq[item], kda::L2Norm(sum_q), scale);
-    sk[item] = kda::Normalize(sk[item], kda::L2Norm(sum_k), 1.0f);
-  }
-  __syncthreads();
-
-  Act* const out = static_cast<Act*>(L.out);
-  for (int t = 0; t < tokens; ++t) {
-    const kda::TokenInputs tok{sq + t * K, sk + t * K, sdecay + t * K, sbeta[t]};
-    const float o = kda::TokenStep<kSeg, kLanes>(
-        s, lane, tok, sv[t * kRows + row], [](float x) { return LaneSum<kLanes>(x); },
-        kWantOutput);
-    if (kWantOutput && lane == 0) out[((bos + t) * H + h) * V + v] = FromFloat<Act>(o);
-    if (M != Mode::kVerify) {
-      const int32_t dst = idx[t];
-      if (IsBlock(dst)) {
-        State* d = state + int64_t{dst} * L.block_stride + row_offset;
-#pragma unroll
-        for (int i = 0; i < kSeg / 4; ++i) {
-          StateIo<State>::Store(d + kda::QuadColumn<kLanes>(lane, i), s + 4 * i);
-        }
-      }
-    }
-  }
-}
-
 // Launches `kernel` as a programmatic dependent of the stream's last kernel.
 template <typename... KernelArgs, typename... Args>
 cudaError_t LaunchDependent(void (*kernel)(KernelArgs...), unsigned blocks, unsigned threads,
@@ -415,22 +226,6 @@ cudaError_t LaunchDependent(void (*kernel)(KernelArgs...), unsigned blocks, unsi
   config.attrs = attribute;
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-}
-
-template <Mode M, typename Act, typename State, int K, typename Layout>
-cudaError_t LaunchRecurrent(const RecurrentLaunch& p, int num_layers, cudaStream_t stream) {
-  const int64_t blocks = int64_t{num_layers} * p.num_rows * p.num_heads * (K / Layout::kRows);
-  if (blocks == 0) return cudaSuccess;
-  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  const size_t smem = RecurrentSmemBytes<K, Layout>(p.max_tokens);
-  auto kernel = RecurrentKernel<M, Act, State, K, Layout>;
-  if (smem > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
-    if (err != cudaSuccess) return err;
-  }
-  kernel<<<static_cast<unsigned>(blocks), Layout::kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
 }
 
 }  // namespace
@@ -1195,41 +990,10 @@ LayerView ViewOf(const Activation& q, const Activation& k, const Activation& v,
   return view;
 }
 
-// Every shape (production), or only bf16 activations, fp32 state and head
-// dim 128 (the benchmark's layout sweep).
-template <typename F>
-bool DispatchAll(const KdaShape& shape, F&& f) {
-  return internal::DispatchKda(shape, f);
-}
-
-template <typename F>
-bool DispatchBenchShape(const KdaShape& shape, F&& f) {
-  if (shape.act_dtype != DType::kBFloat16 || shape.state_dtype != DType::kFloat32 ||
-      shape.head_dim != 128) {
-    return false;
-  }
-  f(internal::TypeTag<BFloat16>{}, internal::TypeTag<float>{}, internal::IntTag<128>{});
-  return true;
-}
-
-// The recurrent kernel of a variant: the pipelined persistent one
-// (production), or one block per work item (the earlier kernel, kept so that
-// the benchmark compares both in one run).
-template <Mode M, typename Act, typename State, int K, typename Layout, bool kPipelined>
+// The production recurrent kernel (pipelined_recurrent.cuh) of mode M.
+template <Mode M, typename Act, typename State, int K>
 cudaError_t Recurrent(const RecurrentLaunch& p, int num_layers, cudaStream_t stream) {
-  if constexpr (kPipelined) {
-    return LaunchPipelined<M, Act, State, K, Layout>(p, num_layers, stream);
-  } else if constexpr (M == Mode::kReplayVerify) {
-    return cudaErrorNotSupported;  // DEFERRED is the pipelined kernel's only
-  } else {
-    // The kernel before the pipelined one knows KDA with its safe gate only,
-    // and no replay lists (DEFERRED).
-    if (p.kind != LayerKind::kKda || p.gate != KdaGate::kSafe || p.num_key_heads != p.num_heads ||
-        p.jobs != nullptr) {
-      return cudaErrorNotSupported;
-    }
-    return LaunchRecurrent<M, Act, State, K, Layout>(p, num_layers, stream);
-  }
+  return LaunchPipelined<M, Act, State, K, PipelinedLayout>(p, num_layers, stream);
 }
 
 // Commit mode FAST (kda_args.h, FastRings): kernels/fast/cuda's kernels,
@@ -1274,7 +1038,6 @@ absl::Status LaunchFastFlush(const FlushArgs& a, cudaStream_t s) {
   return fast::RunFastMaterializeCuda(m, s);
 }
 
-template <typename Layout, bool kAllShapes, bool kPipelined = false>
 class CudaKernels final : public KdaKernels {
  public:
   Backend backend() const override { return Backend::kCuda; }
@@ -1298,11 +1061,9 @@ class CudaKernels final : public KdaKernels {
     p.layer = ViewOf(a.q, a.k, a.v, a.g, a.beta, a.out, a.state, a.params);
     p.async_inputs = ViewInputsAligned(p.layer, a.shape, DTypeSize(a.shape.act_dtype));
     cudaError_t err = cudaErrorInvalidValue;
-    const bool ok = Dispatch(a.shape, [&](auto act, auto state, auto head_dim) {
+    const bool ok = internal::DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
       err = Recurrent<Mode::kStock, typename decltype(act)::type,
-                      typename decltype(state)::type, decltype(head_dim)::value, Layout,
-                      kPipelined>(
-          p, 1, s);
+                      typename decltype(state)::type, decltype(head_dim)::value>(p, 1, s);
     });
     return ok ? LaunchStatus(err, "Stock") : Unsupported("Stock");
   }
@@ -1345,12 +1106,12 @@ class CudaKernels final : public KdaKernels {
                        RecordsAligned(a.records_alt, a.shape, elem);
     }
     cudaError_t err = cudaErrorInvalidValue;
-    const bool ok = Dispatch(a.shape, [&](auto act, auto state, auto head_dim) {
+    const bool ok = internal::DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
       using Act = typename decltype(act)::type;
       using State = typename decltype(state)::type;
       constexpr int K = decltype(head_dim)::value;
-      err = deferred ? Recurrent<Mode::kReplayVerify, Act, State, K, Layout, kPipelined>(p, 1, s)
-                     : Recurrent<Mode::kVerify, Act, State, K, Layout, kPipelined>(p, 1, s);
+      err = deferred ? Recurrent<Mode::kReplayVerify, Act, State, K>(p, 1, s)
+                     : Recurrent<Mode::kVerify, Act, State, K>(p, 1, s);
     });
     return ok ? LaunchStatus(err, "Verify") : Unsupported("Verify");
   }
@@ -1406,11 +1167,9 @@ class CudaKernels final : public KdaKernels {
       p.async_inputs = p.async_inputs && RecordsAligned(a.layers[l].records, a.shape, elem);
     }
     cudaError_t err = cudaErrorInvalidValue;
-    const bool ok = Dispatch(a.shape, [&](auto act, auto state, auto head_dim) {
+    const bool ok = internal::DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
       err = Recurrent<Mode::kReplay, typename decltype(act)::type,
-                      typename decltype(state)::type, decltype(head_dim)::value, Layout,
-                      kPipelined>(
-          p, a.num_layers, s);
+                      typename decltype(state)::type, decltype(head_dim)::value>(p, a.num_layers, s);
     });
     return ok ? LaunchStatus(err, "Commit") : Unsupported("Commit");
   }
@@ -1461,9 +1220,9 @@ class CudaKernels final : public KdaKernels {
                        RecordsAligned(layers[l].records_alt, shape, elem);
     }
     cudaError_t err = cudaErrorInvalidValue;
-    const bool ok = Dispatch(shape, [&](auto act, auto state, auto head_dim) {
+    const bool ok = internal::DispatchKda(shape, [&](auto act, auto state, auto head_dim) {
       err = Recurrent<Mode::kReplay, typename decltype(act)::type, typename decltype(state)::type,
-                      decltype(head_dim)::value, Layout, kPipelined>(p, 1, s);
+                      decltype(head_dim)::value>(p, 1, s);
     });
     return ok ? LaunchStatus(err, op) : Unsupported(op);
   }
@@ -1477,16 +1236,6 @@ class CudaKernels final : public KdaKernels {
   absl::Status LaunchLoadParams(const LoadParamsArgs& a, Stream stream) const override {
     LoadParamsKernel<<<1, kCheckThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
     return LaunchStatus(cudaGetLastError(), "LoadParams");
-  }
-
- private:
-  template <typename F>
-  static bool Dispatch(const KdaShape& shape, F&& f) {
-    if constexpr (kAllShapes) {
-      return DispatchAll(shape, f);
-    } else {
-      return DispatchBenchShape(shape, f);
-    }
   }
 };
 
@@ -1503,30 +1252,6 @@ __global__ void __launch_bounds__(256) CopyToHostKernel(char* dst, const char* s
   } else {
     for (uint64_t i = first; i < bytes; i += stride) dst[i] = src[i];
   }
-}
-
-// The layouts the benchmark sweeps; index 0 is the production layout.
-struct LayoutVariant {
-  const char* name;
-  const KdaKernels* kernels;
-};
-
-const std::vector<LayoutVariant>& LayoutVariants() {
-  static const std::vector<LayoutVariant>* const variants = new std::vector<LayoutVariant>{
-      {"pipelined persistent, 8 lanes a row, 2 rows a lane (production)",
-       new CudaKernels<PipelinedLayout, true, true>()},
-      {"one block per item, 4 lanes x 32 rows, <= 80 regs (before)",
-       new CudaKernels<ProductionLayout, true>()},
-      {"4 lanes x 32 rows, uncapped", new CudaKernels<ThreadLayout<4, 128, 1>, false>()},
-      {"4 lanes x 16 rows", new CudaKernels<ThreadLayout<4, 64, 1>, false>()},
-      {"4 lanes x 64 rows", new CudaKernels<ThreadLayout<4, 256, 1>, false>()},
-      {"8 lanes x 16 rows", new CudaKernels<ThreadLayout<8, 128, 1>, false>()},
-      {"2 lanes x 64 rows", new CudaKernels<ThreadLayout<2, 128, 1>, false>()},
-      {"4 lanes x 32 rows, <= 64 regs", new CudaKernels<ThreadLayout<4, 128, 8>, false>()},
-      {"pipelined, 8 lanes a row, 4 rows a lane",
-       new CudaKernels<PipelineLayout<8, 4, 3>, false, true>()},
-  };
-  return *variants;
 }
 
 }  // namespace
@@ -1551,19 +1276,8 @@ absl::StatusOr<const KdaKernels*> CudaKdaKernels() {
         "no CUDA device is available (",
         err != cudaSuccess ? DescribeCudaError(err) : "no devices", ")"));
   }
-  return LayoutVariants()[0].kernels;
-}
-
-int NumCudaLayoutVariants() { return static_cast<int>(LayoutVariants().size()); }
-
-absl::StatusOr<std::pair<std::string, const KdaKernels*>> CudaKdaKernelsWithLayout(int variant) {
-  absl::StatusOr<const KdaKernels*> production = CudaKdaKernels();  // checks for a device
-  if (!production.ok()) return production.status();
-  if (variant < 0 || variant >= NumCudaLayoutVariants()) {
-    return absl::OutOfRangeError(absl::StrCat("layout variant ", variant, " does not exist"));
-  }
-  return std::make_pair(std::string(LayoutVariants()[variant].name),
-                        LayoutVariants()[variant].kernels);
+  static const CudaKernels* const kernels = new CudaKernels();
+  return kernels;
 }
 
 bool BuiltWithCuda() { return true; }

@@ -1,7 +1,7 @@
 // kda_bench: times the CUDA RecoverSSM kernels against the device-to-device
 // copy bandwidth measured in the same run, and prints markdown tables.
 //
-//   kda_bench [--shapes=kimi_linear,kimi_k3] [--iters=30] [--sweep] [--before] [--cold]
+//   kda_bench [--shapes=kimi_linear,kimi_k3] [--iters=30] [--cold]
 //
 // For each shape and N requests: the stock spec-path kernel on one layer,
 // verify on one layer, and the commit of every layer (mode none, and one row
@@ -46,21 +46,17 @@
 
 ABSL_FLAG(std::string, shapes, "kimi_linear,kimi_k3,qwen3_next", "shapes to run");
 ABSL_FLAG(int, iters, 30, "timed runs per measurement");
-ABSL_FLAG(bool, sweep, true, "also sweep the recurrent kernel's thread layouts (kimi_linear, N=256)");
+// Retired with the kernels they timed (the layout variants of the recurrent
+// kernel left the product: docs/benchmarks.md); accepted so that older
+// command lines (tools/gpu/*.sh pass --sweep=false --before=false) still run.
+ABSL_FLAG(bool, sweep, false, "retired, ignored: the layout sweep is no longer built");
+ABSL_FLAG(bool, before, false, "retired, ignored: the kernel before the pipelined one is gone");
 ABSL_FLAG(std::string, ns, "1,16,64,256", "request counts");
-ABSL_FLAG(std::string, sweep_ns, "256", "request counts of the layout sweep");
-ABSL_FLAG(bool, before, true,
-          "also time the kernel before the pipelined one (layout variant 1), side by side");
 ABSL_FLAG(bool, cold, true,
           "also time with a cold L2 (a buffer larger than L2 written before every run)");
 ABSL_FLAG(int, fold_every, 4, "commit mode FAST's F: rings of F * Q tokens (0: no FAST rows)");
 ABSL_FLAG(int, fast_snapshots, 6,
           "FAST: steady-state steps timed; their mean is the step with folds amortized");
-ABSL_FLAG(bool, fast_fold_ahead, false,
-          "FAST: the rings fold ahead (FastRings::fold_ahead: the Verify folds); false: Commit "
-          "folds, what the service serves");
-ABSL_FLAG(bool, fast_both_schedules, true,
-          "FAST: also time the other fold schedule's verify and commit, side by side");
 ABSL_FLAG(bool, fast_checkpoint_numerics, true,
           "FAST: also time Verify's checkpoint products on CUDA cores (fp32) and on tensor "
           "cores (3xTF32, tf32), through the kernel launcher (no device checks)");
@@ -294,8 +290,6 @@ struct Bench {
   std::vector<kernels::FastCursor*> cursors_before, cursors_verified;
   std::vector<double> ring_tokens;       // a step's mean ring tokens a row
   std::vector<std::vector<int>> fold_tokens;  // a step's folds: tokens folded a row (0: none)
-  // Fold ahead: the step's folds in its Verify, tokens folded a row (0: none).
-  std::vector<std::vector<int>> verify_fold_tokens;
 };
 
 Bench Make(const Shape& s, int N, std::mt19937& rng) {
@@ -409,10 +403,9 @@ Bench Make(const Shape& s, int N, std::mt19937& rng) {
 // FAST's rings and steady-state cursors. Each row's ring follows accepted
 // counts uniform in [1, Q] from empty for 200 steps, then `snapshots` steps
 // are kept; the commit's accepted counts are the bench's (b.accepted), so a
-// step folds the rows whose ring then has no room for another window; with
-// `fold_ahead` (FastRings::fold_ahead) the step's Verify folds the rows that
-// FoldsAhead, and their Commit starts from an empty ring.
-void MakeFast(Bench& b, int fold_every, bool fold_ahead, int snapshots, std::mt19937& rng) {
+// step folds the rows whose ring then has no room for another window (the
+// schedule the service serves: Commit's folds).
+void MakeFast(Bench& b, int fold_every, int snapshots, std::mt19937& rng) {
   const Shape& s = b.shape;
   const int Q = s.Q;
   b.fast_capacity = kernels::fast::FastRingCapacity(fold_every, Q);
@@ -430,7 +423,6 @@ void MakeFast(Bench& b, int fold_every, bool fold_ahead, int snapshots, std::mt1
     r.cursors = static_cast<kernels::FastCursor*>(DeviceAlloc(cursor_bytes));
     r.num_blocks = b.num_blocks;
     r.capacity = R;
-    r.fold_ahead = fold_ahead;
     FillRandomBf16(r.k, k_bytes / 2, -1, 1, rng);
     FillRandomF32(r.u, u_bytes / 4, -0.1f, 0.1f, rng);
     FillRandomF32(r.log_decay, g_bytes / 4, -0.5f, -0.01f, rng);
@@ -442,27 +434,22 @@ void MakeFast(Bench& b, int fold_every, bool fold_ahead, int snapshots, std::mt1
     if (step >= 200) {
       std::vector<kernels::FastCursor> before(b.num_blocks, kernels::FastCursor{0, 0});
       std::vector<kernels::FastCursor> verified = before;
-      std::vector<int> folds(b.N, 0), verify_folds(b.N, 0);
+      std::vector<int> folds(b.N, 0);
       double held = 0;
       for (int i = 0; i < b.N; ++i) {
         const int32_t block = 1 + 2 * i;  // the row's checkpoint (Make)
-        const bool ahead = kernels::fast::FoldsAhead(b.fast_layers[0].fast, tokens[i], Q);
-        if (ahead) verify_folds[i] = tokens[i];
-        const int verified_tokens = ahead ? 0 : tokens[i];
         before[block] = kernels::FastCursor{tokens[i], 0};
-        verified[block] = kernels::FastCursor{verified_tokens, Q};
+        verified[block] = kernels::FastCursor{tokens[i], Q};
         held += tokens[i];
-        const int after = verified_tokens + b.accepted_host[i];
+        const int after = tokens[i] + b.accepted_host[i];
         if (after + Q > R) folds[i] = after;
       }
       b.cursors_before.push_back(Upload(before));
       b.cursors_verified.push_back(Upload(verified));
       b.ring_tokens.push_back(held / b.N);
       b.fold_tokens.push_back(folds);
-      b.verify_fold_tokens.push_back(verify_folds);
     }
     for (int i = 0; i < b.N; ++i) {
-      if (kernels::fast::FoldsAhead(b.fast_layers[0].fast, tokens[i], Q)) tokens[i] = 0;
       tokens[i] += acc(rng);
       if (tokens[i] + Q > R) tokens[i] = 0;
     }
@@ -489,7 +476,6 @@ void FreeFast(Bench& b) {
   b.cursors_verified.clear();
   b.ring_tokens.clear();
   b.fold_tokens.clear();
-  b.verify_fold_tokens.clear();
 }
 
 void Free(Bench& b) {
@@ -694,13 +680,6 @@ double FastVerifyBytes(const Bench& b, double ring_tokens) {
          double(b.T) * (QueryBytes(b) + RecordTokenBytes(b) + OutputBytes(b) + RingTokenBytes(b));
 }
 
-// Fold ahead adds each fold's state written (read already counted).
-double FastVerifyBytes(const Bench& b, double ring_tokens, const std::vector<int>& verify_folds) {
-  double folds = 0;
-  for (int n : verify_folds) folds += n > 0 ? 1.0 : 0.0;
-  return FastVerifyBytes(b, ring_tokens) + folds * b.state_bytes;
-}
-
 // FAST commit: the conv windows (as DEFERRED's) and each fold's state read
 // and written and ring read, every layer.
 double FastCommitBytes(const Bench& b, const std::vector<int>& fold_tokens) {
@@ -737,40 +716,35 @@ struct Row {
   int N;
   Timing t;       // warm L2
   Timing cold;    // cold L2 (0: not measured)
-  Timing before;  // the kernel before the pipelined one (0: not measured)
   double bytes;
   double per_layer_of = 1;  // layers the row covers (the ratio to stock is per layer)
   double stock_us = 0;      // the stock kernel at this N, 1 layer, warm
 };
 
 void PrintRows(const std::vector<Row>& rows, double copy_bps) {
-  std::printf("| kernel | N | time (us) | CUDA graph (us) | cold L2, graph (us) | before, graph "
-              "(us) | bytes moved (MB) | GB/s | %% of copy | per layer / stock |\n");
-  std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::printf("| kernel | N | time (us) | CUDA graph (us) | cold L2, graph (us) | bytes moved "
+              "(MB) | GB/s | %% of copy | per layer / stock |\n");
+  std::printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Row& r : rows) {
     const double bps = r.bytes / (r.t.best() * 1e-6);
     const auto opt = [](double us) { return us > 0 ? absl::StrFormat("%.1f", us) : std::string("-"); };
-    std::printf("| %s | %d | %.1f | %.1f | %s | %s | %.1f | %.0f | %.0f%% | %.2fx |\n",
-                r.what.c_str(), r.N, r.t.launched_us, r.t.graph_us, opt(r.cold.graph_us).c_str(),
-                opt(r.before.graph_us).c_str(), r.bytes / 1e6, bps / 1e9, 100.0 * bps / copy_bps,
-                r.t.best() / r.per_layer_of / r.stock_us);
+    std::printf("| %s | %d | %.1f | %.1f | %s | %.1f | %.0f | %.0f%% | %.2fx |\n", r.what.c_str(),
+                r.N, r.t.launched_us, r.t.graph_us, opt(r.cold.graph_us).c_str(), r.bytes / 1e6,
+                bps / 1e9, 100.0 * bps / copy_bps, r.t.best() / r.per_layer_of / r.stock_us);
   }
 }
 
-// One measurement of `call(kernels)`: warm, cold L2, and the kernel before
-// (not for DEFERRED, which only the pipelined kernel runs). `prepare` as in
-// Time().
-Row Measure(const std::string& what, int N, double bytes, int iters, cudaStream_t stream, bool gdn,
+// One measurement of `call(kernels)`: warm and cold L2. `prepare` as in
+// Time(). (The kernel before the pipelined one, and the sweep of the
+// recurrent kernel's thread layouts, are no longer built: their last
+// measurements are in docs/benchmarks.md.)
+Row Measure(const std::string& what, int N, double bytes, int iters, cudaStream_t stream,
             const std::function<void(const KdaKernels&)>& call,
             const std::function<void()>& prepare = nullptr) {
   const KdaKernels& now = *kernels::CudaKdaKernels().value();
-  Row r{what, N, Time(stream, iters, [&] { call(now); }, false, prepare), {}, {}, bytes};
+  Row r{what, N, Time(stream, iters, [&] { call(now); }, false, prepare), {}, bytes};
   if (absl::GetFlag(FLAGS_cold)) {
     r.cold = Time(stream, iters, [&] { call(now); }, /*cold=*/true, prepare);
-  }
-  if (absl::GetFlag(FLAGS_before) && !gdn && !prepare) {  // the kernel before runs KDA only
-    const KdaKernels& before = *kernels::CudaKdaKernelsWithLayout(1).value().second;
-    r.before = Time(stream, iters, [&] { call(before); });
   }
   return r;
 }
@@ -828,7 +802,7 @@ void PrintTargets(const Shape& s, const std::vector<Row>& rows, double copy_bps)
 
 // The mean of rows measured over FAST's steady-state steps, as one row.
 Row MeanOf(const std::string& what, const std::vector<Row>& rows) {
-  Row m{what, rows[0].N, {0, 0}, {0, 0}, {0, 0}, 0, rows[0].per_layer_of, rows[0].stock_us};
+  Row m{what, rows[0].N, {0, 0}, {0, 0}, 0, rows[0].per_layer_of, rows[0].stock_us};
   for (const Row& r : rows) {
     m.t.launched_us += r.t.launched_us / rows.size();
     m.t.graph_us += r.t.graph_us / rows.size();
@@ -841,20 +815,16 @@ Row MeanOf(const std::string& what, const std::vector<Row>& rows) {
 
 // Commit mode FAST on bench `b`: verify (layer 0) and commit (every layer)
 // at each steady-state step, through the kernel interface, cursors restored
-// before every run; the rows are the means over the steps.
-// `served`: the schedule the summary tables read ("FAST verify", "FAST
-// commit", with the launcher and align-mode rows); otherwise rows named
-// "FAST, <schedule>: ..." beside them.
-void MeasureFast(Bench& b, int fold_every, bool fold_ahead, bool served, bool align_too,
-                 int iters, cudaStream_t stream, double stock_us, std::mt19937& rng,
-                 std::vector<Row>* rows) {
+// before every run; the rows are the means over the steps. (The fold ahead
+// schedule this once compared is gone: docs/benchmarks.md, "Fold ahead".)
+void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream_t stream,
+                 double stock_us, std::mt19937& rng, std::vector<Row>* rows) {
   const Shape& s = b.shape;
   const int steps = absl::GetFlag(FLAGS_fast_snapshots);
   FreeFast(b);
-  MakeFast(b, fold_every, fold_ahead, steps, rng);
-  const std::string schedule = fold_ahead ? "fold ahead" : "Commit's folds";
-  const std::string prefix = served ? "FAST " : absl::StrCat("FAST, ", schedule, ": ");
-  if (!served) align_too = false;
+  MakeFast(b, fold_every, steps, rng);
+  const std::string schedule = "Commit's folds";
+  const std::string prefix = "FAST ";
   const kernels::VerifyArgs verify = FastVerifyOf(b);
   const kernels::CommitArgs commit = FastCommitOf(b, false);
   const kernels::CommitArgs commit_align = FastCommitOf(b, true);
@@ -863,22 +833,20 @@ void MeasureFast(Bench& b, int fold_every, bool fold_ahead, bool served, bool al
   for (int x = 0; x < steps; ++x) {
     ring_tokens += b.ring_tokens[x] / steps;
     for (int n : b.fold_tokens[x]) folds += n > 0 ? 1.0 / (steps * double(b.N)) : 0.0;
-    for (int n : b.verify_fold_tokens[x]) folds += n > 0 ? 1.0 / (steps * double(b.N)) : 0.0;
     verifies.push_back(Measure(
-        "", b.N, FastVerifyBytes(b, b.ring_tokens[x], b.verify_fold_tokens[x]), iters, stream,
-        s.gdn(),
+        "", b.N, FastVerifyBytes(b, b.ring_tokens[x]), iters, stream,
         [&](const KdaKernels& k) { CheckOk(k.Verify(verify, stream), "FAST Verify"); },
         [&] { RestoreCursors(b, x, false, stream); }));
     CheckDevice(b, "FAST Verify");
     commits.push_back(Measure(
-        "", b.N, FastCommitBytes(b, b.fold_tokens[x]), iters, stream, s.gdn(),
+        "", b.N, FastCommitBytes(b, b.fold_tokens[x]), iters, stream,
         [&](const KdaKernels& k) { CheckOk(k.Commit(commit, stream), "FAST Commit"); },
         [&] { RestoreCursors(b, x, true, stream); }));
     commits.back().per_layer_of = s.L;
     CheckDevice(b, "FAST Commit");
     if (align_too) {
       aligned.push_back(Measure(
-          "", b.N, FastCommitBytes(b, b.fold_tokens[x]), iters, stream, s.gdn(),
+          "", b.N, FastCommitBytes(b, b.fold_tokens[x]), iters, stream,
           [&](const KdaKernels& k) { CheckOk(k.Commit(commit_align, stream), "FAST Commit"); },
           [&] { RestoreCursors(b, x, true, stream); }));
       aligned.back().per_layer_of = s.L;
@@ -890,7 +858,7 @@ void MeasureFast(Bench& b, int fold_every, bool fold_ahead, bool served, bool al
                                          prefix, fold_every, schedule, ring_tokens),
                          verifies));
   rows->back().stock_us = stock_us;
-  if (served && absl::GetFlag(FLAGS_fast_checkpoint_numerics)) {
+  if (absl::GetFlag(FLAGS_fast_checkpoint_numerics)) {
     // The checkpoint's products S0 . kc, S0 . qc on CUDA cores and on tensor
     // cores, side by side (their errors: docs/semantics.md, "FAST numerics").
     using Operands = kernels::fast::FastNumerics::Operands;
@@ -904,8 +872,8 @@ void MeasureFast(Bench& b, int fold_every, bool fold_ahead, bool served, bool al
       std::vector<Row> runs;
       for (int x = 0; x < steps; ++x) {
         runs.push_back(Measure(
-            "", b.N, FastVerifyBytes(b, b.ring_tokens[x], b.verify_fold_tokens[x]), iters,
-            stream, s.gdn(),
+            "", b.N, FastVerifyBytes(b, b.ring_tokens[x]), iters,
+            stream,
             [&](const KdaKernels&) {
               CheckOk(kernels::fast::FastVerifyCuda(direct, num, stream), "FAST Verify (launcher)");
             },
@@ -945,7 +913,7 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
     const kernels::VerifyArgs verify = VerifyOf(b);
     const kernels::CommitArgs commit = CommitOf(b, false);
     const kernels::CommitArgs commit_align = CommitOf(b, true);
-    Row stock_row = Measure("stock spec path, 1 layer", N, StockBytes(b), iters, stream, s.gdn(),
+    Row stock_row = Measure("stock spec path, 1 layer", N, StockBytes(b), iters, stream,
                             [&](const KdaKernels& k) { CheckOk(k.Stock(stock, stream), "Stock"); });
     CheckDevice(b, "Stock");
     const double stock_us = stock_row.t.best();
@@ -953,7 +921,7 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
     rows.push_back(stock_row);
     const bool eager = absl::GetFlag(FLAGS_eager);
     if (eager) {
-      rows.push_back(Measure("verify, 1 layer", N, VerifyBytes(b), iters, stream, s.gdn(),
+      rows.push_back(Measure("verify, 1 layer", N, VerifyBytes(b), iters, stream,
                              [&](const KdaKernels& k) { CheckOk(k.Verify(verify, stream), "Verify"); }));
       rows.back().stock_us = stock_us;
       CheckDevice(b, "Verify");
@@ -969,7 +937,7 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
     }
     if (eager) {
       rows.push_back(Measure(absl::StrFormat("commit, %d layers", s.L), N, CommitBytes(b, false),
-                             iters, stream, s.gdn(), [&](const KdaKernels& k) {
+                             iters, stream, [&](const KdaKernels& k) {
                                CheckOk(k.Commit(commit, stream), "Commit");
                              }));
       rows.back().per_layer_of = s.L;
@@ -978,7 +946,7 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
     }
     if (eager && N == ns.back()) {
       rows.push_back(Measure(absl::StrFormat("commit, %d layers, align mode", s.L), N,
-                             CommitBytes(b, true), iters, stream, s.gdn(), [&](const KdaKernels& k) {
+                             CommitBytes(b, true), iters, stream, [&](const KdaKernels& k) {
                                CheckOk(k.Commit(commit_align, stream), "Commit (align)");
                              }));
       rows.back().per_layer_of = s.L;
@@ -991,7 +959,6 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
     const kernels::VerifyArgs deferred_verify = DeferredVerifyOf(b);
     rows.push_back(Measure(
         "DEFERRED verify (replay + verify), 1 layer", N, DeferredVerifyBytes(b), iters, stream,
-        s.gdn(),
         [&](const KdaKernels& k) { CheckOk(k.Verify(deferred_verify, stream), "Verify"); },
         [&] { RestorePending(b, false, stream); }));
     rows.back().stock_us = stock_us;
@@ -1009,7 +976,7 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
     const kernels::CommitArgs deferred_commit = DeferredCommitOf(b, false);
     rows.push_back(Measure(
         absl::StrFormat("DEFERRED commit, %d layers", s.L), N, DeferredCommitBytes(b), iters,
-        stream, s.gdn(),
+        stream,
         [&](const KdaKernels& k) { CheckOk(k.Commit(deferred_commit, stream), "Commit"); },
         [&] { RestorePending(b, true, stream); }));
     rows.back().per_layer_of = s.L;
@@ -1019,7 +986,7 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
       const kernels::CommitArgs deferred_align = DeferredCommitOf(b, true);
       rows.push_back(Measure(
           absl::StrFormat("DEFERRED commit, %d layers, align mode", s.L), N,
-          DeferredCommitBytes(b), iters, stream, s.gdn(),
+          DeferredCommitBytes(b), iters, stream,
           [&](const KdaKernels& k) { CheckOk(k.Commit(deferred_align, stream), "Commit"); },
           [&] { RestorePending(b, true, stream); }));
       rows.back().per_layer_of = s.L;
@@ -1028,11 +995,7 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
     }
     const int fold_every = absl::GetFlag(FLAGS_fold_every);
     if (fold_every > 0 && s.Q <= kernels::kMaxFastQueryLen) {
-      const bool ahead = absl::GetFlag(FLAGS_fast_fold_ahead);
-      MeasureFast(b, fold_every, ahead, true, N == ns.back(), iters, stream, stock_us, rng, &rows);
-      if (absl::GetFlag(FLAGS_fast_both_schedules)) {
-        MeasureFast(b, fold_every, !ahead, false, false, iters, stream, stock_us, rng, &rows);
-      }
+      MeasureFast(b, fold_every, N == ns.back(), iters, stream, stock_us, rng, &rows);
     }
     CHECK_CUDA(cudaStreamSynchronize(stream));
     Free(b);
@@ -1105,42 +1068,6 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
   }
 }
 
-void Sweep(cudaStream_t stream, int iters, double copy_bps) {
-  const Shape& s = kKimiLinear;
-  std::printf("\n### Thread layouts of the recurrent kernel (%s)\n\n", s.name.c_str());
-  std::printf("| layout | N | verify (us) | %% of copy | stock (us) | commit %d layers (us) |\n",
-              s.L);
-  std::printf("|---|---:|---:|---:|---:|---:|\n");
-  for (absl::string_view n : absl::StrSplit(absl::GetFlag(FLAGS_sweep_ns), ',')) {
-  const int N = std::stoi(std::string(n));
-  std::mt19937 rng(11);
-  Bench b = Make(s, N, rng);
-  for (int variant = 0; variant < kernels::NumCudaLayoutVariants(); ++variant) {
-    auto [name, kernels] = kernels::CudaKdaKernelsWithLayout(variant).value();
-    const kernels::VerifyArgs verify = VerifyOf(b);
-    const Timing tv = Time(stream, iters, [&] { CheckOk(kernels->Verify(verify, stream), "Verify"); });
-    const kernels::StockArgs stock = StockOf(b);
-    const Timing ts = Time(stream, iters, [&] { CheckOk(kernels->Stock(stock, stream), "Stock"); });
-    for (int l = 0; l < s.L; ++l) {
-      kernels::VerifyArgs v = verify;
-      v.state = b.layers[l].state;
-      v.params = b.layers[l].params;
-      v.records = b.layers[l].records;
-      CheckOk(kernels->Verify(v, stream), "Verify");
-    }
-    const kernels::CommitArgs commit = CommitOf(b, false);
-    const Timing tc =
-        Time(stream, iters, [&] { CheckOk(kernels->Commit(commit, stream), "Commit"); });
-    CheckDevice(b, "sweep");
-    const double v_us = std::min(tv.launched_us, tv.graph_us);
-    std::printf("| %s | %d | %.1f | %.0f%% | %.1f | %.1f |\n", name.c_str(), N, v_us,
-                100.0 * VerifyBytes(b) / (v_us * 1e-6) / copy_bps,
-                std::min(ts.launched_us, ts.graph_us), std::min(tc.launched_us, tc.graph_us));
-  }
-  Free(b);
-  }
-}
-
 int Main() {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
@@ -1152,6 +1079,11 @@ int Main() {
               prop.name, prop.multiProcessorCount, prop.totalGlobalMem / double(1 << 30), iters);
   std::printf("Device-to-device copy, measured in this run: %.0f GB/s (bytes read + written)\n",
               copy_bps / 1e9);
+  if (absl::GetFlag(FLAGS_sweep) || absl::GetFlag(FLAGS_before)) {
+    std::printf("\n(--sweep and --before are ignored: the recurrent kernel's other thread layouts "
+                "and the kernel before the pipelined one are no longer built; their last "
+                "measurements are in docs/benchmarks.md.)\n");
+  }
   std::vector<int> ns;
   for (absl::string_view n : absl::StrSplit(absl::GetFlag(FLAGS_ns), ',')) {
     ns.push_back(std::stoi(std::string(n)));
@@ -1161,7 +1093,6 @@ int Main() {
     if (name == "kimi_k3") RunShape(kKimiK3, ns, iters, stream, copy_bps);
     if (name == "qwen3_next") RunShape(kQwen3Next, ns, iters, stream, copy_bps);
   }
-  if (absl::GetFlag(FLAGS_sweep)) Sweep(stream, iters, copy_bps);
   return 0;
 }
 

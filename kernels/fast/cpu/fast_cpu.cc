@@ -491,23 +491,11 @@ void RunFastVerifyCpu(const FastVerifyArgs& a, const FastNumerics& num) {
     using State = typename decltype(state)::type;
     constexpr int K = decltype(head_dim)::value;
     VerifyWork<Act, State, K> work(a, num);
-    const FastLayer layer{a.state, a.rings, a.params};
-    std::vector<float> folded;
     for (int n = 0; n < a.num_rows; ++n) {
       const int32_t b = a.state_indices[n];
       if (!IsBlock(b)) continue;
       const int T = a.query_start_loc[n + 1] - a.query_start_loc[n];
-      FastCursor& cursor = a.rings.cursors[b];
-      const int tokens = cursor.tokens;
       work.Row(a.query_start_loc[n], T, b);
-      // Fold ahead (fast_args.h): after the outputs, as an in-place
-      // Materialize of the block.
-      if (T > 0 && FoldsAhead(a.rings, tokens, a.spec_query_len)) {
-        FoldBlock<Act, State, K>(a.shape, layer, b, tokens, num, &folded);
-        StoreBlock<State, K>(a.shape, layer.state, b, folded);
-        MoveSlotsToFront<Act>(a.shape, layer.rings, b, tokens, T);
-        cursor.tokens = 0;
-      }
     }
   });
 }

@@ -30,11 +30,6 @@
 // memory by every thread; exponents a thread per column from the near end;
 // each thread's register tile of 8 columns x 1-4 rows advanced by the chain
 // over ring tokens oldest first, as FoldRow. Launches take up to 24 layers.
-// Fold ahead (FastRings::fold_ahead, measured slower and not served: docs/
-// benchmarks.md): Verify folds the ring it read, after its outputs, in its
-// own instantiation (the tensor-core pass on the elements it loaded,
-// PassFold; on CUDA cores FoldAheadHead), then moves its candidates to the
-// ring's start (FinishFoldAhead).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -429,22 +424,10 @@ __device__ __forceinline__ void SplitTf32(const float (&x)[M], uint32_t (&hi)[M]
 // 8t + 2s + 1 as its k indices t, t + 4. 3xTF32: each k-step's hi*lo and
 // lo*hi, then hi*hi, into one fp32 accumulator; a bf16 state is exact in
 // tf32, so its lo*hi is skipped.
-// Verify's fold ahead inside the tensor-core checkpoint pass (fast_args.h,
-// FoldsAhead): each state element the pass loaded is advanced by the ring's
-// c tokens there, S0 exp(Gc) + sum_i u_i kr_i oldest first, and stored in
-// place (a warp's rows are read by it alone), so the fold reads no state.
-struct PassFold {
-  int tokens = 0;             // c; 0: no fold
-  const float* kr = nullptr;  // decayed ring keys [c][K] (shared)
-  const float* gc = nullptr;  // Gc per column [K] (shared)
-  const float* u = nullptr;   // the ring's u of this head [c][K] (shared)
-};
-
-template <typename State, int K, bool kSplit, bool kFold>
+template <typename State, int K, bool kSplit>
 __device__ __forceinline__ void MmaCheckpointPass(const State* s0, int T, const float* kc_s,
                                                   const float* qc_s, float* kn, float* qn,
-                                                  int lane, int warp,
-                                                  const PassFold& fold = PassFold{}) {
+                                                  int lane, int warp) {
   constexpr int kGroups = K / 32;
   constexpr bool kStateLo = kSplit && std::is_same<State, float>::value;
   // Column groups whose loads are in flight together: two, one where
@@ -505,32 +488,6 @@ __device__ __forceinline__ void MmaCheckpointPass(const State* s0, int T, const 
           }
         }
       }
-      if (kFold && fold.tokens > 0) {
-        // The elements just used, folded as FastFoldKernel folds them.
-        const int r0 = tile * 16 + g;
-#pragma unroll
-        for (int x = 0; x < kBatch; ++x) {
-          const int col = (grp0 + x) * 32 + 8 * t4;
-#pragma unroll
-          for (int q = 0; q < 8; ++q) {
-            const float gq = fold.gc[col + q];
-            a0[x][q] = ::specstate::fast::Decayed(a0[x][q], gq);
-            a1[x][q] = ::specstate::fast::Decayed(a1[x][q], gq);
-          }
-          for (int i = 0; i < fold.tokens; ++i) {
-            float kv[8];
-            SmemCols<8>(fold.kr + i * K + col, kv);
-            const float u0 = fold.u[i * K + r0], u1 = fold.u[i * K + r0 + 8];
-#pragma unroll
-            for (int q = 0; q < 8; ++q) {
-              a0[x][q] = kda::MulAdd(u0, kv[q], a0[x][q]);
-              a1[x][q] = kda::MulAdd(u1, kv[q], a1[x][q]);
-            }
-          }
-          StoreCols<8>(a0[x], const_cast<State*>(row0) + (grp0 + x) * 32);
-          StoreCols<8>(a1[x], const_cast<State*>(row1) + (grp0 + x) * 32);
-        }
-      }
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -548,156 +505,17 @@ __device__ __forceinline__ void MmaCheckpointPass(const State* s0, int T, const 
 // ---------------------------------------------------------------------------
 // Verify.
 
-// Verify's fold ahead (fast_args.h, FoldsAhead) on CUDA cores, after the
-// row's outputs (the tensor-core pass folds as it goes: PassFold):
-// head hv's checkpoint slice advanced by the ring's c tokens, in place,
-// S[v] = S0[v] exp(Gc) + sum_i u_i[v] kr_i oldest first, from the decayed
-// keys kr[0, c) and exponents gc that the ring phase left in shared memory
-// (a ring of at most kRingChunk tokens is one chunk). The operands and the
-// order of the products are FastFoldKernel's, so the state is bit for bit
-// the one an in-place FastMaterializeCuda of the block would store. (The
-// checkpoint slice is read a second time here; FinishFoldAhead follows.)
-template <typename Act, typename State, int K>
-__device__ void FoldAheadHead(const FastVerifyArgs& a, int32_t block, int hv, int c, int T,
-                              const float* kr, const float* gc, int tid) {
-  static_assert(::specstate::kernels::fast::kMaxFoldAheadRing <= kRingChunk,
-                "a ring folded ahead is one chunk of Verify's decayed keys");
-  const KdaShape& s = a.shape;
-  __syncthreads();  // every read of the checkpoint done
-  State* s0 = static_cast<State*>(a.state.data) + int64_t{block} * a.state.block_stride +
-              int64_t{hv} * K * K;
-  // A thread's tile: 2 rows x 8 consecutive columns; a pass covers
-  // kPassRows rows (64, 32, 16 at K = 64, 128, 256).
-  constexpr int kCols = 8, kRowsEach = 2;
-  constexpr int kColGroups = K / kCols, kPassRows = kThreads / kColGroups * kRowsEach;
-  static_assert(K % kPassRows == 0, "whole passes");
-  const int c0 = (tid % kColGroups) * kCols, r0 = (tid / kColGroups) * kRowsEach;
-  const int64_t u_width = RingUWidth(s);
-  const float* u_head = a.rings.u + RingAt(a.rings, block, 0, u_width) + int64_t{hv} * K;
-  float decay[kCols];
-#pragma unroll
-  for (int x = 0; x < kCols; ++x) decay[x] = gc[c0 + x];
-#pragma unroll 1
-  for (int v0 = 0; v0 < K; v0 += kPassRows) {
-    float acc[kRowsEach][kCols];
-#pragma unroll
-    for (int r = 0; r < kRowsEach; ++r) {
-      LoadCols<kCols>(s0 + int64_t{v0 + r0 + r} * K + c0, acc[r]);
-#pragma unroll
-      for (int x = 0; x < kCols; ++x) acc[r][x] = ::specstate::fast::Decayed(acc[r][x], decay[x]);
-    }
-    for (int i0 = 0; i0 < c; i0 += kLoadBatch) {
-      float2 ub[kLoadBatch];  // u_i of the tile's two rows, loaded together
-#pragma unroll
-      for (int e = 0; e < kLoadBatch; ++e) {
-        ub[e] = i0 + e < c ? *reinterpret_cast<const float2*>(u_head + (i0 + e) * u_width + v0 + r0)
-                           : make_float2(0.0f, 0.0f);
-      }
-#pragma unroll
-      for (int e = 0; e < kLoadBatch; ++e) {
-        if (i0 + e >= c) break;
-        float kv[kCols];
-        SmemCols<kCols>(kr + (i0 + e) * K + c0, kv);
-#pragma unroll
-        for (int x = 0; x < kCols; ++x) {
-          acc[0][x] = kda::MulAdd(ub[e].x, kv[x], acc[0][x]);
-          acc[1][x] = kda::MulAdd(ub[e].y, kv[x], acc[1][x]);
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kRowsEach; ++r) StoreCols<kCols>(acc[r], s0 + int64_t{v0 + r0 + r} * K + c0);
-  }
-}
-
-// After a fold ahead (FoldAheadHead, or the tensor-core pass's): the
-// candidates move to ring slots [0, T), as an in-place Materialize moves
-// them, and the row's last head to finish (a count in the cursor) resets
-// the cursor to {0 tokens, T candidates}. The head's own u and, where a
-// key head has one value head, its own k and log-decays move at once; a key
-// head's k and log-decays shared by a group wait for the last head, which
-// moves them all.
-// A thread loads every slot of its words before it stores any (slots may
-// overlap).
-template <typename Act, int K>
-__device__ void FinishFoldAhead(const FastVerifyArgs& a, int32_t block, int hv, int h, int c,
-                                int T, int tid) {
-  const KdaShape& s = a.shape;
-  const bool gdn = s.kind == LayerKind::kGdn;
-  const bool own_key_head = ValueHeads(s) == s.num_heads;
-  // Moves `words` 32-bit words of each candidate slot: base[(c + t) * stride
-  // + w] -> base[t * stride + w], for w < words, the block's threads striding.
-  const auto move = [&](unsigned int* base, int64_t stride, int64_t words) {
-    for (int64_t w = tid; w < words; w += kThreads) {
-      unsigned int x[kMaxWindow];  // (four words at a time spilled 700 bytes)
-#pragma unroll
-      for (int t = 0; t < kMaxWindow; ++t) x[t] = t < T ? __ldcg(base + (c + t) * stride + w) : 0u;
-#pragma unroll
-      for (int t = 0; t < kMaxWindow; ++t) {
-        if (t < T) base[t * stride + w] = x[t];
-      }
-    }
-  };
-  static_assert(sizeof(Act) == 2 || sizeof(Act) == 4, "16- or 32-bit activations");
-  constexpr int64_t kActWords = K * int64_t{sizeof(Act)} / 4;  // K even
-  const int64_t k_stride = RingKWidth(s) * int64_t{sizeof(Act)} / 4;
-  const int64_t g_stride = RingLogDecayWidth(s);
-  unsigned int* ring_k = reinterpret_cast<unsigned int*>(static_cast<Act*>(a.rings.k) +
-                                                         RingAt(a.rings, block, 0, RingKWidth(s)));
-  unsigned int* ring_g = reinterpret_cast<unsigned int*>(a.rings.log_decay +
-                                                         RingAt(a.rings, block, 0, g_stride));
-  __syncthreads();  // every read of ring slots [0, c) done; the candidates stored
-  move(reinterpret_cast<unsigned int*>(a.rings.u + RingAt(a.rings, block, 0, RingUWidth(s)) +
-                                       int64_t{hv} * K),
-       RingUWidth(s), K);
-  if (gdn) move(ring_g + hv, g_stride, 1);  // GDN: a log-decay a value head
-  if (own_key_head) {
-    move(ring_k + h * kActWords, k_stride, kActWords);
-    if (!gdn) move(ring_g + int64_t{h} * K, g_stride, K);
-  }
-  __shared__ bool last_head;
-  __syncthreads();
-  FastCursor* cursor = a.rings.cursors + block;
-  if (tid == 0) {
-    __threadfence();
-    // atomicInc wraps to 0 at the last arrival: the count resets itself.
-    const unsigned int arrived = atomicInc(reinterpret_cast<unsigned int*>(&cursor->arrivals),
-                                           unsigned(ValueHeads(s) - 1));
-    last_head = arrived == unsigned(ValueHeads(s) - 1);
-  }
-  __syncthreads();
-  if (!last_head) return;
-  __threadfence();
-  if (!own_key_head) {
-    move(ring_k, k_stride, k_stride);
-    if (!gdn) move(ring_g, g_stride, g_stride);
-  }
-  if (tid == 0) {
-    cursor->tokens = 0;
-    cursor->candidates = T;
-  }
-}
-
 // Shared memory of one Verify block (floats), Q window tokens at most, ring
 // capacity R.
 struct VerifySmem {
   int k, q, r;
-  bool fold_ahead;  // FastRings::fold_ahead: kr must outlive the checkpoint pass
   __host__ __device__ int Window() const { return q * k; }
-  // RowOwnerCheckpointPass's parts' sums: in kr, or (fold ahead, whose fold
-  // reads kr after the pass) a region of their own.
-  // Also (fold ahead on tensor cores) the ring's u staged for the pass's fold.
-  __host__ __device__ size_t OwnScratch() const {
-    if (!fold_ahead) return 0;
-    const size_t row_owner = k >= 128 ? size_t(kThreads / k - 1) * 2 * kMaxWindow * k : 0;
-    const size_t u_stage = size_t(kRingChunk) * k;
-    return row_owner > u_stage ? row_owner : u_stage;
-  }
-  // qn, kn, gam (then W), v, kx (kw then kc), qx (qw then qc), kr chunk,
-  // ar, br [Q][R], a, b [8][8], beta [8], gc [K], the pass's own scratch.
+  // qn, kn, gam (then W), v, kx (kw then kc), qx (qw then qc), kr chunk
+  // (also RowOwnerCheckpointPass's parts' sums), ar, br [Q][R], a, b [8][8],
+  // beta [8], gc [K].
   __host__ __device__ size_t Floats() const {
     return size_t(6) * Window() + size_t(kRingChunk) * k + size_t(2) * q * r +
-           2 * kMaxWindow * kMaxWindow + kMaxWindow + k + OwnScratch();
+           2 * kMaxWindow * kMaxWindow + kMaxWindow + k;
   }
 };
 
@@ -719,10 +537,7 @@ enum class CheckpointPassKind {
 // CheckpointPass (and 68.1 / 202.0 / 705.5 us with the prefetch). Four blocks
 // per SM at K <= 128 (64 registers; three would make N = 16's 512 blocks two
 // waves: 76.6 us).
-// kFoldAhead: the rings fold ahead (FastRings::fold_ahead); its own
-// instantiation, so that the fold's code costs the other none of its
-// registers.
-template <typename Act, typename State, int K, CheckpointPassKind kPass, bool kFoldAhead>
+template <typename Act, typename State, int K, CheckpointPassKind kPass>
 __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
     FastVerifyKernel(FastVerifyArgs a, bool small_grid) {
   extern __shared__ float smem[];
@@ -738,9 +553,6 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
   FastCursor* cursor = a.rings.cursors + block;
   const int c = cursor->tokens;
   if (T < 0 || T > Q || bos < 0 || bos + T > a.num_tokens || c < 0 || c + T > R) return;
-  // Every head of the row decides alike (the cursor changes only after the
-  // last of them has read it).
-  const bool folds = kFoldAhead && ::specstate::kernels::fast::FoldsAhead(a.rings, c, Q);
   if (T == 0) {
     if (hv == 0 && tid == 0) cursor->candidates = 0;
     return;
@@ -765,7 +577,7 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
     }
   }
 
-  const VerifySmem layout{K, Q, R, a.rings.fold_ahead};
+  const VerifySmem layout{K, Q, R};
   float* qn = smem;
   float* kn = qn + layout.Window();
   float* gam = kn + layout.Window();
@@ -779,7 +591,6 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
   float* bw = aw + kMaxWindow * kMaxWindow;
   float* beta = bw + kMaxWindow * kMaxWindow;
   float* gc = beta + kMaxWindow;
-  float* own_scratch = gc + K;  // (fold ahead only)
 
   // 1. The window (a warp per token), and its candidates' k and gamma.
   Act* ring_k = static_cast<Act*>(a.rings.k);
@@ -957,16 +768,6 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
       qx[t * K + j] = ::specstate::fast::Decayed(qn[t * K + j], e);
     }
   }
-  // Fold ahead on tensor cores: the ring's u of this head staged for the
-  // pass's fold.
-  constexpr bool kMma =
-      kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3;
-  if (kFoldAhead && kMma && folds) {
-    const int64_t u_width = RingUWidth(s);
-    for (int e = tid; e < c * K; e += kThreads) {
-      own_scratch[e] = a.rings.u[RingAt(a.rings, block, e / K, u_width) + int64_t{hv} * K + e % K];
-    }
-  }
   __syncthreads();  // kc, qc ready; qn, kn free
 
   // The checkpoint: S0[v] . kc_t into kn[t][v], S0[v] . qc_t into qn[t][v]
@@ -975,12 +776,7 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
                     int64_t{hv} * K * K;
   if constexpr (kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3) {
     constexpr bool kSplit = kPass == CheckpointPassKind::kMmaTf32x3;
-    if constexpr (kFoldAhead) {
-      MmaCheckpointPass<State, K, kSplit, true>(s0, T, kx, qx, kn, qn, lane, warp,
-                                                PassFold{folds ? c : 0, kr, gc, own_scratch});
-    } else {
-      MmaCheckpointPass<State, K, kSplit, false>(s0, T, kx, qx, kn, qn, lane, warp);
-    }
+    MmaCheckpointPass<State, K, kSplit>(s0, T, kx, qx, kn, qn, lane, warp);
   } else if constexpr (kPass == CheckpointPassKind::kRowBatch) {
     if (T <= 2) {
       CheckpointPass<State, K, 2>(s0, 0, T, kx, qx, kn, qn, lane, warp);
@@ -992,8 +788,7 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
       }
     }
   } else if constexpr (K >= 128) {
-    RowOwnerCheckpointPass<State, K>(s0, T, kx, qx, kn, qn, a.rings.fold_ahead ? own_scratch : kr,
-                                     tid);
+    RowOwnerCheckpointPass<State, K>(s0, T, kx, qx, kn, qn, kr, tid);
   } else {
     // The first version's pass: a warp per state row, kc_t, qc_t re-read
     // from shared memory for each row (16-byte loads), 2T WarpSums per row.
@@ -1104,11 +899,6 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
         a.rings.u[RingAt(a.rings, block, c + t, u_width) + int64_t{hv} * K + v_own] = u[t];
       }
     }
-  }
-  if (folds) {
-    if constexpr (!kMma) FoldAheadHead<Act, State, K>(a, block, hv, c, T, kr, gc, tid);
-    FinishFoldAhead<Act, K>(a, block, hv, h, c, T, tid);
-    return;
   }
   if (hv == 0 && tid == 0) cursor->candidates = T;
 }
@@ -1572,9 +1362,7 @@ absl::Status RunFastVerifyCuda(const FastVerifyArgs& a, cudaStream_t stream,
     using Act = typename decltype(act)::type;
     using State = typename decltype(state)::type;
     constexpr int K = decltype(head_dim)::value;
-    const size_t smem =
-        VerifySmem{K, a.spec_query_len, a.rings.capacity, a.rings.fold_ahead}.Floats() *
-        sizeof(float);
+    const size_t smem = VerifySmem{K, a.spec_query_len, a.rings.capacity}.Floats() * sizeof(float);
     const dim3 grid(a.num_rows, ValueHeads(a.shape));
     int device = 0, sms = 0;
     err = cudaGetDevice(&device);
@@ -1584,16 +1372,12 @@ absl::Status RunFastVerifyCuda(const FastVerifyArgs& a, cudaStream_t stream,
     if (err != cudaSuccess) return;
     const bool small_grid = int64_t{grid.x} * grid.y <= sms;
     using P = CheckpointPassKind;
-    const auto pick = [&](auto ahead) {
-      constexpr bool kAhead = decltype(ahead)::value;
-      return checkpoint == FastNumerics::Operands::kTf32Split
-                 ? FastVerifyKernel<Act, State, K, P::kMmaTf32x3, kAhead>
-             : checkpoint == FastNumerics::Operands::kTf32
-                 ? FastVerifyKernel<Act, State, K, P::kMmaTf32, kAhead>
-             : small_grid ? FastVerifyKernel<Act, State, K, P::kRowBatch, kAhead>
-                          : FastVerifyKernel<Act, State, K, P::kRowOwner, kAhead>;
-    };
-    auto kernel = a.rings.fold_ahead ? pick(std::true_type{}) : pick(std::false_type{});
+    auto kernel = checkpoint == FastNumerics::Operands::kTf32Split
+                      ? FastVerifyKernel<Act, State, K, P::kMmaTf32x3>
+                  : checkpoint == FastNumerics::Operands::kTf32
+                      ? FastVerifyKernel<Act, State, K, P::kMmaTf32>
+                  : small_grid ? FastVerifyKernel<Act, State, K, P::kRowBatch>
+                               : FastVerifyKernel<Act, State, K, P::kRowOwner>;
     if (smem > 48 * 1024) {
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
       if (err != cudaSuccess) return;
