@@ -920,6 +920,7 @@ absl::StatusOr<kernels::VerifyArgs> Engine::VerifyArgsFor(const VerifyInputs& in
   args.state = layer.state;
   args.params = kernels::LayerParams{layer.a_log, layer.dt_bias};
   args.records = layer.records;
+  args.mode = kernels::CommitModeOf(IsDeferred(layout_), IsFast(layout_));
   if (IsDeferred(layout_)) {
     args.pending = pending_;
     args.layer = layer_index;
@@ -1048,7 +1049,7 @@ absl::StatusOr<kernels::CommitArgs> Engine::CommitArgsFor(const CommitIndices& i
     args.pending = pending_;
     args.jobs = commit_jobs_;
   }
-  args.fast = IsFast(layout_);  // the rings are in the layer table
+  args.mode = kernels::CommitModeOf(IsDeferred(layout_), IsFast(layout_));  // FAST: rings in table
   if (journal_.record != nullptr) {
     args.journal = journal_;
     args.journal.step = step.id;
@@ -1224,7 +1225,7 @@ std::function<absl::Status(kernels::Stream, Scratch&)> Engine::FlushLaunch(
     args.pending = pending_;
     args.jobs = flush_jobs_;
   }
-  args.fast = IsFast(layout_);
+  args.mode = kernels::CommitModeOf(IsDeferred(layout_), IsFast(layout_));
   args.layer = layer;
   args.discard = discard;
   args.prerequisites.input_fault = device_->input_fault_word();

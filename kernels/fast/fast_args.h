@@ -139,7 +139,7 @@ struct FastCommitArgs {
 };
 
 // The CommitArgs that the commit plan and the checks of
-// kernels/internal/checks.h read, from a FAST Commit's (both backends).
+// kernels/checks/ read, from a FAST Commit's (both backends).
 inline CommitArgs PlanArgsOf(const FastCommitArgs& a) {
   CommitArgs p;
   p.shape = a.shape;

@@ -297,6 +297,7 @@ kernels::VerifyArgs VerifyOf(const Bench& b) {
 // DEFERRED's verify of layer 0: every row replays its pending tokens first.
 kernels::VerifyArgs DeferredVerifyOf(const Bench& b) {
   kernels::VerifyArgs a = VerifyOf(b);
+  a.mode = kernels::CommitMode::kDeferred;
   a.pending = b.pending;
   a.layer = 0;
   a.records_alt = b.layers[0].records_alt;
@@ -367,6 +368,7 @@ kernels::CommitArgs CommitOf(const Bench& b, bool align) {
 
 kernels::CommitArgs DeferredCommitOf(const Bench& b, bool align) {
   kernels::CommitArgs a = CommitOf(b, align);
+  a.mode = kernels::CommitMode::kDeferred;
   a.pending = b.pending;
   a.jobs = b.jobs;
   return a;
@@ -376,6 +378,7 @@ kernels::CommitArgs DeferredCommitOf(const Bench& b, bool align) {
 // rings set), as the service calls them.
 kernels::VerifyArgs FastVerifyOf(const Bench& b) {
   kernels::VerifyArgs a = VerifyOf(b);
+  a.mode = kernels::CommitMode::kFast;
   a.fast = b.fast_layers[0].fast;
   a.workspace = b.verify_workspace;
   a.workspace_bytes = kernels::VerifyWorkspaceBytes(b.num_blocks);
@@ -386,7 +389,7 @@ kernels::CommitArgs FastCommitOf(const Bench& b, bool align) {
   kernels::CommitArgs a = CommitOf(b, align);
   a.layers = b.fast_layers.data();
   a.device_layers = b.device_fast_layers;
-  a.fast = true;
+  a.mode = kernels::CommitMode::kFast;
   return a;
 }
 

@@ -43,6 +43,9 @@ sources=(
   server/test_crash.cc
   kernels/cpu/kda_cpu.cc kernels/kda_kernels.cc kernels/no_cuda.cc kernels/device_status.cc
   kernels/check_shape.cc kernels/fast/cpu/fast_cpu.cc kernels/fast/fast_kernels.cc
+  kernels/workspace.cc kernels/checks/host.cc kernels/common/cpu/common_cpu.cc
+  kernels/eager/eager_checks.cc kernels/eager/eager_cpu.cc kernels/deferred/deferred_checks.cc
+  kernels/deferred/deferred_cpu.cc kernels/fast/interface_checks.cc kernels/fast/cpu/interface_cpu.cc
   kernels/dtype.cc "$out/gen/specstate/v1/specstate.pb.cc" tools/fuzz/engine_fuzzer.cc
 )
 objects=()

@@ -524,6 +524,7 @@ TEST(FastCudaInterfaceTest, ChecksAndRefusalsAreTheCpuBackends) {
     a.snapshot_query_start_loc = static_cast<int32_t*>(ptr(snap_qsl, dev));
     a.snapshot_state_indices = static_cast<int32_t*>(ptr(snap_indices, dev));
     a.status = st_of(dev);
+    a.mode = CommitMode::kFast;
     a.fast = c.fast;
     a.workspace = ptr(vws, dev);
     a.workspace_bytes = vws.host.size();
@@ -544,7 +545,7 @@ TEST(FastCudaInterfaceTest, ChecksAndRefusalsAreTheCpuBackends) {
     a.workspace = ptr(cws, dev);
     a.workspace_bytes = cws.host.size();
     a.status = st_of(dev);
-    a.fast = true;
+    a.mode = CommitMode::kFast;
     return a;
   };
   auto flush_args = [&](bool dev, bool listed) {
@@ -560,7 +561,7 @@ TEST(FastCudaInterfaceTest, ChecksAndRefusalsAreTheCpuBackends) {
       a.checked_blocks = static_cast<int32_t*>(ptr(checked, dev));
     }
     a.status = st_of(dev);
-    a.fast = true;
+    a.mode = CommitMode::kFast;
     return a;
   };
   // Runs a call on both backends; returns the CPU's result after checking
