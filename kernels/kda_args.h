@@ -17,6 +17,30 @@ namespace specstate {
 namespace kernels {
 
 inline constexpr int32_t kNullBlock = 0;
+
+// What a Commit does with a row's accepted tokens (docs/semantics.md,
+// "Commit modes"); a Verify, Commit and Flush name the service's mode in
+// `mode`, and the kernel interface runs that mode's kernels
+// (kernels/eager, kernels/deferred, kernels/fast):
+//  - kEager: Commit replays the accepted tokens into the pool at once.
+//  - kDeferred: Commit leaves them pending on the checkpoint's block; the
+//    block's next Verify replays them first (`pending`, `records_alt`).
+//  - kFast: the pool holds a checkpoint every few steps and a ring of the
+//    accepted tokens beside it (`fast`).
+enum class CommitMode : int32_t { kEager = 0, kDeferred = 1, kFast = 2 };
+
+constexpr const char* CommitModeName(CommitMode mode) {
+  return mode == CommitMode::kEager      ? "EAGER"
+         : mode == CommitMode::kDeferred ? "DEFERRED"
+         : mode == CommitMode::kFast     ? "FAST"
+                                         : "unknown";
+}
+
+// The mode of a service configured with DEFERRED or FAST commits (at most
+// one of them), for callers that keep the mode as two flags.
+constexpr CommitMode CommitModeOf(bool deferred, bool fast) {
+  return fast ? CommitMode::kFast : deferred ? CommitMode::kDeferred : CommitMode::kEager;
+}
 // A row may verify at most this many tokens (num_spec + 1).
 inline constexpr int kMaxSpecQueryLen = 16;
 // The conv history (conv_kernel - 1 columns) a commit moves per channel.
@@ -205,9 +229,10 @@ inline constexpr int kMaxFastQueryLen = 8;
 struct FastCursor {
   int32_t tokens;
   int32_t candidates;
-  // CUDA Verify with fold_ahead: the row's value heads that have finished a
-  // fold ahead (the last one resets the cursor); 0 between calls.
-  int32_t arrivals;
+  // Unused, zero: keeps a cursor 12 bytes, the size the service plans
+  // (FastCursorBytes). (It counted the heads of a fold ahead, a schedule
+  // measured slower and removed: docs/benchmarks.md, "Fold ahead".)
+  int32_t reserved;
 };
 
 // One layer's rings, one per state block, indexed like the state pool (block
@@ -226,13 +251,6 @@ struct FastRings {
   FastCursor* cursors = nullptr;
   int64_t num_blocks = 0;
   int capacity = 0;  // R tokens: fold_every * Q
-  // The fold schedule (fast_args.h, FoldsAhead): false, Commit folds a ring
-  // the next window might not fit (what the service runs); true, the Verify
-  // that reads a ring the window after it might not fit folds it too, in
-  // place, where it reads the checkpoint anyway (Commit's fold then never
-  // comes due). Measured slower on the H200 (docs/benchmarks.md, "Fold
-  // ahead"): it folds up to 85% more often, for no cheaper a fold.
-  bool fold_ahead = false;
 };
 
 // Statuses of earlier calls this call depends on (device memory on CUDA).
@@ -316,7 +334,10 @@ struct VerifyArgs {
   // the kernel a write across PCIe. Nothing on the device reads it.
   DeviceStatus* status_mirror = nullptr;
 
-  // DEFERRED commits (pending.entries set; EAGER otherwise). Each row whose
+  // The service's commit mode: which of the fields below the call uses.
+  CommitMode mode = CommitMode::kEager;
+
+  // DEFERRED commits (mode kDeferred). Each row whose
   // checkpoint block has pending tokens in `layer` replays them first (from
   // `records` or `records_alt`, the buffer pending.header names), writes
   // the checkpoint once, then verifies its window from that state; the
@@ -329,7 +350,7 @@ struct VerifyArgs {
   void* workspace = nullptr;       // VerifyWorkspaceBytes(); zeroed once when allocated (DEFERRED, FAST)
   size_t workspace_bytes = 0;
 
-  // FAST (fast.cursors set; not with `pending`): the layer's rings. Each
+  // FAST (mode kFast): the layer's rings. Each
   // row's outputs come from its checkpoint block, that block's ring and the
   // window; the window's raw k, u and log-decay go to the block's ring as
   // candidates (slots [tokens, tokens + T)); no records and no state are
@@ -393,7 +414,7 @@ struct CommitLayer {
   LayerParams params;
   Records records;
   Records records_alt;  // DEFERRED: the other records buffer (records[1])
-  FastRings fast;       // FAST: the layer's rings (CommitArgs::fast, FlushArgs::fast)
+  FastRings fast;       // FAST: the layer's rings (CommitArgs and FlushArgs in mode kFast)
 };
 
 // RecoverSSM commit of every layer of a group at once: plan, conv compaction,
@@ -426,7 +447,10 @@ struct CommitArgs {
   // the kernel a write across PCIe. Nothing on the device reads it.
   DeviceStatus* status_mirror = nullptr;
 
-  // DEFERRED (pending.entries set): rows whose state stays in their
+  // The service's commit mode: which of the fields below the call uses.
+  CommitMode mode = CommitMode::kEager;
+
+  // DEFERRED (mode kDeferred): rows whose state stays in their
   // checkpoint block and that write no boundary state are left pending
   // there (conv windows are still compacted); the others, and what the
   // previous commit left pending that no Verify took, are replayed as
@@ -434,7 +458,7 @@ struct CommitArgs {
   PendingBlocks pending;
   ReplayJobs jobs;
 
-  // FAST (not with `pending`): every layer's rings are in its CommitLayer
+  // FAST (mode kFast): every layer's rings are in its CommitLayer
   // (`fast`), the table's for the kernels included. After the plan and the
   // conv compaction (as EAGER), each committing row's ring takes its first
   // commit_len candidates (a fold into the checkpoint when the next window
@@ -446,7 +470,6 @@ struct CommitArgs {
   // Commit leaves, two rows committing from one block, and a final or
   // boundary block (other than the row's checkpoint) whose ring still holds
   // tokens (another request's, not flushed).
-  bool fast = false;
 
   // Optional: the commit's crash bookkeeping (see CommitJournal).
   CommitJournal journal;
@@ -463,9 +486,9 @@ struct CommitPlanRow {
   int32_t request_row;  // the batch row (request_indices[i], or i) the plan read
 };
 
-// DEFERRED: materializes pending blocks (replays their pending tokens into
-// the pool) or, with `discard`, forgets them (for blocks being freed).
-// FAST (`fast`): folds the given blocks' rings (every non-empty ring when
+// DEFERRED (mode kDeferred): materializes pending blocks (replays their
+// pending tokens into the pool) or, with `discard`, forgets them (for blocks
+// being freed). FAST (mode kFast; the rings are in the layers' `fast`): folds the given blocks' rings (every non-empty ring when
 // `blocks` is null) into their checkpoints and empties them; the candidates
 // of a Verify whose Commit has not come yet are kept (moved to the ring's
 // start), so a Flush or a ReadState between a step's Verify and its Commit
@@ -489,7 +512,7 @@ struct FlushArgs {
   Prerequisites prerequisites;       // input_fault only (the block list may be a region)
   DeviceStatus* status = nullptr;
   DeviceStatus* status_mirror = nullptr;  // optional, as in VerifyArgs
-  bool fast = false;                 // FAST: the rings are in the layers' `fast`
+  CommitMode mode = CommitMode::kEager;   // kDeferred or kFast (EAGER leaves nothing to flush)
 };
 
 // Align mode, after the commit: point each request at the block holding its

@@ -17,8 +17,7 @@
 #ifndef SPECSTATE_KERNELS_KDA_KERNELS_H_
 #define SPECSTATE_KERNELS_KDA_KERNELS_H_
 
-#include <string>
-#include <utility>
+#include <cstdint>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -45,23 +44,22 @@ class KdaKernels {
   absl::Status Stock(const StockArgs& args, Stream stream) const;
 
   // RecoverSSM verify (one layer): outputs and records, no state writes.
-  // DEFERRED (args.pending) replays a row's pending tokens first; FAST
-  // (args.fast) computes the outputs from the checkpoint and the block's ring
-  // and leaves the window in the ring as candidates (kda_args.h); on CUDA
-  // kernels/fast/cuda's kernels run after this backend's device checks.
+  // DEFERRED (args.mode) replays a row's pending tokens first; FAST
+  // computes the outputs from the checkpoint and the block's ring and leaves
+  // the window in the ring as candidates (kda_args.h).
   absl::Status Verify(const VerifyArgs& args, Stream stream) const;
 
   // RecoverSSM commit of every layer of a group, with a number of kernel
-  // launches that does not depend on the number of layers. FAST
-  // (args.fast): the rings advance and fold instead of a replay.
+  // launches that does not depend on the number of layers. FAST: the rings
+  // advance and fold instead of a replay.
   absl::Status Commit(const CommitArgs& args, Stream stream) const;
 
   // Align mode: record each request's state block and reset its accepted count.
   absl::Status RecordStateBlocks(const RecordStateBlocksArgs& args, Stream stream) const;
 
   // DEFERRED commits: materializes (or, with `discard`, forgets) the pending
-  // tokens of the given blocks, or of every pending block. FAST
-  // (args.fast): folds (or empties) the blocks' rings.
+  // tokens of the given blocks, or of every pending block. FAST: folds (or
+  // empties) the blocks' rings. (EAGER: INVALID_ARGUMENT, nothing to flush.)
   absl::Status Flush(const FlushArgs& args, Stream stream) const;
 
   // Copies a layer's gate parameters after checking them finite on the
@@ -69,21 +67,29 @@ class KdaKernels {
   absl::Status LoadParams(const LoadParamsArgs& args, Stream stream) const;
 
  protected:
-  // Called with validated arguments.
+  // Called with validated arguments. Each enqueues the call's kernels
+  // (checks first) on `stream`, writes its DeviceStatus (and mirror) in
+  // stream order, and keeps the crash bookkeeping its mode keeps (the
+  // commit journal: EAGER and DEFERRED; the pending journal: DEFERRED).
   virtual absl::Status LaunchStock(const StockArgs& args, Stream stream) const = 0;
-  virtual absl::Status LaunchVerify(const VerifyArgs& args, Stream stream) const = 0;
-  virtual absl::Status LaunchCommit(const CommitArgs& args, Stream stream) const = 0;
-  // After LaunchCommit, when args.journal.record is set: marks the journal
-  // committed in stream order (kda_args.h, CommitJournal).
-  virtual absl::Status LaunchJournalFinish(const CommitArgs& args, Stream stream) const = 0;
-  // After LaunchVerify (DEFERRED) and LaunchFlush, when pending.journal is
-  // set: marks the pending journal idle in stream order, after the call's
-  // last write (kda_args.h, PendingBlocks).
-  virtual absl::Status LaunchPendingFinish(const PendingBlocks& pending, Stream stream) const = 0;
   virtual absl::Status LaunchRecordStateBlocks(const RecordStateBlocksArgs& args,
                                                Stream stream) const = 0;
-  virtual absl::Status LaunchFlush(const FlushArgs& args, Stream stream) const = 0;
   virtual absl::Status LaunchLoadParams(const LoadParamsArgs& args, Stream stream) const = 0;
+  // Each commit mode's verbs: a backend forwards each to its mode's kernels
+  // (kernels/eager, kernels/deferred, kernels/fast).
+  virtual absl::Status LaunchEagerVerify(const VerifyArgs& args, Stream stream) const = 0;
+  virtual absl::Status LaunchEagerCommit(const CommitArgs& args, Stream stream) const = 0;
+  virtual absl::Status LaunchDeferredVerify(const VerifyArgs& args, Stream stream) const = 0;
+  virtual absl::Status LaunchDeferredCommit(const CommitArgs& args, Stream stream) const = 0;
+  virtual absl::Status LaunchDeferredFlush(const FlushArgs& args, Stream stream) const = 0;
+  virtual absl::Status LaunchFastVerify(const VerifyArgs& args, Stream stream) const = 0;
+  virtual absl::Status LaunchFastCommit(const CommitArgs& args, Stream stream) const = 0;
+  virtual absl::Status LaunchFastFlush(const FlushArgs& args, Stream stream) const = 0;
+
+ private:
+  // kda_kernels.cc: each verb's one dispatch on args.mode, to the mode's
+  // host checks and the launcher above.
+  friend struct ModeDispatch;
 };
 
 // The CPU backend: host memory, runs on the calling thread.
@@ -111,15 +117,9 @@ absl::Status CopyToHostOnStream(void* host, const void* device, uint64_t bytes, 
 // H200: the first ASYNC Verify of a shape never returned.)
 void UseEagerCudaModuleLoading();
 
-// For the benchmark's sweep: the CUDA kernels with other thread layouts of
-// the recurrent kernel (variant 0 is the production one; the others support
-// bf16 activations, fp32 state and head dim 128 only). Within a variant the
-// stock kernel, verify and replay share the layout, so bit identity holds.
-int NumCudaLayoutVariants();
-absl::StatusOr<std::pair<std::string, const KdaKernels*>> CudaKdaKernelsWithLayout(int variant);
-
 // Host-side validation, exposed for the service (which checks a request
-// before it enqueues anything) and for tests.
+// before it enqueues anything) and for tests: the checks every commit mode
+// shares, then args.mode's own (kernels/<mode>/*_checks.h).
 absl::Status ValidateShape(const KdaShape& shape);
 absl::Status ValidateStockArgs(const StockArgs& args);
 absl::Status ValidateVerifyArgs(const VerifyArgs& args);

@@ -17,11 +17,5 @@ absl::Status CopyToHostOnStream(void*, const void*, uint64_t, Stream) {
   return absl::UnavailableError("this build of SpecState has no CUDA backend");
 }
 
-int NumCudaLayoutVariants() { return 0; }
-
-absl::StatusOr<std::pair<std::string, const KdaKernels*>> CudaKdaKernelsWithLayout(int) {
-  return absl::UnavailableError("this build of SpecState has no CUDA backend");
-}
-
 }  // namespace kernels
 }  // namespace specstate

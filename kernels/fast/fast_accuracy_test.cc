@@ -50,14 +50,12 @@ struct Case {
   int q = 4;
   int steps = 1000;
   int heads = 2;
-  bool fold_ahead = false;  // FastRings::fold_ahead: Verify folds
 };
 
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return absl::StrCat(c.name, "_", DTypeName(c.state), "_state_", DTypeName(c.act), "_act_F",
-                      c.fold_every, "_K", c.head_dim, "_Q", c.q,
-                      c.fold_ahead ? "_fold_ahead" : "");
+                      c.fold_every, "_K", c.head_dim, "_Q", c.q);
 }
 
 Errors Max(const LoopResult& r, bool fast, size_t begin, size_t end) {
@@ -89,7 +87,6 @@ TEST_P(FastAccuracyTest, WithinTwiceTheExactPathsErrors) {
   c.shape.lower_bound = -5.0f;
   c.q = p.q;
   c.fold_every = p.fold_every;
-  c.fold_ahead = p.fold_ahead;
   c.rows = 3;
   c.steps = p.steps;
   c.seed = TestSeed();
@@ -151,12 +148,6 @@ Case Gdn(DType state, int fold_every) {
   return c;
 }
 
-// Fold ahead (FastRings::fold_ahead; measured, not served): the Verify folds.
-Case FoldAhead(Case c) {
-  c.fold_ahead = true;
-  return c;
-}
-
 INSTANTIATE_TEST_SUITE_P(
     Contract, FastAccuracyTest,
     ::testing::Values(
@@ -173,12 +164,7 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"Gdn", kGdn, kSafe, 2, kBf16, 8, kBf16, 64, 8, 500},
         // Larger heads, fewer steps.
         Case{"KdaSafe", kKda, kSafe, 0, kF32, 8, kF32, 128, 8, 150, 1},
-        Case{"Gdn", kGdn, kSafe, 2, kBf16, 4, kF32, 256, 8, 60, 1},
-        // Fold ahead: rings of at most 32 tokens (fast_args.h, FoldsAhead).
-        FoldAhead(Case{"KdaSafe", kKda, kSafe, 0, kF32, 4}),
-        FoldAhead(Case{"KdaPlain", kKda, kPlain, 0, kBf16, 8}),
-        FoldAhead(Gdn(kF32, 4)), FoldAhead(Gdn(kBf16, 8)),
-        FoldAhead(Case{"KdaSafe", kKda, kSafe, 0, kF32, 4, kBf16, 128, 8, 150, 1})),
+        Case{"Gdn", kGdn, kSafe, 2, kBf16, 4, kF32, 256, 8, 60, 1}),
     CaseName);
 
 }  // namespace

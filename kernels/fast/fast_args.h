@@ -46,21 +46,6 @@ namespace fast {
 using ::specstate::kernels::FastCursor;
 using ::specstate::kernels::FastRings;
 
-// Fold ahead (FastRings::fold_ahead): a Verify whose row's ring holds
-// `tokens` tokens folds them into the checkpoint (in place, after computing
-// its outputs from them; its candidates then move to the ring's start) when
-// the window after this one might not fit: tokens + 2 Q > R. Rings of at
-// most kMaxFoldAheadRing tokens (CUDA keeps a whole ring's decayed keys in
-// shared memory from the outputs to the fold) and of two windows at least
-// (room for this window's candidates after the tokens); a ring outside these
-// bounds keeps Commit's fold. Under fold ahead Commit's fold never comes due:
-// after a Verify the ring holds at most R - 2 Q tokens, or none.
-inline constexpr int kMaxFoldAheadRing = 32;
-SPECSTATE_HD bool FoldsAhead(const FastRings& r, int tokens, int spec_query_len) {
-  return r.fold_ahead && tokens > 0 && r.capacity >= 2 * spec_query_len &&
-         r.capacity <= kMaxFoldAheadRing && tokens + 2 * spec_query_len > r.capacity;
-}
-
 // Elements per ring token of each buffer.
 SPECSTATE_HD int64_t RingKWidth(const KdaShape& s) { return KeyWidth(s); }
 SPECSTATE_HD int64_t RingUWidth(const KdaShape& s) { return ValueWidth(s); }
@@ -154,7 +139,7 @@ struct FastCommitArgs {
 };
 
 // The CommitArgs that the commit plan and the checks of
-// kernels/internal/checks.h read, from a FAST Commit's (both backends).
+// kernels/checks/ read, from a FAST Commit's (both backends).
 inline CommitArgs PlanArgsOf(const FastCommitArgs& a) {
   CommitArgs p;
   p.shape = a.shape;

@@ -1,6 +1,6 @@
 // Commit mode FAST through the kernel interface (KdaKernels, the CPU
-// backend), as the service calls it: VerifyArgs::fast, CommitArgs::fast and
-// FlushArgs::fast. Three copies of the service's memory run the same decode
+// backend), as the service calls it: mode kFast, VerifyArgs::fast and the
+// layers' rings. Three copies of the service's memory run the same decode
 // loop with fresh random inputs every step:
 //  - FAST through KdaKernels (its host validation and device checks first);
 //  - FAST through kernels/fast's direct calls (FastVerifyCpu, FastCommitCpu,
@@ -297,6 +297,7 @@ class FastInterfaceTest : public ::testing::Test {
     }
     a.status = &m.status;
     if (m.path == Path::kFastInterface) {
+      a.mode = CommitMode::kFast;
       a.fast = m.table[l].fast;
       a.workspace = m.verify_workspace.data();
       a.workspace_bytes = m.verify_workspace.size() * 8;
@@ -345,7 +346,7 @@ class FastInterfaceTest : public ::testing::Test {
     a.workspace = m.commit_workspace.data();
     a.workspace_bytes = m.commit_workspace.size() * 8;
     a.status = &m.status;
-    a.fast = m.path == Path::kFastInterface;
+    if (m.path == Path::kFastInterface) a.mode = CommitMode::kFast;
     return a;
   }
 
@@ -371,7 +372,7 @@ class FastInterfaceTest : public ::testing::Test {
     a.layer = layer;
     a.discard = discard;
     a.status = &m.status;
-    a.fast = true;
+    a.mode = CommitMode::kFast;
     return a;
   }
 

@@ -11,6 +11,8 @@
 #include "kernels/dtype.h"
 #include "kernels/fast/fast_math.h"
 #include "kernels/check_shape.h"
+#include "kernels/checks/host.h"
+#include "kernels/fast/interface_checks.h"
 
 namespace specstate {
 namespace kernels {
@@ -31,17 +33,8 @@ namespace {
 
 using ::specstate::fast::kMaxWindow;
 
-absl::Status Invalid(absl::string_view op, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat("In ", op, ": ", what));
-}
-
-absl::Status OutOfRange(absl::string_view op, absl::string_view what) {
-  return absl::OutOfRangeError(absl::StrCat("In ", op, ": ", what));
-}
-
-absl::Status CheckShapeFor(absl::string_view op, const KdaShape& shape) {
-  return CheckShape(op, shape);
-}
+using host::Invalid;
+using host::OutOfRange;
 
 absl::Status CheckQ(absl::string_view op, int q) {
   if (q < 1 || q > kMaxWindow) {
@@ -52,62 +45,22 @@ absl::Status CheckQ(absl::string_view op, int q) {
   return absl::OkStatus();
 }
 
+// A layer's pool (as the kernel interface checks one) and its rings.
 absl::Status CheckPoolAndRings(absl::string_view op, const KdaShape& shape, const StatePool& state,
                                const FastRings& rings, int q, absl::string_view where) {
-  if (state.data == nullptr) return Invalid(op, absl::StrCat(where, "state.data is null"));
-  if (state.num_blocks < 1) {
-    return Invalid(op, absl::StrCat(where, "state.num_blocks = ", state.num_blocks,
-                                    " (at least the null block)"));
-  }
-  const int64_t block_elems = ValueWidth(shape) * shape.head_dim;
-  if (state.block_stride < block_elems) {
-    return Invalid(op, absl::StrCat(where, "state.block_stride = ", state.block_stride,
-                                    " is below a block's ", block_elems, " elements"));
-  }
-  if (rings.k == nullptr || rings.u == nullptr || rings.log_decay == nullptr ||
-      rings.cursors == nullptr) {
-    return Invalid(op, absl::StrCat(where, "rings: k, u, log_decay and cursors are required"));
-  }
-  if (rings.num_blocks != state.num_blocks) {
-    return Invalid(op, absl::StrCat(where, "rings.num_blocks = ", rings.num_blocks,
-                                    " differs from the pool's ", state.num_blocks,
-                                    " (a ring per state block)"));
-  }
-  if (rings.capacity < q) {
-    return OutOfRange(op, absl::StrCat(where, "rings.capacity = ", rings.capacity,
-                                       " is below spec_query_len = ", q,
-                                       " (a ring holds at least one window)"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckParamsFor(absl::string_view op, const KdaShape& shape, const LayerParams& p,
-                            absl::string_view where) {
-  if (shape.kind == LayerKind::kKda && (p.a_log == nullptr || p.dt_bias == nullptr)) {
-    return Invalid(op, absl::StrCat(where, "params.a_log and params.dt_bias are required (KDA)"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckActivation(absl::string_view op, absl::string_view name, const Activation& x,
-                             int64_t width, int64_t num_tokens) {
-  if (num_tokens == 0) return absl::OkStatus();
-  if (x.data == nullptr) return Invalid(op, absl::StrCat(name, ".data is null"));
-  if (x.token_stride < width) {
-    return Invalid(op, absl::StrCat(name, ".token_stride = ", x.token_stride,
-                                    " is below a token's ", width, " elements"));
-  }
-  return absl::OkStatus();
+  absl::Status st = host::CheckStatePool(op, shape, state, absl::StrCat(where, "state"));
+  if (st.ok()) st = CheckRings(op, rings, state.num_blocks, q, where, "rings");
+  return st;
 }
 
 }  // namespace
 
 absl::Status ValidateFastVerifyArgs(const FastVerifyArgs& a) {
   constexpr absl::string_view op = "FastVerify";
-  absl::Status st = CheckShapeFor(op, a.shape);
+  absl::Status st = CheckShape(op, a.shape);
   if (st.ok()) st = CheckQ(op, a.spec_query_len);
   if (st.ok()) st = CheckPoolAndRings(op, a.shape, a.state, a.rings, a.spec_query_len, "");
-  if (st.ok()) st = CheckParamsFor(op, a.shape, a.params, "");
+  if (st.ok()) st = host::CheckParams(op, a.shape, a.params, "");
   if (!st.ok()) return st;
   if (a.num_tokens < 0) return Invalid(op, absl::StrCat("num_tokens = ", a.num_tokens));
   for (const auto& [name, x, width] :
@@ -115,7 +68,8 @@ absl::Status ValidateFastVerifyArgs(const FastVerifyArgs& a) {
         std::make_tuple("v", a.v, ValueWidth(a.shape)),
         std::make_tuple("g", a.g, GateWidth(a.shape)),
         std::make_tuple("beta", a.beta, int64_t{ValueHeads(a.shape)})}) {
-    st = CheckActivation(op, name, x, width, a.num_tokens);
+    if (a.num_tokens == 0) break;  // no token is read
+    st = host::CheckActivation(op, name, x, width, a.num_tokens, /*dense=*/false);
     if (!st.ok()) return st;
   }
   if (a.num_tokens > 0 && a.out == nullptr) return Invalid(op, "out is null");
@@ -128,7 +82,7 @@ absl::Status ValidateFastVerifyArgs(const FastVerifyArgs& a) {
 
 absl::Status ValidateFastCommitArgs(const FastCommitArgs& a) {
   constexpr absl::string_view op = "FastCommit";
-  absl::Status st = CheckShapeFor(op, a.shape);
+  absl::Status st = CheckShape(op, a.shape);
   if (st.ok()) st = CheckQ(op, a.spec_query_len);
   if (!st.ok()) return st;
   if (a.num_layers < 1 || a.layers == nullptr) {
@@ -138,7 +92,7 @@ absl::Status ValidateFastCommitArgs(const FastCommitArgs& a) {
     const std::string where = absl::StrCat("layer ", l, ": ");
     st = CheckPoolAndRings(op, a.shape, a.layers[l].state, a.layers[l].rings, a.spec_query_len,
                            where);
-    if (st.ok()) st = CheckParamsFor(op, a.shape, a.layers[l].params, where);
+    if (st.ok()) st = host::CheckParams(op, a.shape, a.layers[l].params, where);
     if (st.ok() && a.layers[l].state.num_blocks != a.layers[0].state.num_blocks) {
       st = Invalid(op, absl::StrCat(where, "state.num_blocks = ", a.layers[l].state.num_blocks,
                                     " differs from layer 0's ", a.layers[0].state.num_blocks));
@@ -176,7 +130,7 @@ absl::Status ValidateFastCommitArgs(const FastCommitArgs& a) {
 
 absl::Status ValidateFastMaterializeArgs(const FastMaterializeArgs& a) {
   constexpr absl::string_view op = "FastMaterialize";
-  absl::Status st = CheckShapeFor(op, a.shape);
+  absl::Status st = CheckShape(op, a.shape);
   if (!st.ok()) return st;
   if (a.num_layers < 1 || a.layers == nullptr) {
     return Invalid(op, absl::StrCat("num_layers = ", a.num_layers, " (at least 1, with layers)"));
@@ -189,7 +143,7 @@ absl::Status ValidateFastMaterializeArgs(const FastMaterializeArgs& a) {
     if (a.layer >= 0 && l != a.layer) continue;
     const std::string where = absl::StrCat("layer ", l, ": ");
     st = CheckPoolAndRings(op, a.shape, a.layers[l].state, a.layers[l].rings, 1, where);
-    if (st.ok()) st = CheckParamsFor(op, a.shape, a.layers[l].params, where);
+    if (st.ok()) st = host::CheckParams(op, a.shape, a.layers[l].params, where);
     if (!st.ok()) return st;
   }
   if (a.num_blocks_given < 0 || (a.num_blocks_given > 0 && a.blocks == nullptr)) {

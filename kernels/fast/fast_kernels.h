@@ -2,11 +2,11 @@
 // checkpoint and a ring of accepted tokens, Commit that advances the ring and
 // folds it into the checkpoint when the next window might not fit, and
 // Materialize (Flush, ReadState). The service reaches the same work through
-// the kernel interface (kda_kernels.h: VerifyArgs::fast, CommitArgs::fast,
-// FlushArgs::fast; its CPU backend runs cpu/fast_cpu.h after its device
-// checks); the CUDA implementation is to be tested against this one. See
-// fast_args.h for the data and docs/semantics.md, "Fast mode (FAST)", for
-// the math.
+// the kernel interface (kda_kernels.h, mode kFast: VerifyArgs::fast and the
+// layers' rings; its CPU backend, cpu/interface_cpu.h, runs cpu/fast_cpu.h
+// after its device checks); the CUDA implementation is tested against this
+// one. See fast_args.h for the data and docs/semantics.md, "Fast mode
+// (FAST)", for the math.
 //
 //   FastVerifyArgs v = ...;  // host pointers
 //   absl::Status s = FastVerifyCpu(v);
@@ -17,9 +17,9 @@
 //
 // Each call checks its host-visible arguments (Validate*), then every value
 // it reads from the buffers (query_start_loc, indices, cursors, the plan's
-// inputs) with the device checks of kernels/internal/checks.h, as the kernel
-// interface does (the same faults, the same messages), and writes nothing
-// unless all pass. Errors start "In FastVerify: ", "In FastCommit: " or
+// inputs) with the device checks of kernels/checks/ and fast/checks.h, as
+// the kernel interface does (the same faults, the same messages), and
+// writes nothing unless all pass. Errors start "In FastVerify: ", "In FastCommit: " or
 // "In FastMaterialize: ".
 #ifndef SPECSTATE_KERNELS_FAST_FAST_KERNELS_H_
 #define SPECSTATE_KERNELS_FAST_FAST_KERNELS_H_

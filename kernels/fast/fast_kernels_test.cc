@@ -217,9 +217,8 @@ class World {
 
   FastRings Rings() {
     return FastRings{ring_k_.data(), ring_u_.data(), ring_g_.data(), cursors_.data(), num_blocks_,
-                     capacity_, fold_ahead_};
+                     capacity_};
   }
-  void set_fold_ahead(bool on) { fold_ahead_ = on; }
   StatePool Pool() { return StatePool{pool_.data(), num_blocks_, block_elems_}; }
   FastLayer Layer() {
     return FastLayer{Pool(), Rings(), LayerParams{a_log_.data(), dt_bias_.data()}};
@@ -286,18 +285,6 @@ class World {
     a.batch = static_cast<int>(accepted.size());
     a.num_accepted = accepted.data();
     return a;
-  }
-
-  // Materialize in place of one block (folds its ring, keeps its candidates).
-  absl::Status MaterializeInPlace(int32_t block) {
-    const FastLayer layer = Layer();
-    FastMaterializeArgs m;
-    m.shape = s_;
-    m.num_layers = 1;
-    m.layers = &layer;
-    m.blocks = &block;
-    m.num_blocks_given = 1;
-    return FastMaterializeCpu(m);
   }
 
   // Block b's current state (Materialize into `out`), as values.
@@ -382,7 +369,6 @@ class World {
   std::mt19937_64 rng_;
   int64_t num_blocks_ = 0, block_elems_ = 0;
   int capacity_ = 0;
-  bool fold_ahead_ = false;
   std::vector<uint8_t> pool_, ring_k_;
   std::vector<float> ring_u_, ring_g_;
   std::vector<FastCursor> cursors_;
@@ -465,67 +451,6 @@ TEST(FastKernelsTest, TheRingTakesAcceptedTokensAndFoldsOnSchedule) {
   ASSERT_TRUE(FastMaterializeCpu(m).ok());
   EXPECT_EQ(w.BlockValues(w.pool(), block), current);
   EXPECT_EQ(w.cursor(block).tokens, 0);
-}
-
-// Fold ahead (fast_args.h, FoldsAhead): the Verify that reads a ring the
-// window after it might not fit folds it; its outputs are those of a Verify
-// without it, and everything it leaves is, bit for bit, what that Verify and
-// an in-place Materialize of the block leave. Commit then never folds.
-TEST(FastKernelsTest, FoldAheadFoldsInTheVerifyAsAnInPlaceMaterialize) {
-  const uint64_t seed = TestSeed();
-  SCOPED_TRACE(absl::StrCat("replay with SPECSTATE_TEST_SEED=", seed));
-  for (const KdaShape& shape :
-       {Shape(LayerKind::kKda, KdaGate::kSafe, 2, 0, 64, DType::kBFloat16, DType::kFloat32),
-        Shape(LayerKind::kGdn, KdaGate::kSafe, 1, 2, 64, DType::kFloat32, DType::kBFloat16)}) {
-    const int q = 4;
-    World w(shape, 1, q, /*fold_every=*/3, seed);  // R = 12: folds ahead from 5 tokens
-    w.set_fold_ahead(true);
-    const int32_t block = 1;
-    ref::State want = w.BlockValues(w.pool(), block);
-    const FastLayer layer = w.Layer();
-    // fp32 arithmetic, and a bf16 state rounded at each fold (two so far).
-    const double tol = Tolerance(DType::kFloat32) +
-                       (shape.state_dtype == DType::kBFloat16
-                            ? 2 * ref::UnitRoundoff(ref::Dtype::kBFloat16)
-                            : 0.0);
-    int tokens = 0, folds = 0;
-    const std::pair<int, int> steps[] = {{4, 4}, {4, 1}, {3, 2}, {4, 3}, {2, 0}, {4, 4}, {1, 1}};
-    for (const auto& [window, accepted] : steps) {
-      SCOPED_TRACE(absl::StrCat("window ", window, ", accepted ", accepted, ", ring ", tokens));
-      w.Draw(window);
-      const std::vector<int32_t> qsl = {0, window}, blocks = {block};
-      const bool ahead = FoldsAhead(w.Rings(), tokens, q);
-      EXPECT_EQ(ahead, tokens + 2 * q > w.capacity() && tokens > 0);
-      // Without fold ahead, then an in-place Materialize: the same bytes.
-      World without = w;
-      without.set_fold_ahead(false);
-      ASSERT_TRUE(FastVerifyCpu(without.VerifyArgs(qsl, blocks)).ok());
-      if (ahead) ASSERT_TRUE(without.MaterializeInPlace(block).ok());
-      const std::vector<uint8_t> pool_before = w.pool();
-      ASSERT_TRUE(FastVerifyCpu(w.VerifyArgs(qsl, blocks)).ok());
-      EXPECT_TRUE(w.Everything() == without.Everything());
-      EXPECT_EQ(w.cursor(block).tokens, ahead ? 0 : tokens);
-      EXPECT_EQ(w.cursor(block).candidates, window);
-      if (ahead) {
-        ++folds;
-        EXPECT_NE(w.pool(), pool_before) << "the fold ahead wrote nothing";
-        EXPECT_LT(NormError(w.BlockValues(w.pool(), block), want), tol);
-        tokens = 0;
-      } else {
-        EXPECT_EQ(w.pool(), pool_before) << "Verify wrote a state without folding";
-      }
-      const std::vector<uint8_t> pool_verified = w.pool();
-      const std::vector<int32_t> acc = {accepted};
-      ASSERT_TRUE(FastCommitCpu(w.CommitArgs(&layer, qsl, blocks, acc)).ok());
-      EXPECT_EQ(w.pool(), pool_verified) << "Commit folded under fold ahead";
-      want = w.RefAdvance(want, 0, accepted);
-      tokens += accepted;
-      EXPECT_EQ(w.cursor(block).tokens, tokens);
-      EXPECT_LE(tokens + 2 * q, w.capacity() + q) << "room for the next window";
-      EXPECT_LT(NormError(w.Current(block), want), tol);
-    }
-    EXPECT_GE(folds, 2);
-  }
 }
 
 // One Commit for every layer of a group: each layer's ring advances and

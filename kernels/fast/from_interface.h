@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "kernels/fast/fast_args.h"
-#include "kernels/internal/checks.h"
+#include "kernels/checks/verify_rows.h"
 #include "kernels/kda_args.h"
 
 namespace specstate {

@@ -69,6 +69,7 @@ class DeferredEngine final : public ModeEngine {
   }
 
   void AddToVerify(int layer, kernels::VerifyArgs& args) const override {
+    args.mode = kernels::CommitMode::kDeferred;
     args.pending = pending_;
     args.layer = layer;
     args.records_alt = tables_.host[layer].records_alt;
@@ -78,6 +79,7 @@ class DeferredEngine final : public ModeEngine {
   }
 
   void AddToCommit(kernels::CommitArgs& args) const override {
+    args.mode = kernels::CommitMode::kDeferred;
     args.pending = pending_;
     args.jobs = commit_jobs_;
   }
@@ -85,6 +87,7 @@ class DeferredEngine final : public ModeEngine {
   Launch Materialize(std::shared_ptr<const IndexInput> blocks, int layer, bool discard,
                      kernels::DeviceStatus* mirror) const override {
     kernels::FlushArgs args = FlushArgsFor(tables_, layer, discard, flush_status_, mirror);
+    args.mode = kernels::CommitMode::kDeferred;
     args.pending = pending_;
     args.jobs = flush_jobs_;
     return FlushLaunchOf(args, std::move(blocks), checked_blocks_);

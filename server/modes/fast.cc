@@ -39,19 +39,20 @@ class FastEngine final : public ModeEngine {
   }
 
   void AddToVerify(int layer, kernels::VerifyArgs& args) const override {
+    args.mode = kernels::CommitMode::kFast;
     args.fast = tables_.host[layer].fast;
     args.workspace = workspace_;
     args.workspace_bytes = workspace_bytes_;
   }
 
   void AddToCommit(kernels::CommitArgs& args) const override {
-    args.fast = true;  // the rings are in the layer table
+    args.mode = kernels::CommitMode::kFast;  // the rings are in the layer table
   }
 
   Launch Materialize(std::shared_ptr<const IndexInput> blocks, int layer, bool discard,
                      kernels::DeviceStatus* mirror) const override {
     kernels::FlushArgs args = FlushArgsFor(tables_, layer, discard, flush_status_, mirror);
-    args.fast = true;
+    args.mode = kernels::CommitMode::kFast;
     return FlushLaunchOf(args, std::move(blocks), checked_blocks_);
   }
 

@@ -39,6 +39,7 @@
 #include "kernels/kda_kernels.h"
 #include "kernels/numeric.h"
 #include "tests/bench/cuda_check.h"
+#include "tests/bench/timing.h"
 
 ABSL_FLAG(std::string, shapes, "kimi_linear,kimi_k3,qwen3_next", "shapes to run");
 ABSL_FLAG(std::string, ns, "1,16,64,256", "request counts");
@@ -51,19 +52,18 @@ ABSL_FLAG(bool, verify_only, false,
 namespace specstate {
 namespace {
 
+using bench::CheckOk;
+using bench::CopyBandwidth;
+using bench::DeviceAlloc;
+using bench::FillRandom;
+using bench::TimeGraphOnly;
+using bench::Upload;
 using kernels::FastCursor;
 using kernels::KdaShape;
 using kernels::fast::FastCommitArgs;
 using kernels::fast::FastLayer;
 using kernels::fast::FastNumerics;
 using kernels::fast::FastVerifyArgs;
-
-void CheckOk(const absl::Status& s, const char* what) {
-  if (!s.ok()) {
-    std::fprintf(stderr, "%s: %s\n", what, s.ToString().c_str());
-    std::exit(1);
-  }
-}
 
 struct Shape {
   std::string name;
@@ -77,118 +77,6 @@ struct Shape {
 const Shape kKimiLinear{"Kimi-Linear-48B-A3B", 32, 128, 4};
 const Shape kKimiK3{"Kimi-K3 (TP8)", 12, 128, 8};
 const Shape kQwen3Next{"Qwen3-Next-80B-A3B", 16, 128, 4, kernels::LayerKind::kGdn, 32};
-
-void* DeviceAlloc(size_t bytes) {
-  void* p = nullptr;
-  CHECK_CUDA(cudaMalloc(&p, bytes));
-  return p;
-}
-
-template <typename T>
-T* Upload(const std::vector<T>& host) {
-  T* p = static_cast<T*>(DeviceAlloc(host.size() * sizeof(T)));
-  CHECK_CUDA(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return p;
-}
-
-// Random values (up to 8 MiB made on the host, the rest tiled by copies).
-void Fill(void* dst, size_t count, bool bf16, float lo, float hi, std::mt19937& rng) {
-  const size_t elem = bf16 ? 2 : 4;
-  std::uniform_real_distribution<float> dist(lo, hi);
-  const size_t chunk = std::min(count, (size_t{8} << 20) / elem);
-  std::vector<char> host(chunk * elem);
-  for (size_t i = 0; i < chunk; ++i) {
-    const float x = dist(rng);
-    if (bf16) {
-      const uint16_t bits = FromFloat<BFloat16>(x).bits;
-      std::memcpy(host.data() + i * 2, &bits, 2);
-    } else {
-      std::memcpy(host.data() + i * 4, &x, 4);
-    }
-  }
-  CHECK_CUDA(cudaMemcpy(dst, host.data(), host.size(), cudaMemcpyHostToDevice));
-  for (size_t done = chunk; done < count; done += chunk) {
-    const size_t n = std::min(chunk, count - done);
-    CHECK_CUDA(cudaMemcpy(static_cast<char*>(dst) + done * elem, dst, n * elem,
-                          cudaMemcpyDeviceToDevice));
-  }
-}
-
-void* L2Flush() {
-  static void* const buffer = DeviceAlloc(size_t{256} << 20);
-  return buffer;
-}
-
-// Median microseconds of `iters` replays of a CUDA graph of `fn`; `prepare`
-// (optional) runs before each, outside the timed window.
-double TimeGraph(cudaStream_t stream, int iters, const std::function<void()>& fn, bool cold,
-                 const std::function<void()>& prepare = nullptr) {
-  const auto before = [&] {
-    if (prepare) prepare();
-    if (cold) CHECK_CUDA(cudaMemsetAsync(L2Flush(), 0x3f, size_t{256} << 20, stream));
-  };
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  before();
-  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  fn();
-  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t a, b;
-  CHECK_CUDA(cudaEventCreate(&a));
-  CHECK_CUDA(cudaEventCreate(&b));
-  for (int i = 0; i < 2; ++i) {
-    before();
-    CHECK_CUDA(cudaGraphLaunch(exec, stream));
-  }
-  std::vector<float> ms;
-  for (int i = 0; i < iters; ++i) {
-    before();
-    CHECK_CUDA(cudaEventRecord(a, stream));
-    CHECK_CUDA(cudaGraphLaunch(exec, stream));
-    CHECK_CUDA(cudaEventRecord(b, stream));
-    CHECK_CUDA(cudaEventSynchronize(b));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  CHECK_CUDA(cudaGraphExecDestroy(exec));
-  CHECK_CUDA(cudaGraphDestroy(graph));
-  CHECK_CUDA(cudaEventDestroy(a));
-  CHECK_CUDA(cudaEventDestroy(b));
-  return ms[ms.size() / 2] * 1000.0;
-}
-
-double CopyBandwidth(cudaStream_t stream, int iters) {
-  const size_t bytes = size_t{2} << 30;
-  void* a = DeviceAlloc(bytes);
-  void* b = DeviceAlloc(bytes);
-  CHECK_CUDA(cudaMemset(a, 1, bytes));
-  // Launched, not replayed from a graph: the H200 run of
-  // docs/results/fast_cuda_h200.md timed a graph's copy node at 2773 GB/s,
-  // where a launched copy moves about 4.2 TB/s (kda_bench times it so).
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<float> ms;
-  for (int i = 0; i < iters + 2; ++i) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    CHECK_CUDA(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, stream));
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float t = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&t, start, stop));
-    if (i >= 2) ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
-  const double us = ms[ms.size() / 2] * 1000.0;
-  CHECK_CUDA(cudaEventDestroy(start));
-  CHECK_CUDA(cudaEventDestroy(stop));
-  CHECK_CUDA(cudaFree(a));
-  CHECK_CUDA(cudaFree(b));
-  return 2.0 * bytes / (us * 1e-6);
-}
 
 // One shape at N rows: the activations, a FAST pool (a checkpoint a row)
 // with rings of capacity F * Q, and a stock pool (Q blocks a row).
@@ -225,7 +113,7 @@ Bench Make(const Shape& s, int N, int F, std::mt19937& rng) {
   };
   const int64_t blocks = 1 + N;
   b.layer.state = kernels::StatePool{alloc(blocks * b.state_elems * 4), blocks, b.state_elems};
-  Fill(b.layer.state.data, blocks * b.state_elems, false, -0.5f, 0.5f, rng);
+  FillRandom(b.layer.state.data, blocks * b.state_elems, false, -0.5f, 0.5f, rng);
   b.layer.rings.k = alloc(kernels::fast::FastRingKBytes(b.kda, blocks, b.R));
   b.layer.rings.u = static_cast<float*>(alloc(kernels::fast::FastRingUBytes(b.kda, blocks, b.R)));
   b.layer.rings.log_decay =
@@ -233,25 +121,25 @@ Bench Make(const Shape& s, int N, int F, std::mt19937& rng) {
   b.layer.rings.cursors = static_cast<FastCursor*>(alloc(kernels::fast::FastCursorBytes(blocks)));
   b.layer.rings.num_blocks = blocks;
   b.layer.rings.capacity = b.R;
-  Fill(b.layer.rings.k, blocks * b.R * b.HK, true, -1, 1, rng);
-  Fill(b.layer.rings.u, blocks * b.R * b.VW, false, -0.1f, 0.1f, rng);
-  Fill(b.layer.rings.log_decay, blocks * b.R * b.GW, false, -0.5f, -0.01f, rng);
+  FillRandom(b.layer.rings.k, blocks * b.R * b.HK, true, -1, 1, rng);
+  FillRandom(b.layer.rings.u, blocks * b.R * b.VW, false, -0.1f, 0.1f, rng);
+  FillRandom(b.layer.rings.log_decay, blocks * b.R * b.GW, false, -0.5f, -0.01f, rng);
   b.params = static_cast<float*>(alloc((s.H + b.HK) * 4));
-  Fill(b.params, s.H, false, -2.0f, 0.5f, rng);
-  Fill(b.params + s.H, b.HK, false, -1, 1, rng);
+  FillRandom(b.params, s.H, false, -2.0f, 0.5f, rng);
+  FillRandom(b.params + s.H, b.HK, false, -1, 1, rng);
   b.layer.params = kernels::LayerParams{b.params, b.params + s.H};
   for (void** p : {&b.q, &b.k}) {
     *p = alloc(b.T * b.HK * 2);
-    Fill(*p, b.T * b.HK, true, -1, 1, rng);
+    FillRandom(*p, b.T * b.HK, true, -1, 1, rng);
   }
   for (void** p : {&b.v, &b.out}) {
     *p = alloc(b.T * b.VW * 2);
-    Fill(*p, b.T * b.VW, true, -1, 1, rng);
+    FillRandom(*p, b.T * b.VW, true, -1, 1, rng);
   }
   b.g = alloc(b.T * b.GW * 2);
-  Fill(b.g, b.T * b.GW, true, s.gdn() ? -0.5f : -1.0f, s.gdn() ? -0.01f : 1.0f, rng);
+  FillRandom(b.g, b.T * b.GW, true, s.gdn() ? -0.5f : -1.0f, s.gdn() ? -0.01f : 1.0f, rng);
   b.beta = alloc(b.T * b.HV * 2);
-  Fill(b.beta, b.T * b.HV, true, s.gdn() ? 0.0f : -3.0f, s.gdn() ? 1.0f : 3.0f, rng);
+  FillRandom(b.beta, b.T * b.HV, true, s.gdn() ? 0.0f : -3.0f, s.gdn() ? 1.0f : 3.0f, rng);
   std::vector<int32_t> qsl(N + 1), checkpoints(N);
   for (int i = 0; i < N; ++i) {
     qsl[i + 1] = qsl[i] + s.Q;
@@ -387,17 +275,17 @@ double StockUs(const Shape& s, int N, cudaStream_t stream, int iters, bool cold,
   a.shape = KdaShape{s.H, s.K, DType::kBFloat16, DType::kFloat32, -5.0f, s.kind, int(HV)};
   void *q = alloc(T * HK * 2), *k = alloc(T * HK * 2), *v = alloc(T * VW * 2),
        *g = alloc(T * GW * 2), *beta = alloc(T * HV * 2), *out = alloc(T * VW * 2);
-  Fill(q, T * HK, true, -1, 1, rng);
-  Fill(k, T * HK, true, -1, 1, rng);
-  Fill(v, T * VW, true, -1, 1, rng);
-  Fill(g, T * GW, true, s.gdn() ? -0.5f : -1.0f, s.gdn() ? -0.01f : 1.0f, rng);
-  Fill(beta, T * HV, true, s.gdn() ? 0.0f : -3.0f, s.gdn() ? 1.0f : 3.0f, rng);
+  FillRandom(q, T * HK, true, -1, 1, rng);
+  FillRandom(k, T * HK, true, -1, 1, rng);
+  FillRandom(v, T * VW, true, -1, 1, rng);
+  FillRandom(g, T * GW, true, s.gdn() ? -0.5f : -1.0f, s.gdn() ? -0.01f : 1.0f, rng);
+  FillRandom(beta, T * HV, true, s.gdn() ? 0.0f : -3.0f, s.gdn() ? 1.0f : 3.0f, rng);
   const int64_t blocks = 1 + T;
   void* pool = alloc(blocks * state * 4);
-  Fill(pool, blocks * state, false, -0.5f, 0.5f, rng);
+  FillRandom(pool, blocks * state, false, -0.5f, 0.5f, rng);
   float* params = static_cast<float*>(alloc((s.H + HK) * 4));
-  Fill(params, s.H, false, -2.0f, 0.5f, rng);
-  Fill(params + s.H, HK, false, -1, 1, rng);
+  FillRandom(params, s.H, false, -2.0f, 0.5f, rng);
+  FillRandom(params + s.H, HK, false, -1, 1, rng);
   std::vector<int32_t> qsl(N + 1), indices(T), acc(N);
   std::uniform_int_distribution<int> accd(1, s.Q);
   for (int i = 0; i < N; ++i) {
@@ -426,7 +314,7 @@ double StockUs(const Shape& s, int N, cudaStream_t stream, int iters, bool cold,
   a.status = static_cast<kernels::DeviceStatus*>(alloc(sizeof(kernels::DeviceStatus)));
   const kernels::KdaKernels& kk = *kernels::CudaKdaKernels().value();
   const double us =
-      TimeGraph(stream, iters, [&] { CheckOk(kk.Stock(a, stream), "Stock"); }, cold);
+      TimeGraphOnly(stream, iters, [&] { CheckOk(kk.Stock(a, stream), "Stock"); }, cold);
   kernels::DeviceStatus st;
   CHECK_CUDA(cudaMemcpy(&st, a.status, sizeof(st), cudaMemcpyDeviceToHost));
   CheckOk(kernels::DeviceStatusToStatus(st, "Stock"), "Stock");
@@ -462,10 +350,10 @@ void RunShape(const Shape& s, const std::vector<int>& ns, const std::vector<int>
       for (int i = 0; i < snapshots; ++i) {
         SetState(b, st.cursors[i], st.accepted[i]);
         for (const FastCursor& c : st.cursors[i]) ring_tokens += double(c.tokens) / N;
-        v_warm += TimeGraph(stream, iters, run_verify, false);
-        v_cold += TimeGraph(stream, iters, run_verify, true);
-        c_warm += TimeGraph(stream, iters, run_commit, false, restore);
-        c_cold += TimeGraph(stream, iters, run_commit, true, restore);
+        v_warm += TimeGraphOnly(stream, iters, run_verify, false);
+        v_cold += TimeGraphOnly(stream, iters, run_verify, true);
+        c_warm += TimeGraphOnly(stream, iters, run_commit, false, restore);
+        c_cold += TimeGraphOnly(stream, iters, run_commit, true, restore);
         for (int r = 0; r < N; ++r) {
           const int n = st.cursors[i][r].tokens + st.accepted[i][r];
           if (n + s.Q > b.R) commit_bytes += 8.0 * b.state_elems + n * RingTokenBytes(b);
@@ -484,8 +372,8 @@ void RunShape(const Shape& s, const std::vector<int>& ns, const std::vector<int>
       for (int32_t& a : acc) a = accd(rng);
       SetState(b, empty, acc);
       rows.push_back({"FAST commit, no fold, " + f,
-                      TimeGraph(stream, iters, run_commit, false, restore),
-                      TimeGraph(stream, iters, run_commit, true, restore), 16.0 * N});
+                      TimeGraphOnly(stream, iters, run_commit, false, restore),
+                      TimeGraphOnly(stream, iters, run_commit, true, restore), 16.0 * N});
       // Every row folds: a ring one window short of full, then its accepted tokens.
       std::vector<FastCursor> full(N, FastCursor{b.R - s.Q, s.Q});
       SetState(b, full, acc);
@@ -493,8 +381,8 @@ void RunShape(const Shape& s, const std::vector<int>& ns, const std::vector<int>
       for (int32_t a : acc) fold_tokens += double(b.R - s.Q + a) / N;
       rows.push_back({absl::StrFormat("FAST commit, every row folds (%.1f tokens), %s",
                                       fold_tokens, f),
-                      TimeGraph(stream, iters, run_commit, false, restore),
-                      TimeGraph(stream, iters, run_commit, true, restore),
+                      TimeGraphOnly(stream, iters, run_commit, false, restore),
+                      TimeGraphOnly(stream, iters, run_commit, true, restore),
                       FoldBytes(b, fold_tokens)});
       rows.push_back({absl::StrFormat("**FAST step, fold amortized, %s** (folds: %.3f a row a step)",
                                       f, st.fold_rate),

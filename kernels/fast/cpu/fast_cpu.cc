@@ -16,7 +16,9 @@
 #include "kernels/fast/fast_kernels.h"
 #include "kernels/fast/cpu/fast_cpu.h"
 #include "kernels/fast/fast_math.h"
-#include "kernels/internal/checks.h"
+#include "kernels/checks/commit_plan.h"
+#include "kernels/checks/rows.h"
+#include "kernels/fast/checks.h"
 #include "kernels/internal/dispatch.h"
 #include "kernels/kda_math.h"
 
@@ -491,23 +493,11 @@ void RunFastVerifyCpu(const FastVerifyArgs& a, const FastNumerics& num) {
     using State = typename decltype(state)::type;
     constexpr int K = decltype(head_dim)::value;
     VerifyWork<Act, State, K> work(a, num);
-    const FastLayer layer{a.state, a.rings, a.params};
-    std::vector<float> folded;
     for (int n = 0; n < a.num_rows; ++n) {
       const int32_t b = a.state_indices[n];
       if (!IsBlock(b)) continue;
       const int T = a.query_start_loc[n + 1] - a.query_start_loc[n];
-      FastCursor& cursor = a.rings.cursors[b];
-      const int tokens = cursor.tokens;
       work.Row(a.query_start_loc[n], T, b);
-      // Fold ahead (fast_args.h): after the outputs, as an in-place
-      // Materialize of the block.
-      if (T > 0 && FoldsAhead(a.rings, tokens, a.spec_query_len)) {
-        FoldBlock<Act, State, K>(a.shape, layer, b, tokens, num, &folded);
-        StoreBlock<State, K>(a.shape, layer.state, b, folded);
-        MoveSlotsToFront<Act>(a.shape, layer.rings, b, tokens, T);
-        cursor.tokens = 0;
-      }
     }
   });
 }
@@ -620,7 +610,7 @@ absl::Status FastVerifyCpu(const FastVerifyArgs& a, const FastNumerics& num) {
   }
   for (int n = 0; n < a.num_rows; ++n) {
     const internal::RowFault f =
-        internal::CheckFastVerifyRow(a.rings, n, a.state_indices[n], tokens[n]);
+        CheckFastVerifyRow(a.rings, n, a.state_indices[n], tokens[n]);
     if (f.problem != 0) return Refused(f, n, -1, op);
   }
   std::unordered_map<int32_t, int> reader;
@@ -628,7 +618,7 @@ absl::Status FastVerifyCpu(const FastVerifyArgs& a, const FastNumerics& num) {
     const int32_t b = a.state_indices[n];
     if (!IsBlock(b)) continue;
     const auto [it, inserted] = reader.emplace(b, n);
-    if (!inserted) return Refused(internal::FastSharedFault(b, n), n, it->second, op);
+    if (!inserted) return Refused(FastSharedFault(b, n), n, it->second, op);
   }
   RunFastVerifyCpu(a, num);
   return absl::OkStatus();
@@ -679,7 +669,7 @@ absl::Status FastCommitCpu(const FastCommitArgs& a, const FastNumerics& num) {
   for (int i = 0; i < a.num_rows; ++i) {
     for (int l = 0; l < a.num_layers; ++l) {
       const internal::RowFault f =
-          internal::CheckFastCommitRow(plan_args, a.layers[l].rings, l, plan[i], i);
+          CheckFastCommitRow(plan_args, a.layers[l].rings, l, plan[i], i);
       if (f.problem != 0) return Refused(f, i, -1, op);
     }
   }
@@ -687,7 +677,7 @@ absl::Status FastCommitCpu(const FastCommitArgs& a, const FastNumerics& num) {
   for (int i = 0; i < a.num_rows; ++i) {
     if (!IsBlock(plan[i].source)) continue;
     const auto [it, inserted] = reader.emplace(plan[i].source, i);
-    if (!inserted) return Refused(internal::FastSharedFault(plan[i].source, i), i, it->second, op);
+    if (!inserted) return Refused(FastSharedFault(plan[i].source, i), i, it->second, op);
   }
   RunFastCommitCpu(a, plan.data(), num);
   return absl::OkStatus();
@@ -712,7 +702,7 @@ absl::Status FastMaterializeCpu(const FastMaterializeArgs& a, const FastNumerics
     if (!IsBlock(checked[i])) continue;
     for (int l = 0; l < a.num_layers; ++l) {
       if (a.layer >= 0 && l != a.layer) continue;
-      const internal::RowFault f = internal::CheckFastCursor(a.layers[l].rings, checked[i], l);
+      const internal::RowFault f = CheckFastCursor(a.layers[l].rings, checked[i], l);
       if (f.problem != 0) return Refused(f, -1, -1, op);
     }
   }

@@ -39,9 +39,7 @@ namespace fast {
 // FAST Verify of one layer (fast_args.h): outputs, and the window's
 // candidates in ring slots [tokens, tokens + T).
 // `numerics`: the default (fp32 throughout), or with `checkpoint` kTf32 or
-// kTf32Split (3xTF32), the checkpoint's products on tensor cores. Rings with
-// fold_ahead: a row whose ring FoldsAhead is also folded, in place, as
-// fast_args.h says.
+// kTf32Split (3xTF32), the checkpoint's products on tensor cores.
 // \returns INVALID_ARGUMENT as ValidateFastVerifyArgs, UNIMPLEMENTED for
 //   other numerics, a CUDA launch error.
 absl::Status FastVerifyCuda(const FastVerifyArgs& args, const FastNumerics& numerics,

@@ -141,11 +141,6 @@ struct Case {
   // ties differently on the two (cvt.rna against ties to even), and its
   // error is ~500x fp32's (docs/semantics.md): 500x the tolerance.
   FastNumerics::Operands checkpoint = FastNumerics::Operands::kFp32;
-  // FastRings::fold_ahead (both backends): Verify folds a ring the window
-  // after it might not fit. The CUDA Verify's fold is also held, bit for
-  // bit, against a CUDA Verify without it followed by an in-place
-  // Materialize of the blocks it folded.
-  bool fold_ahead = false;
 };
 
 class FastCudaTest : public ::testing::TestWithParam<Case> {};
@@ -215,7 +210,7 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
                      static_cast<float*>(dev ? L.ring_u.device : L.ring_u.host.data()),
                      static_cast<float*>(dev ? L.ring_g.device : L.ring_g.host.data()),
                      static_cast<FastCursor*>(dev ? L.cursors.device : L.cursors.host.data()),
-                     num_blocks, R, c.fold_ahead};
+                     num_blocks, R};
   };
   auto pool_of = [&](Layer& L, bool dev) {
     return StatePool{dev ? L.pool.device : L.pool.host.data(), num_blocks, block_elems};
@@ -224,14 +219,13 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
     return LayerParams{static_cast<const float*>(dev ? L.a_log.device : L.a_log.host.data()),
                        static_cast<const float*>(dev ? L.dt_bias.device : L.dt_bias.host.data())};
   };
-  Buffer qsl, indices, accepted, listed, materialized, table, computed, ahead;
+  Buffer qsl, indices, accepted, listed, materialized, table, computed;
   qsl.Init(DType::kFloat32, rows + 1);
   table.Init(DType::kFloat32, int64_t{rows} * width);
   computed.Init(DType::kFloat32, rows);
   indices.Init(DType::kFloat32, rows);
   accepted.Init(DType::kFloat32, rows);
   listed.Init(DType::kFloat32, rows + 1);
-  ahead.Init(DType::kFloat32, rows);
   materialized.Init(c.state, (rows + 1) * block_elems);
   auto ints = [](Buffer& b) { return reinterpret_cast<int32_t*>(b.host.data()); };
   for (int n = 0; n < rows; ++n) ints(indices)[n] = n + 1;
@@ -290,20 +284,6 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
       for (size_t i = 0; i < L.g.count(); ++i) L.g.Set(i, gdn ? -uniform(0.0f, 1.0f) : normal(1.0f));
       for (size_t i = 0; i < L.beta.count(); ++i) L.beta.Set(i, gdn ? uniform(0.0f, 1.0f) : normal(1.0f));
       for (Buffer* b : {&L.q, &L.k, &L.v, &L.g, &L.beta}) b->Upload();
-      // The blocks whose rings this Verify folds ahead.
-      int folding = 0;
-      const auto* held = reinterpret_cast<const FastCursor*>(L.cursors.host.data());
-      for (int n = 0; n < rows; ++n) {
-        const int32_t b = ints(indices)[n];
-        if (FoldsAhead(rings_of(L, false), held[b].tokens, Q)) ints(ahead)[folding++] = b;
-      }
-      if (l == 0) folds += folding;
-      // Fold ahead, held against a Verify without it and an in-place
-      // Materialize of the folded blocks (the device buffers as they were).
-      std::vector<std::vector<uint8_t>> before_verify;
-      for (Buffer* b : {&L.pool, &L.ring_k, &L.ring_u, &L.ring_g, &L.cursors}) {
-        before_verify.push_back(folding > 0 ? b->Download() : std::vector<uint8_t>());
-      }
       for (bool dev : {false, true}) {
         FastVerifyArgs a;
         a.shape = s;
@@ -324,32 +304,6 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
         const absl::Status st = dev ? FastVerifyCuda(a, verify_numerics, nullptr)
                                     : FastVerifyCpu(a, verify_numerics);
         ASSERT_TRUE(st.ok()) << st;
-        if (dev && folding > 0) {
-          std::vector<Buffer*> bufs = {&L.pool, &L.ring_k, &L.ring_u, &L.ring_g, &L.cursors, &L.out};
-          std::vector<std::vector<uint8_t>> fused;
-          for (Buffer* b : bufs) fused.push_back(b->Download());
-          for (size_t x = 0; x + 1 < bufs.size(); ++x) {
-            ASSERT_CUDA(cudaMemcpy(bufs[x]->device, before_verify[x].data(), before_verify[x].size(),
-                                   cudaMemcpyHostToDevice));
-          }
-          a.rings.fold_ahead = false;
-          ASSERT_TRUE(FastVerifyCuda(a, verify_numerics, nullptr).ok());
-          ahead.Upload();
-          FastLayer layer{a.state, a.rings, a.params};
-          FastMaterializeArgs m;
-          m.shape = s;
-          m.num_layers = 1;
-          m.layers = &layer;
-          m.blocks = static_cast<const int32_t*>(ahead.device);
-          m.num_blocks_given = folding;
-          ASSERT_TRUE(FastMaterializeCuda(m, FastNumerics{}, nullptr).ok());
-          const char* names[] = {"state", "ring k", "ring u", "ring gamma", "cursors", "outputs"};
-          for (size_t x = 0; x < bufs.size(); ++x) {
-            EXPECT_TRUE(bufs[x]->Download() == fused[x])
-                << c.name << " step " << step << " layer " << l << ": the fold ahead's " << names[x]
-                << " differ from Verify + Materialize in place";
-          }
-        }
       }
       ASSERT_CUDA(cudaDeviceSynchronize());
       worst_out = std::max(worst_out, check(L.out, absl::StrCat("layer ", l, " outputs"), step, out_tol));
@@ -412,7 +366,6 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
       // Align: a commit reaching the next block boundary stores real states.
       const int now = ints(computed)[n], later = now + ints(accepted)[n];
       const bool crosses = c.align && later >= (now / block_size + 1) * block_size;
-      // (A fold ahead empties the ring at Verify: counted there.)
       if (crosses || (after[b].tokens == 0 && before[b].tokens + ints(accepted)[n] > 0)) ++folds;
       if (c.align) ints(computed)[n] = later;
     }
@@ -440,10 +393,8 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
         ASSERT_TRUE(st.ok()) << st;
       }
       ASSERT_CUDA(cudaDeviceSynchronize());
-      // Entry 1 is the null block: neither writes it. Fold ahead rounds a
-      // 16-bit state twice in a step (the Verify's fold, then this one, on
-      // a checkpoint not yet resynced): two ulps.
-      const Diff d = Compare(materialized, tol, SIZE_MAX, c.fold_ahead ? 2 : 1);
+      // Entry 1 is the null block: neither writes it.
+      const Diff d = Compare(materialized, tol, SIZE_MAX, 1);
       EXPECT_LE(d.worst_ratio, 1.0) << c.name << " step " << step << ": materialized states, error "
                                     << d.rel;
       worst_state = std::max(worst_state, d.rel);
@@ -573,6 +524,7 @@ TEST(FastCudaInterfaceTest, ChecksAndRefusalsAreTheCpuBackends) {
     a.snapshot_query_start_loc = static_cast<int32_t*>(ptr(snap_qsl, dev));
     a.snapshot_state_indices = static_cast<int32_t*>(ptr(snap_indices, dev));
     a.status = st_of(dev);
+    a.mode = CommitMode::kFast;
     a.fast = c.fast;
     a.workspace = ptr(vws, dev);
     a.workspace_bytes = vws.host.size();
@@ -593,7 +545,7 @@ TEST(FastCudaInterfaceTest, ChecksAndRefusalsAreTheCpuBackends) {
     a.workspace = ptr(cws, dev);
     a.workspace_bytes = cws.host.size();
     a.status = st_of(dev);
-    a.fast = true;
+    a.mode = CommitMode::kFast;
     return a;
   };
   auto flush_args = [&](bool dev, bool listed) {
@@ -609,7 +561,7 @@ TEST(FastCudaInterfaceTest, ChecksAndRefusalsAreTheCpuBackends) {
       a.checked_blocks = static_cast<int32_t*>(ptr(checked, dev));
     }
     a.status = st_of(dev);
-    a.fast = true;
+    a.mode = CommitMode::kFast;
     return a;
   };
   // Runs a call on both backends; returns the CPU's result after checking
@@ -774,39 +726,6 @@ std::vector<Case> Cases() {
   x3_large.name = "KDA_safe_bf16act_f32state_K128_Q4_F4_large_grid_3xtf32";
   x3_large.checkpoint = Operands::kTf32Split;
   add(x3_large);
-  // Fold ahead: every head dim, both state dtypes, GDN's shared key heads,
-  // fp32 activations (the large grid's row-owner pass, whose scratch then
-  // leaves the decayed keys alone), 3xTF32, align mode, left to drift.
-  for (int K : {64, 128, 256}) {
-    Case fa{absl::StrCat("KDA_safe_bf16act_f32state_K", K, "_Q4_F4_fold_ahead"), LayerKind::kKda,
-            KdaGate::kSafe, 2, 0, K, 4, 4};
-    fa.fold_ahead = true;
-    add(fa);
-  }
-  Case fa_gdn{"GDN_bf16act_bf16state_H2_HV4_K64_Q4_F8_fold_ahead", LayerKind::kGdn, KdaGate::kSafe,
-              2, 4, 64, 4, 8, DType::kBFloat16, DType::kBFloat16};
-  fa_gdn.fold_ahead = true;
-  add(fa_gdn);
-  Case fa_f32 = large;
-  fa_f32.name = "KDA_plain_f32act_f32state_K128_Q8_F4_large_grid_fold_ahead";
-  fa_f32.gate = KdaGate::kPlain;
-  fa_f32.act = DType::kFloat32;
-  fa_f32.Q = 8;
-  fa_f32.fold_ahead = true;
-  add(fa_f32);
-  Case fa_x3 = large;
-  fa_x3.name = "KDA_safe_bf16act_f32state_K128_Q4_F4_large_grid_3xtf32_fold_ahead";
-  fa_x3.checkpoint = Operands::kTf32Split;
-  fa_x3.fold_ahead = true;
-  add(fa_x3);
-  Case fa_align = align;
-  fa_align.name = "KDA_safe_bf16act_f32state_K128_Q4_F4_align_fold_ahead";
-  fa_align.fold_ahead = true;
-  add(fa_align);
-  Case fa_drift = drift;
-  fa_drift.name = "KDA_safe_bf16act_f32state_K128_Q4_F4_drift_fold_ahead";
-  fa_drift.fold_ahead = true;
-  add(fa_drift);
   Case tf32{"KDA_safe_bf16act_f32state_K128_Q4_F4_tf32", LayerKind::kKda, KdaGate::kSafe, 2, 0, 128,
             4, 4};
   tf32.checkpoint = Operands::kTf32;

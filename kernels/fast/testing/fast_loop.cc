@@ -144,7 +144,7 @@ class Loop {
     ring_g_.assign(size_t(num_blocks_) * R_ * RingLogDecayWidth(s_), 0.0f);
     cursors_.assign(num_blocks_, FastCursor{0, 0});
     rings_ = FastRings{ring_k_.data(), ring_u_.data(), ring_g_.data(), cursors_.data(),
-                       num_blocks_, R_, c_.fold_ahead};
+                       num_blocks_, R_};
     materialized_ = Buffer(s_.state_dtype, size_t(N_) * block_elems_);
   }
 
@@ -413,7 +413,7 @@ std::string Describe(const LoopConfig& c) {
                       s.num_value_heads > 0 ? absl::StrCat(" HV=", s.num_value_heads) : "",
                       " K=", s.head_dim, ", ", c.rows, " rows, ", c.steps, " steps",
                       c.gates == GateInputs::kLowest ? ", lowest gate" : "",
-                      c.fold_ahead ? ", fold ahead" : "", ", seed ", c.seed);
+                      ", seed ", c.seed);
 }
 
 }  // namespace testing

@@ -43,7 +43,6 @@ struct LoopConfig {
   FastNumerics numerics;   // FAST's operand precisions (the default: fp32)
   bool run_exact = true;   // also run the exact path (costs as much as FAST)
   bool check_states_every_step = true;  // else only at folds and at the end
-  bool fold_ahead = false;  // FastRings::fold_ahead: Verify folds (fast_args.h, FoldsAhead)
 };
 
 // One path's errors against the reference: max|got - want| / max|want| and

@@ -272,6 +272,7 @@ class DeferredCommitTest : public KdaKernelsTest {
     }
     a.status = m.status.As<DeviceStatus>();
     if (m.deferred) {
+      a.mode = CommitMode::kDeferred;
       a.pending = m.pending;
       a.layer = l;
       a.records_alt = lm.table.records_alt;
@@ -326,6 +327,7 @@ class DeferredCommitTest : public KdaKernelsTest {
     a.workspace_bytes = m.commit_workspace.dev.size();
     a.status = m.status.As<DeviceStatus>();
     if (m.deferred) {
+      a.mode = CommitMode::kDeferred;
       a.pending = m.pending;
       a.jobs = ReplayJobs{m.commit_jobs.As<ReplayJob>(), m.commit_job_count.As<int32_t>(),
                           static_cast<int>(CommitJobsCapacity(max_rows_, spec_.layers))};
@@ -355,6 +357,7 @@ class DeferredCommitTest : public KdaKernelsTest {
     for (const LayerMemory& lm : m.layers) cd->layers.push_back(lm.table);
     a.layers = cd->layers.data();
     a.device_layers = m.layer_table.As<CommitLayer>();
+    a.mode = CommitMode::kDeferred;
     a.pending = m.pending;
     a.jobs = ReplayJobs{m.flush_jobs.As<ReplayJob>(), m.flush_job_count.As<int32_t>(),
                         static_cast<int>(FlushJobsCapacity(max_rows_, spec_.layers))};

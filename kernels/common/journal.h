@@ -1,13 +1,14 @@
 // The commit journal's writes (kda_args.h, CommitJournal), shared by the CPU
-// and CUDA backends so both keep the same bookkeeping: the plan lists each
-// row's blocks and marks the record started, the commit's last step records
-// the listed blocks and marks it committed.
-#ifndef SPECSTATE_KERNELS_INTERNAL_JOURNAL_H_
-#define SPECSTATE_KERNELS_INTERNAL_JOURNAL_H_
+// and CUDA backends and by the commit modes that keep it (EAGER, DEFERRED),
+// so all keep the same bookkeeping: the plan lists each row's blocks and
+// marks the record started, the commit's last step records the listed
+// blocks and marks it committed.
+#ifndef SPECSTATE_KERNELS_COMMON_JOURNAL_H_
+#define SPECSTATE_KERNELS_COMMON_JOURNAL_H_
 
 #include <cstdint>
 
-#include "kernels/internal/checks.h"
+#include "kernels/checks/commit_plan.h"
 #include "kernels/kda_args.h"
 
 namespace specstate {
@@ -87,36 +88,8 @@ SPECSTATE_HD void JournalMarkCommitted(const CommitJournal& j, uint64_t sequence
   JournalFence();
 }
 
-// DEFERRED's pending journal (kda_args.h, PendingBlocks::journal). Listing:
-// entry `index` is `block` (indices past the capacity are dropped; the host
-// checks the capacity covers every call).
-SPECSTATE_HD void PendingJournalList(const PendingBlocks& p, int index, int32_t block) {
-  if (index >= 0 && index < p.journal_capacity) p.journal_blocks[index] = block;
-}
-
-// Once the call's blocks are listed (one thread), before its first write to
-// the table or the pool.
-SPECSTATE_HD void PendingJournalMarkStarted(const PendingBlocks& p, uint32_t kind, int count,
-                                            int32_t layer, uint64_t step) {
-  PendingJournalRecord* r = p.journal;
-  r->kind = kind;
-  r->count = count < p.journal_capacity ? count : p.journal_capacity;
-  r->layer = layer;
-  r->step = step;
-  JournalFence();
-  *reinterpret_cast<volatile uint32_t*>(&r->state) = kJournalStarted;
-  JournalFence();
-}
-
-// After the call's last write (one thread): nothing is half-done.
-SPECSTATE_HD void PendingJournalMarkDone(const PendingBlocks& p) {
-  JournalFence();
-  *reinterpret_cast<volatile uint32_t*>(&p.journal->state) = kJournalIdle;
-  JournalFence();
-}
-
 }  // namespace internal
 }  // namespace kernels
 }  // namespace specstate
 
-#endif  // SPECSTATE_KERNELS_INTERNAL_JOURNAL_H_
+#endif  // SPECSTATE_KERNELS_COMMON_JOURNAL_H_

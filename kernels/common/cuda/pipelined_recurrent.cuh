@@ -1,8 +1,7 @@
 // The production recurrent kernel (stock, verify and replay): a persistent
 // grid that keeps memory busy while it computes.
 //
-// Work item: (layer, row, head, chunk of kRows state rows), the old kernel's
-// block. Each block of kThreads threads takes a contiguous range of items
+// Work item: (layer, row, head, chunk of kRows state rows). Each block of kThreads threads takes a contiguous range of items
 // (the four chunks of a head usually land in one block, so a head's token
 // inputs are prepared once, not once per chunk) and runs them as a
 // two-stage pipeline: while item i computes, item i + 1's state slice is on
@@ -14,10 +13,31 @@
 // The per-token math is kda_math.h's TokenStep, two state rows a lane
 // (PipelinedTraits); stock, verify and replay share this template, so
 // verify's outputs and the replayed states equal the stock kernel's bit for
-// bit. (Its reduction order over K differs from the one-block-per-item
-// kernel's, which has 4 lanes a row: the two agree to rounding, not bits.)
-#ifndef SPECSTATE_KERNELS_CUDA_PIPELINED_RECURRENT_CUH_
-#define SPECSTATE_KERNELS_CUDA_PIPELINED_RECURRENT_CUH_
+// bit. Mode kReplayVerify is DEFERRED's Verify: it reads the pending entries
+// of kernels/deferred/pending.h.
+//
+//   RecurrentLaunch p = VerifyLaunchOf(args);  // recurrent_launch.cuh
+//   absl::Status s = LaunchRecurrent<Mode::kVerify>(args.shape, p, 1, stream, "Verify");
+#ifndef SPECSTATE_KERNELS_COMMON_CUDA_PIPELINED_RECURRENT_CUH_
+#define SPECSTATE_KERNELS_COMMON_CUDA_PIPELINED_RECURRENT_CUH_
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <climits>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "kernels/checks/commit_plan.h"
+#include "kernels/checks/rows.h"
+#include "kernels/common/cuda/launch.cuh"
+#include "kernels/common/cuda/recurrent_launch.cuh"
+#include "kernels/deferred/pending.h"
+#include "kernels/internal/dispatch.h"
+#include "kernels/kda_args.h"
+#include "kernels/kda_math.h"
+#include "kernels/numeric.h"
 
 namespace specstate {
 namespace kernels {
@@ -178,7 +198,7 @@ __device__ __forceinline__ void LocateRow(const RecurrentLaunch& p, PipelinedIte
     if (M == Mode::kReplayVerify) {
       const int32_t entry = p.replay_plan[it.n];
       if (entry != 0) {
-        const internal::PendingEntry e = internal::UnpackPending(entry);
+        const deferred::PendingEntry e = deferred::UnpackPending(entry);
         it.pending = e.tokens;
         it.pending_bos = int64_t{e.record_row} * p.window;
       }
@@ -728,8 +748,26 @@ cudaError_t LaunchPipelined(const RecurrentLaunch& p, int num_layers, cudaStream
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
+// The pipelined kernel served: 8 lanes a row, 2 rows a lane, 4 blocks of
+// 128 threads per SM (shared memory holds two stage buffers each; 128
+// registers a thread).
+using PipelinedLayout = PipelineLayout<8, 2, 4>;
+
+// The recurrent kernel in mode M over `num_layers` layers' items of `p`,
+// for the call's dtypes and head dim; errors named after `op`.
+template <Mode M>
+absl::Status LaunchRecurrent(const KdaShape& shape, const RecurrentLaunch& p, int num_layers,
+                             cudaStream_t stream, absl::string_view op) {
+  cudaError_t err = cudaErrorInvalidValue;
+  const bool ok = internal::DispatchKda(shape, [&](auto act, auto state, auto head_dim) {
+    err = LaunchPipelined<M, typename decltype(act)::type, typename decltype(state)::type,
+                          decltype(head_dim)::value, PipelinedLayout>(p, num_layers, stream);
+  });
+  return ok ? LaunchStatus(err, op) : Unsupported(op);
+}
+
 }  // namespace
 }  // namespace kernels
 }  // namespace specstate
 
-#endif  // SPECSTATE_KERNELS_CUDA_PIPELINED_RECURRENT_CUH_
+#endif  // SPECSTATE_KERNELS_COMMON_CUDA_PIPELINED_RECURRENT_CUH_

@@ -1,0 +1,146 @@
+// Commit mode FAST through the kernel interface on the CPU backend
+// (interface_cpu.h).
+#include "kernels/fast/cpu/interface_cpu.h"
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/checks/commit_plan.h"
+#include "kernels/checks/cpu_checker.h"
+#include "kernels/checks/verify_rows.h"
+#include "kernels/common/cpu/common_cpu.h"
+#include "kernels/fast/checks.h"
+#include "kernels/fast/cpu/fast_cpu.h"
+#include "kernels/fast/fast_args.h"
+#include "kernels/fast/from_interface.h"
+
+namespace specstate {
+namespace kernels {
+namespace fast {
+namespace {
+
+using internal::CpuChecker;
+using internal::IsBlock;
+using internal::RowFault;
+
+// FAST Verify, after the checks every Verify runs: each row's block has a
+// cursor a Commit leaves and room in its ring for the window, and no two
+// rows verify from one block (their candidates would share its ring's
+// slots). Then kernels/fast's Verify on the checked snapshot.
+void RunVerify(const VerifyArgs& a) {
+  std::vector<internal::VerifyRow> rows;
+  if (!common::VerifyChecksCpu(a, &rows)) return;
+  if (!CpuChecker::Rows(a.num_rows, a.status, [&](int n) {
+        return CheckFastVerifyRow(a.fast, n, rows[n].source, rows[n].tokens);
+      })) {
+    return;
+  }
+  if (!CpuChecker::OneUserABlock(
+          a.num_rows, static_cast<int32_t*>(a.workspace), a.status,
+          [&](int n) { return rows[n].source; }, [](int32_t) { return true; },
+          [](int32_t b, int n) { return FastSharedFault(b, n); })) {
+    return;
+  }
+  RunFastVerifyCpu(FastVerifyArgsOf(a), FastNumerics());
+}
+
+// The commit's plan and checks (as EAGER's), FAST's own (every layer's
+// cursors and candidates, each written block's ring empty, one row a
+// checkpoint block), the conv windows, then kernels/fast's Commit along the
+// checked plan: rings advance, folds.
+void RunCommit(const CommitArgs& a) {
+  internal::CommitWorkspace ws;
+  if (!common::PlanCommitCpu(a, &ws)) return;
+  const int L = a.num_layers;
+  if (!CpuChecker::Items(
+          a.num_rows * L, a.status,
+          [&](int x) {
+            const int i = x / L, l = x % L;
+            return CheckFastCommitRow(a, a.layers[l].fast, l, ws.plan[i], i);
+          },
+          [&](int x) { return x / L; })) {
+    return;
+  }
+  if (!CpuChecker::OneUserABlock(
+          a.num_rows, ws.owner, a.status, [&](int i) { return ws.plan[i].source; },
+          [](int32_t) { return true; }, [](int32_t b, int n) { return FastSharedFault(b, n); })) {
+    return;
+  }
+  common::CompactConvCpu(a, ws.plan);
+  const std::vector<FastLayer> layers = FastLayersOf(a.layers, a.num_layers);
+  RunFastCommitCpu(FastCommitArgsOf(a, layers.data()), ws.plan, FastNumerics());
+}
+
+// FAST Flush: the block list (into its checked copy), then every listed
+// block's cursor in every layer it covers (without a list: every block
+// whose ring holds tokens or candidates), then kernels/fast's Materialize
+// in place.
+void RunFlush(const FlushArgs& a) {
+  *a.status = internal::OkStatus();
+  if (!CpuChecker::LoadedRows(a.num_blocks_given, a.prerequisites.input_fault, a.status,
+                              [&](int i) {
+                                return internal::CheckListedBlock(a.blocks, a.checked_blocks, i,
+                                                                  a.layers[0].state.num_blocks);
+                              })) {
+    return;
+  }
+  const auto covers = [&](int l) { return a.layer < 0 || l == a.layer; };
+  std::vector<int32_t> every;
+  const int32_t* blocks = a.checked_blocks;
+  int count = a.num_blocks_given;
+  if (a.blocks == nullptr) {
+    for (int32_t b = 1; b < a.layers[0].state.num_blocks; ++b) {
+      for (int l = 0; l < a.num_layers; ++l) {
+        const FastCursor c = a.layers[l].fast.cursors[b];
+        if (covers(l) && (c.tokens != 0 || c.candidates != 0)) {
+          every.push_back(b);
+          break;
+        }
+      }
+    }
+    blocks = every.data();
+    count = static_cast<int>(every.size());
+  }
+  for (int i = 0; i < count; ++i) {
+    if (!IsBlock(blocks[i])) continue;
+    for (int l = 0; l < a.num_layers; ++l) {
+      if (!covers(l)) continue;
+      const RowFault f = CheckFastCursor(a.layers[l].fast, blocks[i], l);
+      if (f.problem != 0) {
+        *a.status = internal::StatusFromFault(f, -1, -1);
+        return;
+      }
+    }
+  }
+  const std::vector<FastLayer> layers = FastLayersOf(a.layers, a.num_layers);
+  FastMaterializeArgs m;
+  m.shape = a.shape;
+  m.num_layers = a.num_layers;
+  m.layers = layers.data();
+  m.blocks = blocks;
+  m.num_blocks_given = count;
+  m.layer = a.layer;
+  m.discard = a.discard;
+  RunFastMaterializeCpu(m, FastNumerics());
+}
+
+}  // namespace
+
+void InterfaceVerifyCpu(const VerifyArgs& a) {
+  RunVerify(a);
+  internal::PublishStatus(*a.status, a.status_mirror);
+}
+
+void InterfaceCommitCpu(const CommitArgs& a) {
+  RunCommit(a);
+  internal::PublishStatus(*a.status, a.status_mirror);
+}
+
+void InterfaceFlushCpu(const FlushArgs& a) {
+  RunFlush(a);
+  internal::PublishStatus(*a.status, a.status_mirror);
+}
+
+}  // namespace fast
+}  // namespace kernels
+}  // namespace specstate

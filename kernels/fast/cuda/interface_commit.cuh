@@ -1,0 +1,73 @@
+// FAST's Commit through the kernel interface on CUDA: the plan kernel (every
+// commit's checks and plan, then FAST's: every layer's cursors and
+// candidates, each written block's ring empty, one row a checkpoint block),
+// the conv compaction (kernels/common), then kernels/fast/cuda's Commit
+// along the checked plan, gated on its status. (FAST keeps no journal.)
+#ifndef SPECSTATE_KERNELS_FAST_CUDA_INTERFACE_COMMIT_CUH_
+#define SPECSTATE_KERNELS_FAST_CUDA_INTERFACE_COMMIT_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/checks/block_checker.cuh"
+#include "kernels/checks/commit_plan.h"
+#include "kernels/common/cuda/common_cuda.h"
+#include "kernels/common/cuda/launch.cuh"
+#include "kernels/fast/checks.h"
+#include "kernels/fast/cuda/fast_cuda.h"
+#include "kernels/fast/from_interface.h"
+#include "kernels/kda_args.h"
+
+namespace specstate {
+namespace kernels {
+namespace {
+
+// (cpu/interface_cpu.cc's RunCommit's checks, on one block: an item per row
+// and layer, in the CPU's order.)
+__device__ void FastCommitPlan(const CommitArgs& a, int64_t num_blocks) {
+  const internal::CommitWorkspace ws =
+      internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks);
+  if (!internal::CheckCommitPlan<internal::BlockChecker>(a, ws, num_blocks)) return;
+  if (!internal::BlockChecker::Items(
+          a.num_rows * a.num_layers, a.status,
+          [&](int x) {
+            const int i = x / a.num_layers, l = x % a.num_layers;
+            return fast::CheckFastCommitRow(a, a.device_layers[l].fast, l, ws.plan[i], i);
+          },
+          [&](int x) { return x / a.num_layers; })) {
+    return;
+  }
+  internal::BlockChecker::OneUserABlock(
+      a.num_rows, ws.owner, a.status, [&](int i) { return ws.plan[i].source; },
+      [](int32_t) { return true; }, [](int32_t b, int n) { return fast::FastSharedFault(b, n); });
+}
+
+__global__ void __launch_bounds__(kCheckThreads) FastCommitPlanKernel(const CommitArgs a,
+                                                                      int64_t num_blocks) {
+  LetDependentsLaunch();
+  FastCommitPlan(a, num_blocks);
+  internal::BlockPublishStatus(a.status, a.status_mirror);
+}
+
+absl::Status LaunchFastInterfaceCommit(const CommitArgs& a, cudaStream_t s) {
+  const int64_t num_blocks = a.layers[0].state.num_blocks;
+  FastCommitPlanKernel<<<1, kCheckThreads, 0, s>>>(a, num_blocks);
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess || a.num_rows == 0) {
+    return LaunchStatus(err, "Commit");
+  }
+  if (absl::Status st = common::LaunchConvCompactCuda(a, num_blocks, s); !st.ok()) return st;
+  const std::vector<fast::FastLayer> layers = fast::FastLayersOf(a.layers, a.num_layers);
+  fast::FastCommitArgs f = fast::FastCommitArgsOf(a, layers.data());
+  f.plan = internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks).plan;
+  f.gate = a.status;
+  return fast::RunFastCommitCuda(f, s);
+}
+
+}  // namespace
+}  // namespace kernels
+}  // namespace specstate
+
+#endif  // SPECSTATE_KERNELS_FAST_CUDA_INTERFACE_COMMIT_CUH_

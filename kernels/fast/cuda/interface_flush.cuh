@@ -1,0 +1,76 @@
+// FAST's Flush through the kernel interface on CUDA: the check kernel (the
+// block list into its checked copy, then the cursor of every listed block,
+// or without a list of every block, in every covered layer), then
+// kernels/fast/cuda's Materialize in place, gated on its status.
+#ifndef SPECSTATE_KERNELS_FAST_CUDA_INTERFACE_FLUSH_CUH_
+#define SPECSTATE_KERNELS_FAST_CUDA_INTERFACE_FLUSH_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/checks/block_checker.cuh"
+#include "kernels/checks/rows.h"
+#include "kernels/common/cuda/launch.cuh"
+#include "kernels/fast/checks.h"
+#include "kernels/fast/cuda/fast_cuda.h"
+#include "kernels/fast/from_interface.h"
+#include "kernels/kda_args.h"
+
+namespace specstate {
+namespace kernels {
+namespace {
+
+// (cpu/interface_cpu.cc's RunFlush, on one block.)
+__global__ void __launch_bounds__(kCheckThreads) FastFlushCheckKernel(const FlushArgs a) {
+  if (threadIdx.x == 0) *a.status = internal::OkStatus();
+  __syncthreads();
+  const int64_t num_blocks = a.device_layers[0].state.num_blocks;
+  bool passed = internal::BlockChecker::Rows(a.num_blocks_given, a.status, [&](int i) {
+    return internal::CheckListedBlock(a.blocks, a.checked_blocks, i, num_blocks);
+  });
+  if (passed) {
+    const bool listed = a.blocks != nullptr;
+    const int count = listed ? a.num_blocks_given : static_cast<int>(num_blocks);
+    const int layers = a.layer >= 0 ? 1 : a.num_layers;
+    passed = internal::BlockChecker::Items(
+        count * layers, a.status,
+        [&](int x) {
+          const int32_t block = listed ? a.checked_blocks[x / layers] : x / layers;
+          const int l = a.layer >= 0 ? a.layer : x % layers;
+          return internal::IsBlock(block) ? fast::CheckFastCursor(a.device_layers[l].fast, block, l)
+                                          : internal::NoFault();
+        },
+        [](int) { return -1; });
+  }
+  internal::BlockPublishStatus(a.status, a.status_mirror);
+}
+
+absl::Status LaunchFastInterfaceFlush(const FlushArgs& a, cudaStream_t s) {
+  FastFlushCheckKernel<<<1, kCheckThreads, 0, s>>>(a);
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) {
+    return LaunchStatus(err, "Flush");
+  }
+  const std::vector<fast::FastLayer> layers = fast::FastLayersOf(a.layers, a.num_layers);
+  fast::FastMaterializeArgs m;
+  m.shape = a.shape;
+  m.num_layers = a.num_layers;
+  m.layers = layers.data();
+  m.every_block = a.blocks == nullptr;
+  if (!m.every_block) {
+    m.blocks = a.checked_blocks;
+    m.num_blocks_given = a.num_blocks_given;
+  }
+  m.layer = a.layer;
+  m.discard = a.discard;
+  m.gate = a.status;
+  return fast::RunFastMaterializeCuda(m, s);
+}
+
+}  // namespace
+}  // namespace kernels
+}  // namespace specstate
+
+#endif  // SPECSTATE_KERNELS_FAST_CUDA_INTERFACE_FLUSH_CUH_

@@ -1,0 +1,744 @@
+// FAST's Verify on CUDA (fast_cuda.h, FastVerifyCuda): the kernel family
+// and its launcher.
+// The FAST kernels on CUDA (fast_cuda.h): the math of
+// kernels/fast/fast_math.h (docs/semantics.md, "Fast mode (FAST)"), fp32 on
+// CUDA cores except Verify's checkpoint products, which run on tensor cores
+// when asked to (3xTF32, what the kernel interface serves, or tf32).
+//
+// Verify: one thread block per (row, value head), 256 threads (8 warps):
+//  1. the window: every input of a token loaded at once, q, k normalized (a
+//     warp per token), gammas, v, beta; the window's pair coefficients a, b
+//     (a warp per pair, exponents summed from token s + 1 on, as
+//     WindowExponents);
+//  2. the ring, in chunks from the newest token back: raw k normalized (a
+//     warp's tokens loaded together), decayed by H_i (a thread per column,
+//     summing gammas from the near end, as RingExponents, kLoadBatch tokens'
+//     loads at a time), and its coefficients kw_t . kr_i, qw_t . kr_i (a
+//     warp per pair);
+//  3. kc_t, qc_t; the checkpoint's S0[v] . kc_t, S0[v] . qc_t (the
+//     checkpoint read once): on tensor cores MmaCheckpointPass (mma.sync
+//     m16n8k8, a warp per 16-row tile); on CUDA cores, at most one block per
+//     SM (N = 1) CheckpointPass (kc, qc in registers, rows batched, the
+//     slice prefetched into L2 at the start), otherwise K >= 128
+//     RowOwnerCheckpointPass, K = 64 a warp per state row; then the ring's
+//     values sum_i A_r[t][i] u_i[v] (a thread per state row, oldest first);
+//  4. the forward substitution (SolveWindowRow, its arrays in registers)
+//     per state row: outputs and the candidates' u.
+#ifndef SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
+#define SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
+
+#include "kernels/fast/cuda/device_math.cuh"
+
+namespace specstate {
+namespace kernels {
+namespace fast {
+namespace {
+
+// Verify's checkpoint pass for window tokens t0 .. t0 + kW - 1 (those < T):
+// S0[v] . kc_t into kn[t][v], S0[v] . qc_t into qn[t][v], every state row v.
+// Each warp owns K / 8 consecutive rows; a lane holds K / 32 consecutive
+// columns of kc_t and qc_t for those t in registers (read from shared memory
+// once, not once per row), loads kRows rows at a time (their loads in flight
+// together; the slice was prefetched into L2 at the kernel's start) and
+// reduces the batch's 2 kW kRows = 16 partial sums together
+// (TransposeWarpSum). Products summed in column order per lane, as before.
+template <typename State, int K, int kW>
+__device__ __forceinline__ void CheckpointPass(const State* s0, int t0, int T, const float* kc_s,
+                                               const float* qc_s, float* kn, float* qn, int lane,
+                                               int warp) {
+  constexpr int C = K / 32;                 // columns per lane
+  constexpr int kSums = 16;
+  constexpr int kRows = kSums / (2 * kW);   // rows per batch
+  constexpr int kWarpRows = K / kWarps;     // rows per warp
+  static_assert(kWarpRows % kRows == 0, "whole batches");
+  float kc[kW][C], qc[kW][C];
+#pragma unroll
+  for (int t = 0; t < kW; ++t) {
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const bool in = t0 + t < T;
+      kc[t][c] = in ? kc_s[(t0 + t) * K + lane * C + c] : 0.0f;
+      qc[t][c] = in ? qc_s[(t0 + t) * K + lane * C + c] : 0.0f;
+    }
+  }
+  const int v_base = warp * kWarpRows;
+#pragma unroll 1
+  for (int v0 = v_base; v0 < v_base + kWarpRows; v0 += kRows) {
+    float row[kRows][C];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) LoadCols<C>(s0 + int64_t{v0 + r} * K + lane * C, row[r]);
+    // Sum index (r * 2 + which) * kW + t; which 0: kc, 1: qc.
+    float x[kSums];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int t = 0; t < kW; ++t) {
+        float sk = 0.0f, sq = 0.0f;
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+          sk = kda::MulAdd(row[r][c], kc[t][c], sk);
+          sq = kda::MulAdd(row[r][c], qc[t][c], sq);
+        }
+        x[(r * 2) * kW + t] = sk;
+        x[(r * 2 + 1) * kW + t] = sq;
+      }
+    }
+    const float sum = TransposeWarpSum<kSums>(x, lane);
+    // Lanes 2 i and 2 i + 1 hold sum i.
+    const int idx = lane >> 1;
+    const int r = idx / (2 * kW), which = (idx / kW) % 2, t = t0 + idx % kW;
+    if ((lane & 1) == 0 && t < T) (which ? qn : kn)[t * K + v0 + r] = sum;
+  }
+}
+
+// Verify's checkpoint pass at larger grids, K >= 128: S0[v] . kc_t into
+// kn[t][v], S0[v] . qc_t into qn[t][v]. A thread owns one state row v and
+// K / kParts of its columns (kParts = kThreads / K): it reads its row 32
+// bytes at a time (a whole sector) and sums in its registers, so no
+// shuffles; a warp's 32 threads read the same columns of kc_t, qc_t at each
+// step (broadcast shared-memory loads). The parts' sums meet in `scratch`
+// (2 T K floats a part after the first) and are added in column order.
+// (The warp-per-row pass it replaces spent 4x the shared-memory wavefronts,
+// re-reading kc, qc per row, and 2T WarpSums per row.)
+template <typename State, int K>
+__device__ __forceinline__ void RowOwnerCheckpointPass(const State* s0, int T, const float* kc_s,
+                                                       const float* qc_s, float* kn, float* qn,
+                                                       float* scratch, int tid) {
+  constexpr int kParts = kThreads / K;
+  constexpr int kCols = K / kParts;
+  static_assert(kParts >= 1 && kCols % 8 == 0, "8 columns a step");
+  static_assert((kParts - 1) * 2 * kMaxWindow <= kRingChunk, "the parts' sums fit in kr");
+  const int v = tid % K, part = tid / K;
+  float sk[kMaxWindow], sq[kMaxWindow];
+#pragma unroll
+  for (int t = 0; t < kMaxWindow; ++t) sk[t] = sq[t] = 0.0f;
+  const State* row = s0 + int64_t{v} * K + part * kCols;
+  const float* kc0 = kc_s + part * kCols;
+  const float* qc0 = qc_s + part * kCols;
+#pragma unroll 2
+  for (int c = 0; c < kCols; c += 8) {
+    float x[8];
+    LoadCols<8>(row + c, x);
+#pragma unroll
+    for (int t = 0; t < kMaxWindow; ++t) {
+      if (t < T) {
+        const float4 k0 = *reinterpret_cast<const float4*>(kc0 + t * K + c);
+        const float4 k1 = *reinterpret_cast<const float4*>(kc0 + t * K + c + 4);
+        const float4 q0 = *reinterpret_cast<const float4*>(qc0 + t * K + c);
+        const float4 q1 = *reinterpret_cast<const float4*>(qc0 + t * K + c + 4);
+        const float kk[8] = {k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w};
+        const float qq[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          sk[t] = kda::MulAdd(x[e], kk[e], sk[t]);
+          sq[t] = kda::MulAdd(x[e], qq[e], sq[t]);
+        }
+      }
+    }
+  }
+  if constexpr (kParts > 1) {
+    if (part > 0) {
+      float* mine = scratch + (part - 1) * 2 * kMaxWindow * K;
+#pragma unroll
+      for (int t = 0; t < kMaxWindow; ++t) {
+        if (t < T) {
+          mine[t * K + v] = sk[t];
+          mine[(kMaxWindow + t) * K + v] = sq[t];
+        }
+      }
+    }
+    __syncthreads();
+    if (part > 0) return;
+#pragma unroll
+    for (int p = 1; p < kParts; ++p) {
+      const float* theirs = scratch + (p - 1) * 2 * kMaxWindow * K;
+#pragma unroll
+      for (int t = 0; t < kMaxWindow; ++t) {
+        if (t < T) {
+          sk[t] += theirs[t * K + v];
+          sq[t] += theirs[(kMaxWindow + t) * K + v];
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kMaxWindow; ++t) {
+    if (t < T) {
+      kn[t * K + v] = sk[t];
+      qn[t * K + v] = sq[t];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Tensor cores: the checkpoint's products with mma.sync m16n8k8 (tf32
+// operands in 32-bit registers, fp32 accumulation).
+
+// x rounded to tf32 (10-bit mantissa, to nearest, ties away from zero).
+__device__ __forceinline__ uint32_t Tf32Bits(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// d += a b: A 16 x 8 (row), B 8 x 8 (col), per the PTX fragment layout
+// (g = lane / 4, t = lane % 4): a = (g, t), (g + 8, t), (g, t + 4),
+// (g + 8, t + 4); b = (t, g), (t + 4, g); d = (g, 2t), (g, 2t + 1),
+// (g + 8, 2t), (g + 8, 2t + 1).
+__device__ __forceinline__ void MmaTf32(float (&d)[4], const uint32_t (&a)[4],
+                                        const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Splits x into tf32 hi + lo (lo = tf32(x - hi); x - hi is exact in fp32).
+template <int M>
+__device__ __forceinline__ void SplitTf32(const float (&x)[M], uint32_t (&hi)[M],
+                                          uint32_t (&lo)[M]) {
+#pragma unroll
+  for (int e = 0; e < M; ++e) {
+    hi[e] = Tf32Bits(x[e]);
+    lo[e] = Tf32Bits(x[e] - BitsToFloat(hi[e]));
+  }
+}
+
+// Verify's checkpoint pass on tensor cores (FastNumerics::Operands kTf32, or
+// kTf32Split = 3xTF32 with kSplit): S0[v] . kc_t into kn[t][v], S0[v] . qc_t
+// into qn[t][v]. A warp owns 16-row tiles of the slice (K / 16 of them, warp
+// w tiles w, w + 8, ...); the B operand's 8 columns are the vectors kc_0 ..
+// kc_{P-1}, qc_0 .. qc_{P-1} (P = 4 for T <= 4, else 8 and two n-tiles;
+// columns t >= T zero). The dot products run over the columns in a
+// permuted order, the same for both operands: in each 32-column group lane
+// (g, t) loads 8 consecutive columns 8t .. 8t + 7 of rows g and g + 8 (two
+// 16-byte loads a row for fp32), and k-step s takes columns 8t + 2s,
+// 8t + 2s + 1 as its k indices t, t + 4. 3xTF32: each k-step's hi*lo and
+// lo*hi, then hi*hi, into one fp32 accumulator; a bf16 state is exact in
+// tf32, so its lo*hi is skipped.
+template <typename State, int K, bool kSplit>
+__device__ __forceinline__ void MmaCheckpointPass(const State* s0, int T, const float* kc_s,
+                                                  const float* qc_s, float* kn, float* qn,
+                                                  int lane, int warp) {
+  constexpr int kGroups = K / 32;
+  constexpr bool kStateLo = kSplit && std::is_same<State, float>::value;
+  // Column groups whose loads are in flight together: two, one where
+  // 3xTF32 splits an fp32 state (two spilled 104 bytes at 64 registers).
+  constexpr int kBatch = kStateLo ? 1 : 2;
+  static_assert(kGroups % kBatch == 0, "whole batches of column groups");
+  const int g = lane >> 2, t4 = lane & 3;
+  const int per_kind = T <= 4 ? 4 : 8;  // vectors of each kind, padded
+  const int n_tiles = per_kind / 4;
+  for (int tile = warp; tile < K / 16; tile += kWarps) {
+    float acc[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
+    }
+    const State* row0 = s0 + int64_t{tile * 16 + g} * K + 8 * t4;
+    const State* row1 = row0 + 8 * K;
+#pragma unroll 1
+    for (int grp0 = 0; grp0 < kGroups; grp0 += kBatch) {
+      float a0[kBatch][8], a1[kBatch][8];
+#pragma unroll
+      for (int x = 0; x < kBatch; ++x) {
+        LoadCols<8>(row0 + (grp0 + x) * 32, a0[x]);
+        LoadCols<8>(row1 + (grp0 + x) * 32, a1[x]);
+      }
+#pragma unroll
+      for (int x = 0; x < kBatch; ++x) {
+        const int col = (grp0 + x) * 32 + 8 * t4;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          if (nt >= n_tiles) break;
+          const int idx = nt * 8 + g, tok = idx % per_kind;
+          float b[8];
+          if (tok < T) {
+            const float* src = (idx < per_kind ? kc_s : qc_s) + tok * K + col;
+            const float4 lo4 = *reinterpret_cast<const float4*>(src);
+            const float4 hi4 = *reinterpret_cast<const float4*>(src + 4);
+            b[0] = lo4.x, b[1] = lo4.y, b[2] = lo4.z, b[3] = lo4.w;
+            b[4] = hi4.x, b[5] = hi4.y, b[6] = hi4.z, b[7] = hi4.w;
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) b[e] = 0.0f;
+          }
+          // Split at use, a k-step at a time (few registers live).
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            const float af[4] = {a0[x][2 * s], a1[x][2 * s], a0[x][2 * s + 1], a1[x][2 * s + 1]};
+            const float bf[2] = {b[2 * s], b[2 * s + 1]};
+            uint32_t ah[4], al[4], bh[2], bl[2];
+            SplitTf32<4>(af, ah, al);
+            SplitTf32<2>(bf, bh, bl);
+            if constexpr (kSplit) {  // the small products first
+              MmaTf32(acc[nt], ah, bl);
+              if constexpr (kStateLo) MmaTf32(acc[nt], al, bh);
+            }
+            MmaTf32(acc[nt], ah, bh);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      if (nt >= n_tiles) break;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int v = tile * 16 + g + (e >= 2 ? 8 : 0);
+        const int idx = nt * 8 + 2 * t4 + (e & 1), tok = idx % per_kind;
+        if (tok < T) (idx < per_kind ? kn : qn)[tok * K + v] = acc[nt][e];
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Verify.
+
+// Shared memory of one Verify block (floats), Q window tokens at most, ring
+// capacity R.
+struct VerifySmem {
+  int k, q, r;
+  __host__ __device__ int Window() const { return q * k; }
+  // qn, kn, gam (then W), v, kx (kw then kc), qx (qw then qc), kr chunk
+  // (also RowOwnerCheckpointPass's parts' sums), ar, br [Q][R], a, b [8][8],
+  // beta [8], gc [K].
+  __host__ __device__ size_t Floats() const {
+    return size_t(6) * Window() + size_t(kRingChunk) * k + size_t(2) * q * r +
+           2 * kMaxWindow * kMaxWindow + kMaxWindow + k;
+  }
+};
+
+// How Verify forms the checkpoint's products S0 . kc_t, S0 . qc_t.
+enum class CheckpointPassKind {
+  kRowBatch,   // CUDA cores, CheckpointPass (at most one block per SM)
+  kRowOwner,   // CUDA cores, RowOwnerCheckpointPass (K >= 128; K = 64 a warp a row)
+  kMmaTf32,    // tensor cores, tf32 operands (FastNumerics::Operands::kTf32)
+  kMmaTf32x3,  // tensor cores, 3xTF32 (FastNumerics::Operands::kTf32Split)
+};
+
+// small_grid (at most one block per SM: N = 1): the checkpoint slice
+// prefetched into L2 at the block's start; on CUDA cores, kRowBatch
+// (CheckpointPass: kc, qc in registers) there, kRowOwner otherwise.
+// Measured on an H200, Kimi-Linear verify F=4 cold L2
+// (docs/results/fast_cuda_h200.md): N = 1 34.3 us first version, 29.8 us
+// CheckpointPass, 25.8 us CheckpointPass + prefetch; N = 16 / 64 / 256 51.4 /
+// 173.6 / 623.5 us first version against 64.8 / 197.5 / 672.3 us
+// CheckpointPass (and 68.1 / 202.0 / 705.5 us with the prefetch). Four blocks
+// per SM at K <= 128 (64 registers; three would make N = 16's 512 blocks two
+// waves: 76.6 us).
+template <typename Act, typename State, int K, CheckpointPassKind kPass>
+__global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
+    FastVerifyKernel(FastVerifyArgs a, bool small_grid) {
+  extern __shared__ float smem[];
+  const int n = blockIdx.x, hv = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (GateFailed(a.gate)) return;
+  const KdaShape& s = a.shape;
+  const int32_t block = a.state_indices[n];
+  if (!IsBlock(block) || block >= a.state.num_blocks || block >= a.rings.num_blocks) return;
+  const int64_t bos = a.query_start_loc[n];
+  const int T = a.query_start_loc[n + 1] - a.query_start_loc[n];
+  const int Q = a.spec_query_len, R = a.rings.capacity;
+  FastCursor* cursor = a.rings.cursors + block;
+  const int c = cursor->tokens;
+  if (T < 0 || T > Q || bos < 0 || bos + T > a.num_tokens || c < 0 || c + T > R) return;
+  if (T == 0) {
+    if (hv == 0 && tid == 0) cursor->candidates = 0;
+    return;
+  }
+  const bool gdn = s.kind == LayerKind::kGdn;
+  const int HV = ValueHeads(s), H = s.num_heads;
+  const int h = KeyHeadOf(s, hv);
+  const bool first_of_group = hv % (HV / H) == 0;
+  const kda::GateRule rule = RuleOf(s, a.params, h);
+
+  // small_grid: the checkpoint slice this block reads in its last phase,
+  // into L2 now, while the window and ring phases run (a line per thread
+  // per step). At larger grids it cost more than it hid (N = 256: DRAM 28%
+  // of peak against 23%, prefetched lines evicted before use).
+  if (small_grid) {
+    const char* slice = reinterpret_cast<const char*>(
+        static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
+        int64_t{hv} * K * K);
+    constexpr int kSliceBytes = K * K * int(sizeof(State));
+    for (int off = tid * 128; off < kSliceBytes; off += kThreads * 128) {
+      PrefetchL2(slice + off);
+    }
+  }
+
+  const VerifySmem layout{K, Q, R};
+  float* qn = smem;
+  float* kn = qn + layout.Window();
+  float* gam = kn + layout.Window();
+  float* vw = gam + layout.Window();
+  float* kx = vw + layout.Window();
+  float* qx = kx + layout.Window();
+  float* kr = qx + layout.Window();
+  float* ar = kr + kRingChunk * K;
+  float* br = ar + Q * R;
+  float* aw = br + Q * R;
+  float* bw = aw + kMaxWindow * kMaxWindow;
+  float* beta = bw + kMaxWindow * kMaxWindow;
+  float* gc = beta + kMaxWindow;
+
+  // 1. The window (a warp per token), and its candidates' k and gamma.
+  Act* ring_k = static_cast<Act*>(a.rings.k);
+  const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s);
+  constexpr int kLaneCols = K / 32;
+  for (int t = warp; t < T; t += kWarps) {
+    const int64_t tok = bos + t;
+    const Act* q_raw = static_cast<const Act*>(a.q.data) + tok * a.q.token_stride + int64_t{h} * K;
+    const Act* k_raw = static_cast<const Act*>(a.k.data) + tok * a.k.token_stride + int64_t{h} * K;
+    const Act* g = static_cast<const Act*>(a.g.data) + tok * a.g.token_stride +
+                   (gdn ? int64_t{hv} : int64_t{h} * K);
+    const Act* v = static_cast<const Act*>(a.v.data) + tok * a.v.token_stride + int64_t{hv} * K;
+    // Every input of the token loaded before any is used (one memory round
+    // trip, not one per input); lane columns lane + 32 e.
+    Act k_act[kLaneCols];
+    float qv[kLaneCols], kv[kLaneCols], gv[kLaneCols], bias[kLaneCols], vv[kLaneCols];
+#pragma unroll
+    for (int e = 0; e < kLaneCols; ++e) {
+      const int j = lane + 32 * e;
+      qv[e] = ToFloat(q_raw[j]);
+      k_act[e] = k_raw[j];
+      kv[e] = ToFloat(k_act[e]);
+      vv[e] = ToFloat(v[j]);
+      gv[e] = gdn ? 0.0f : ToFloat(g[j]);
+      bias[e] = gdn ? 0.0f : a.params.dt_bias[int64_t{h} * K + j];
+    }
+    const float g0_raw = gdn ? ToFloat(g[0]) : 0.0f;
+    const float beta_raw =
+        ToFloat(static_cast<const Act*>(a.beta.data)[tok * a.beta.token_stride + hv]);
+    // q, k normalized as WarpNormalize (squares summed in column order a lane).
+    float sq = 0.0f, sk = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kLaneCols; ++e) {
+      sq = kda::MulAdd(qv[e], qv[e], sq);
+      sk = kda::MulAdd(kv[e], kv[e], sk);
+    }
+    const float q_norm = kda::L2Norm(WarpSum(sq)), k_norm = kda::L2Norm(WarpSum(sk));
+    const float g0 = gdn ? rule.LogDecay(g0_raw, 0.0f) : 0.0f;
+#pragma unroll
+    for (int e = 0; e < kLaneCols; ++e) {
+      const int j = lane + 32 * e;
+      qn[t * K + j] = kda::Normalize(qv[e], q_norm, kda::QueryScale(K));
+      kn[t * K + j] = kda::Normalize(kv[e], k_norm, 1.0f);
+      gv[e] = gdn ? g0 : rule.LogDecay(gv[e], bias[e]);
+      gam[t * K + j] = gv[e];
+      vw[t * K + j] = vv[e];
+    }
+    if (lane == 0) beta[t] = rule.Beta(beta_raw);
+    // Candidates: raw k and (KDA) gammas once per key head; GDN's gamma per value head.
+    if (first_of_group) {
+      Act* dst = ring_k + RingAt(a.rings, block, c + t, kw_width) + int64_t{h} * K;
+#pragma unroll
+      for (int e = 0; e < kLaneCols; ++e) dst[lane + 32 * e] = k_act[e];
+      if (!gdn) {
+        float* gd = a.rings.log_decay + RingAt(a.rings, block, c + t, g_width) + int64_t{h} * K;
+#pragma unroll
+        for (int e = 0; e < kLaneCols; ++e) gd[lane + 32 * e] = gv[e];
+      }
+    }
+    if (gdn && lane == 0) a.rings.log_decay[RingAt(a.rings, block, c + t, g_width) + hv] = g0;
+  }
+  __syncthreads();
+
+  // The window's pairs (t, s), s <= t: a warp per pair.
+  const int pairs = T * (T + 1) / 2;
+  for (int p = warp; p < pairs; p += kWarps) {
+    int t = 0;
+    while ((t + 1) * (t + 2) / 2 <= p) ++t;
+    const int x = p - t * (t + 1) / 2;  // s
+    float sa = 0.0f, sb = 0.0f;
+    for (int j = lane; j < K; j += 32) {
+      float e = 0.0f;
+      for (int r = x + 1; r <= t; ++r) e += gam[r * K + j];
+      const float ks = kn[x * K + j] * (x < t ? expf(e) : 1.0f);
+      sa = kda::MulAdd(kn[t * K + j], ks, sa);
+      sb = kda::MulAdd(qn[t * K + j], ks, sb);
+    }
+    sa = WarpSum(sa);
+    sb = WarpSum(sb);
+    if (lane == 0) {
+      if (x < t) aw[t * kMaxWindow + x] = sa;
+      bw[t * kMaxWindow + x] = sb;
+    }
+  }
+  __syncthreads();
+
+  // W_t per column (in place of the gammas), kw_t and qw_t.
+  for (int j = tid; j < K; j += kThreads) {
+    float acc = 0.0f;
+    for (int t = 0; t < T; ++t) {
+      acc += gam[t * K + j];
+      gam[t * K + j] = acc;
+      kx[t * K + j] = ::specstate::fast::Decayed(kn[t * K + j], acc);
+      qx[t * K + j] = ::specstate::fast::Decayed(qn[t * K + j], acc);
+    }
+  }
+
+  // 2. The ring, newest chunk first: kr_i, then A_r, B_r.
+  float col_acc[K / kThreads > 0 ? K / kThreads : 1];
+  for (int x = 0; x < (K + kThreads - 1) / kThreads; ++x) col_acc[x] = 0.0f;
+  for (int i1 = c; i1 > 0; i1 -= kRingChunk) {
+    const int i0 = max(0, i1 - kRingChunk);
+    __syncthreads();  // kr free; kx, qx ready
+    {
+      // A warp's tokens (i0 + warp + 8 m) loaded together, then normalized
+      // as WarpNormalize.
+      constexpr int kPerWarp = kRingChunk / kWarps;
+      float x[kPerWarp][kLaneCols];
+#pragma unroll
+      for (int m = 0; m < kPerWarp; ++m) {
+        const int i = i0 + warp + m * kWarps;
+        const Act* raw = ring_k + RingAt(a.rings, block, min(i, i1 - 1), kw_width) + int64_t{h} * K;
+#pragma unroll
+        for (int e = 0; e < kLaneCols; ++e) x[m][e] = i < i1 ? ToFloat(raw[lane + 32 * e]) : 0.0f;
+      }
+#pragma unroll
+      for (int m = 0; m < kPerWarp; ++m) {
+        const int i = i0 + warp + m * kWarps;
+        if (i >= i1) break;
+        float sum = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kLaneCols; ++e) sum = kda::MulAdd(x[m][e], x[m][e], sum);
+        const float norm = kda::L2Norm(WarpSum(sum));
+#pragma unroll
+        for (int e = 0; e < kLaneCols; ++e) {
+          kr[(i - i0) * K + lane + 32 * e] = kda::Normalize(x[m][e], norm, 1.0f);
+        }
+      }
+    }
+    __syncthreads();
+    for (int j = tid, x = 0; j < K; j += kThreads, ++x) {
+      float acc = col_acc[x];
+      // kLoadBatch tokens' log-decays loaded together (a round trip a
+      // batch, not a token), then summed in the same order.
+      for (int i = i1 - 1; i >= i0; i -= kLoadBatch) {
+        float gi[kLoadBatch];
+        LoadLogDecays(a.rings, block, i, i0, gdn, g_width, gdn ? int64_t{hv} : int64_t{h} * K + j,
+                      gi);
+#pragma unroll
+        for (int e = 0; e < kLoadBatch; ++e) {
+          if (i - e < i0) break;
+          float& kv = kr[(i - e - i0) * K + j];
+          kv = ::specstate::fast::Decayed(kv, acc);
+          acc += gi[e];
+        }
+      }
+      col_acc[x] = acc;
+    }
+    __syncthreads();
+    const int count = (i1 - i0) * T;
+    for (int p = warp; p < count; p += kWarps) {
+      const int t = p / (i1 - i0), i = i0 + p % (i1 - i0);
+      float sa = 0.0f, sb = 0.0f;
+      for (int j = lane; j < K; j += 32) {
+        const float kv = kr[(i - i0) * K + j];
+        sa = kda::MulAdd(kx[t * K + j], kv, sa);
+        sb = kda::MulAdd(qx[t * K + j], kv, sb);
+      }
+      sa = WarpSum(sa);
+      sb = WarpSum(sb);
+      if (lane == 0) {
+        ar[t * R + i] = sa;
+        br[t * R + i] = sb;
+      }
+    }
+  }
+  for (int j = tid, x = 0; j < K; j += kThreads, ++x) gc[j] = col_acc[x];
+  __syncthreads();
+
+  // 3. kc_t, qc_t (in place of kw, qw).
+  for (int j = tid; j < K; j += kThreads) {
+    for (int t = 0; t < T; ++t) {
+      const float e = gc[j] + gam[t * K + j];
+      kx[t * K + j] = ::specstate::fast::Decayed(kn[t * K + j], e);
+      qx[t * K + j] = ::specstate::fast::Decayed(qn[t * K + j], e);
+    }
+  }
+  __syncthreads();  // kc, qc ready; qn, kn free
+
+  // The checkpoint: S0[v] . kc_t into kn[t][v], S0[v] . qc_t into qn[t][v]
+  // (CheckpointPass: kc, qc in registers, several rows in flight per warp).
+  const State* s0 = static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
+                    int64_t{hv} * K * K;
+  if constexpr (kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3) {
+    constexpr bool kSplit = kPass == CheckpointPassKind::kMmaTf32x3;
+    MmaCheckpointPass<State, K, kSplit>(s0, T, kx, qx, kn, qn, lane, warp);
+  } else if constexpr (kPass == CheckpointPassKind::kRowBatch) {
+    if (T <= 2) {
+      CheckpointPass<State, K, 2>(s0, 0, T, kx, qx, kn, qn, lane, warp);
+    } else {
+      // kc, qc for four tokens at a time in registers (a second pass over
+      // the slice, from L2, for windows of more than four).
+      for (int t0 = 0; t0 < T; t0 += 4) {
+        CheckpointPass<State, K, 4>(s0, t0, T, kx, qx, kn, qn, lane, warp);
+      }
+    }
+  } else if constexpr (K >= 128) {
+    RowOwnerCheckpointPass<State, K>(s0, T, kx, qx, kn, qn, kr, tid);
+  } else {
+    // The first version's pass: a warp per state row, kc_t, qc_t re-read
+    // from shared memory for each row (16-byte loads), 2T WarpSums per row.
+    // A lane's columns of a row: 4 * (lane + 32 x) .. + 3 (K >= 128), or
+    // 2 lane, 2 lane + 1 (K = 64).
+    constexpr int kQuads = K >= 128 ? K / 128 : 1;
+    for (int v = warp; v < K; v += kWarps) {
+      float4 row[kQuads];
+      if constexpr (K >= 128) {
+#pragma unroll
+        for (int x = 0; x < kQuads; ++x) row[x] = Load4(s0 + int64_t{v} * K + 4 * (lane + 32 * x));
+      } else {
+        row[0] = make_float4(ToFloat(s0[int64_t{v} * K + 2 * lane]),
+                             ToFloat(s0[int64_t{v} * K + 2 * lane + 1]), 0.0f, 0.0f);
+      }
+      float sk[kMaxWindow], sq[kMaxWindow];
+#pragma unroll
+      for (int t = 0; t < kMaxWindow; ++t) {
+        sk[t] = sq[t] = 0.0f;
+        if (t < T) {
+          if constexpr (K >= 128) {
+#pragma unroll
+            for (int x = 0; x < kQuads; ++x) {
+              const int j = 4 * (lane + 32 * x);
+              const float4 kc = *reinterpret_cast<const float4*>(kx + t * K + j);
+              const float4 qc = *reinterpret_cast<const float4*>(qx + t * K + j);
+              sk[t] = kda::MulAdd(row[x].x, kc.x, sk[t]);
+              sk[t] = kda::MulAdd(row[x].y, kc.y, sk[t]);
+              sk[t] = kda::MulAdd(row[x].z, kc.z, sk[t]);
+              sk[t] = kda::MulAdd(row[x].w, kc.w, sk[t]);
+              sq[t] = kda::MulAdd(row[x].x, qc.x, sq[t]);
+              sq[t] = kda::MulAdd(row[x].y, qc.y, sq[t]);
+              sq[t] = kda::MulAdd(row[x].z, qc.z, sq[t]);
+              sq[t] = kda::MulAdd(row[x].w, qc.w, sq[t]);
+            }
+          } else {
+            const int j = 2 * lane;
+            sk[t] = kda::MulAdd(row[0].y, kx[t * K + j + 1], kda::MulAdd(row[0].x, kx[t * K + j], 0.0f));
+            sq[t] = kda::MulAdd(row[0].y, qx[t * K + j + 1], kda::MulAdd(row[0].x, qx[t * K + j], 0.0f));
+          }
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < kMaxWindow; ++t) {
+        if (t < T) {
+          sk[t] = WarpSum(sk[t]);
+          sq[t] = WarpSum(sq[t]);
+        }
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < kMaxWindow; ++t) {
+          if (t < T) {
+            kn[t * K + v] = sk[t];
+            qn[t * K + v] = sq[t];
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // The ring's values: a thread per state row, oldest token first (after
+  // the checkpoint pass, so that rk, rq hold no registers during it).
+  float rk[kMaxWindow], rq[kMaxWindow];
+  const int v_own = tid;
+  if (v_own < K) {
+#pragma unroll
+    for (int t = 0; t < kMaxWindow; ++t) rk[t] = rq[t] = 0.0f;
+    const int64_t u_width = RingUWidth(s);
+    for (int i0 = 0; i0 < c; i0 += kLoadBatch) {
+      float ui[kLoadBatch];  // loaded together, summed oldest first
+#pragma unroll
+      for (int e = 0; e < kLoadBatch; ++e) {
+        ui[e] = i0 + e < c ? a.rings.u[RingAt(a.rings, block, i0 + e, u_width) + int64_t{hv} * K + v_own]
+                           : 0.0f;
+      }
+#pragma unroll
+      for (int e = 0; e < kLoadBatch; ++e) {
+        if (i0 + e >= c) break;
+#pragma unroll
+        for (int t = 0; t < kMaxWindow; ++t) {
+          if (t < T) {
+            rk[t] = kda::MulAdd(ar[t * R + i0 + e], ui[e], rk[t]);
+            rq[t] = kda::MulAdd(br[t * R + i0 + e], ui[e], rq[t]);
+          }
+        }
+      }
+    }
+  }
+  // 4. The forward substitution per state row: outputs and u.
+  if (v_own < K) {
+    // Loops unrolled to kMaxWindow (T a predicate): the arrays stay in registers.
+    float sk[kMaxWindow], sq[kMaxWindow], vr[kMaxWindow], u[kMaxWindow], o[kMaxWindow];
+#pragma unroll
+    for (int t = 0; t < kMaxWindow; ++t) {
+      sk[t] = t < T ? kn[t * K + v_own] : 0.0f;
+      sq[t] = t < T ? qn[t * K + v_own] : 0.0f;
+      vr[t] = t < T ? vw[t * K + v_own] : 0.0f;
+    }
+    SolveWindowRow(T, sk, sq, rk, rq, aw, bw, vr, beta, u, o);
+    Act* out = static_cast<Act*>(a.out);
+    const int64_t u_width = RingUWidth(s);
+#pragma unroll
+    for (int t = 0; t < kMaxWindow; ++t) {
+      if (t < T) {
+        out[((bos + t) * HV + hv) * K + v_own] = FromFloat<Act>(o[t]);
+        a.rings.u[RingAt(a.rings, block, c + t, u_width) + int64_t{hv} * K + v_own] = u[t];
+      }
+    }
+  }
+  if (hv == 0 && tid == 0) cursor->candidates = T;
+}
+
+absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
+                              FastNumerics::Operands checkpoint) {
+  constexpr const char* op = "FastVerify";
+  using O = FastNumerics::Operands;
+  if (checkpoint != O::kFp32 && checkpoint != O::kTf32 && checkpoint != O::kTf32Split) {
+    return NumericsUnimplemented(op);
+  }
+  if (a.num_rows == 0) return absl::OkStatus();
+  cudaError_t err = cudaSuccess;
+  DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
+    using Act = typename decltype(act)::type;
+    using State = typename decltype(state)::type;
+    constexpr int K = decltype(head_dim)::value;
+    const size_t smem = VerifySmem{K, a.spec_query_len, a.rings.capacity}.Floats() * sizeof(float);
+    const dim3 grid(a.num_rows, ValueHeads(a.shape));
+    int device = 0, sms = 0;
+    err = cudaGetDevice(&device);
+    if (err == cudaSuccess) {
+      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    }
+    if (err != cudaSuccess) return;
+    const bool small_grid = int64_t{grid.x} * grid.y <= sms;
+    using P = CheckpointPassKind;
+    auto kernel = checkpoint == FastNumerics::Operands::kTf32Split
+                      ? FastVerifyKernel<Act, State, K, P::kMmaTf32x3>
+                  : checkpoint == FastNumerics::Operands::kTf32
+                      ? FastVerifyKernel<Act, State, K, P::kMmaTf32>
+                  : small_grid ? FastVerifyKernel<Act, State, K, P::kRowBatch>
+                               : FastVerifyKernel<Act, State, K, P::kRowOwner>;
+    if (smem > 48 * 1024) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+      if (err != cudaSuccess) return;
+    }
+    kernel<<<grid, kThreads, smem, stream>>>(a, small_grid);
+    err = cudaGetLastError();
+  });
+  if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace fast
+}  // namespace kernels
+}  // namespace specstate
+
+#endif  // SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_

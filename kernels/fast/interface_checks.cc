@@ -1,0 +1,90 @@
+// Commit mode FAST's host checks (interface_checks.h).
+#include "kernels/fast/interface_checks.h"
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/checks/host.h"
+
+namespace specstate {
+namespace kernels {
+namespace fast {
+namespace {
+
+using host::Invalid;
+using host::OutOfRange;
+
+constexpr absl::string_view kTwoModes =
+    "fast and pending are two commit modes: set one (FAST or DEFERRED)";
+
+// FAST verifies at most kMaxFastQueryLen tokens a row.
+absl::Status CheckWindow(absl::string_view op, int q) {
+  if (q > kMaxFastQueryLen) {
+    return OutOfRange(op, absl::StrCat("commit mode FAST verifies at most ", kMaxFastQueryLen,
+                                       " tokens a row: the window q = ", q, " is past it"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckRings(absl::string_view op, const FastRings& r, int64_t num_blocks, int q,
+                        absl::string_view where, absl::string_view name) {
+  if (r.k == nullptr || r.u == nullptr || r.log_decay == nullptr || r.cursors == nullptr) {
+    return Invalid(op, absl::StrCat(where, name,
+                                    ": the rings' k, u, log_decay and cursors must be set"));
+  }
+  if (r.num_blocks != num_blocks) {
+    return Invalid(op, absl::StrCat(where, name, ".num_blocks = ", r.num_blocks,
+                                    " differs from the pool's ", num_blocks,
+                                    " (a ring per state block)"));
+  }
+  if (r.capacity < q) {
+    return OutOfRange(op, absl::StrCat(where, name, ".capacity = ", r.capacity,
+                                       " is below the window's ", q,
+                                       " tokens (a ring holds at least one window)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateInterfaceVerify(const VerifyArgs& a) {
+  constexpr absl::string_view op = "Verify";
+  if (a.pending.entries != nullptr) return Invalid(op, kTwoModes);
+  absl::Status st = CheckWindow(op, a.records.q);
+  if (st.ok()) st = CheckRings(op, a.fast, a.state.num_blocks, a.records.q, "", "fast");
+  if (st.ok()) {
+    st = host::CheckWorkspace(op, a.workspace, a.workspace_bytes,
+                              VerifyWorkspaceBytes(a.state.num_blocks));
+  }
+  return st;
+}
+
+absl::Status ValidateInterfaceCommit(const CommitArgs& a) {
+  constexpr absl::string_view op = "Commit";
+  if (a.pending.entries != nullptr) return Invalid(op, kTwoModes);
+  absl::Status st = CheckWindow(op, a.spec_query_len);
+  for (int l = 0; st.ok() && l < a.num_layers; ++l) {
+    st = CheckRings(op, a.layers[l].fast, a.layers[0].state.num_blocks, a.spec_query_len,
+                    absl::StrCat("layer ", l, ": "), "fast");
+  }
+  if (st.ok() && a.journal.record != nullptr) {
+    st = Invalid(op, "journal: FAST commits keep no journal yet (their accepted tokens live in "
+                     "the rings, which do not outlive the service)");
+  }
+  return st;
+}
+
+absl::Status ValidateInterfaceFlush(const FlushArgs& a) {
+  constexpr absl::string_view op = "Flush";
+  if (a.pending.entries != nullptr) return Invalid(op, kTwoModes);
+  absl::Status st = CheckWindow(op, a.spec_query_len);
+  for (int l = 0; st.ok() && l < a.num_layers; ++l) {
+    st = CheckRings(op, a.layers[l].fast, a.layers[0].state.num_blocks, a.spec_query_len,
+                    absl::StrCat("layer ", l, ": "), "fast");
+  }
+  return st;
+}
+
+}  // namespace fast
+}  // namespace kernels
+}  // namespace specstate
