@@ -4,14 +4,15 @@
 #   tools/count_mode_checks.sh          # outside the mode folders
 #   tools/count_mode_checks.sh --all    # everywhere, the mode folders too
 # A "look" is a test of the mode's value or of something only one mode sets:
-# IsFast/IsDeferred, a v1::EAGER/DEFERRED/FAST or kernels CommitMode value, a
-# comparison of commit_mode(), a null test of FAST's rings or DEFERRED's
-# pending table, a `bool fast` flag. Tests, comments and the mode folders
+# IsFast/IsDeferred, a comparison with (or case of) a v1 or kernels commit
+# mode, a switch on a mode, a null test of FAST's rings, DEFERRED's pending
+# table or a mode's checker, an if on a fast/deferred flag. (A switch is one
+# dispatch, however many cases it has.) Tests, comments and the mode folders
 # (server/modes, kernels/eager, kernels/deferred, kernels/fast, the
 # simulator's per-mode checkers) are not counted.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pattern='IsFast\(|IsDeferred\(|v1::(EAGER|DEFERRED|FAST)\b|CommitMode::k[A-Z]|commit_mode\(\) *[!=]=|fast\.cursors *[!=]=|pending\.entries *[!=]=|\bbool fast\b|args\.fast\b|\b(fast|deferred)_? *[!=]= *nullptr'
+pattern='IsFast\(|IsDeferred\(|[!=]= *v1::(EAGER|DEFERRED|FAST)\b|case v1::(EAGER|DEFERRED|FAST)\b|[!=]= *(kernels::)?CommitMode::k|switch \([^)]*\bmode\b[^)]*\)|fast\.cursors *[!=]=|pending\.entries *[!=]=|\b(deferred|fast)_? *[!=]= *nullptr|if \(([a-z_]+\.)?(fast|deferred)\)'
 mode_folders='^(server/modes/|kernels/eager/|kernels/deferred/|kernels/fast/|client/simulator/(deferred|fast)_checker)'
 git ls-files 'server/*' 'kernels/*' 'client/*' 'keeper/*' \
   | grep -E '\.(cc|h|cu|cuh)$' | grep -vE '_test\.(cc|h)$|/testing/|_for_test\.h$' \
