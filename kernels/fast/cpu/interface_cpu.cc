@@ -45,8 +45,7 @@ void RunVerify(const VerifyArgs& a) {
 void RunCommit(const CommitArgs& a) {
   internal::CommitWorkspace ws;
   if (!common::PlanCommitCpu(a, &ws)) return;
-  if (!CheckFastCommit<CpuChecker>(a, ws, a.num_layers,
-                                   [&](int l) { return a.layers[l].fast; })) {
+  if (!CheckFastCommit<CpuChecker>(a, ws, a.num_layers, [&](int l) { return a.layers[l].fast; })) {
     return;
   }
   common::CompactConvCpu(a, ws.plan);

@@ -31,12 +31,12 @@ __device__ void FastCommitPlan(const CommitArgs& a, int64_t num_blocks) {
   const internal::CommitWorkspace ws =
       internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks);
   if (!internal::CheckCommitPlan<internal::BlockChecker>(a, ws, num_blocks)) return;
-  fast::CheckFastCommit<internal::BlockChecker>(
-      a, ws, a.num_layers, [&](int l) { return a.device_layers[l].fast; });
+  fast::CheckFastCommit<internal::BlockChecker>(a, ws, a.num_layers,
+                                                [&](int l) { return a.device_layers[l].fast; });
 }
 
-__global__ void __launch_bounds__(kCheckThreads) FastCommitPlanKernel(const CommitArgs a,
-                                                                      int64_t num_blocks) {
+__global__ void __launch_bounds__(kCheckThreads)
+    FastCommitPlanKernel(const CommitArgs a, int64_t num_blocks) {
   LetDependentsLaunch();
   FastCommitPlan(a, num_blocks);
   internal::BlockPublishStatus(a.status, a.status_mirror);
