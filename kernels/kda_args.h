@@ -143,7 +143,7 @@ struct Records {
 // bookkeeping lives in the backend's memory, zeroed once when allocated, and
 // only the kernels read and write it, in stream order:
 //  - entries [num_layers, num_blocks]: a block's pending tokens in one layer
-//    (a packed internal::PendingEntry), 0 when the pool holds its current
+//    (a packed deferred::PendingEntry), 0 when the pool holds its current
 //    state. Per layer, because a step's Verify calls consume them one layer
 //    at a time (a step abandoned halfway leaves the other layers pending).
 //  - header [2 + capacity]: [0] the records buffer (0 or 1) the entries'

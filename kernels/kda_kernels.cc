@@ -117,7 +117,8 @@ absl::Status ValidateStockArgs(const StockArgs& a) {
   if (st.ok()) st = CheckRows(op, a.num_rows, a.query_start_loc);
   if (st.ok()) st = CheckIndexMatrix(op, "ssm_state_indices", a.ssm_state_indices, a.num_rows, 1);
   if (st.ok()) {
-    st = CheckWorkspace(op, a.workspace, a.workspace_bytes, StockWorkspaceBytes(a.state.num_blocks));
+    st =
+        CheckWorkspace(op, a.workspace, a.workspace_bytes, StockWorkspaceBytes(a.state.num_blocks));
   }
   if (st.ok() && a.status == nullptr) st = Invalid(op, "status is null");
   return st;
@@ -140,9 +141,10 @@ absl::Status ValidateVerifyArgs(const VerifyArgs& a) {
     const bool any = a.snapshot_query_start_loc != nullptr || a.snapshot_state_indices != nullptr ||
                      a.expected_query_start_loc != nullptr || a.expected_state_indices != nullptr;
     if (snapshot == expected || (any && !snapshot && !expected)) {
-      st = Invalid(op, "give the snapshot (snapshot_query_start_loc and snapshot_state_indices) "
-                       "or the expected values (expected_query_start_loc and "
-                       "expected_state_indices): one of the two pairs");
+      st = Invalid(op,
+                   "give the snapshot (snapshot_query_start_loc and snapshot_state_indices) "
+                   "or the expected values (expected_query_start_loc and "
+                   "expected_state_indices): one of the two pairs");
     }
   }
   if (st.ok()) st = CheckPrerequisites(op, a.prerequisites);
@@ -182,14 +184,14 @@ absl::Status ValidateCommitArgs(const CommitArgs& a) {
     }
     if (c.dim < 1) return Invalid(op, absl::StrCat(name, "conv dim must be >= 1"));
     if (c.dim != first.conv.dim || c.width != first.conv.width) {
-      return Invalid(op, absl::StrCat(name, "conv blocks [", c.dim, ", ", c.width,
-                                      "] differ from layer 0's [", first.conv.dim, ", ",
-                                      first.conv.width, "]"));
+      return Invalid(
+          op, absl::StrCat(name, "conv blocks [", c.dim, ", ", c.width, "] differ from layer 0's [",
+                           first.conv.dim, ", ", first.conv.width, "]"));
     }
     if (c.width - a.spec_query_len + 1 <= 0) {
-      return Invalid(op, absl::StrCat(name, "conv window of ", c.width,
-                                      " columns is shorter than the ", a.spec_query_len,
-                                      "-token speculative window"));
+      return Invalid(op,
+                     absl::StrCat(name, "conv window of ", c.width, " columns is shorter than the ",
+                                  a.spec_query_len, "-token speculative window"));
     }
     if (c.width - a.spec_query_len + 1 > kMaxConvHistory) {
       return Invalid(op, absl::StrCat(name, "conv history of ", c.width - a.spec_query_len + 1,
@@ -213,20 +215,22 @@ absl::Status ValidateCommitArgs(const CommitArgs& a) {
   if (a.num_rows > 0 && a.num_accepted == nullptr) return Invalid(op, "num_accepted is null");
   if (a.request_indices == nullptr && a.batch < a.num_rows) {
     return OutOfRange(op, absl::StrCat("without request_indices, num_accepted needs one entry per "
-                                       "row: batch ", a.batch, " < ", a.num_rows, " rows"));
+                                       "row: batch ",
+                                       a.batch, " < ", a.num_rows, " rows"));
   }
   const bool has_table = a.block_table.data != nullptr;
   const bool has_computed = a.num_computed_tokens != nullptr;
   const bool has_size = a.mamba_block_size != 0;
   if (has_table || has_computed || has_size) {
     if (!(has_table && has_computed && has_size)) {
-      return Invalid(op, "align mode needs block_table, num_computed_tokens and mamba_block_size "
-                         "together");
+      return Invalid(op,
+                     "align mode needs block_table, num_computed_tokens and mamba_block_size "
+                     "together");
     }
     if (a.mamba_block_size < a.spec_query_len) {
-      return Invalid(op, absl::StrCat("mamba_block_size = ", a.mamba_block_size,
-                                      " must cover one speculative window of ",
-                                      a.spec_query_len, " tokens"));
+      return Invalid(
+          op, absl::StrCat("mamba_block_size = ", a.mamba_block_size,
+                           " must cover one speculative window of ", a.spec_query_len, " tokens"));
     }
     st = CheckIndexMatrix(op, "block_table", a.block_table, a.batch, 1);
     if (!st.ok()) return st;
@@ -262,12 +266,14 @@ absl::Status ValidateFlushArgs(const FlushArgs& a) {
   }
   const int64_t num_blocks = a.layers[0].state.num_blocks;
   if (a.layer < -1 || a.layer >= a.num_layers) {
-    return OutOfRange(op, absl::StrCat("layer ", a.layer, " is out of range: -1 (every layer) or "
-                                       "below ", a.num_layers));
+    return OutOfRange(op, absl::StrCat("layer ", a.layer,
+                                       " is out of range: -1 (every layer) or "
+                                       "below ",
+                                       a.num_layers));
   }
   if (a.num_blocks_given < 0 || a.num_blocks_given > num_blocks) {
-    return OutOfRange(op, absl::StrCat(a.num_blocks_given, " blocks given: at most the pool's ",
-                                       num_blocks));
+    return OutOfRange(
+        op, absl::StrCat(a.num_blocks_given, " blocks given: at most the pool's ", num_blocks));
   }
   if (a.num_blocks_given > 0 && (a.blocks == nullptr || a.checked_blocks == nullptr)) {
     return Invalid(op, "blocks and checked_blocks must be set");
@@ -299,10 +305,11 @@ absl::Status ValidateRecordStateBlocksArgs(const RecordStateBlocksArgs& a) {
   }
   if (a.request_indices == nullptr && a.batch < a.num_rows) {
     return OutOfRange(op, absl::StrCat("without request_indices, the batch tensors need one entry "
-                                       "per row: batch ", a.batch, " < ", a.num_rows, " rows"));
+                                       "per row: batch ",
+                                       a.batch, " < ", a.num_rows, " rows"));
   }
-  if (a.num_rows > 0 && (a.idx_mapping == nullptr || a.num_sampled == nullptr ||
-                         a.num_computed_tokens == nullptr)) {
+  if (a.num_rows > 0 &&
+      (a.idx_mapping == nullptr || a.num_sampled == nullptr || a.num_computed_tokens == nullptr)) {
     return Invalid(op, "idx_mapping, num_sampled and num_computed_tokens must be set");
   }
   if (a.num_rows > 0 && (a.state_idx == nullptr || a.num_accepted == nullptr)) {
@@ -327,7 +334,8 @@ absl::Status ValidateLoadParamsArgs(const LoadParamsArgs& a) {
     return Invalid(op, absl::StrCat("num_heads = ", a.num_heads, " and head_dim = ", a.head_dim,
                                     " must be >= 1"));
   }
-  if (a.a_log == nullptr || a.dt_bias == nullptr) return Invalid(op, "a_log and dt_bias must be set");
+  if (a.a_log == nullptr || a.dt_bias == nullptr)
+    return Invalid(op, "a_log and dt_bias must be set");
   if (a.staging == nullptr) return Invalid(op, "staging is null");
   if (a.dst_a_log == nullptr || a.dst_dt_bias == nullptr) {
     return Invalid(op, "the destinations must be set");
@@ -356,8 +364,7 @@ absl::Status KdaKernels::Commit(const CommitArgs& args, Stream stream) const {
   return st.ok() ? (this->*ModeDispatch::Commit(args.mode).launch)(args, stream) : st;
 }
 
-absl::Status KdaKernels::RecordStateBlocks(const RecordStateBlocksArgs& args,
-                                           Stream stream) const {
+absl::Status KdaKernels::RecordStateBlocks(const RecordStateBlocksArgs& args, Stream stream) const {
   absl::Status st = ValidateRecordStateBlocksArgs(args);
   return st.ok() ? LaunchRecordStateBlocks(args, stream) : st;
 }

@@ -105,7 +105,7 @@ struct PrerequisiteLoads {
   // Thread 0's: the cancellation, else the input fault (which no device
   // memory can raise: the word is for the CPU backend; read for symmetry).
   RowFault cancelled = NoFault();
-  int lowest_failed = INT_MAX;                         // this thread's statuses
+  int lowest_failed = INT_MAX;  // this thread's statuses
 };
 
 __device__ PrerequisiteLoads LoadPrerequisites(const Prerequisites& p) {
@@ -138,10 +138,9 @@ __device__ bool BlockResolvePrerequisites(const PrerequisiteLoads& loads, Device
   __syncthreads();
   const int failed = lowest_failed;
   if (failed != INT_MAX && threadIdx.x == 0) {
-    *status = StatusFromFault(
-        MakeFault(CheckedField::kPrerequisites, CheckProblem::kPrerequisiteFailed,
-                            failed, -1, 0, 0),
-        -1, -1);
+    *status = StatusFromFault(MakeFault(CheckedField::kPrerequisites,
+                                        CheckProblem::kPrerequisiteFailed, failed, -1, 0, 0),
+                              -1, -1);
   }
   __syncthreads();
   return failed == INT_MAX;
@@ -158,9 +157,8 @@ __device__ bool BlockCheckCrossRow(int num_rows, int32_t* owner, DeviceStatus* s
   __shared__ int lowest;
   if (threadIdx.x == 0) lowest = INT_MAX;
   for (int n = threadIdx.x; n < num_rows; n += blockDim.x) {
-    writes(n, [&](int32_t b, CheckedField, int32_t, int32_t) {
-      atomicMax(&owner[b], OwnerTag(n));
-    });
+    writes(n,
+           [&](int32_t b, CheckedField, int32_t, int32_t) { atomicMax(&owner[b], OwnerTag(n)); });
   }
   __syncthreads();
   RowFault fault = NoFault();
@@ -205,7 +203,6 @@ __device__ void BlockPublishStatus(const DeviceStatus* status, DeviceStatus* mir
   if (mirror != nullptr && threadIdx.x == 0 && status->failed != 0) *mirror = *status;
 }
 
-
 struct BlockChecker {
   static __device__ void Start(DeviceStatus* status) {
     if (threadIdx.x == 0) *status = OkStatus();
@@ -230,8 +227,8 @@ struct BlockChecker {
     return BlockCheckRows(num_rows, status, load);
   }
   template <typename Writes, typename Reads>
-  static __device__ bool CrossRow(int num_rows, int32_t* owner, DeviceStatus* status,
-                                  Writes writes, Reads reads) {
+  static __device__ bool CrossRow(int num_rows, int32_t* owner, DeviceStatus* status, Writes writes,
+                                  Reads reads) {
     return BlockCheckCrossRow(num_rows, owner, status, writes, reads);
   }
   template <typename BlockOf, typename Guarded, typename Fault>

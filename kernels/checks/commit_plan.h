@@ -45,8 +45,7 @@ SPECSTATE_HD RowFault PlanCommitRow(const CommitArgs& a, int64_t num_blocks, int
   if (f.problem != 0) return f;
   plan->source = source;
   const int64_t accepted = a.num_accepted[r];
-  const int32_t commit_len =
-      static_cast<int32_t>(MinI64(MinI64(MaxI64(accepted, 0), tokens), q));
+  const int32_t commit_len = static_cast<int32_t>(MinI64(MinI64(MaxI64(accepted, 0), tokens), q));
   if (!IsBlock(source) || commit_len <= 0) return NoFault();
 
   int32_t final_block = source;
@@ -138,9 +137,9 @@ SPECSTATE_HD int ReplayTokens(const int32_t* replay_row, int q) {
 // Workspace layout of a commit: the owner table first (its place must not
 // depend on the number of rows), then the plan, then the replay indices.
 struct CommitWorkspace {
-  int32_t* owner;            // [num_blocks]
-  CommitPlanRow* plan;       // [rows]
-  int32_t* replay_indices;   // [rows, q + 1]
+  int32_t* owner;           // [num_blocks]
+  CommitPlanRow* plan;      // [rows]
+  int32_t* replay_indices;  // [rows, q + 1]
 };
 
 SPECSTATE_HD size_t CommitWorkspaceSize(int rows, int q, int64_t num_blocks) {
@@ -173,9 +172,8 @@ SPECSTATE_HD bool CheckCommitPlan(const CommitArgs& a, const CommitWorkspace& ws
                                   int64_t num_blocks) {
   Checker::Start(a.status);
   if (!Checker::Prerequisites(a.prerequisites, a.status)) return false;
-  if (!Checker::LoadedRows(a.num_rows, a.prerequisites.input_fault, a.status, [&](int i) {
-        return PlanCommitRow(a, num_blocks, i, &ws.plan[i]);
-      })) {
+  if (!Checker::LoadedRows(a.num_rows, a.prerequisites.input_fault, a.status,
+                           [&](int i) { return PlanCommitRow(a, num_blocks, i, &ws.plan[i]); })) {
     return false;
   }
   return Checker::CrossRow(

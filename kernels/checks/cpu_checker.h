@@ -96,9 +96,9 @@ struct CpuChecker {
       });
       reads(n, [&](int32_t block, CheckedField field, int32_t index, int32_t col) {
         if (ok && owner[block] != 0 && OwnerRow(owner[block]) != n) {
-          *status = StatusFromFault(
-              MakeFault(field, CheckProblem::kWriteOfRead, index, col, block, 0), n,
-              OwnerRow(owner[block]));
+          *status =
+              StatusFromFault(MakeFault(field, CheckProblem::kWriteOfRead, index, col, block, 0), n,
+                              OwnerRow(owner[block]));
           ok = false;
         }
       });
@@ -116,8 +116,8 @@ struct CpuChecker {
   // a ring; DEFERRED Verify: blocks with tokens pending.) `owner` is all
   // zero on entry and on return.
   template <typename BlockOf, typename Guarded, typename Fault>
-  static bool OneUserABlock(int num_rows, int32_t* owner, DeviceStatus* status,
-                            BlockOf block_of, Guarded guarded, Fault fault) {
+  static bool OneUserABlock(int num_rows, int32_t* owner, DeviceStatus* status, BlockOf block_of,
+                            Guarded guarded, Fault fault) {
     for (int n = 0; n < num_rows; ++n) {
       const int32_t b = block_of(n);
       if (IsBlock(b)) owner[b] = std::max(owner[b], OwnerTag(n));

@@ -93,8 +93,8 @@ absl::Status CheckRecordWindow(absl::string_view op, const Records& r, int num_r
                                        kMaxSpecQueryLen, "]"));
   }
   if (num_rows > r.rows) {
-    return OutOfRange(op, absl::StrCat(layer, num_rows, " rows exceed the ", r.rows,
-                                       " record rows"));
+    return OutOfRange(op,
+                      absl::StrCat(layer, num_rows, " rows exceed the ", r.rows, " record rows"));
   }
   return absl::OkStatus();
 }
@@ -122,8 +122,7 @@ absl::Status CheckRecordBuffers(absl::string_view op, const Records& r, absl::st
   return absl::OkStatus();
 }
 
-absl::Status CheckWorkspace(absl::string_view op, const void* workspace, size_t have,
-                            size_t need) {
+absl::Status CheckWorkspace(absl::string_view op, const void* workspace, size_t have, size_t need) {
   if (need > 0 && (workspace == nullptr || have < need)) {
     return Invalid(op, absl::StrCat("workspace of ", have, " bytes is smaller than the ", need,
                                     " bytes this call needs"));

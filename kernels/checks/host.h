@@ -51,8 +51,7 @@ absl::Status CheckRecordBuffers(absl::string_view op, const Records& r, absl::st
 absl::Status CheckRows(absl::string_view op, int num_rows, const int32_t* qsl);
 absl::Status CheckPrerequisites(absl::string_view op, const Prerequisites& p);
 // `have` bytes at `workspace`, at least `need`.
-absl::Status CheckWorkspace(absl::string_view op, const void* workspace, size_t have,
-                            size_t need);
+absl::Status CheckWorkspace(absl::string_view op, const void* workspace, size_t have, size_t need);
 
 }  // namespace host
 }  // namespace kernels

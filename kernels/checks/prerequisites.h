@@ -26,8 +26,8 @@ SPECSTATE_HD RowFault CheckInputFault(const uint32_t* input_fault) {
 SPECSTATE_HD RowFault CheckCancelled(const Prerequisites& p) {
   if (p.cancelled != nullptr && p.generation != 0 &&
       *static_cast<const volatile uint32_t*>(p.cancelled) == p.generation) {
-    return MakeFault(CheckedField::kPrerequisites, CheckProblem::kCancelled, -1, -1,
-                     p.generation, 0);
+    return MakeFault(CheckedField::kPrerequisites, CheckProblem::kCancelled, -1, -1, p.generation,
+                     0);
   }
   return NoFault();
 }

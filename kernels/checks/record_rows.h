@@ -17,8 +17,8 @@ namespace internal {
 // cross-row pass and the writes, which read nothing of the caller's again.
 struct RecordRow {
   int32_t batch_row;
-  int32_t request_row;  // < 0: skipped
-  int32_t state_column; // what state_idx[request_row] gets
+  int32_t request_row;   // < 0: skipped
+  int32_t state_column;  // what state_idx[request_row] gets
 };
 
 SPECSTATE_HD RowFault CheckRecordRow(const RecordStateBlocksArgs& a, int i, RecordRow* row) {
@@ -60,7 +60,6 @@ struct RecordWorkspace {
   int32_t* owner;   // [capacity]
   RecordRow* rows;  // [capacity]
 };
-
 
 SPECSTATE_HD int RecordWorkspaceCapacity(size_t bytes) {
   static_assert(sizeof(RecordRow) == 12, "owner + row = 16 bytes a row");

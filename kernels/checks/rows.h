@@ -36,10 +36,10 @@ struct RowFault {
 
 SPECSTATE_HD RowFault NoFault() { return RowFault{0, 0, 0, -1, 0, 0}; }
 
-SPECSTATE_HD RowFault MakeFault(CheckedField field, CheckProblem problem, int32_t index, int32_t col,
-                                int64_t value, int64_t bound) {
-  return RowFault{static_cast<int32_t>(field), static_cast<int32_t>(problem), index, col, value,
-                  bound};
+SPECSTATE_HD RowFault MakeFault(CheckedField field, CheckProblem problem, int32_t index,
+                                int32_t col, int64_t value, int64_t bound) {
+  return RowFault{
+      static_cast<int32_t>(field), static_cast<int32_t>(problem), index, col, value, bound};
 }
 
 SPECSTATE_HD bool IsBlock(int32_t block) { return block > kNullBlock; }

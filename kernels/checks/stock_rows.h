@@ -30,8 +30,8 @@ SPECSTATE_HD RowFault CheckStockRow(const StockArgs& a, int n, StockRow* row) {
   row->source = kNullBlock;
   const int cols = a.ssm_state_indices.cols;
   int tokens = 0;
-  RowFault f = CheckRowTokens(a.query_start_loc, n, a.num_rows, StockMaxTokens(cols),
-                              a.num_tokens, &tokens);
+  RowFault f =
+      CheckRowTokens(a.query_start_loc, n, a.num_rows, StockMaxTokens(cols), a.num_tokens, &tokens);
   if (f.problem != 0 || tokens == 0) return f;
   int first_col = 0;
   if (a.num_accepted_tokens != nullptr) {

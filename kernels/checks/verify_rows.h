@@ -34,8 +34,7 @@ SPECSTATE_HD const int32_t* VerifiedQueryStartLoc(const VerifyArgs& a) {
                                                : a.snapshot_query_start_loc;
 }
 SPECSTATE_HD const int32_t* VerifiedStateIndices(const VerifyArgs& a) {
-  return a.expected_state_indices != nullptr ? a.expected_state_indices
-                                             : a.snapshot_state_indices;
+  return a.expected_state_indices != nullptr ? a.expected_state_indices : a.snapshot_state_indices;
 }
 
 // Phase one for row n: its loads into the snapshot, or against the expected
@@ -77,8 +76,8 @@ SPECSTATE_HD RowFault CheckVerifyRow(const VerifyArgs& a, int n, VerifyRow* row)
   row->source = kNullBlock;
   const int32_t source = VerifiedStateIndices(a)[n];
   int tokens = 0;
-  RowFault f = CheckRowTokens(VerifiedQueryStartLoc(a), n, a.num_rows, a.records.q, a.num_tokens,
-                              &tokens);
+  RowFault f =
+      CheckRowTokens(VerifiedQueryStartLoc(a), n, a.num_rows, a.records.q, a.num_tokens, &tokens);
   if (f.problem != 0) return f;
   f = CheckBlock(CheckedField::kStateIndices, source, a.state.num_blocks, n, -1);
   if (f.problem != 0) return f;

@@ -83,9 +83,9 @@ absl::StatusOr<const KdaKernels*> CudaKdaKernels() {
   int devices = 0;
   const cudaError_t err = cudaGetDeviceCount(&devices);
   if (err != cudaSuccess || devices == 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "no CUDA device is available (",
-        err != cudaSuccess ? DescribeCudaError(err) : "no devices", ")"));
+    return absl::UnavailableError(
+        absl::StrCat("no CUDA device is available (",
+                     err != cudaSuccess ? DescribeCudaError(err) : "no devices", ")"));
   }
   static const CudaKernels* const kernels = new CudaKernels();
   return kernels;

@@ -116,8 +116,8 @@ __device__ void DeferredCommitPlan(const CommitArgs& a, int64_t num_blocks) {
   BlockDeferCommit(a, ws.plan);
 }
 
-__global__ void __launch_bounds__(kCheckThreads) DeferredCommitPlanKernel(const CommitArgs a,
-                                                                          int64_t num_blocks) {
+__global__ void __launch_bounds__(kCheckThreads)
+    DeferredCommitPlanKernel(const CommitArgs a, int64_t num_blocks) {
   LetDependentsLaunch();
   DeferredCommitPlan(a, num_blocks);
   internal::BlockPublishStatus(a.status, a.status_mirror);

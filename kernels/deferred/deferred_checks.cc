@@ -28,13 +28,13 @@ absl::Status CheckPending(absl::string_view op, const PendingBlocks& p, int num_
     return Invalid(op, "pending: entries and header must be set");
   }
   if (p.num_layers != num_layers || p.num_blocks != num_blocks) {
-    return Invalid(op, absl::StrCat("pending: the table is for ", p.num_layers, " layers of ",
-                                    p.num_blocks, " blocks, the pools have ", num_layers,
-                                    " layers of ", num_blocks));
+    return Invalid(
+        op, absl::StrCat("pending: the table is for ", p.num_layers, " layers of ", p.num_blocks,
+                         " blocks, the pools have ", num_layers, " layers of ", num_blocks));
   }
   if (rows > p.capacity) {
-    return OutOfRange(op, absl::StrCat("pending: ", rows, " rows exceed its capacity of ",
-                                       p.capacity));
+    return OutOfRange(op,
+                      absl::StrCat("pending: ", rows, " rows exceed its capacity of ", p.capacity));
   }
   if (p.journal != nullptr) {
     if (p.journal_blocks == nullptr) {
@@ -51,8 +51,7 @@ absl::Status CheckPending(absl::string_view op, const PendingBlocks& p, int num_
 
 absl::Status CheckJobs(absl::string_view op, const ReplayJobs& j, size_t need) {
   if (j.jobs == nullptr || j.count == nullptr || static_cast<size_t>(j.capacity) < need) {
-    return Invalid(op, absl::StrCat("jobs: room for ", j.capacity, " replays, ", need,
-                                    " needed"));
+    return Invalid(op, absl::StrCat("jobs: room for ", j.capacity, " replays, ", need, " needed"));
   }
   return absl::OkStatus();
 }
@@ -87,8 +86,8 @@ absl::Status ValidateWindow(int spec_query_len) {
   if (2 * spec_query_len > kMaxSpecQueryLen) {
     return absl::OutOfRangeError(absl::StrCat(
         "commit mode DEFERRED replays up to Q pending tokens and verifies Q in one pass: Q = ",
-        spec_query_len, " must be at most ", kMaxSpecQueryLen / 2, " (num_spec <= ",
-        kMaxSpecQueryLen / 2 - 1, ")"));
+        spec_query_len, " must be at most ", kMaxSpecQueryLen / 2,
+        " (num_spec <= ", kMaxSpecQueryLen / 2 - 1, ")"));
   }
   return absl::OkStatus();
 }
@@ -103,9 +102,11 @@ absl::Status ValidateVerify(const VerifyArgs& a) {
                                      a.pending.num_layers, " layers"));
   }
   if (st.ok()) st = CheckAltRecords(op, a.records, a.records_alt, "");
-  if (st.ok() && a.num_rows > 0 && a.replay_plan == nullptr) st = Invalid(op, "replay_plan is null");
+  if (st.ok() && a.num_rows > 0 && a.replay_plan == nullptr)
+    st = Invalid(op, "replay_plan is null");
   if (st.ok()) {
-    st = CheckWorkspace(op, a.workspace, a.workspace_bytes, VerifyWorkspaceBytes(a.state.num_blocks));
+    st = CheckWorkspace(op, a.workspace, a.workspace_bytes,
+                        VerifyWorkspaceBytes(a.state.num_blocks));
   }
   return st;
 }
@@ -115,12 +116,14 @@ absl::Status ValidateCommit(const CommitArgs& a) {
   absl::Status st = CheckLayersRecords(op, a.layers, a.num_layers);
   if (!st.ok()) return st;
   if (a.journal.record != nullptr && a.pending.journal == nullptr) {
-    return Invalid(op, "journal: a DEFERRED commit's journal needs the pending table's "
-                       "(pending.journal): the table changes too");
+    return Invalid(op,
+                   "journal: a DEFERRED commit's journal needs the pending table's "
+                   "(pending.journal): the table changes too");
   }
   if (a.pending.journal != nullptr && a.journal.record == nullptr) {
-    return Invalid(op, "pending.journal: a DEFERRED commit keeps both journals or neither (the "
-                       "commit journal's finish closes the pending one)");
+    return Invalid(op,
+                   "pending.journal: a DEFERRED commit keeps both journals or neither (the "
+                   "commit journal's finish closes the pending one)");
   }
   const int64_t num_blocks = a.layers[0].state.num_blocks;
   st = CheckPending(op, a.pending, a.num_layers, num_blocks, a.num_rows);

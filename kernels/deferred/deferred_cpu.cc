@@ -144,12 +144,12 @@ void RunVerify(const VerifyArgs& a) {
           if (pending.tokens == 0) return;
           // The commit's replay, then the checkpoint stored once (and read
           // back as a later Verify would read it).
-          common::PrepareHead<Act, K>(a.shape, replay.q, replay.k, replay.v, replay.g,
-                                      replay.beta, a.params, h,
-                                      int64_t{pending.record_row} * a.records.q, pending.tokens,
-                                      &pending_prep);
-          head.template Run<State>(pending_prep, pending.tokens, false, [](int, int, float) {},
-                                   [](int) -> State* { return nullptr; });
+          common::PrepareHead<Act, K>(a.shape, replay.q, replay.k, replay.v, replay.g, replay.beta,
+                                      a.params, h, int64_t{pending.record_row} * a.records.q,
+                                      pending.tokens, &pending_prep);
+          head.template Run<State>(
+              pending_prep, pending.tokens, false, [](int, int, float) {},
+              [](int) -> State* { return nullptr; });
           head.Store(checkpoint);
           head.template RoundTo<State>();
           if (h == 0 && a.pending.test_hook != nullptr) a.pending.test_hook("verify:replayed");
@@ -209,15 +209,14 @@ void RunFlush(const FlushArgs& a) {
     for (int i = 0; i < count; ++i) {
       if (!IsBlock(blocks[i])) continue;
       for (int l = 0; l < a.num_layers; ++l) {
-        if ((a.layer < 0 || l == a.layer) &&
-            PendingEntriesOf(a.pending, l)[blocks[i]] != 0) {
+        if ((a.layer < 0 || l == a.layer) && PendingEntriesOf(a.pending, l)[blocks[i]] != 0) {
           PendingJournalList(a.pending, journaled++, blocks[i]);
           break;
         }
       }
     }
-    PendingJournalMarkStarted(
-        a.pending, a.discard ? kPendingDiscard : kPendingFlush, journaled, a.layer, 0);
+    PendingJournalMarkStarted(a.pending, a.discard ? kPendingDiscard : kPendingFlush, journaled,
+                              a.layer, 0);
   }
   std::vector<ReplayJob> jobs;
   for (int i = 0; i < count; ++i) {
@@ -227,8 +226,7 @@ void RunFlush(const FlushArgs& a) {
       int32_t& entry = PendingEntriesOf(a.pending, l)[blocks[i]];
       if (entry == 0) continue;
       if (!a.discard) {
-        jobs.push_back(PendingJob(l, blocks[i], UnpackPending(entry),
-                                            a.spec_query_len));
+        jobs.push_back(PendingJob(l, blocks[i], UnpackPending(entry), a.spec_query_len));
       }
       entry = 0;
     }

@@ -1,9 +1,8 @@
 // Commit mode DEFERRED on the CUDA backend (deferred_cuda.h): the recurrent
 // kernel's kReplayVerify instantiation and DEFERRED's check and plan
 // kernels.
-#include "kernels/deferred/deferred_cuda.h"
-
 #include "kernels/deferred/commit.cuh"
+#include "kernels/deferred/deferred_cuda.h"
 #include "kernels/deferred/flush.cuh"
 #include "kernels/deferred/pending_journal_done.cuh"
 #include "kernels/deferred/verify.cuh"

@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(kCheckThreads) FlushPlanKernel(const FlushArgs
   if (threadIdx.x == 0) *a.status = internal::OkStatus();
   __syncthreads();
   if (internal::BlockCheckRows(a.num_blocks_given, a.status,
-                     [&](int i) { return deferred::CheckFlushBlock(a, i); })) {
+                               [&](int i) { return deferred::CheckFlushBlock(a, i); })) {
     __shared__ int jobs;
     if (threadIdx.x == 0) jobs = 0;
     __syncthreads();
@@ -51,8 +51,8 @@ __global__ void __launch_bounds__(kCheckThreads) FlushPlanKernel(const FlushArgs
       }
       __syncthreads();
       if (threadIdx.x == 0) {
-        deferred::PendingJournalMarkStarted(
-            a.pending, a.discard ? kPendingDiscard : kPendingFlush, journaled, a.layer, 0);
+        deferred::PendingJournalMarkStarted(a.pending, a.discard ? kPendingDiscard : kPendingFlush,
+                                            journaled, a.layer, 0);
       }
       __syncthreads();
     }

@@ -36,8 +36,8 @@ __device__ void EagerCommitPlan(const CommitArgs& a, int64_t num_blocks) {
   }
 }
 
-__global__ void __launch_bounds__(kCheckThreads) EagerCommitPlanKernel(const CommitArgs a,
-                                                                       int64_t num_blocks) {
+__global__ void __launch_bounds__(kCheckThreads)
+    EagerCommitPlanKernel(const CommitArgs a, int64_t num_blocks) {
   LetDependentsLaunch();
   EagerCommitPlan(a, num_blocks);
   internal::BlockPublishStatus(a.status, a.status_mirror);

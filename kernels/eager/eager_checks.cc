@@ -15,12 +15,14 @@ namespace {
 // Another mode's bookkeeping in an EAGER call: the caller meant that mode.
 absl::Status CheckNoOtherMode(absl::string_view op, const PendingBlocks& pending, bool fast) {
   if (pending.entries != nullptr) {
-    return host::Invalid(op, "pending is set but mode is EAGER: set mode to DEFERRED (the "
-                             "pending table is commit mode DEFERRED's)");
+    return host::Invalid(op,
+                         "pending is set but mode is EAGER: set mode to DEFERRED (the "
+                         "pending table is commit mode DEFERRED's)");
   }
   if (fast) {
-    return host::Invalid(op, "fast is set but mode is EAGER: set mode to FAST (the rings are "
-                             "commit mode FAST's)");
+    return host::Invalid(op,
+                         "fast is set but mode is EAGER: set mode to FAST (the rings are "
+                         "commit mode FAST's)");
   }
   return absl::OkStatus();
 }
@@ -44,8 +46,9 @@ absl::Status ValidateCommit(const CommitArgs& a) {
 }
 
 absl::Status ValidateFlush(const FlushArgs&) {
-  return host::Invalid("Flush", "commit mode EAGER leaves nothing pending to flush (mode is "
-                                "DEFERRED or FAST)");
+  return host::Invalid("Flush",
+                       "commit mode EAGER leaves nothing pending to flush (mode is "
+                       "DEFERRED or FAST)");
 }
 
 }  // namespace eager

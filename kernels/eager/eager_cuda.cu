@@ -1,8 +1,7 @@
 // Commit mode EAGER on the CUDA backend (eager_cuda.h): the recurrent
 // kernel's kVerify instantiation and EAGER's check and plan kernels.
-#include "kernels/eager/eager_cuda.h"
-
 #include "kernels/eager/commit.cuh"
+#include "kernels/eager/eager_cuda.h"
 #include "kernels/eager/verify.cuh"
 
 namespace specstate {

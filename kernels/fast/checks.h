@@ -77,6 +77,47 @@ SPECSTATE_HD internal::RowFault CheckFastCommitRow(const CommitArgs& a, const Fa
   return fault;
 }
 
+// FAST's own Verify checks, after the ones every Verify runs (the kernel
+// interface's) or the rows' (the direct call's), on a backend's `Checker`
+// (checks/cpu_checker.h, checks/block_checker.cuh): each row's block has a
+// cursor a Commit leaves and room in its ring for the window of
+// tokens_of(n) tokens, and no two rows verify from one block (their
+// candidates would share its ring's slots). `owner`: a zeroed table of one
+// int32 a block. Writes `status` when one fails.
+template <typename Checker, typename BlockOf, typename TokensOf>
+SPECSTATE_HD bool CheckFastVerify(const FastRings& rings, int num_rows, int32_t* owner,
+                                  DeviceStatus* status, BlockOf block_of, TokensOf tokens_of) {
+  if (!Checker::Rows(num_rows, status, [&](int n) {
+        return CheckFastVerifyRow(rings, n, block_of(n), tokens_of(n));
+      })) {
+    return false;
+  }
+  return Checker::OneUserABlock(
+      num_rows, owner, status, block_of, [](int32_t) { return true; },
+      [](int32_t b, int n) { return FastSharedFault(b, n); });
+}
+
+// FAST's own Commit checks, after internal::CheckCommitPlan's (the plan in
+// `ws`): every layer's cursors and candidates and each written block's ring
+// empty (an item a row and layer, rings_of(l) the layer's rings), then one
+// row a checkpoint block. Writes a.status when one fails.
+template <typename Checker, typename RingsOf>
+SPECSTATE_HD bool CheckFastCommit(const CommitArgs& a, const internal::CommitWorkspace& ws,
+                                  int num_layers, RingsOf rings_of) {
+  if (!Checker::Items(
+          a.num_rows * num_layers, a.status,
+          [&](int x) {
+            const int i = x / num_layers, l = x % num_layers;
+            return CheckFastCommitRow(a, rings_of(l), l, ws.plan[i], i);
+          },
+          [&](int x) { return x / num_layers; })) {
+    return false;
+  }
+  return Checker::OneUserABlock(
+      a.num_rows, ws.owner, a.status, [&](int i) { return ws.plan[i].source; },
+      [](int32_t) { return true; }, [](int32_t b, int n) { return FastSharedFault(b, n); });
+}
+
 }  // namespace fast
 }  // namespace kernels
 }  // namespace specstate

@@ -1,14 +1,14 @@
 // The kernel interface's arguments (kernels/kda_args.h) as kernels/fast's:
-// what both backends of KdaKernels (kernels/cpu/kda_cpu.cc,
-// kernels/cuda/kda_cuda.cu) hand to their FAST work once their device checks
-// are enqueued. Host code only.
+// what both backends of KdaKernels (cpu/interface_cpu.cc,
+// cuda/interface_*.cuh) hand to their FAST work once their device checks are
+// enqueued. Host code only.
 #ifndef SPECSTATE_KERNELS_FAST_FROM_INTERFACE_H_
 #define SPECSTATE_KERNELS_FAST_FROM_INTERFACE_H_
 
 #include <vector>
 
-#include "kernels/fast/fast_args.h"
 #include "kernels/checks/verify_rows.h"
+#include "kernels/fast/fast_args.h"
 #include "kernels/kda_args.h"
 
 namespace specstate {

@@ -31,18 +31,18 @@ absl::Status CheckWindow(absl::string_view op, int q) {
 absl::Status CheckRings(absl::string_view op, const FastRings& r, int64_t num_blocks, int q,
                         absl::string_view where, absl::string_view name) {
   if (r.k == nullptr || r.u == nullptr || r.log_decay == nullptr || r.cursors == nullptr) {
-    return Invalid(op, absl::StrCat(where, name,
-                                    ": the rings' k, u, log_decay and cursors must be set"));
+    return Invalid(
+        op, absl::StrCat(where, name, ": the rings' k, u, log_decay and cursors must be set"));
   }
   if (r.num_blocks != num_blocks) {
-    return Invalid(op, absl::StrCat(where, name, ".num_blocks = ", r.num_blocks,
-                                    " differs from the pool's ", num_blocks,
-                                    " (a ring per state block)"));
+    return Invalid(
+        op, absl::StrCat(where, name, ".num_blocks = ", r.num_blocks, " differs from the pool's ",
+                         num_blocks, " (a ring per state block)"));
   }
   if (r.capacity < q) {
-    return OutOfRange(op, absl::StrCat(where, name, ".capacity = ", r.capacity,
-                                       " is below the window's ", q,
-                                       " tokens (a ring holds at least one window)"));
+    return OutOfRange(
+        op, absl::StrCat(where, name, ".capacity = ", r.capacity, " is below the window's ", q,
+                         " tokens (a ring holds at least one window)"));
   }
   return absl::OkStatus();
 }
@@ -68,8 +68,9 @@ absl::Status ValidateInterfaceCommit(const CommitArgs& a) {
                     absl::StrCat("layer ", l, ": "), "fast");
   }
   if (st.ok() && a.journal.record != nullptr) {
-    st = Invalid(op, "journal: FAST commits keep no journal yet (their accepted tokens live in "
-                     "the rings, which do not outlive the service)");
+    st = Invalid(op,
+                 "journal: FAST commits keep no journal yet (their accepted tokens live in "
+                 "the rings, which do not outlive the service)");
   }
   return st;
 }

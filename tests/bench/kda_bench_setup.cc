@@ -144,7 +144,7 @@ Bench Make(const Shape& s, int N, std::mt19937& rng) {
   header[1] = N;
   for (int i = 0; i < N; ++i) {
     header[2 + i] = checkpoints[i];
-    // A packed kernels::internal::PendingEntry: record row i, buffer 0, its tokens.
+    // A packed kernels::deferred::PendingEntry: record row i, buffer 0, its tokens.
     for (int l = 0; l < s.L; ++l) {
       entries[int64_t{l} * b.num_blocks + checkpoints[i]] = ((i + 1) << 6) | accepted[i];
     }

@@ -40,8 +40,8 @@ struct Bench {
   Shape shape;
   int N;
   int64_t T;
-  int64_t HK;  // key width (q, k per token)
-  int64_t VW, GW, HV;  // value width (v, o), gate width (g), value heads (beta)
+  int64_t HK;           // key width (q, k per token)
+  int64_t VW, GW, HV;   // value width (v, o), gate width (g), value heads (beta)
   int64_t state_bytes;  // one block
   int64_t num_blocks;
   int conv_width;
@@ -50,8 +50,7 @@ struct Bench {
   kernels::CommitLayer* device_layers;
   void *q, *k, *v, *g, *beta, *out;
   void* stock_pool;
-  int32_t *qsl, *checkpoints, *stock_indices, *stock_accepted, *accepted, *block_table,
-      *computed;
+  int32_t *qsl, *checkpoints, *stock_indices, *stock_accepted, *accepted, *block_table, *computed;
   void *workspace, *stock_workspace;
   size_t workspace_bytes, stock_workspace_bytes;
   kernels::DeviceStatus* status;
@@ -73,7 +72,7 @@ struct Bench {
   std::vector<kernels::CommitLayer> fast_layers;
   kernels::CommitLayer* device_fast_layers = nullptr;
   std::vector<kernels::FastCursor*> cursors_before, cursors_verified;
-  std::vector<double> ring_tokens;       // a step's mean ring tokens a row
+  std::vector<double> ring_tokens;            // a step's mean ring tokens a row
   std::vector<std::vector<int>> fold_tokens;  // a step's folds: tokens folded a row (0: none)
 };
 

@@ -41,8 +41,8 @@ void FillRandom(void* dst, size_t count, bool bf16, float lo, float hi, std::mt1
   CHECK_CUDA(cudaMemcpy(dst, host.data(), host.size(), cudaMemcpyHostToDevice));
   for (size_t done = chunk; done < count; done += chunk) {
     const size_t n = std::min(chunk, count - done);
-    CHECK_CUDA(cudaMemcpy(static_cast<char*>(dst) + done * elem, dst, n * elem,
-                          cudaMemcpyDeviceToDevice));
+    CHECK_CUDA(
+        cudaMemcpy(static_cast<char*>(dst) + done * elem, dst, n * elem, cudaMemcpyDeviceToDevice));
   }
 }
 

@@ -76,8 +76,7 @@ void StockCpu(const StockArgs& a) {
     using Act = typename decltype(act)::type;
     using State = typename decltype(state)::type;
     RunStockLayer<Act, State, decltype(head_dim)::value>(
-        w, a.num_rows,
-        [&](int n, int64_t* bos, int* tokens, int32_t* source, const int32_t** idx) {
+        w, a.num_rows, [&](int n, int64_t* bos, int* tokens, int32_t* source, const int32_t** idx) {
           *bos = a.query_start_loc[n];
           *tokens = rows[n].tokens;
           *source = rows[n].source;
@@ -93,9 +92,8 @@ void RecordStateBlocksCpu(const RecordStateBlocksArgs& a) {
     const internal::RecordWorkspace ws =
         internal::RecordWorkspaceLayout(a.workspace, a.workspace_bytes);
     internal::RecordRow* const rows = ws.rows;
-    if (!CpuChecker::LoadedRows(a.num_rows, a.prerequisites.input_fault, a.status, [&](int i) {
-          return internal::CheckRecordRow(a, i, &rows[i]);
-        })) {
+    if (!CpuChecker::LoadedRows(a.num_rows, a.prerequisites.input_fault, a.status,
+                                [&](int i) { return internal::CheckRecordRow(a, i, &rows[i]); })) {
       return;
     }
     const auto no_reads = [](int, auto) {};

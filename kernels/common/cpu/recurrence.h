@@ -78,8 +78,7 @@ void PrepareHead(const KdaShape& shape, const Activation& q, const Activation& k
     for (int j = 0; j < K; ++j) {
       qo[j] = kda::Normalize(qo[j], q_norm, scale);
       ko[j] = kda::Normalize(ko[j], k_norm, 1.0f);
-      out->decay[size_t(t) * K + j] =
-          rule.Decay(ToFloat(gt[gdn ? 0 : j]), gdn ? 0.0f : bias[j]);
+      out->decay[size_t(t) * K + j] = rule.Decay(ToFloat(gt[gdn ? 0 : j]), gdn ? 0.0f : bias[j]);
       out->v[size_t(t) * K + j] = ToFloat(vt[j]);
     }
     out->beta[t] = rule.Beta(ToFloat(bt[0]));
@@ -121,8 +120,8 @@ class HeadRecurrence {
       const kda::TokenInputs tok{&prep.q[size_t(t) * K], &prep.k[size_t(t) * K],
                                  &prep.decay[size_t(t) * K], prep.beta[t]};
       for (int v = 0; v < V; ++v) {
-        const float o = kda::TokenStep<K, 1>(&s_[size_t(v) * K], 0, tok,
-                                             prep.v[size_t(t) * K + v], row_sum, want_output);
+        const float o = kda::TokenStep<K, 1>(&s_[size_t(v) * K], 0, tok, prep.v[size_t(t) * K + v],
+                                             row_sum, want_output);
         if (want_output) output(t, v, o);
       }
       if (State* dst = destination(t)) Store(dst);
@@ -175,9 +174,7 @@ void RunStockLayer(const StockLayerWork& w, int num_rows, RowOf row_of) {
       Act* out = static_cast<Act*>(w.out);
       RunHead<State, K>(
           prep, HeadOf<State>(w.state, source, h, K * K), tokens, out != nullptr,
-          [&](int t, int v, float o) {
-            out[((bos + t) * H + h) * K + v] = FromFloat<Act>(o);
-          },
+          [&](int t, int v, float o) { out[((bos + t) * H + h) * K + v] = FromFloat<Act>(o); },
           [&](int t) -> State* {
             return IsBlock(idx[t]) ? HeadOf<State>(w.state, idx[t], h, K * K) : nullptr;
           });
@@ -195,7 +192,7 @@ inline const Records& RecordsOf(const CommitLayer& layer, int buffer) {
 
 // The stock kernel reads the records as its q/k/v/g/beta (q = k = recorded k).
 inline StockLayerWork ReplayWork(const KdaShape& shape, const CommitLayer& layer,
-                          const Records& records) {
+                                 const Records& records) {
   const size_t es = DTypeSize(shape.act_dtype);
   const int64_t width = RecordTokenWidth(shape);
   StockLayerWork w;
@@ -218,8 +215,7 @@ inline StockLayerWork ReplayWork(const KdaShape& shape, const CommitLayer& layer
 // (KDA: per key head, [K]; GDN: per value head, a scalar), bit for bit, to
 // record tokens [n * Q, n * Q + tokens).
 template <typename Act, int K>
-void RecordWindow(const VerifyArgs& a, const Records& records, int n, int64_t bos,
-                      int tokens) {
+void RecordWindow(const VerifyArgs& a, const Records& records, int n, int64_t bos, int tokens) {
   const KdaShape& s = a.shape;
   const int H = s.num_heads;
   const int HV = ValueHeads(s);

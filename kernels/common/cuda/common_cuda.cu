@@ -2,7 +2,6 @@
 // translation unit for the kernels of the verbs without a mode and for the
 // recurrent kernel's kStock and kReplay instantiations.
 #include "kernels/common/cuda/common_cuda.h"
-
 #include "kernels/common/cuda/conv_compact.cuh"
 #include "kernels/common/cuda/copy_to_host.cuh"
 #include "kernels/common/cuda/load_params.cuh"

@@ -29,12 +29,10 @@ absl::Status CopyToHostCuda(void* host, const void* device, uint64_t bytes, cuda
 
 // After a commit's plan kernel (the plan in args.workspace): Commit step 2,
 // the conv windows of every layer and row.
-absl::Status LaunchConvCompactCuda(const CommitArgs& args, int64_t num_blocks,
-                                   cudaStream_t stream);
+absl::Status LaunchConvCompactCuda(const CommitArgs& args, int64_t num_blocks, cudaStream_t stream);
 // After EAGER's plan kernel: the replay of every row's replay indices
 // (Commit step 3), every layer.
-absl::Status LaunchReplayRowsCuda(const CommitArgs& args, int64_t num_blocks,
-                                  cudaStream_t stream);
+absl::Status LaunchReplayRowsCuda(const CommitArgs& args, int64_t num_blocks, cudaStream_t stream);
 // After the kernel that wrote `jobs` (DEFERRED's Commit or Flush): the
 // replays it lists. `usually_empty`: a grid of one block an SM.
 absl::Status LaunchReplayListCuda(const KdaShape& shape, int q, int num_layers,

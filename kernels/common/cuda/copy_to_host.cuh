@@ -19,7 +19,8 @@ namespace {
 // Grid-stride: a readback is a few kilobytes on the hot path (a step's
 // indices, a commit's plan), megabytes only for ReadState. Whole words when
 // both ends are aligned.
-__global__ void __launch_bounds__(256) CopyToHostKernel(char* dst, const char* src, uint64_t bytes) {
+__global__ void __launch_bounds__(256)
+    CopyToHostKernel(char* dst, const char* src, uint64_t bytes) {
   const uint64_t stride = uint64_t{gridDim.x} * blockDim.x;
   const uint64_t first = uint64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if ((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | bytes) % 4 == 0) {
@@ -30,7 +31,6 @@ __global__ void __launch_bounds__(256) CopyToHostKernel(char* dst, const char* s
     for (uint64_t i = first; i < bytes; i += stride) dst[i] = src[i];
   }
 }
-
 
 absl::Status LaunchCopyToHost(void* host, const void* device, uint64_t bytes, cudaStream_t s) {
   if (bytes == 0) return absl::OkStatus();

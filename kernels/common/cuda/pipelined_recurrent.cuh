@@ -1,9 +1,10 @@
 // The production recurrent kernel (stock, verify and replay): a persistent
 // grid that keeps memory busy while it computes.
 //
-// Work item: (layer, row, head, chunk of kRows state rows). Each block of kThreads threads takes a contiguous range of items
-// (the four chunks of a head usually land in one block, so a head's token
-// inputs are prepared once, not once per chunk) and runs them as a
+// Work item: (layer, row, head, chunk of kRows state rows). Each block of
+// kThreads threads takes a contiguous range of items (the four chunks of a
+// head usually land in one block, so a head's token inputs are prepared
+// once, not once per chunk) and runs them as a
 // two-stage pipeline: while item i computes, item i + 1's state slice is on
 // its way into shared memory (cp.async: each thread copies exactly the
 // quads it will own, so the state needs no block barrier). The grid is as

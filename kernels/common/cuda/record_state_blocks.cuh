@@ -23,8 +23,9 @@ __device__ void RecordStateBlocks(const RecordStateBlocksArgs& a) {
   // read them, not the caller's tensors again.
   const internal::RecordWorkspace ws =
       internal::RecordWorkspaceLayout(a.workspace, a.workspace_bytes);
-  if (!internal::BlockCheckRows(a.num_rows, a.status,
-                      [&](int i) { return internal::CheckRecordRow(a, i, &ws.rows[i]); })) {
+  if (!internal::BlockCheckRows(a.num_rows, a.status, [&](int i) {
+        return internal::CheckRecordRow(a, i, &ws.rows[i]);
+      })) {
     return;
   }
   if (!internal::BlockCheckCrossRow(

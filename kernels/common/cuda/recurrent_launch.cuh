@@ -45,8 +45,10 @@ struct StateIo<BFloat16> {
   }
   static __device__ __forceinline__ void Store(BFloat16* p, const float* s) {
     uint2 u;
-    u.x = uint32_t{FromFloat<BFloat16>(s[0]).bits} | (uint32_t{FromFloat<BFloat16>(s[1]).bits} << 16);
-    u.y = uint32_t{FromFloat<BFloat16>(s[2]).bits} | (uint32_t{FromFloat<BFloat16>(s[3]).bits} << 16);
+    u.x =
+        uint32_t{FromFloat<BFloat16>(s[0]).bits} | (uint32_t{FromFloat<BFloat16>(s[1]).bits} << 16);
+    u.y =
+        uint32_t{FromFloat<BFloat16>(s[2]).bits} | (uint32_t{FromFloat<BFloat16>(s[3]).bits} << 16);
     __stcs(reinterpret_cast<uint2*>(p), u);
   }
 };
@@ -68,7 +70,7 @@ struct LayerView {
   const void* g;
   const void* beta;
   int64_t q_stride, k_stride, v_stride, beta_stride;  // token strides; g is dense
-  void* out;                                         // null: outputs discarded
+  void* out;                                          // null: outputs discarded
   void* state;
   int64_t block_stride;
   const float* a_log;
@@ -168,7 +170,6 @@ __device__ __forceinline__ float LaneSum(float x) {
   return x;
 }
 
-
 __device__ __forceinline__ float WarpSum(float x) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
@@ -191,8 +192,9 @@ inline void SetHeads(const KdaShape& shape, RecurrentLaunch* p) {
 // Whether every token's head slice of q, k, g and v starts on a 16-byte
 // boundary (the pipelined kernel then copies them asynchronously).
 // (GDN's g is a scalar per head, loaded, never copied.)
-inline bool InputsAligned(const void* q, int64_t q_stride, const void* k, int64_t k_stride, const void* v,
-                   int64_t v_stride, const void* g, const KdaShape& shape, size_t elem) {
+inline bool InputsAligned(const void* q, int64_t q_stride, const void* k, int64_t k_stride,
+                          const void* v, int64_t v_stride, const void* g, const KdaShape& shape,
+                          size_t elem) {
   const auto ok = [&](const void* p, int64_t stride) {
     return Aligned16(p) && (stride * int64_t(elem)) % 16 == 0;
   };
@@ -216,8 +218,8 @@ inline bool RecordsAligned(const Records& r, const KdaShape& shape, size_t elem)
 // A failed launch (or an earlier fault it reports), named like the kernels'
 
 inline LayerView ViewOf(const Activation& q, const Activation& k, const Activation& v,
-                 const Activation& g, const Activation& beta, void* out, const StatePool& state,
-                 const LayerParams& params) {
+                        const Activation& g, const Activation& beta, void* out,
+                        const StatePool& state, const LayerParams& params) {
   LayerView view{};
   view.q = q.data;
   view.k = k.data;

@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kCheckThreads) StockCheckKernel(const StockArg
   __syncthreads();
   internal::StockRow unused;
   if (!internal::BlockCheckRows(a.num_rows, a.status,
-                      [&](int n) { return internal::CheckStockRow(a, n, &unused); })) {
+                                [&](int n) { return internal::CheckStockRow(a, n, &unused); })) {
     return;
   }
   internal::BlockCheckCrossRow(

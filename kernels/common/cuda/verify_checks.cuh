@@ -40,9 +40,6 @@ __device__ bool VerifyChecks(const VerifyArgs& a) {
   });
 }
 
-// DEFERRED Verify, after the other checks (kda_cpu.cc's TakePendingTokens,
-// on one block): no two rows may verify from a block with pending tokens in
-
 }  // namespace
 }  // namespace kernels
 }  // namespace specstate

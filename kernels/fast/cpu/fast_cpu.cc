@@ -6,7 +6,6 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -17,6 +16,7 @@
 #include "kernels/fast/cpu/fast_cpu.h"
 #include "kernels/fast/fast_math.h"
 #include "kernels/checks/commit_plan.h"
+#include "kernels/checks/cpu_checker.h"
 #include "kernels/checks/rows.h"
 #include "kernels/fast/checks.h"
 #include "kernels/internal/dispatch.h"
@@ -35,6 +35,7 @@ using ::specstate::fast::NormalizeHead;
 using ::specstate::fast::RingExponents;
 using ::specstate::fast::SolveWindowRow;
 using ::specstate::fast::WindowExponents;
+using internal::CpuChecker;
 using internal::DispatchKda;
 using internal::IsBlock;
 using Operands = FastNumerics::Operands;
@@ -598,27 +599,20 @@ absl::Status FastVerifyCpu(const FastVerifyArgs& a, const FastNumerics& num) {
   constexpr const char* op = "FastVerify";
   absl::Status st = ValidateFastVerifyArgs(a);
   if (!st.ok()) return st;
+  DeviceStatus status = internal::OkStatus();
   std::vector<int> tokens(a.num_rows);
-  for (int n = 0; n < a.num_rows; ++n) {
-    internal::RowFault f = internal::CheckRowTokens(a.query_start_loc, n, a.num_rows,
-                                                    a.spec_query_len, a.num_tokens, &tokens[n]);
-    if (f.problem == 0) {
-      f = internal::CheckBlock(CheckedField::kStateIndices, a.state_indices[n],
-                               a.state.num_blocks, n, -1);
-    }
-    if (f.problem != 0) return Refused(f, n, -1, op);
-  }
-  for (int n = 0; n < a.num_rows; ++n) {
-    const internal::RowFault f =
-        CheckFastVerifyRow(a.rings, n, a.state_indices[n], tokens[n]);
-    if (f.problem != 0) return Refused(f, n, -1, op);
-  }
-  std::unordered_map<int32_t, int> reader;
-  for (int n = 0; n < a.num_rows; ++n) {
-    const int32_t b = a.state_indices[n];
-    if (!IsBlock(b)) continue;
-    const auto [it, inserted] = reader.emplace(b, n);
-    if (!inserted) return Refused(FastSharedFault(b, n), n, it->second, op);
+  std::vector<int32_t> owner(a.state.num_blocks, 0);
+  if (!CpuChecker::Rows(a.num_rows, &status, [&](int n) {
+        internal::RowFault f = internal::CheckRowTokens(
+            a.query_start_loc, n, a.num_rows, a.spec_query_len, a.num_tokens, &tokens[n]);
+        if (f.problem != 0) return f;
+        return internal::CheckBlock(CheckedField::kStateIndices, a.state_indices[n],
+                                    a.state.num_blocks, n, -1);
+      }) ||
+      !CheckFastVerify<CpuChecker>(
+          a.rings, a.num_rows, owner.data(), &status, [&](int n) { return a.state_indices[n]; },
+          [&](int n) { return tokens[n]; })) {
+    return DeviceStatusToStatus(status, op);
   }
   RunFastVerifyCpu(a, num);
   return absl::OkStatus();
@@ -629,55 +623,18 @@ absl::Status FastCommitCpu(const FastCommitArgs& a, const FastNumerics& num) {
   absl::Status st = ValidateFastCommitArgs(a);
   if (!st.ok()) return st;
   const int64_t num_blocks = a.layers[0].state.num_blocks;
-  // The plan, exactly as EAGER plans (checks.h's PlanCommitRow).
-  const CommitArgs plan_args = PlanArgsOf(a);
+  // The plan and its checks exactly as every commit's (commit_plan.h), then
+  // FAST's own (checks.h), as the kernel interface runs them.
+  DeviceStatus status;
+  CommitArgs plan_args = PlanArgsOf(a);
+  plan_args.status = &status;
   std::vector<CommitPlanRow> plan(a.num_rows);
-  for (int i = 0; i < a.num_rows; ++i) {
-    const internal::RowFault f = internal::PlanCommitRow(plan_args, num_blocks, i, &plan[i]);
-    if (f.problem != 0) return Refused(f, i, -1, op);
-  }
-  // Cross-row, as EAGER: no block written by two rows, none written by one
-  // row and read by another.
-  std::unordered_map<int32_t, int> writer;
-  for (int i = 0; i < a.num_rows; ++i) {
-    absl::Status conflict;
-    internal::ForEachCommitWrite(
-        plan_args, plan[i], i, [&](int32_t b, CheckedField field, int32_t index, int32_t col) {
-          const auto [it, inserted] = writer.emplace(b, i);
-          if (conflict.ok() && !inserted && it->second != i) {
-            conflict = Refused(internal::MakeFault(field, CheckProblem::kDuplicateWrite, index,
-                                                   col, b, 0),
-                               i, it->second, op);
-          }
-        });
-    if (!conflict.ok()) return conflict;
-  }
-  for (int i = 0; i < a.num_rows; ++i) {
-    absl::Status conflict;
-    internal::ForEachCommitRead(
-        plan[i], i, [&](int32_t b, CheckedField field, int32_t index, int32_t col) {
-          const auto it = writer.find(b);
-          if (conflict.ok() && it != writer.end() && it->second != i) {
-            conflict = Refused(
-                internal::MakeFault(field, CheckProblem::kWriteOfRead, index, col, b, 0), i,
-                it->second, op);
-          }
-        });
-    if (!conflict.ok()) return conflict;
-  }
-  // FAST: every layer's cursors and candidates; then one row a block.
-  for (int i = 0; i < a.num_rows; ++i) {
-    for (int l = 0; l < a.num_layers; ++l) {
-      const internal::RowFault f =
-          CheckFastCommitRow(plan_args, a.layers[l].rings, l, plan[i], i);
-      if (f.problem != 0) return Refused(f, i, -1, op);
-    }
-  }
-  std::unordered_map<int32_t, int> reader;
-  for (int i = 0; i < a.num_rows; ++i) {
-    if (!IsBlock(plan[i].source)) continue;
-    const auto [it, inserted] = reader.emplace(plan[i].source, i);
-    if (!inserted) return Refused(FastSharedFault(plan[i].source, i), i, it->second, op);
+  std::vector<int32_t> owner(num_blocks, 0);
+  const internal::CommitWorkspace ws{owner.data(), plan.data(), nullptr};
+  if (!internal::CheckCommitPlan<CpuChecker>(plan_args, ws, num_blocks) ||
+      !CheckFastCommit<CpuChecker>(plan_args, ws, a.num_layers,
+                                   [&](int l) { return a.layers[l].rings; })) {
+    return DeviceStatusToStatus(status, op);
   }
   RunFastCommitCpu(a, plan.data(), num);
   return absl::OkStatus();

@@ -1,8 +1,8 @@
 // The FAST kernels' work on the CPU once every check has passed: what
 // FastVerifyCpu, FastCommitCpu and FastMaterializeCpu (fast_kernels.h) run
 // after their checks, and what the CPU backend of the kernel interface
-// (kernels/cpu/kda_cpu.cc, commit mode FAST) runs after its own device
-// checks, which are the same functions of kernels/internal/checks.h. Nothing
+// (cpu/interface_cpu.cc, commit mode FAST) runs after its own device
+// checks, which are the same functions of kernels/checks/ and checks.h. Nothing
 // here checks anything: the arguments must have passed those checks.
 //
 //   // after ValidateFastVerifyArgs and checks.h's row, cursor and window checks:

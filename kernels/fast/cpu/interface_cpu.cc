@@ -30,15 +30,9 @@ using internal::RowFault;
 void RunVerify(const VerifyArgs& a) {
   std::vector<internal::VerifyRow> rows;
   if (!common::VerifyChecksCpu(a, &rows)) return;
-  if (!CpuChecker::Rows(a.num_rows, a.status, [&](int n) {
-        return CheckFastVerifyRow(a.fast, n, rows[n].source, rows[n].tokens);
-      })) {
-    return;
-  }
-  if (!CpuChecker::OneUserABlock(
-          a.num_rows, static_cast<int32_t*>(a.workspace), a.status,
-          [&](int n) { return rows[n].source; }, [](int32_t) { return true; },
-          [](int32_t b, int n) { return FastSharedFault(b, n); })) {
+  if (!CheckFastVerify<CpuChecker>(
+          a.fast, a.num_rows, static_cast<int32_t*>(a.workspace), a.status,
+          [&](int n) { return rows[n].source; }, [&](int n) { return rows[n].tokens; })) {
     return;
   }
   RunFastVerifyCpu(FastVerifyArgsOf(a), FastNumerics());
@@ -51,19 +45,7 @@ void RunVerify(const VerifyArgs& a) {
 void RunCommit(const CommitArgs& a) {
   internal::CommitWorkspace ws;
   if (!common::PlanCommitCpu(a, &ws)) return;
-  const int L = a.num_layers;
-  if (!CpuChecker::Items(
-          a.num_rows * L, a.status,
-          [&](int x) {
-            const int i = x / L, l = x % L;
-            return CheckFastCommitRow(a, a.layers[l].fast, l, ws.plan[i], i);
-          },
-          [&](int x) { return x / L; })) {
-    return;
-  }
-  if (!CpuChecker::OneUserABlock(
-          a.num_rows, ws.owner, a.status, [&](int i) { return ws.plan[i].source; },
-          [](int32_t) { return true; }, [](int32_t b, int n) { return FastSharedFault(b, n); })) {
+  if (!CheckFastCommit<CpuChecker>(a, ws, a.num_layers, [&](int l) { return a.layers[l].fast; })) {
     return;
   }
   common::CompactConvCpu(a, ws.plan);

@@ -3,15 +3,13 @@
 // verify.cuh; the folds in fast_fold.cu (their own translation unit, so the
 // two compile in parallel).
 #include "kernels/fast/cuda/fast_cuda.h"
-
 #include "kernels/fast/cuda/verify.cuh"
 
 namespace specstate {
 namespace kernels {
 namespace fast {
 
-absl::Status FastVerifyCuda(const FastVerifyArgs& a, const FastNumerics& num,
-                            cudaStream_t stream) {
+absl::Status FastVerifyCuda(const FastVerifyArgs& a, const FastNumerics& num, cudaStream_t stream) {
   if (absl::Status st = ValidateFastVerifyArgs(a); !st.ok()) return st;
   // Verify runs the checkpoint's products on tensor cores when asked to
   // (tf32 or 3xTF32); every other product stays fp32.
@@ -19,7 +17,8 @@ absl::Status FastVerifyCuda(const FastVerifyArgs& a, const FastNumerics& num,
   rest.checkpoint = FastNumerics::Operands::kFp32;
   const bool tensor_cores = num.checkpoint == FastNumerics::Operands::kTf32 ||
                             num.checkpoint == FastNumerics::Operands::kTf32Split;
-  if (!DefaultNumerics(rest) || (!tensor_cores && num.checkpoint != FastNumerics::Operands::kFp32)) {
+  if (!DefaultNumerics(rest) ||
+      (!tensor_cores && num.checkpoint != FastNumerics::Operands::kFp32)) {
     return NumericsUnimplemented("FastVerify");
   }
   return RunFastVerifyCuda(a, stream, num.checkpoint);

@@ -17,10 +17,10 @@
 //
 // Checks: the host-visible arguments (the Validate* functions of
 // fast_kernels.h). The values in device buffers (query_start_loc, indices,
-// cursors) are checked by the kernel interface's CUDA backend
-// (kernels/cuda/kda_cuda.cu, commit mode FAST) with the device checks of
-// kernels/internal, which then calls the Run* launchers below with `gate`
-// set to its status. Called directly, a row whose block, window or cursor is
+// cursors) are checked by the kernel interface's CUDA backend in commit mode
+// FAST (interface_cuda.h) with the device checks of kernels/checks and
+// fast/checks.h, which then calls the Run* launchers below with `gate` set
+// to its status. Called directly, a row whose block, window or cursor is
 // out of bounds is skipped, so memory is never touched out of bounds, but no
 // fault is reported.
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_FAST_CUDA_H_

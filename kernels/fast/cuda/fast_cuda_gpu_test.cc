@@ -439,7 +439,7 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
               c.name.c_str(), c.resync, c.steps, folds, worst_out, worst_u, worst_state);
 }
 
-// The kernel interface's CUDA backend in commit mode FAST (kda_cuda.cu:
+// The kernel interface's CUDA backend in commit mode FAST (interface_cuda.cu:
 // its device checks, then these kernels) against its CPU backend, one copy of
 // the service's memory each, from the same bytes: each misuse is refused
 // with the same status (field, row, bound), nothing written on the device;

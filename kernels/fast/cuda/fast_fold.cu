@@ -2,15 +2,13 @@
 // and their launches without host checks for the kernel interface. The
 // kernels are in fold.cuh.
 #include "kernels/fast/cuda/fast_cuda.h"
-
 #include "kernels/fast/cuda/fold.cuh"
 
 namespace specstate {
 namespace kernels {
 namespace fast {
 
-absl::Status FastCommitCuda(const FastCommitArgs& a, const FastNumerics& num,
-                            cudaStream_t stream) {
+absl::Status FastCommitCuda(const FastCommitArgs& a, const FastNumerics& num, cudaStream_t stream) {
   if (absl::Status st = ValidateFastCommitArgs(a); !st.ok()) return st;
   if (!DefaultNumerics(num)) return NumericsUnimplemented("FastCommit");
   return RunFastCommitCuda(a, stream);

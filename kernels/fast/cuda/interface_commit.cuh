@@ -31,22 +31,12 @@ __device__ void FastCommitPlan(const CommitArgs& a, int64_t num_blocks) {
   const internal::CommitWorkspace ws =
       internal::CommitWorkspaceLayout(a.workspace, a.num_rows, num_blocks);
   if (!internal::CheckCommitPlan<internal::BlockChecker>(a, ws, num_blocks)) return;
-  if (!internal::BlockChecker::Items(
-          a.num_rows * a.num_layers, a.status,
-          [&](int x) {
-            const int i = x / a.num_layers, l = x % a.num_layers;
-            return fast::CheckFastCommitRow(a, a.device_layers[l].fast, l, ws.plan[i], i);
-          },
-          [&](int x) { return x / a.num_layers; })) {
-    return;
-  }
-  internal::BlockChecker::OneUserABlock(
-      a.num_rows, ws.owner, a.status, [&](int i) { return ws.plan[i].source; },
-      [](int32_t) { return true; }, [](int32_t b, int n) { return fast::FastSharedFault(b, n); });
+  fast::CheckFastCommit<internal::BlockChecker>(a, ws, a.num_layers,
+                                                [&](int l) { return a.device_layers[l].fast; });
 }
 
-__global__ void __launch_bounds__(kCheckThreads) FastCommitPlanKernel(const CommitArgs a,
-                                                                      int64_t num_blocks) {
+__global__ void __launch_bounds__(kCheckThreads)
+    FastCommitPlanKernel(const CommitArgs a, int64_t num_blocks) {
   LetDependentsLaunch();
   FastCommitPlan(a, num_blocks);
   internal::BlockPublishStatus(a.status, a.status_mirror);

@@ -1,8 +1,7 @@
 // Commit mode FAST through the kernel interface on the CUDA backend
 // (interface_cuda.h): FAST's check and plan kernels.
-#include "kernels/fast/cuda/interface_cuda.h"
-
 #include "kernels/fast/cuda/interface_commit.cuh"
+#include "kernels/fast/cuda/interface_cuda.h"
 #include "kernels/fast/cuda/interface_flush.cuh"
 #include "kernels/fast/cuda/interface_verify.cuh"
 

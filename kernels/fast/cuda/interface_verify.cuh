@@ -26,17 +26,14 @@ namespace {
 __global__ void __launch_bounds__(kCheckThreads) FastVerifyCheckKernel(const VerifyArgs a) {
   bool passed = VerifyChecks(a);
   if (passed) {
-    passed = internal::BlockChecker::Rows(a.num_rows, a.status, [&](int n) {
-      internal::VerifyRow row;
-      internal::CheckVerifyRow(a, n, &row);  // passed above: reads the checked snapshot
-      return fast::CheckFastVerifyRow(a.fast, n, row.source, row.tokens);
-    });
-  }
-  if (passed) {
-    passed = internal::BlockChecker::OneUserABlock(
-        a.num_rows, static_cast<int32_t*>(a.workspace), a.status,
+    passed = fast::CheckFastVerify<internal::BlockChecker>(
+        a.fast, a.num_rows, static_cast<int32_t*>(a.workspace), a.status,
         [&](int n) { return internal::VerifiedStateIndices(a)[n]; },
-        [](int32_t) { return true; }, [](int32_t b, int n) { return fast::FastSharedFault(b, n); });
+        [&](int n) {
+          internal::VerifyRow row;
+          internal::CheckVerifyRow(a, n, &row);  // passed above: reads the checked snapshot
+          return row.tokens;
+        });
   }
   if (!passed && a.status_mirror != nullptr && threadIdx.x == 0) *a.status_mirror = *a.status;
 }

@@ -85,7 +85,10 @@ TEST_P(KdaKernelsTest, CommitEqualsStockState) {
       {{DType::kFloat32, DType::kBFloat16, 2, 64, true}, 2, 3, true, true},
       {{DType::kBFloat16, DType::kBFloat16, 1, 128, true}, 4, 3, false, true},
       // The largest window (16 tokens) and conv history (16 columns).
-      {{DType::kBFloat16, DType::kFloat32, 1, 64, true}, kMaxSpecQueryLen, kMaxConvHistory, true,
+      {{DType::kBFloat16, DType::kFloat32, 1, 64, true},
+       kMaxSpecQueryLen,
+       kMaxConvHistory,
+       true,
        true},
       // No draft tokens: Q = 1, conv_kernel = 2.
       {{DType::kFloat16, DType::kFloat32, 2, 64, true}, 1, 1, false, true},
@@ -158,10 +161,11 @@ TEST_P(KdaKernelsTest, ARowComputesTheSameAloneAndInABatchOf256) {
   const size_t block_bytes = size_t(s.state_elems()) * s.state_size();
   const size_t at = size_t(s.sources[0]) * size_t(s.block_stride) * s.state_size();
   const std::vector<uint8_t> alone_pool = L.pool.Read();
-  EXPECT_EQ(FirstDifference(
-                std::vector<uint8_t>(batch_pool.begin() + at, batch_pool.begin() + at + block_bytes),
-                std::vector<uint8_t>(alone_pool.begin() + at, alone_pool.begin() + at + block_bytes)),
-            -1)
+  EXPECT_EQ(
+      FirstDifference(
+          std::vector<uint8_t>(batch_pool.begin() + at, batch_pool.begin() + at + block_bytes),
+          std::vector<uint8_t>(alone_pool.begin() + at, alone_pool.begin() + at + block_bytes)),
+      -1)
       << "row 0's committed state differs alone and in the batch";
 }
 
