@@ -191,6 +191,10 @@ class Runner:
         if self.cuda:
             self._arena.tensors["doorbells"].zero_()
             torch.cuda.synchronize(self.device)
+            # resume()'s stream, made now: with the caller's stream parked on a
+            # dead service's doorbell, making a stream blocked in the driver
+            # (torch.cuda.Stream, seen on the H100).
+            self._release_stream = torch.cuda.Stream(self.device)
         self._layers = [{n: a[f"{n}{layer}"] for n in _INPUTS + ("o",)} for layer in range(L)]
         self._pools: Optional[StatePools] = None
         self._open_step: Optional[Step] = None
@@ -494,10 +498,9 @@ class Runner:
             # Release stream waits the dead service will never signal, let the
             # caller's streams drain, then put every counter back to 0.
             from specstate import cuda  # noqa: PLC0415
-            side = torch.cuda.Stream(self.device)
             L = self.num_layers
             for i in list(range(L, 2 * L)) + [2 * L + 1]:
-                cuda.stream_write_value32(self._bells[i:i + 1], 1, side)
+                cuda.stream_write_value32(self._bells[i:i + 1], 1, self._release_stream)
             torch.cuda.synchronize(self.device)
             self._bells.zero_()
             torch.cuda.synchronize(self.device)

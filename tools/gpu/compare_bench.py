@@ -1,0 +1,47 @@
+#!/usr/bin/env python3
+"""Two kda_bench outputs side by side: every row both have, cold-L2 CUDA-graph
+time before and after and their ratio, as a markdown table.
+
+    tools/gpu/compare_bench.py BEFORE.md AFTER.md
+"""
+import re
+import sys
+
+ROW = re.compile(r"\| (.+?) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|")
+
+
+def cold_graph_times(path):
+    times = {}
+    with open(path) as f:
+        for line in f:
+            m = ROW.match(line)
+            if m:
+                times[(m.group(1), int(m.group(2)))] = float(m.group(5))
+    return times
+
+
+def main(argv):
+    if len(argv) != 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    before, after = cold_graph_times(argv[1]), cold_graph_times(argv[2])
+    print("| kernel | N | before (us) | after (us) | after / before |")
+    print("|---|---:|---:|---:|---:|")
+    ratios = []
+    for key, b in before.items():
+        if key not in after:
+            print(f"| {key[0]} | {key[1]} | {b:.1f} | (not run) | |")
+            continue
+        ratios.append(after[key] / b)
+        print(f"| {key[0]} | {key[1]} | {b:.1f} | {after[key]:.1f} | {after[key] / b:.3f} |")
+    for key in after:
+        if key not in before:
+            print(f"| {key[0]} | {key[1]} | (not run) | {after[key]:.1f} | |")
+    if ratios:
+        print(f"\n{len(ratios)} rows in both; after / before from {min(ratios):.3f} to "
+              f"{max(ratios):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
