@@ -36,11 +36,7 @@ constexpr const char* CommitModeName(CommitMode mode) {
                                          : "unknown";
 }
 
-// The mode of a service configured with DEFERRED or FAST commits (at most
-// one of them), for callers that keep the mode as two flags.
-constexpr CommitMode CommitModeOf(bool deferred, bool fast) {
-  return fast ? CommitMode::kFast : deferred ? CommitMode::kDeferred : CommitMode::kEager;
-}
+
 // A row may verify at most this many tokens (num_spec + 1).
 inline constexpr int kMaxSpecQueryLen = 16;
 // The conv history (conv_kernel - 1 columns) a commit moves per channel.
