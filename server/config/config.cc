@@ -224,15 +224,7 @@ LayoutSizes ComputeLayoutSizes(const v1::Layout& l) {
   s.conv_pool_bytes = Align256(s.conv_block_bytes * l.num_blocks());
   s.pool_bytes = (s.state_pool_bytes + s.conv_pool_bytes) * l.num_layers();
   // The token scratch and bookkeeping of the commit mode.
-  const ModeScratchSizes scratch = CommitModeOf(l).ScratchSizes(l, shape);
-  s.record_bytes = scratch.record_bytes;
-  s.records_per_layer_bytes = scratch.records_per_layer_bytes;
-  s.mode_bytes = scratch.mode_bytes;
-  s.fast_ring_capacity = scratch.fast_ring_capacity;
-  s.fast_ring_k_bytes = scratch.fast_ring_k_bytes;
-  s.fast_ring_u_bytes = scratch.fast_ring_u_bytes;
-  s.fast_ring_log_decay_bytes = scratch.fast_ring_log_decay_bytes;
-  s.fast_cursor_bytes = scratch.fast_cursor_bytes;
+  static_cast<ModeScratchSizes&>(s) = CommitModeOf(l).ScratchSizes(l, shape);
   s.workspace_bytes =
       int64_t(kernels::CommitWorkspaceBytes(l.max_rows(), s.spec_query_len, l.num_blocks())) +
       int64_t(kernels::RecordStateBlocksWorkspaceBytes(l.max_rows()));

@@ -14,6 +14,7 @@
 #include "absl/status/statusor.h"
 #include "kernels/dtype.h"
 #include "kernels/kda_args.h"
+#include "server/modes/rules.h"
 #include "specstate/v1/specstate.pb.h"
 
 namespace specstate {
@@ -55,7 +56,9 @@ absl::StatusOr<ConfigFile> LoadConfigFile(const std::string& path);
 absl::Status ValidateLayout(const v1::Layout& layout);
 
 // Sizes in bytes; every pool starts 256-byte aligned.
-struct LayoutSizes {
+// The commit mode's part (records or rings, its bookkeeping) is its rules'
+// ModeScratchSizes (server/modes/rules.h).
+struct LayoutSizes : ModeScratchSizes {
   int spec_query_len = 0;     // Q = num_spec + 1
   int conv_width = 0;         // W = conv_kernel - 1 + num_spec
   int64_t state_block_bytes = 0;
@@ -63,21 +66,7 @@ struct LayoutSizes {
   int64_t state_pool_bytes = 0;  // per layer
   int64_t conv_pool_bytes = 0;   // per layer
   int64_t pool_bytes = 0;        // every layer's pools, in one exported allocation
-  // Every layer's token scratch: the records (EAGER), both records buffers
-  // (DEFERRED), or the rings (FAST, which keeps no records).
-  int64_t record_bytes = 0;
-  int64_t records_per_layer_bytes = 0;  // one records buffer of one layer (0 under FAST)
   int64_t workspace_bytes = 0;   // commit + record-state-blocks workspaces
-  // What the commit mode keeps beside: DEFERRED's bookkeeping and replay
-  // lists, FAST's Verify owner table, and in every mode a Flush's block list.
-  int64_t mode_bytes = 0;
-  // FAST: R = fold_every * Q ring tokens per block, and one layer's rings
-  // (k, u, log-decay, cursors, each 256-byte aligned).
-  int fast_ring_capacity = 0;
-  int64_t fast_ring_k_bytes = 0;
-  int64_t fast_ring_u_bytes = 0;
-  int64_t fast_ring_log_decay_bytes = 0;
-  int64_t fast_cursor_bytes = 0;
 };
 
 LayoutSizes ComputeLayoutSizes(const v1::Layout& layout);
