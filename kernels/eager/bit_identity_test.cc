@@ -77,6 +77,7 @@ TEST_P(KdaKernelsTest, CommitEqualsStockState) {
     int history;
     bool conv_token_major;
     bool remap;  // request_indices
+    bool conv_dense = false;  // the service's conv layout
   };
   const Trial trials[] = {
       {{DType::kBFloat16, DType::kFloat32, 3, 64, true}, 4, 3, false, true},
@@ -92,6 +93,12 @@ TEST_P(KdaKernelsTest, CommitEqualsStockState) {
        true},
       // No draft tokens: Q = 1, conv_kernel = 2.
       {{DType::kFloat16, DType::kFloat32, 2, 64, true}, 1, 1, false, true},
+      // The service's conv layout (dense: CUDA's vector path): Kimi-Linear's
+      // window (Q = 4, conv_kernel 4), fp32 activations, the largest window.
+      {{DType::kBFloat16, DType::kFloat32, 3, 64, true}, 4, 3, false, true, true},
+      {{DType::kFloat32, DType::kFloat32, 1, 64, false}, 5, 3, false, false, true},
+      {{DType::kFloat16, DType::kFloat32, 1, 64, true}, kMaxSpecQueryLen, kMaxConvHistory, false,
+       true, true},
   };
   for (const Trial& trial : trials) {
     StepSpec spec = SpecOf(trial.config);
@@ -99,6 +106,7 @@ TEST_P(KdaKernelsTest, CommitEqualsStockState) {
     spec.num_layers = 3;  // different parameters and inputs each
     spec.history = trial.history;
     spec.conv_token_major = trial.conv_token_major;
+    spec.conv_dense = trial.conv_dense;
     const std::vector<CommitRow> rows = NoneModeRows(spec.q, rng());
     const int n = static_cast<int>(rows.size());
     spec.batch = trial.remap ? n + 3 : n;
@@ -194,7 +202,10 @@ TEST_P(KdaKernelsTest, CommitAlignModeEqualsStockState) {
       {"crossing into a null boundary block", 4, 1, 4, 6},
       {"padding", 0, 0, 2, 0},
   };
-  for (const Config& c : {kConfigs[0], kConfigs[3]}) {
+  // kConfigs[0] twice: conv padded [D, W], then dense (the service's layout).
+  const std::pair<Config, bool> configs[] = {
+      {kConfigs[0], false}, {kConfigs[0], true}, {kConfigs[3], false}};
+  for (const auto& [c, conv_dense] : configs) {
     StepSpec spec = SpecOf(c);
     spec.q = Q;
     spec.num_layers = 2;
@@ -202,6 +213,7 @@ TEST_P(KdaKernelsTest, CommitAlignModeEqualsStockState) {
     spec.block_size = kBlockSize;
     spec.width = kWidth;
     spec.conv_token_major = c.act == DType::kFloat16;
+    spec.conv_dense = conv_dense;
     const int n = static_cast<int>(std::size(rows));
     spec.batch = n + 2;
     std::vector<int32_t> batch_rows(spec.batch);

@@ -289,7 +289,8 @@ std::string Describe(const StepSpec& spec) {
       spec.gate == KdaGate::kPlain ? " (plain gate)" : "", ", H ", spec.heads,
       spec.value_heads > 0 ? absl::StrCat(", HV ", spec.value_heads) : "", ", K ",
       spec.head_dim, ", Q ", spec.q, spec.strided ? ", strided" : ", dense", ", ",
-      spec.num_layers, " layer(s)", spec.align ? ", align" : "");
+      spec.num_layers, " layer(s)", spec.align ? ", align" : "",
+      spec.conv_token_major ? ", conv [W, D]" : spec.conv_dense ? ", conv dense" : "");
 }
 
 bool Commits(const ref::PlanRow& p) {
@@ -483,6 +484,10 @@ Step KdaKernelsTest::MakeStep(const StepSpec& spec) {
     s.conv_token_stride = spec.conv_dim;
     s.conv_dim_stride = 1;
     s.conv_block_stride = int64_t{s.conv_width} * spec.conv_dim + 5;
+  } else if (spec.conv_dense) {
+    s.conv_token_stride = 1;
+    s.conv_dim_stride = s.conv_width;
+    s.conv_block_stride = int64_t{spec.conv_dim} * s.conv_width;
   } else {
     s.conv_token_stride = 1;
     s.conv_dim_stride = s.conv_width + 1;

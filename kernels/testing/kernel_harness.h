@@ -186,6 +186,9 @@ struct StepSpec {
   int history = 3;  // conv history_len = conv_kernel - 1
   int conv_dim = 20;
   bool conv_token_major = false;  // conv blocks [W, D] (dim stride 1) instead of [D, W]
+  // Conv blocks [D, W] with no padding between channels or blocks (the
+  // service's layout; the CUDA compaction's vector path where 16-byte aligned).
+  bool conv_dense = false;
   int num_layers = 1;
   bool strided = true;           // q, k, v, beta: column slices of wider buffers
   std::vector<int> tokens;       // T_n of each spec row

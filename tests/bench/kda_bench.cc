@@ -1,7 +1,7 @@
 // kda_bench: times the CUDA RecoverSSM kernels against the device-to-device
 // copy bandwidth measured in the same run, and prints markdown tables.
 //
-//   kda_bench [--shapes=kimi_linear,kimi_k3] [--iters=30] [--cold]
+//   kda_bench [--shapes=kimi_linear,kimi_k3] [--state_dtypes=fp32,bf16] [--iters=30] [--cold]
 //
 // For each shape and N requests: the stock spec-path kernel on one layer,
 // verify on one layer, and the commit of every layer (mode none, and one row
@@ -55,6 +55,8 @@ ABSL_FLAG(bool, before, false, "retired, ignored: the kernel before the pipeline
 ABSL_FLAG(std::string, ns, "1,16,64,256", "request counts");
 ABSL_FLAG(bool, cold, true,
           "also time with a cold L2 (a buffer larger than L2 written before every run)");
+ABSL_FLAG(std::string, state_dtypes, "fp32,bf16",
+          "the recurrent state's dtypes, each shape run once per dtype (fp32, bf16)");
 ABSL_FLAG(int, fold_every, 4, "commit mode FAST's F: rings of F * Q tokens (0: no FAST rows)");
 ABSL_FLAG(int, fast_snapshots, 6,
           "FAST: steady-state steps timed; their mean is the step with folds amortized");
@@ -72,6 +74,7 @@ using bench::CheckOk;
 using bench::CopyBandwidth;
 using bench::Time;
 using bench::Timing;
+using ::specstate::DType;
 using kernels::KdaKernels;
 using kda_bench::Bench;
 using kda_bench::CheckDevice;
@@ -160,6 +163,9 @@ constexpr Target kTargets[] = {
     // Commit mode DEFERRED (issue 22).
     {"Kimi-Linear-48B-A3B", "DEFERRED verify", 1, 10, 0},
     {"Kimi-Linear-48B-A3B", "DEFERRED commit, 20 layers", 1, 8, 0},
+    // Issue 34: the conv-window compaction (DEFERRED's commit is its plan
+    // kernel and the compaction) at copy speed.
+    {"Kimi-Linear-48B-A3B", "DEFERRED commit, 20 layers", 256, 0, 0.70},
     // Commit mode FAST (issue 23): the verify's share of copy (the step
     // targets follow the per-layer tables).
     {"Kimi-Linear-48B-A3B", "FAST verify", 256, 0, 0.75},
@@ -290,10 +296,10 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
 
 void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_t stream,
               double copy_bps) {
-  std::printf("\n### %s: %s, H=%d, HV=%d, K=V=%d, Q=%d, fp32 state, bf16 activations, conv "
+  std::printf("\n### %s: %s, H=%d, HV=%d, K=V=%d, Q=%d, %s state, bf16 activations, conv "
               "dim %d, conv kernel %d, commit over %d layers\n\n",
               s.name.c_str(), s.gdn() ? "Gated DeltaNet" : "KDA", s.H, s.value_heads(), s.K, s.Q,
-              s.conv_dim, s.conv_kernel, s.L);
+              s.bf16_state() ? "bf16" : "fp32", s.conv_dim, s.conv_kernel, s.L);
   std::vector<Row> rows;
   std::mt19937 rng(7);
   for (int N : ns) {
@@ -477,10 +483,22 @@ int Main() {
   for (absl::string_view n : absl::StrSplit(absl::GetFlag(FLAGS_ns), ',')) {
     ns.push_back(std::stoi(std::string(n)));
   }
-  for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_shapes), ',')) {
-    if (name == "kimi_linear") RunShape(KimiLinear(), ns, iters, stream, copy_bps);
-    if (name == "kimi_k3") RunShape(KimiK3(), ns, iters, stream, copy_bps);
-    if (name == "qwen3_next") RunShape(Qwen3Next(), ns, iters, stream, copy_bps);
+  for (absl::string_view dtype : absl::StrSplit(absl::GetFlag(FLAGS_state_dtypes), ',')) {
+    if (dtype != "fp32" && dtype != "bf16") {
+      std::fprintf(stderr, "kda_bench: --state_dtypes takes fp32 and bf16, not %s\n",
+                   std::string(dtype).c_str());
+      return 2;
+    }
+    for (absl::string_view name : absl::StrSplit(absl::GetFlag(FLAGS_shapes), ',')) {
+      const Shape* preset = name == "kimi_linear" ? &KimiLinear()
+                            : name == "kimi_k3"   ? &KimiK3()
+                            : name == "qwen3_next" ? &Qwen3Next()
+                                                   : nullptr;
+      if (preset == nullptr) continue;
+      Shape s = *preset;
+      s.state = dtype == "bf16" ? DType::kBFloat16 : DType::kFloat32;
+      RunShape(s, ns, iters, stream, copy_bps);
+    }
   }
   return 0;
 }

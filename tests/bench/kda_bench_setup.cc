@@ -65,16 +65,16 @@ Bench Make(const Shape& s, int N, std::mt19937& rng) {
   b.VW = int64_t{s.value_heads()} * s.K;
   b.GW = s.gdn() ? s.value_heads() : b.HK;
   b.HV = s.value_heads();
-  b.state_bytes = b.VW * s.K * 4;
+  b.state_bytes = b.VW * s.K * s.state_size();
   b.num_blocks = 1 + 2 * int64_t{N};
   b.conv_width = s.conv_kernel - 1 + s.Q - 1;
-  b.kda = kernels::KdaShape{s.H,   s.K,    DType::kBFloat16, DType::kFloat32,
+  b.kda = kernels::KdaShape{s.H,   s.K,    DType::kBFloat16, s.state,
                             -5.0f, s.kind, static_cast<int>(b.HV)};
   for (int l = 0; l < s.L; ++l) {
     kernels::CommitLayer layer;
     layer.state = kernels::StatePool{DeviceAlloc(b.num_blocks * b.state_bytes), b.num_blocks,
                                      b.VW * s.K};
-    FillRandom(layer.state.data, b.num_blocks * b.VW * s.K, false, -0.5f, 0.5f, rng);
+    FillRandom(layer.state.data, b.num_blocks * b.VW * s.K, s.bf16_state(), -0.5f, 0.5f, rng);
     const int64_t conv_block = int64_t{s.conv_dim} * b.conv_width;
     layer.conv = kernels::ConvPool{DeviceAlloc(b.num_blocks * conv_block * 2), b.num_blocks,
                                    conv_block, b.conv_width, 1, s.conv_dim, b.conv_width};
@@ -107,7 +107,8 @@ Bench Make(const Shape& s, int N, std::mt19937& rng) {
   b.beta = DeviceAlloc(b.T * b.HV * 2 + 16);
   FillRandom(b.beta, b.T * b.HV, true, s.gdn() ? 0.0f : -3.0f, s.gdn() ? 1.0f : 3.0f, rng);
   b.stock_pool = DeviceAlloc((1 + int64_t{N} * s.Q) * b.state_bytes);
-  FillRandom(b.stock_pool, (1 + int64_t{N} * s.Q) * b.VW * s.K, false, -0.5f, 0.5f, rng);
+  FillRandom(b.stock_pool, (1 + int64_t{N} * s.Q) * b.VW * s.K, s.bf16_state(), -0.5f, 0.5f,
+             rng);
 
   std::vector<int32_t> qsl(N + 1), checkpoints(N), stock_indices(int64_t{N} * s.Q), stock_acc(N),
       accepted(N), table(int64_t{N} * 2), computed(N);
@@ -434,8 +435,9 @@ double DeferredVerifyBytes(const Bench& b) {
 // DEFERRED's commit moves the conv windows only (no row crosses a boundary
 // in mode none), and reads the pending table of the rows' blocks.
 double DeferredCommitBytes(const Bench& b) {
-  const int hl = b.shape.conv_kernel - 1;
-  return double(b.N) * b.shape.L * (2.0 * hl * b.shape.conv_dim * 2.0 + 2 * 4);
+  // Every channel's whole window (conv_kernel - 1 + Q - 1 bf16 columns) read
+  // and written: the columns moved share every 32-byte sector with the rest.
+  return double(b.N) * b.shape.L * (2.0 * b.conv_width * b.shape.conv_dim * 2.0 + 2 * 4);
 }
 
 // FAST: a ring token's raw k (bf16), u and log-decay (fp32).
@@ -465,15 +467,15 @@ double StockBytes(const Bench& b) {
 
 double CommitBytes(const Bench& b, bool align) {
   const double act = 2.0;
-  const int hl = b.shape.conv_kernel - 1;
+  const double window = double(b.conv_width) * b.shape.conv_dim * act;  // a row's conv window
   double per_layer = 0;
   for (int i = 0; i < b.N; ++i) {
     const int c = b.accepted_host[i];
     per_layer += 2.0 * b.state_bytes;                                         // read + write
     per_layer += double(c) * RecordTokenBytes(b);                             // records k, v, g, beta
-    per_layer += 2.0 * hl * b.shape.conv_dim * act;                           // conv window moved
+    per_layer += 2.0 * window;  // conv window read, compacted and written (as DeferredCommitBytes)
     if (align && i % 2 == 0 && c > b.shape.Q / 2) {  // crosses before its last token
-      per_layer += b.state_bytes + hl * b.shape.conv_dim * act;               // boundary state
+      per_layer += b.state_bytes + 2.0 * window;                              // boundary state
     }
   }
   return per_layer * b.shape.L;

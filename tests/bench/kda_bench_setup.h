@@ -22,7 +22,10 @@ struct Shape {
   int H, K, Q, L, conv_dim, conv_kernel;
   kernels::LayerKind kind = kernels::LayerKind::kKda;
   int HV = 0;  // value heads (GDN); 0: = H
+  DType state = DType::kFloat32;  // the recurrent state's rows (fp32 or bf16)
   int value_heads() const { return HV > 0 ? HV : H; }
+  bool bf16_state() const { return state == DType::kBFloat16; }
+  int state_size() const { return bf16_state() ? 2 : 4; }
   bool gdn() const { return kind == kernels::LayerKind::kGdn; }
 };
 

@@ -11,12 +11,24 @@ ROW = re.compile(r"\| (.+?) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|")
 
 
 def cold_graph_times(path):
+    """{(kernel, N): us}; a row of a shape section other than the first
+    fp32-state one carries its section's shape and state in its name."""
     times = {}
+    section = ""
+    first = None
     with open(path) as f:
         for line in f:
+            if line.startswith("### "):
+                name, _, rest = line[4:].partition(":")
+                state = "bf16 state" if "bf16 state" in rest else "fp32 state"
+                section = f"{name.strip()}, {state}"
+                if first is None:
+                    first = section
+                continue
             m = ROW.match(line)
             if m:
-                times[(m.group(1), int(m.group(2)))] = float(m.group(5))
+                kernel = m.group(1) if section == first else f"{section}: {m.group(1)}"
+                times[(kernel, int(m.group(2)))] = float(m.group(5))
     return times
 
 
