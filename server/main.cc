@@ -118,6 +118,11 @@ ABSL_FLAG(int, submit_spin_us, 200,
 ABSL_FLAG(std::string, keeper, "",
           "keep the pools across restarts of specstated: the socket of a specstate-keeper "
           "(specstate-keeper --socket=PATH); a restarted specstated takes the pools back from it");
+ABSL_FLAG(std::string, host_tier_bytes, "",
+          "host memory for saved blocks (SaveBlocks / RestoreBlocks: a block of every layer a "
+          "key, least recently used keys evicted), allocated at start, pinned on CUDA: bytes "
+          "(16GiB, 512MiB, 123456789); at least one block of every layer (the log and "
+          "ListSaved say its bytes). Unset: no host tier");
 ABSL_FLAG(bool, discard_kept_pools, false,
           "when the kept pools were made for another layout (or their header is damaged), start "
           "with fresh pools instead of refusing to start (the kept states are lost)");
@@ -336,6 +341,17 @@ absl::StatusOr<v1::ServiceConfig> BuildConfig(std::optional<Budget>* pool_memory
   if (Given(FLAGS_keeper)) config.set_keeper(absl::GetFlag(FLAGS_keeper));
   if (Given(FLAGS_discard_kept_pools)) {
     config.set_discard_kept_pools(absl::GetFlag(FLAGS_discard_kept_pools));
+  }
+  if (Given(FLAGS_host_tier_bytes)) {
+    absl::StatusOr<PoolMemory> tier =
+        ParsePoolMemory(absl::GetFlag(FLAGS_host_tier_bytes), "--host_tier_bytes");
+    if (!tier.ok()) return tier.status();
+    if (tier->bytes <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--host_tier_bytes=", absl::GetFlag(FLAGS_host_tier_bytes),
+          " must be bytes (16GiB, 123456789), not a fraction"));
+    }
+    config.set_host_tier_bytes(uint64_t(tier->bytes));
   }
   constexpr uint32_t kMaxSubmitSpinUs = 100000;
   if (config.submit_spin_us() > kMaxSubmitSpinUs) {
@@ -616,6 +632,11 @@ int Run() {
       v1::CacheMode_Name(l.cache_mode()).c_str(), v1::CommitMode_Name(l.commit_mode()).c_str(),
       l.fold_every() > 0 ? absl::StrCat(" (fold every ", l.fold_every(), ")").c_str() : "");
   std::fflush(stdout);
+  if (const std::optional<HostTier::Counters> tier = (*engine)->HostTierCounters()) {
+    LogInfo(absl::StrCat("host tier: ", tier->capacity, " blocks of ", tier->entry_bytes,
+                         " bytes (", FormatBytes(uint64_t(tier->capacity) * tier->entry_bytes),
+                         l.backend() == v1::CUDA ? ", pinned)" : ")"));
+  }
   if (l.backend() == v1::CUDA) {
     if (l.mps_client()) {
       LogInfo(absl::StrCat("device ", l.device(), ": an MPS client (its context is shared through "

@@ -115,6 +115,18 @@ absl::StatusOr<v1::RecoverResponse> Client::Recover(bool verify) {
   return Call<v1::RecoverRequest, v1::RecoverResponse>(this, &v1::SpecState::Stub::Recover, r);
 }
 
+absl::StatusOr<v1::ListSavedResponse> Client::ListSaved() {
+  return Call<v1::ListSavedRequest, v1::ListSavedResponse>(this, &v1::SpecState::Stub::ListSaved,
+                                                           {});
+}
+
+absl::StatusOr<v1::DropSavedResponse> Client::DropSaved(const std::vector<std::string>& keys) {
+  v1::DropSavedRequest r;
+  for (const std::string& key : keys) r.add_keys(key);
+  return Call<v1::DropSavedRequest, v1::DropSavedResponse>(this, &v1::SpecState::Stub::DropSaved,
+                                                           r);
+}
+
 absl::StatusOr<std::string> Client::Health(const std::string& service) {
   auto health = grpc::health::v1::Health::NewStub(channel_);
   grpc::ClientContext ctx;
@@ -487,6 +499,17 @@ absl::StatusOr<v1::RecordStateBlocksResponse> Session::RecordStateBlocks(
 absl::StatusOr<v1::FlushResponse> Session::Flush(const v1::FlushRequest& request) {
   return CallInSession<v1::FlushRequest, v1::FlushResponse>(client_, id_,
                                                              &v1::SpecState::Stub::Flush, request);
+}
+
+absl::StatusOr<v1::SaveBlocksResponse> Session::SaveBlocks(const v1::SaveBlocksRequest& request) {
+  return CallInSession<v1::SaveBlocksRequest, v1::SaveBlocksResponse>(
+      client_, id_, &v1::SpecState::Stub::SaveBlocks, request);
+}
+
+absl::StatusOr<v1::RestoreBlocksResponse> Session::RestoreBlocks(
+    const v1::RestoreBlocksRequest& request) {
+  return CallInSession<v1::RestoreBlocksRequest, v1::RestoreBlocksResponse>(
+      client_, id_, &v1::SpecState::Stub::RestoreBlocks, request);
 }
 
 absl::StatusOr<v1::SubmitStepResponse> Session::SubmitStep(const v1::SubmitStepRequest& request) {

@@ -81,6 +81,9 @@ class Client {
   // What the service kept across its last restart (Recover); with `verify`,
   // its pools' bookkeeping re-checked too (specstatectl verify-pools).
   absl::StatusOr<v1::RecoverResponse> Recover(bool verify = false);
+  // The host tier (any client): the saved keys, and forgetting some.
+  absl::StatusOr<v1::ListSavedResponse> ListSaved();
+  absl::StatusOr<v1::DropSavedResponse> DropSaved(const std::vector<std::string>& keys);
   // grpc.health.v1 Check of `service` ("" = the server as a whole): the
   // status name, e.g. "SERVING".
   absl::StatusOr<std::string> Health(const std::string& service = "");
@@ -173,6 +176,9 @@ class Session {
       const v1::RecordStateBlocksRequest& request);
   // DEFERRED: materializes (or, with discard, forgets) blocks' pending tokens.
   absl::StatusOr<v1::FlushResponse> Flush(const v1::FlushRequest& request);
+  // The host tier: blocks saved under keys, and saved keys written back.
+  absl::StatusOr<v1::SaveBlocksResponse> SaveBlocks(const v1::SaveBlocksRequest& request);
+  absl::StatusOr<v1::RestoreBlocksResponse> RestoreBlocks(const v1::RestoreBlocksRequest& request);
   // A step's Verify calls (and its Commit) in one round trip.
   absl::StatusOr<v1::SubmitStepResponse> SubmitStep(const v1::SubmitStepRequest& request);
 

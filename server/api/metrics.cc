@@ -215,6 +215,25 @@ std::vector<MetricFamily> Metrics::Families(const v1::Stats& stats) {
   out.push_back(Single("specstate_device_check_failures_total",
                        "Calls answered with the error of a device-side check of their inputs",
                        MetricType::Counter, double(stats.device_check_failures())));
+  if (stats.has_host_tier()) {
+    const v1::HostTierStats& t = stats.host_tier();
+    out.push_back(Single("specstate_host_tier_keys", "Blocks saved in the host tier now",
+                         MetricType::Gauge, double(t.keys())));
+    out.push_back(Single("specstate_host_tier_capacity", "Blocks the host tier holds at most",
+                         MetricType::Gauge, double(t.capacity())));
+    out.push_back(Single("specstate_host_tier_bytes",
+                         "Host memory of the saved blocks now (keys x bytes a block)",
+                         MetricType::Gauge, double(t.keys()) * double(t.entry_bytes())));
+    out.push_back(ByLabel("specstate_host_tier_blocks_total",
+                          "Host tier: blocks saved, restored, evicted (least recently used), "
+                          "dropped, and blocks of failed saves",
+                          "event",
+                          {{"saved", t.saves()},
+                           {"restored", t.restores()},
+                           {"evicted", t.evictions()},
+                           {"dropped", t.drops()},
+                           {"failed_save", t.failed_saves()}}));
+  }
   return out;
 }
 

@@ -111,6 +111,17 @@ v1::Stats SpecStateService::CollectStats() const {
   const std::string problem = HealthProblem();
   stats.set_health(problem.empty() ? "SERVING" : absl::StrCat("NOT_SERVING: ", problem));
   for (std::string& warning : engine_->Warnings()) stats.add_warnings(std::move(warning));
+  if (const std::optional<HostTier::Counters> tier = engine_->HostTierCounters()) {
+    v1::HostTierStats* t = stats.mutable_host_tier();
+    t->set_keys(tier->keys);
+    t->set_capacity(tier->capacity);
+    t->set_entry_bytes(tier->entry_bytes);
+    t->set_saves(tier->saves);
+    t->set_restores(tier->restores);
+    t->set_evictions(tier->evictions);
+    t->set_drops(tier->drops);
+    t->set_failed_saves(tier->failed_saves);
+  }
   stats_.ToProto(&stats);
   return stats;
 }
@@ -394,6 +405,42 @@ grpc::ServerUnaryReactor* SpecStateService::SubmitStep(grpc::CallbackServerConte
                                                        const v1::SubmitStepRequest* request,
                                                        v1::SubmitStepResponse* response) {
   return Drive(ctx, "SubmitStep", request, response, &Engine::SubmitStep);
+}
+
+// ---------------------------------------------------------------------------
+// The host tier.
+
+grpc::ServerUnaryReactor* SpecStateService::SaveBlocks(grpc::CallbackServerContext* ctx,
+                                                       const v1::SaveBlocksRequest* request,
+                                                       v1::SaveBlocksResponse* response) {
+  return Drive(ctx, "SaveBlocks", request, response, &Engine::SaveBlocks);
+}
+
+grpc::ServerUnaryReactor* SpecStateService::RestoreBlocks(grpc::CallbackServerContext* ctx,
+                                                          const v1::RestoreBlocksRequest* request,
+                                                          v1::RestoreBlocksResponse* response) {
+  return Drive(ctx, "RestoreBlocks", request, response, &Engine::RestoreBlocks);
+}
+
+grpc::ServerUnaryReactor* SpecStateService::ListSaved(grpc::CallbackServerContext* ctx,
+                                                      const v1::ListSavedRequest*,
+                                                      v1::ListSavedResponse* response) {
+  const absl::Time start = absl::Now();
+  auto* reactor = ctx->DefaultReactor();
+  *response = engine_->ListSaved();
+  Finish(reactor, "ListSaved", start, absl::OkStatus());
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SpecStateService::DropSaved(grpc::CallbackServerContext* ctx,
+                                                      const v1::DropSavedRequest* request,
+                                                      v1::DropSavedResponse* response) {
+  const absl::Time start = absl::Now();
+  auto* reactor = ctx->DefaultReactor();
+  absl::StatusOr<v1::DropSavedResponse> dropped = engine_->DropSaved(*request);
+  if (dropped.ok()) *response = *std::move(dropped);
+  Finish(reactor, "DropSaved", start, dropped.status());
+  return reactor;
 }
 
 // ---------------------------------------------------------------------------

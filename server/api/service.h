@@ -94,6 +94,18 @@ class SpecStateService final : public v1::SpecState::CallbackService {
   grpc::ServerUnaryReactor* SubmitStep(grpc::CallbackServerContext* ctx,
                                        const v1::SubmitStepRequest* request,
                                        v1::SubmitStepResponse* response) override;
+  grpc::ServerUnaryReactor* SaveBlocks(grpc::CallbackServerContext* ctx,
+                                       const v1::SaveBlocksRequest* request,
+                                       v1::SaveBlocksResponse* response) override;
+  grpc::ServerUnaryReactor* RestoreBlocks(grpc::CallbackServerContext* ctx,
+                                          const v1::RestoreBlocksRequest* request,
+                                          v1::RestoreBlocksResponse* response) override;
+  grpc::ServerUnaryReactor* ListSaved(grpc::CallbackServerContext* ctx,
+                                      const v1::ListSavedRequest* request,
+                                      v1::ListSavedResponse* response) override;
+  grpc::ServerUnaryReactor* DropSaved(grpc::CallbackServerContext* ctx,
+                                      const v1::DropSavedRequest* request,
+                                      v1::DropSavedResponse* response) override;
   grpc::ServerUnaryReactor* Recover(grpc::CallbackServerContext* ctx,
                                     const v1::RecoverRequest* request,
                                     v1::RecoverResponse* response) override;

@@ -92,6 +92,15 @@ absl::Status Engine::Allocate(const DeferredParts* kept) {
   if (!st.ok()) return st;
   absl::StatusOr<std::vector<StepSlot>> slots = AllocateSlots();
   if (!slots.ok()) return slots.status();
+  if (config_.host_tier_bytes() > 0) {
+    // One saved block: every layer's recurrent and conv block.
+    const uint64_t entry = uint64_t(L) * (sizes_.state_block_bytes + sizes_.conv_block_bytes);
+    absl::StatusOr<std::unique_ptr<HostTier>> tier = HostTier::Create(
+        config_.host_tier_bytes(), entry,
+        [this](uint64_t bytes) { return device_->AllocateHost(bytes); });
+    if (!tier.ok()) return tier.status();
+    host_tier_ = *std::move(tier);
+  }
   absl::MutexLock lock(&mu_);
   steps_ = std::make_unique<StepTable>(L, *std::move(slots));
   return absl::OkStatus();

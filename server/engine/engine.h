@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -32,6 +33,7 @@
 #include "server/engine/regions.h"
 #include "server/engine/request_tensors.h"
 #include "server/engine/step_table.h"
+#include "server/tier/host_tier.h"
 
 namespace specstate {
 namespace server {
@@ -95,6 +97,17 @@ class Engine {
   // (or empties) their rings; under EAGER only orders its wait and signal.
   void Flush(const std::string& session, const v1::FlushRequest& request,
              Reply<v1::FlushResponse> reply);
+  // The host tier (host_tier.cc): FAILED_PRECONDITION when the service has
+  // none (ServiceConfig.host_tier_bytes 0).
+  void SaveBlocks(const std::string& session, const v1::SaveBlocksRequest& request,
+                  Reply<v1::SaveBlocksResponse> reply);
+  void RestoreBlocks(const std::string& session, const v1::RestoreBlocksRequest& request,
+                     Reply<v1::RestoreBlocksResponse> reply);
+  // Any client's.
+  v1::ListSavedResponse ListSaved() const;
+  absl::StatusOr<v1::DropSavedResponse> DropSaved(const v1::DropSavedRequest& request);
+  // Unset when the service has no host tier.
+  std::optional<HostTier::Counters> HostTierCounters() const;
   // Verify of each of `request.verifies`, in order, then Commit; stops at the
   // first error. `request` must live until `reply` is called (the RPC's does).
   // At most MaxSubmitStepVerifies() Verify calls (INVALID_ARGUMENT beyond).
@@ -148,6 +161,24 @@ class Engine {
     std::vector<RegionPin> pins;
     bool async = false;
   };
+
+  // A driving call that belongs to no step (Flush, SaveBlocks,
+  // RestoreBlocks), once its host checks passed: its work is what `make`
+  // returns for a device-status mirror (the mode's checks write it), ordered
+  // by `ordering`. `finished` runs when the device got there (also after a
+  // failed submit), with the call's status; `respond` answers the RPC once:
+  // a SYNC call with that status, an ASYNC one when enqueued (its failure
+  // then becomes the session's next call's error). unstepped.cc.
+  struct UnsteppedCall {
+    std::string session;
+    const char* verb = "";
+    Ordering ordering;
+    std::vector<RegionPin> pins;
+    std::function<ModeEngine::FlushWork(kernels::DeviceStatus* mirror)> make;
+    std::function<void(absl::Status)> finished;
+    std::function<void(absl::Status, bool enqueued)> respond;
+  };
+  void DriveUnstepped(UnsteppedCall call);
 
   // One driving call of a step once its host checks passed: what its verb
   // states (drive.h); Drive() runs the step protocol around it.
@@ -257,6 +288,8 @@ class Engine {
   size_t record_workspace_bytes_ = 0;
   // What the commit mode keeps and adds to each verb (server/modes/).
   std::unique_ptr<ModeEngine> mode_;
+  // Saved blocks in host memory (null: no host tier).
+  std::unique_ptr<HostTier> host_tier_;
   float* params_staging_ = nullptr;                  // LoadLayerParams: [H + H * K]
   kernels::DeviceStatus* params_status_ = nullptr;  // LoadLayerParams' device status
 
@@ -266,7 +299,8 @@ class Engine {
   EngineCounters counters_ ABSL_GUARDED_BY(mu_);
   std::vector<char*> read_buffers_ ABSL_GUARDED_BY(mu_);  // ReadState's host buffers
   std::vector<kernels::DeviceStatus*> param_mirrors_ ABSL_GUARDED_BY(mu_);  // LoadLayerParams'
-  std::vector<kernels::DeviceStatus*> flush_mirrors_ ABSL_GUARDED_BY(mu_);  // Flush's
+  // Status mirrors of the unstepped calls (Flush, SaveBlocks, RestoreBlocks).
+  std::vector<kernels::DeviceStatus*> flush_mirrors_ ABSL_GUARDED_BY(mu_);
   // The sessions that drove steps (DEFERRED and FAST flush when one ends).
   std::set<std::string> drivers_ ABSL_GUARDED_BY(mu_);
 

@@ -35,10 +35,10 @@ __device__ __forceinline__ void LetDependentsLaunch() {
 
 // Launches `kernel` as a programmatic dependent of the stream's last kernel.
 template <typename... KernelArgs, typename... Args>
-cudaError_t LaunchDependent(void (*kernel)(KernelArgs...), unsigned blocks, unsigned threads,
+cudaError_t LaunchDependent(void (*kernel)(KernelArgs...), dim3 blocks, unsigned threads,
                             size_t smem, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(blocks);
+  config.gridDim = blocks;
   config.blockDim = dim3(threads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;

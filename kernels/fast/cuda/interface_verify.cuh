@@ -24,6 +24,7 @@ namespace {
 
 // (cpu/interface_cpu.cc's RunVerify, on one block.)
 __global__ void __launch_bounds__(kCheckThreads) FastVerifyCheckKernel(const VerifyArgs a) {
+  LetDependentsLaunch();  // the Verify kernel waits for this one's end
   bool passed = VerifyChecks(a);
   if (passed) {
     passed = fast::CheckFastVerify<internal::BlockChecker>(

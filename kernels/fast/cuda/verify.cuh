@@ -27,6 +27,7 @@
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
 #define SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
 
+#include "kernels/common/cuda/launch.cuh"
 #include "kernels/fast/cuda/device_math.cuh"
 
 namespace specstate {
@@ -336,6 +337,10 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
   extern __shared__ float smem[];
   const int n = blockIdx.x, hv = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // Launched as the check kernel's programmatic dependent (through the
+  // kernel interface): resident while the checks run, it waits for them
+  // before it reads their gate and snapshot. (A plain launch: no wait.)
+  WaitForPrerequisiteGrid();
   if (GateFailed(a.gate)) return;
   const KdaShape& s = a.shape;
   const int32_t block = a.state_indices[n];
@@ -729,8 +734,8 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
       if (err != cudaSuccess) return;
     }
-    kernel<<<grid, kThreads, smem, stream>>>(a, small_grid);
-    err = cudaGetLastError();
+    err = LaunchDependent(kernel, grid, kThreads, smem, stream, a, small_grid);
+    if (err == cudaSuccess) err = cudaGetLastError();
   });
   if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
   return absl::OkStatus();
