@@ -62,7 +62,11 @@ struct RecoveryOptions {
 class Recovery {
  public:
   // \returns UNAVAILABLE when the keeper does not answer within
-  //   keeper_wait; FAILED_PRECONDITION / DATA_LOSS (CheckHeader) when the kept
+  //   keeper_wait; FAILED_PRECONDITION naming the holder's pid when another
+  //   live process holds the keeper's pools (one service per kept
+  //   allocation: the keeper hands them to the next one once that process's
+  //   connection closes, as it does when it dies); FAILED_PRECONDITION /
+  //   DATA_LOSS (CheckHeader) when the kept
   //   pools cannot be used and discard_kept_pools is off; the device's
   //   errors.
   static absl::StatusOr<std::unique_ptr<Recovery>> Start(const v1::Layout& layout, Device& device,
