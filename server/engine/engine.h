@@ -126,6 +126,11 @@ class Engine {
   // DEFERRED: its pending journal is in the kept parts given to Create; a
   // journal with a test hook installs the pending table's too.
   void SetCommitJournal(const kernels::CommitJournal& journal);
+  // Kept pools: `step` was the last step committed before this instance
+  // started (Recover's last_committed_step, when a commit was). Its re-run
+  // is refused in every session, as within one instance
+  // (StepTable::SetCommittedBeforeRestart). Call before serving.
+  void SetCommittedBeforeRestart(uint64_t step);
 
   // The most Verify calls one SubmitStep may carry: 4 per layer (a step
   // verifies each layer once; the rest is room for retries).
