@@ -413,7 +413,15 @@ grpc::ServerUnaryReactor* SpecStateService::Recover(grpc::CallbackServerContext*
     }
     response->set_kept(false);
     response->set_pool_bytes(engine_->layout().pool_bytes());
-    Finish(reactor, "Recover", start, st);
+    if (!st.ok()) {
+      Finish(reactor, "Recover", start, st);
+      return reactor;
+    }
+    // DEFERRED keeps pending tokens per block with or without a keeper.
+    engine_->CountPendingBlocks([this, reactor, response, start](absl::Status s, int32_t n) {
+      response->set_pending_blocks(n);
+      Finish(reactor, "Recover", start, s);
+    });
     return reactor;
   }
   recovery_->Recover(*request, engine_->layout(),

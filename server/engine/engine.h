@@ -75,6 +75,11 @@ class Engine {
   v1::ExportPoolsResponse ExportPools() const;
 
   void ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateResponse> reply);
+  // commit_mode DEFERRED: how many blocks have tokens pending in some layer,
+  // read from the pending table after the work enqueued before
+  // (RecoverResponse.pending_blocks where no kept bookkeeping answers it);
+  // 0 for the other modes.
+  void CountPendingBlocks(Reply<int32_t> reply);
 
   absl::Status RegisterRegion(const v1::RegisterRegionRequest& request);
 
@@ -270,6 +275,7 @@ class Engine {
   std::unique_ptr<StepTable> steps_ ABSL_PT_GUARDED_BY(mu_);
   EngineCounters counters_ ABSL_GUARDED_BY(mu_);
   std::vector<char*> read_buffers_ ABSL_GUARDED_BY(mu_);  // ReadState's host buffers
+  std::vector<char*> pending_buffers_ ABSL_GUARDED_BY(mu_);  // CountPendingBlocks'
   std::vector<kernels::DeviceStatus*> param_mirrors_ ABSL_GUARDED_BY(mu_);  // LoadLayerParams'
   std::vector<kernels::DeviceStatus*> flush_mirrors_ ABSL_GUARDED_BY(mu_);  // Flush's
   // The sessions that drove steps (DEFERRED and FAST flush when one ends).
