@@ -432,5 +432,27 @@ grpc::ServerUnaryReactor* SpecStateService::Recover(grpc::CallbackServerContext*
   return reactor;
 }
 
+grpc::ServerUnaryReactor* SpecStateService::MarkReprefilled(
+    grpc::CallbackServerContext* ctx, const v1::MarkReprefilledRequest* request,
+    v1::MarkReprefilledResponse* response) {
+  const absl::Time start = absl::Now();
+  auto* reactor = ctx->DefaultReactor();
+  absl::Status st = sessions_->CheckDriver(request->session_id());
+  if (st.ok() && recovery_ == nullptr) {
+    // Nothing keeps the pools, so nothing is lost: the blocks are checked.
+    st = CheckReprefilledBlocks(*request, engine_->layout().num_blocks()).status();
+  }
+  if (!st.ok() || recovery_ == nullptr) {
+    Finish(reactor, "MarkReprefilled", start, st);
+    return reactor;
+  }
+  recovery_->MarkReprefilled(
+      *request, [this, reactor, response, start](absl::Status s, v1::MarkReprefilledResponse r) {
+        if (s.ok()) *response = std::move(r);
+        Finish(reactor, "MarkReprefilled", start, s);
+      });
+  return reactor;
+}
+
 }  // namespace server
 }  // namespace specstate

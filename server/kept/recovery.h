@@ -59,6 +59,14 @@ struct RecoveryOptions {
   std::string pools_fd_socket;
 };
 
+// MarkReprefilled's blocks against pools of `num_blocks` blocks, with or
+// without kept bookkeeping: the distinct blocks, sorted.
+// \returns INVALID_ARGUMENT when `blocks` is empty or has more than
+//   num_blocks entries; OUT_OF_RANGE naming the first entry outside
+//   [1, num_blocks) (block 0 is the null block: never written, never lost).
+absl::StatusOr<std::vector<int32_t>> CheckReprefilledBlocks(
+    const v1::MarkReprefilledRequest& request, int64_t num_blocks);
+
 class Recovery {
  public:
   // \returns UNAVAILABLE when the keeper does not answer within
@@ -91,6 +99,14 @@ class Recovery {
   // `layout` too.
   void Recover(const v1::RecoverRequest& request, const v1::Layout& layout,
                std::function<void(absl::Status, v1::RecoverResponse)> reply);
+
+  // MarkReprefilled: `request.blocks` were written again by the scheduler;
+  // their block records' lost flag is cleared in stream order (after the
+  // work enqueued before), so neither Recover nor a later instance reports
+  // them lost. Replies with the blocks still lost. Checks first
+  // (CheckReprefilledBlocks); a refused call changes nothing.
+  void MarkReprefilled(const v1::MarkReprefilledRequest& request,
+                       std::function<void(absl::Status, v1::MarkReprefilledResponse)> reply);
 
   // Why health must say NOT_SERVING ("" when nothing is wrong): the keeper
   // is gone, so a restart would lose the pools.

@@ -28,6 +28,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -315,6 +316,76 @@ TEST(RestartTest, ASecondServiceOnALiveHoldersPoolsIsRefusedAtStart) {
   EXPECT_EQ(kept.restarts(), 1u);
   EXPECT_EQ(kept.last_committed_step(), 2u);
   EXPECT_EQ(s.Pools(), pools);
+}
+
+// The scheduler says which lost blocks it re-prefilled (MarkReprefilled):
+// Recover and every later restart no longer report them, the others stay
+// lost. Bad input is refused naming the entry and the bound, by the driver
+// only, and changes nothing.
+TEST(RestartTest, ReprefilledBlocksAreNoLongerReportedLostAfterTheNextRestart) {
+  std::unique_ptr<OwnService> service = StartOwn();
+  ASSERT_NE(service, nullptr);
+  service->Kill();
+  ASSERT_OK(service->Launch({"--test_crash_at=commit:layer:1"}));
+  auto c = ValueOrDie(Client::Connect(service->address()));
+  const int64_t num_blocks = ValueOrDie(c->GetLayout()).num_blocks();
+  Scheduler s(*c);
+  ASSERT_OK(s.VerifyAll(2));
+  EXPECT_EQ(s.session().Commit(s.Commit(2)).status().code(), absl::StatusCode::kUnavailable);
+  service->Kill();
+  ASSERT_OK(service->Launch());
+  v1::RecoverResponse kept = ValueOrDie(s.session().Resume(absl::Seconds(20)));
+  ASSERT_THAT(kept.lost_blocks(), ::testing::ElementsAre(1, 2, 3));
+  // A random part of them re-prefilled (the scheduler's own writes), one
+  // listed twice.
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<int32_t> done, rest;
+  const int mask = 1 + rng() % 7;
+  for (int b = 1; b <= 3; ++b) ((mask >> (b - 1)) & 1 ? done : rest).push_back(b);
+  std::vector<int32_t> told = done;
+  told.push_back(done[rng() % done.size()]);
+  std::shuffle(told.begin(), told.end(), rng);
+  // Bad input first: refused, nothing changes.
+  ExpectError(s.session().MarkReprefilled({}).status(), absl::StatusCode::kInvalidArgument,
+              "blocks is empty");
+  std::vector<int32_t> bad = told;
+  const int32_t past = static_cast<int32_t>(num_blocks + rng() % 100);
+  bad.push_back(past);
+  ExpectError(s.session().MarkReprefilled(bad).status(), absl::StatusCode::kOutOfRange,
+              absl::StrCat("blocks[", bad.size() - 1, "] = ", past,
+                           " is out of range [1, num_blocks = ", num_blocks, ")"));
+  ExpectError(s.session().MarkReprefilled({done[0], 0}).status(), absl::StatusCode::kOutOfRange,
+              "blocks[1] = 0 is out of range");
+  ExpectError(s.session().MarkReprefilled({-1 - static_cast<int32_t>(rng() % 1000)}).status(),
+              absl::StatusCode::kOutOfRange, "blocks[0] = -");
+  ExpectError(
+      s.session().MarkReprefilled(std::vector<int32_t>(num_blocks + 1, done[0])).status(),
+      absl::StatusCode::kInvalidArgument,
+      absl::StrCat("blocks has ", num_blocks + 1, " entries: at most num_blocks = ", num_blocks));
+  {
+    Scheduler reader(*c, /*drive=*/false);
+    absl::Status refused = reader.session().MarkReprefilled(done).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  }
+  EXPECT_THAT(ValueOrDie(c->Recover()).lost_blocks(), ::testing::ElementsAre(1, 2, 3));
+  // The re-prefilled ones are no longer lost, now and after the next restart.
+  const v1::MarkReprefilledResponse marked = ValueOrDie(s.session().MarkReprefilled(told));
+  EXPECT_THAT(marked.lost_blocks(), ::testing::ElementsAreArray(rest));
+  EXPECT_THAT(ValueOrDie(c->Recover()).lost_blocks(), ::testing::ElementsAreArray(rest));
+  service->Kill();
+  ASSERT_OK(service->Launch());
+  kept = ValueOrDie(ValueOrDie(Client::Connect(service->address()))->Recover(/*verify=*/true));
+  EXPECT_THAT(kept.lost_blocks(), ::testing::ElementsAreArray(rest));
+  EXPECT_FALSE(kept.interrupted());
+  EXPECT_EQ(kept.problems().empty(), rest.empty()) << kept.DebugString();
+  // The rest too: the bookkeeping is consistent again.
+  ValueOrDie(s.session().Resume(absl::Seconds(20)));
+  if (!rest.empty()) {
+    EXPECT_THAT(ValueOrDie(s.session().MarkReprefilled(rest)).lost_blocks(), ::testing::IsEmpty());
+  }
+  kept = ValueOrDie(c->Recover(/*verify=*/true));
+  EXPECT_THAT(kept.lost_blocks(), ::testing::IsEmpty());
+  EXPECT_THAT(kept.problems(), ::testing::IsEmpty());
 }
 
 TEST(RestartTest, ALayoutChangeIsRefusedAcrossARestart) {
