@@ -176,6 +176,15 @@ absl::StatusOr<uid_t> PeerUid(int socket) {
   return cred.uid;
 }
 
+absl::StatusOr<pid_t> PeerPid(int socket) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (getsockopt(socket, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    return Errno("SO_PEERCRED", errno);
+  }
+  return cred.pid;
+}
+
 bool PeerHungUp(int socket) {
   pollfd p{socket, POLLRDHUP, 0};
   if (poll(&p, 1, 0) <= 0) return false;

@@ -52,6 +52,9 @@ absl::StatusOr<int> ListenSeqpacket(const std::string& path);
 
 // The user id of the process at the other end of a connected Unix socket.
 absl::StatusOr<uid_t> PeerUid(int socket);
+// The process id of the process that connected the other end (SO_PEERCRED:
+// as of connect(), in the caller's pid namespace).
+absl::StatusOr<pid_t> PeerPid(int socket);
 
 // Whether the other end of a connected socket has hung up (without waiting).
 bool PeerHungUp(int socket);

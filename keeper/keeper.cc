@@ -11,10 +11,17 @@
 // per specstated, as the same user (it refuses other users' connections),
 // and keep it running: when it stops, the memory goes with the last
 // process that holds it. SIGTERM or SIGINT ends it.
+//
+// One service per kept allocation: the process whose connection last took
+// the descriptors (Get) or handed them over (Put, Drop) holds them while that
+// connection is open; another process's Get, Put or Drop is refused, naming
+// the holder's pid. A holder's death closes its connection (whatever killed
+// it), so the next specstated takes the pools over.
 #include <errno.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -37,11 +44,44 @@ void Log(const std::string& line) {
   std::fflush(stderr);
 }
 
-// What the keeper holds: the holder's text and its descriptors.
+// What the keeper holds: the holder's text and its descriptors, and who
+// holds them: the connection of the process that last asked for them or
+// handed them over (one service per kept allocation), while it is open.
 struct Store {
   std::string meta;
   std::vector<int> fds;
+  int holder = -1;  // the holder's connection; -1: none
+  pid_t holder_pid = 0;
+  std::string holder_since;
 };
+
+std::string Now() {
+  char text[32];
+  const time_t t = time(nullptr);
+  tm local{};
+  localtime_r(&t, &local);
+  strftime(text, sizeof(text), "%Y-%m-%d %H:%M:%S", &local);
+  return text;
+}
+
+// Why `client` may not have the pools ("" when it may): another process's
+// connection holds them and is open. A holder that died closed its
+// connection (the kernel closes a dead process's sockets, SIGKILL
+// included), so it holds nothing any more.
+std::string HeldByAnother(int client, Store& store, pid_t client_pid) {
+  if (store.holder < 0 || store.holder == client) return "";
+  if (PeerHungUp(store.holder)) {
+    Log("the holder's connection (pid " + std::to_string(store.holder_pid) +
+        ") has hung up: its pools are free to take over");
+    store.holder = -1;
+    return "";
+  }
+  if (client_pid == store.holder_pid) return "";  // the same process, on another connection
+  return "the pools are held by pid " + std::to_string(store.holder_pid) +
+         " (its connection is open since " + store.holder_since +
+         "): one service per kept allocation; stop that specstated first (when it dies, the "
+         "next one takes the pools over), or start this one with a keeper of its own";
+}
 
 // Answers one request on `client`; false when the connection is done.
 bool Serve(int client, Store& store) {
@@ -51,8 +91,15 @@ bool Serve(int client, Store& store) {
     return false;  // closed, or broken
   }
   const char op = request->data[0];
+  absl::StatusOr<pid_t> peer = PeerPid(client);
+  const pid_t pid = peer.ok() ? *peer : 0;
+  const bool holding_op = op == kGet || (op == kPut && !request->fds.empty()) || op == kDrop;
+  const std::string refused = holding_op ? HeldByAnother(client, store, pid) : std::string();
   absl::Status answered;
-  if (op == kGet) {
+  if (!refused.empty()) {
+    Log("refused a '" + std::string(1, op) + "' from pid " + std::to_string(pid) + ": " + refused);
+    answered = SendWithFds(client, std::string(1, kError) + refused);
+  } else if (op == kGet) {
     if (store.fds.empty()) {
       answered = SendWithFds(client, std::string(1, kEmpty));
     } else {
@@ -74,6 +121,12 @@ bool Serve(int client, Store& store) {
     CloseAll(&request->fds);
     answered = SendWithFds(client, std::string(1, kError) +
                                        "unknown request (G, P with descriptors, or D)");
+  }
+  if (refused.empty() && holding_op && answered.ok() && store.holder != client) {
+    store.holder = client;
+    store.holder_pid = pid;
+    store.holder_since = Now();
+    Log("pid " + std::to_string(pid) + " holds the pools");
   }
   CloseAll(&request->fds);
   return answered.ok();
@@ -100,6 +153,10 @@ int Run(const std::string& path) {
       const int c = clients[i - 1];
       const bool done = (polled[i].revents & (POLLIN | POLLHUP | POLLERR)) != 0 && !Serve(c, store);
       if (done) {
+        if (c == store.holder) {
+          Log("the holder (pid " + std::to_string(store.holder_pid) + ") has gone");
+          store.holder = -1;
+        }
         close(c);
       } else {
         kept.push_back(c);

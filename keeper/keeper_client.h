@@ -7,7 +7,13 @@
 //   anything else               -> 'X' MESSAGE
 //
 // META is the holder's own text (specstated's: which descriptor is which and
-// their sizes); the keeper returns it as it was given. The connection may
+// their sizes); the keeper returns it as it was given. One service per kept
+// allocation: the connection whose 'G', 'P' or 'D' was answered holds the
+// descriptors while it is open; the same requests from another process are
+// answered 'X' naming the holder's pid ("the pools are held by pid 1234 ...:
+// one service per kept allocation ..."), which the client returns as
+// FAILED_PRECONDITION. A holder's death closes its connection, and the next
+// process may take them. The connection may
 // stay open: specstated keeps one open and watches it, so it sees the
 // keeper's death as the connection's hangup.
 //

@@ -132,6 +132,55 @@ TEST(KeeperTest, HoldsDescriptorsAfterTheirHolderLetGoAndHandsThemBack) {
   rmdir(dir.c_str());
 }
 
+// One holder at a time: a process that took the descriptors holds them while
+// its connection is open; another process's Get, Put and Drop are refused
+// naming it, and change nothing. Its death (SIGKILL) frees them.
+TEST(KeeperTest, AnotherProcessIsRefusedWhileTheHolderLivesAndServedOnceItDies) {
+  const std::string dir = TempDir();
+  KeeperProcess keeper(dir);
+  const std::string fill(1, static_cast<char>('a' + absl::ToUnixNanos(absl::Now()) % 26));
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t holder = fork();
+  if (holder == 0) {  // takes the (empty) keeper, hands it a memfd, and stays
+    auto client = KeeperClient::Connect(keeper.path());
+    const int fd = Memfd(4096, fill[0]);
+    const bool ok = client.ok() && (*client)->Get().ok() && (*client)->Put("held", {fd}).ok();
+    if (write(ready[1], ok ? "y" : "n", 1) != 1) _exit(2);
+    pause();
+    _exit(0);
+  }
+  close(ready[1]);
+  char answer = 0;
+  ASSERT_EQ(read(ready[0], &answer, 1), 1);
+  close(ready[0]);
+  ASSERT_EQ(answer, 'y');
+  auto client = KeeperClient::Connect(keeper.path());
+  ASSERT_TRUE(client.ok());
+  const std::string named = absl::StrCat("held by pid ", holder);
+  absl::StatusOr<Held> refused = (*client)->Get();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr(named));
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr("one service per kept allocation"));
+  const int other = Memfd(4096, 'z');
+  absl::Status put = (*client)->Put("mine", {other});
+  close(other);
+  EXPECT_EQ(put.code(), absl::StatusCode::kFailedPrecondition) << put;
+  EXPECT_THAT(std::string(put.message()), ::testing::HasSubstr(named));
+  EXPECT_EQ((*client)->Drop().code(), absl::StatusCode::kFailedPrecondition);
+  // The holder dies without a goodbye: its descriptors are the next one's.
+  kill(holder, SIGKILL);
+  waitpid(holder, nullptr, 0);
+  absl::StatusOr<Held> held = (*client)->Get();
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(held->meta, "held");
+  ASSERT_EQ(held->fds.size(), 1u);
+  EXPECT_EQ(Contents(held->fds[0]), std::string(4096, fill[0]));
+  CloseAll(&held->fds);
+  rmdir(dir.c_str());
+}
+
 TEST(KeeperTest, RefusesMalformedRequestsAndKeepsServing) {
   const std::string dir = TempDir();
   KeeperProcess keeper(dir);

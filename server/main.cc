@@ -548,6 +548,12 @@ int Run() {
     kernels::CommitJournal journal = recovery->journal();
     if (TestCrashSet()) journal.test_hook = &CommitTestHook;
     (*engine)->SetCommitJournal(journal);
+    // A step committed before the restart is refused after it, as within
+    // one instance.
+    const v1::RecoverResponse kept_report = recovery->Report();
+    if (kept_report.kept() && kept_report.commits() > 0) {
+      (*engine)->SetCommittedBeforeRestart(kept_report.last_committed_step());
+    }
   }
   SpecStateService service(engine->get(), *config);
   service.SetRecovery(recovery.get());

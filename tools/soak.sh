@@ -43,19 +43,21 @@ pids+=("$first")
 addr="unix://$work/a/s.sock"
 soak() { "$bin/tests/soak/soak" --server="$addr" --stop="$work/stop" "$@"; }
 
-# role NAME ARGS...: keeps one such process alive until the stop file exists.
+# role NAME ARGS...: keeps one such process alive until the stop file exists,
+# and ends with one that ran to the stop file (every process does at least
+# one round and then prints "ROLE: N rounds"; a process killed just before
+# the stop file appeared is followed by one more).
 roles=()
 role() {
   local name=$1; shift
   (
-    i=0
-    while [ ! -e "$work/stop" ]; do
-      i=$((i + 1))
+    while :; do
       soak "$@" --seed=$((RANDOM * 32768 + RANDOM)) >> "$work/$name.log" 2>&1
       rc=$?
       # 137: we killed it (readers and hostile clients only); 0: a driver's
       # turn ended abruptly on purpose, or the stop file.
       if [ $rc -ne 0 ] && [ $rc -ne 137 ]; then echo "$name exited $rc" >> "$work/failures"; fi
+      if [ -e "$work/stop" ] && [ $rc -ne 137 ]; then break; fi
     done
   ) &
   roles+=($!)
@@ -80,9 +82,21 @@ for p in "${roles[@]}"; do wait "$p"; done
 
 check "the service survived every client" kill -0 "$first"
 runs=$(wc -l < "$work/runs" 2>/dev/null || echo 0)
-echo "soak: $runs runs passed their bit-for-bit checks; $(grep -h 'drove\|rounds\|runs' "$work"/*.log | tr '\n' ';')"
+echo "soak: $runs runs passed their bit-for-bit checks; $(grep -h 'rounds' "$work"/*.log | tr '\n' ';')"
 check "the drivers ran (at least 5 runs)" [ "$runs" -ge 5 ]
 check "every client got the answers its role expects" [ ! -s "$work/failures" ]
+# Every participant works: each of its processes that ended (not killed)
+# printed "ROLE: N rounds" with N >= 1, and at least one did.
+did_work() {  # LOG
+  local counts
+  counts=$(grep -hoE '^[a-z]+: [0-9]+ rounds' "$1" 2>/dev/null | awk '{print $2}')
+  [ -n "$counts" ] && ! echo "$counts" | grep -qx 0
+}
+for name in driver1 driver2 contender reader1 reader2 hostile; do
+  check "$name did work in every process that ended ($(grep -hoE '^[a-z]+: [0-9]+ rounds' \
+    "$work/$name.log" 2>/dev/null | awk '{print $2}' | tr '\n' ' ' | sed 's/ $//'))" \
+    did_work "$work/$name.log"
+done
 [ -s "$work/failures" ] && { cat "$work/failures"; grep -h "soak " "$work"/*.log | head -5; }
 before=$(soak --role=hash | awk '{print $2}')
 kill "$first"; wait "$first" 2>/dev/null

@@ -512,6 +512,15 @@ absl::StatusOr<v1::RestoreBlocksResponse> Session::RestoreBlocks(
       client_, id_, &v1::SpecState::Stub::RestoreBlocks, request);
 }
 
+absl::StatusOr<v1::MarkReprefilledResponse> Session::MarkReprefilled(
+    const std::vector<int32_t>& blocks) {
+  v1::MarkReprefilledRequest request;
+  request.set_session_id(id_);
+  request.mutable_blocks()->Add(blocks.begin(), blocks.end());
+  return CallInSession<v1::MarkReprefilledRequest, v1::MarkReprefilledResponse>(
+      client_, id_, &v1::SpecState::Stub::MarkReprefilled, request);
+}
+
 absl::StatusOr<v1::SubmitStepResponse> Session::SubmitStep(const v1::SubmitStepRequest& request) {
   const bool has_step = request.verifies_size() > 0 || request.has_commit();
   const uint64_t step =

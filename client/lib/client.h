@@ -181,6 +181,11 @@ class Session {
   absl::StatusOr<v1::RestoreBlocksResponse> RestoreBlocks(const v1::RestoreBlocksRequest& request);
   // A step's Verify calls (and its Commit) in one round trip.
   absl::StatusOr<v1::SubmitStepResponse> SubmitStep(const v1::SubmitStepRequest& request);
+  // After a restart: the scheduler re-prefilled `blocks` (Recover's
+  // lost_blocks), so they are no longer reported lost (MarkReprefilled).
+  // Returns the blocks still lost. OUT_OF_RANGE / INVALID_ARGUMENT naming the
+  // entry and the bound; nothing changes then.
+  absl::StatusOr<v1::MarkReprefilledResponse> MarkReprefilled(const std::vector<int32_t>& blocks);
 
   // Stops the renewal thread and closes the stream: the session ends on the
   // server, which unregisters its regions (each once no enqueued work uses

@@ -460,7 +460,15 @@ grpc::ServerUnaryReactor* SpecStateService::Recover(grpc::CallbackServerContext*
     }
     response->set_kept(false);
     response->set_pool_bytes(engine_->layout().pool_bytes());
-    Finish(reactor, "Recover", start, st);
+    if (!st.ok()) {
+      Finish(reactor, "Recover", start, st);
+      return reactor;
+    }
+    // DEFERRED keeps pending tokens per block with or without a keeper.
+    engine_->CountPendingBlocks([this, reactor, response, start](absl::Status s, int32_t n) {
+      response->set_pending_blocks(n);
+      Finish(reactor, "Recover", start, s);
+    });
     return reactor;
   }
   recovery_->Recover(*request, engine_->layout(),
@@ -468,6 +476,28 @@ grpc::ServerUnaryReactor* SpecStateService::Recover(grpc::CallbackServerContext*
                        if (s.ok()) *response = std::move(r);
                        Finish(reactor, "Recover", start, s);
                      });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SpecStateService::MarkReprefilled(
+    grpc::CallbackServerContext* ctx, const v1::MarkReprefilledRequest* request,
+    v1::MarkReprefilledResponse* response) {
+  const absl::Time start = absl::Now();
+  auto* reactor = ctx->DefaultReactor();
+  absl::Status st = sessions_->CheckDriver(request->session_id());
+  if (st.ok() && recovery_ == nullptr) {
+    // Nothing keeps the pools, so nothing is lost: the blocks are checked.
+    st = CheckReprefilledBlocks(*request, engine_->layout().num_blocks()).status();
+  }
+  if (!st.ok() || recovery_ == nullptr) {
+    Finish(reactor, "MarkReprefilled", start, st);
+    return reactor;
+  }
+  recovery_->MarkReprefilled(
+      *request, [this, reactor, response, start](absl::Status s, v1::MarkReprefilledResponse r) {
+        if (s.ok()) *response = std::move(r);
+        Finish(reactor, "MarkReprefilled", start, s);
+      });
   return reactor;
 }
 

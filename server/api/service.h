@@ -109,6 +109,9 @@ class SpecStateService final : public v1::SpecState::CallbackService {
   grpc::ServerUnaryReactor* Recover(grpc::CallbackServerContext* ctx,
                                     const v1::RecoverRequest* request,
                                     v1::RecoverResponse* response) override;
+  grpc::ServerUnaryReactor* MarkReprefilled(grpc::CallbackServerContext* ctx,
+                                            const v1::MarkReprefilledRequest* request,
+                                            v1::MarkReprefilledResponse* response) override;
 
  private:
   class SessionReactor;

@@ -167,6 +167,11 @@ void Engine::SetCommitJournal(const kernels::CommitJournal& journal) {
   mode_->SetCommitJournal(journal);
 }
 
+void Engine::SetCommittedBeforeRestart(uint64_t step) {
+  absl::MutexLock lock(&mu_);
+  steps_->SetCommittedBeforeRestart(step);
+}
+
 absl::StatusOr<std::vector<StepSlot>> Engine::AllocateSlots() {
   const int L = layout_.num_layers();
   const int rows = layout_.max_rows();

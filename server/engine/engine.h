@@ -77,6 +77,11 @@ class Engine {
   v1::ExportPoolsResponse ExportPools() const;
 
   void ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateResponse> reply);
+  // commit_mode DEFERRED: how many blocks have tokens pending in some layer,
+  // read from the pending table after the work enqueued before
+  // (RecoverResponse.pending_blocks where no kept bookkeeping answers it);
+  // 0 for the other modes.
+  void CountPendingBlocks(Reply<int32_t> reply);
 
   absl::Status RegisterRegion(const v1::RegisterRegionRequest& request);
 
@@ -139,6 +144,11 @@ class Engine {
   // DEFERRED: its pending journal is in the kept parts given to Create; a
   // journal with a test hook installs the pending table's too.
   void SetCommitJournal(const kernels::CommitJournal& journal);
+  // Kept pools: `step` was the last step committed before this instance
+  // started (Recover's last_committed_step, when a commit was). Its re-run
+  // is refused in every session, as within one instance
+  // (StepTable::SetCommittedBeforeRestart). Call before serving.
+  void SetCommittedBeforeRestart(uint64_t step);
 
   // The most Verify calls one SubmitStep may carry: 4 per layer (a step
   // verifies each layer once; the rest is room for retries).
@@ -298,6 +308,7 @@ class Engine {
   std::unique_ptr<StepTable> steps_ ABSL_PT_GUARDED_BY(mu_);
   EngineCounters counters_ ABSL_GUARDED_BY(mu_);
   std::vector<char*> read_buffers_ ABSL_GUARDED_BY(mu_);  // ReadState's host buffers
+  std::vector<char*> pending_buffers_ ABSL_GUARDED_BY(mu_);  // CountPendingBlocks'
   std::vector<kernels::DeviceStatus*> param_mirrors_ ABSL_GUARDED_BY(mu_);  // LoadLayerParams'
   // Status mirrors of the unstepped calls (Flush, SaveBlocks, RestoreBlocks).
   std::vector<kernels::DeviceStatus*> flush_mirrors_ ABSL_GUARDED_BY(mu_);

@@ -1,5 +1,6 @@
 // Engine::ReadState: a summary (and optionally the values) of one block's
-// recurrent and conv state in one layer, for debugging.
+// recurrent and conv state in one layer, for debugging; and
+// Engine::CountPendingBlocks, DEFERRED's pending blocks for Recover.
 #include <memory>
 #include <utility>
 
@@ -88,6 +89,59 @@ void Engine::ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateR
       read_buffers_.push_back(buffer);
     }
     reply(st, {});
+  }
+}
+
+void Engine::CountPendingBlocks(Reply<int32_t> reply) {
+  const kernels::PendingBlocks pending = mode_->PendingTable();
+  if (pending.entries == nullptr) {
+    reply(absl::OkStatus(), 0);
+    return;
+  }
+  const uint64_t bytes = uint64_t(pending.num_layers) * pending.num_blocks * sizeof(int32_t);
+  char* buffer = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!pending_buffers_.empty()) {
+      buffer = pending_buffers_.back();
+      pending_buffers_.pop_back();
+    }
+  }
+  if (buffer == nullptr) {
+    absl::StatusOr<void*> p = device_->AllocateHost(bytes);
+    if (!p.ok()) {
+      reply(p.status(), 0);
+      return;
+    }
+    buffer = static_cast<char*>(*p);
+  }
+  const auto give_back = [this, buffer] {
+    absl::MutexLock lock(&mu_);
+    pending_buffers_.push_back(buffer);
+  };
+  Work work;
+  work.launch = [](kernels::Stream, Scratch&) { return absl::OkStatus(); };
+  work.readbacks.push_back(Readback{pending.entries, buffer, bytes});
+  work.done = [pending, buffer, give_back, reply](absl::Status launched) {
+    // A block is pending when some layer's entry for it is not 0 (block 0,
+    // the null block, never is).
+    int32_t count = 0;
+    const auto* entries = reinterpret_cast<const int32_t*>(buffer);
+    for (int64_t b = 1; launched.ok() && b < pending.num_blocks; ++b) {
+      for (int l = 0; l < pending.num_layers; ++l) {
+        if (entries[int64_t{l} * pending.num_blocks + b] != 0) {
+          ++count;
+          break;
+        }
+      }
+    }
+    give_back();
+    reply(launched, count);
+  };
+  absl::Status st = device_->Submit(std::move(work));
+  if (!st.ok()) {
+    give_back();
+    reply(st, 0);
   }
 }
 

@@ -8,6 +8,16 @@
 
 namespace specstate {
 namespace server {
+namespace {
+
+// A re-run of a committed step: the same refusal within one instance and
+// after a restart.
+absl::Status AlreadyCommitted(uint64_t id) {
+  return absl::FailedPreconditionError(
+      absl::StrCat("step ", id, " is already committed: start a new step id"));
+}
+
+}  // namespace
 
 StepTable::StepTable(int num_layers, std::vector<StepSlot> slots)
     : num_layers_(num_layers), slots_(std::move(slots)), records_(num_layers) {}
@@ -33,10 +43,7 @@ absl::StatusOr<Step*> StepTable::FindOrPrepare(const std::string& session, uint6
       return absl::FailedPreconditionError(
           absl::StrCat("step ", id, " failed: ", step->failure.message()));
     }
-    if (step->commit.started) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("step ", id, " is already committed: start a new step id"));
-    }
+    if (step->commit.started) return AlreadyCommitted(id);
     if (num_rows != step->num_rows) {
       return absl::InvalidArgumentError(absl::StrCat("num_rows = ", num_rows, " differs from the ",
                                                      step->num_rows, " rows of step ", id,
@@ -44,6 +51,7 @@ absl::StatusOr<Step*> StepTable::FindOrPrepare(const std::string& session, uint6
     }
     return step;
   }
+  if (committed_before_restart_ == id) return AlreadyCommitted(id);
   const int slot = next_slot_;
   if (slots_[slot].in_flight > 0) {
     return absl::UnavailableError(absl::StrCat(
@@ -78,6 +86,7 @@ void StepTable::MarkVerified(Step& step, int layer) {
 
 absl::StatusOr<Step*> StepTable::FindCommittable(const std::string& session, uint64_t id) {
   Step* step = Find(session, id);
+  if (step == nullptr && committed_before_restart_ == id) return AlreadyCommitted(id);
   if (step == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", id, " was not verified (or ended long ago): Verify every layer before Commit"));

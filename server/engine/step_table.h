@@ -22,6 +22,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -97,6 +98,13 @@ class StepTable {
   // UNAVAILABLE when every slot still has work in flight.
   absl::StatusOr<Step*> FindOrPrepare(const std::string& session, uint64_t id, int num_rows,
                                       std::unique_ptr<Step>* fresh);
+  // Kept pools (server/kept/): step `id` was the last one committed before
+  // this instance started (Recover's last_committed_step). A Verify or
+  // Commit of that id, in any session of this instance, is refused as a
+  // re-run of a committed step is within one instance (FAILED_PRECONDITION,
+  // "step N is already committed: start a new step id"), before anything
+  // starts.
+  void SetCommittedBeforeRestart(uint64_t id) { committed_before_restart_ = id; }
   // Starts a prepared step: takes its slot, zeroes the slot's host statuses.
   Step* Start(std::unique_ptr<Step> fresh);
 
@@ -146,6 +154,7 @@ class StepTable {
   std::set<std::string> open_sessions_;
   std::map<std::string, absl::Status> session_errors_;
   std::map<std::string, std::shared_ptr<WaitCancellation>> session_waits_;
+  std::optional<uint64_t> committed_before_restart_;
 };
 
 }  // namespace server

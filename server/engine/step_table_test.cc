@@ -135,6 +135,36 @@ TEST_F(StepTableTest, RecordStateBlocksNeedsACommit) {
               absl::StatusCode::kFailedPrecondition, "is already committed");
 }
 
+// The step committed before a restart (kept pools): its re-run is refused in
+// any session with the in-instance refusal, and starts nothing; other ids go
+// on.
+TEST_F(StepTableTest, TheStepCommittedBeforeARestartIsRefusedAsWithinOneInstance) {
+  Step* step = StartStep("s1", first_id_, 1);
+  VerifyAll(*step);
+  step->commit.started = true;
+  std::unique_ptr<Step> fresh;
+  const absl::Status within = table_->FindOrPrepare("s1", first_id_, 1, &fresh).status();
+  ExpectError(within, absl::StatusCode::kFailedPrecondition,
+              absl::StrCat("step ", first_id_, " is already committed"));
+  // A new instance's table: only the kept last committed step is known.
+  std::vector<StepSlot> slots(StepTable::kSlots);
+  for (int i = 0; i < StepTable::kSlots; ++i) {
+    slots[i].status_device = slots[i].status_host = &statuses_[i * (layers_ + 2)];
+  }
+  StepTable after(layers_, std::move(slots));
+  after.SetCommittedBeforeRestart(first_id_);
+  for (const std::string session : {"s1", "s2"}) {
+    const absl::Status verify = after.FindOrPrepare(session, first_id_, 1, &fresh).status();
+    EXPECT_EQ(verify.code(), within.code()) << verify;
+    EXPECT_EQ(std::string(verify.message()), std::string(within.message()));
+    EXPECT_EQ(fresh, nullptr) << "nothing prepared";
+    const absl::Status commit = after.FindCommittable(session, first_id_).status();
+    EXPECT_EQ(std::string(commit.message()), std::string(within.message())) << commit;
+  }
+  EXPECT_TRUE(after.FindOrPrepare("s2", first_id_ + 1, 1, &fresh).ok());
+  EXPECT_NE(fresh, nullptr);
+}
+
 TEST_F(StepTableTest, FailuresAreKeptOnceAndAsyncErrorsReportedOnce) {
   Step* step = StartStep("s1", first_id_, 2);
   VerifyAll(*step);

@@ -39,6 +39,31 @@ bool ParseName(const std::string& name, std::string* base, uint64_t* bytes) {
 
 }  // namespace
 
+absl::StatusOr<std::vector<int32_t>> CheckReprefilledBlocks(
+    const v1::MarkReprefilledRequest& request, int64_t num_blocks) {
+  if (request.blocks().empty()) {
+    return absl::InvalidArgumentError(
+        "blocks is empty: name the blocks the scheduler re-prefilled (Recover's lost_blocks)");
+  }
+  if (request.blocks_size() > num_blocks) {
+    return absl::InvalidArgumentError(absl::StrCat("blocks has ", request.blocks_size(),
+                                                   " entries: at most num_blocks = ", num_blocks));
+  }
+  std::vector<int32_t> out;
+  for (int i = 0; i < request.blocks_size(); ++i) {
+    const int32_t b = request.blocks(i);
+    if (b < 1 || b >= num_blocks) {
+      return absl::OutOfRangeError(absl::StrCat("blocks[", i, "] = ", b,
+                                                " is out of range [1, num_blocks = ", num_blocks,
+                                                ") (block 0 is the null block)"));
+    }
+    out.push_back(b);
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
 absl::StatusOr<std::unique_ptr<Recovery>> Recovery::Start(const v1::Layout& layout,
                                                           Device& device,
                                                           const RecoveryOptions& options,
@@ -396,6 +421,67 @@ void Recovery::Recover(const v1::RecoverRequest& request, const v1::Layout& layo
       absl::MutexLock lock(&mu_);
       buffers_.push_back(buffer);
     }
+    reply(st, {});
+  }
+}
+
+void Recovery::MarkReprefilled(
+    const v1::MarkReprefilledRequest& request,
+    std::function<void(absl::Status, v1::MarkReprefilledResponse)> reply) {
+  absl::StatusOr<std::vector<int32_t>> blocks = CheckReprefilledBlocks(request, num_blocks_);
+  if (!blocks.ok()) {
+    reply(blocks.status(), {});
+    return;
+  }
+  char* buffer = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!buffers_.empty()) {
+      buffer = buffers_.back();
+      buffers_.pop_back();
+    }
+  }
+  if (buffer == nullptr) {
+    absl::StatusOr<void*> p = device_.AllocateHost(bookkeeping_bytes_);
+    if (!p.ok()) {
+      reply(p.status(), {});
+      return;
+    }
+    buffer = static_cast<char*>(*p);
+  }
+  const auto give_back = [this, buffer] {
+    absl::MutexLock lock(&mu_);
+    buffers_.push_back(buffer);
+  };
+  // The lost flags are cleared on the device's queue: the kernels write the
+  // block records in stream order (a Commit clears the flag of every block it
+  // writes; nothing on the device sets it).
+  Work work;
+  kernels::BlockRecord* records = journal_.blocks;
+  work.launch = [this, records, list = *blocks](kernels::Stream stream, Scratch&) {
+    for (int32_t b : list) {
+      absl::Status st = device_.ZeroOnStream(&records[b].lost, sizeof(records[b].lost), stream);
+      if (!st.ok()) return st;
+    }
+    return absl::OkStatus();
+  };
+  work.readbacks.push_back(Readback{header_.data, buffer, bookkeeping_bytes_});
+  work.done = [this, buffer, give_back, list = *blocks, reply](absl::Status launched) {
+    v1::RecoverResponse now;
+    if (launched.ok()) {
+      ReadLiveHeader(std::vector<char>(buffer, buffer + bookkeeping_bytes_), &now);
+      LogInfo(absl::StrCat("blocks ", absl::StrJoin(list, ","),
+                           " were re-prefilled: no longer lost (",
+                           now.lost_blocks_size(), " blocks still lost)"));
+    }
+    give_back();
+    v1::MarkReprefilledResponse out;
+    *out.mutable_lost_blocks() = now.lost_blocks();
+    reply(launched, std::move(out));
+  };
+  absl::Status st = device_.Submit(std::move(work));
+  if (!st.ok()) {
+    give_back();
     reply(st, {});
   }
 }

@@ -59,10 +59,22 @@ struct RecoveryOptions {
   std::string pools_fd_socket;
 };
 
+// MarkReprefilled's blocks against pools of `num_blocks` blocks, with or
+// without kept bookkeeping: the distinct blocks, sorted.
+// \returns INVALID_ARGUMENT when `blocks` is empty or has more than
+//   num_blocks entries; OUT_OF_RANGE naming the first entry outside
+//   [1, num_blocks) (block 0 is the null block: never written, never lost).
+absl::StatusOr<std::vector<int32_t>> CheckReprefilledBlocks(
+    const v1::MarkReprefilledRequest& request, int64_t num_blocks);
+
 class Recovery {
  public:
   // \returns UNAVAILABLE when the keeper does not answer within
-  //   keeper_wait; FAILED_PRECONDITION / DATA_LOSS (CheckHeader) when the kept
+  //   keeper_wait; FAILED_PRECONDITION naming the holder's pid when another
+  //   live process holds the keeper's pools (one service per kept
+  //   allocation: the keeper hands them to the next one once that process's
+  //   connection closes, as it does when it dies); FAILED_PRECONDITION /
+  //   DATA_LOSS (CheckHeader) when the kept
   //   pools cannot be used and discard_kept_pools is off; the device's
   //   errors.
   static absl::StatusOr<std::unique_ptr<Recovery>> Start(const v1::Layout& layout, Device& device,
@@ -87,6 +99,14 @@ class Recovery {
   // `layout` too.
   void Recover(const v1::RecoverRequest& request, const v1::Layout& layout,
                std::function<void(absl::Status, v1::RecoverResponse)> reply);
+
+  // MarkReprefilled: `request.blocks` were written again by the scheduler;
+  // their block records' lost flag is cleared in stream order (after the
+  // work enqueued before), so neither Recover nor a later instance reports
+  // them lost. Replies with the blocks still lost. Checks first
+  // (CheckReprefilledBlocks); a refused call changes nothing.
+  void MarkReprefilled(const v1::MarkReprefilledRequest& request,
+                       std::function<void(absl::Status, v1::MarkReprefilledResponse)> reply);
 
   // Why health must say NOT_SERVING ("" when nothing is wrong): the keeper
   // is gone, so a restart would lose the pools.

@@ -68,6 +68,8 @@ class DeferredEngine final : public ModeEngine {
     }
   }
 
+  kernels::PendingBlocks PendingTable() const override { return pending_; }
+
   void AddToVerify(int layer, kernels::VerifyArgs& args) const override {
     args.mode = kernels::CommitMode::kDeferred;
     args.pending = pending_;

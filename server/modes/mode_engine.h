@@ -62,6 +62,10 @@ class ModeEngine {
   // Kept pools: every Commit journals to `journal` (set by the engine).
   virtual void SetCommitJournal(const kernels::CommitJournal& journal) {}
 
+  // DEFERRED: its pending table (where the kernels see it); entries null
+  // for the modes without one.
+  virtual kernels::PendingBlocks PendingTable() const { return {}; }
+
   // What the mode adds to a Verify of `layer` and to a Commit.
   virtual void AddToVerify(int layer, kernels::VerifyArgs& args) const = 0;
   virtual void AddToCommit(kernels::CommitArgs& args) const = 0;

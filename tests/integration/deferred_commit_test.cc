@@ -4,8 +4,10 @@
 // materialized: by the block's next Verify, by ReadState, by Flush, or when
 // the driving session ends. Until then a pending block holds its checkpoint.
 // Misuse the service can detect is refused, with the field and the rows.
+#include <algorithm>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -103,6 +105,29 @@ TEST_F(DeferredCommitTest, PendingBlocksHoldTheirCheckpointUntilMaterialized) {
   // Flush of everything: every byte equal.
   ASSERT_TRUE(deferred_->session().Flush(v1::FlushRequest()).ok());
   EXPECT_EQ(deferred_->Pools(), eager_->Pools());
+}
+
+// Recover without kept pools counts the blocks with tokens pending too: the
+// rows' checkpoint blocks that a Commit left pending, until a Flush
+// materializes them; EAGER has none.
+TEST_F(DeferredCommitTest, RecoverCountsPendingBlocksWithoutAKeeper) {
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<int> accepted;
+  for (int i = 0; i < Scheduler::kRows; ++i) accepted.push_back(rng() % 3);
+  accepted[rng() % Scheduler::kRows] = 1 + rng() % 2;
+  const int pending = static_cast<int>(
+      std::count_if(accepted.begin(), accepted.end(), [](int a) { return a > 0; }));
+  v1::RecoverResponse r = ValueOrDie(deferred_client_->Recover());
+  EXPECT_FALSE(r.kept());
+  EXPECT_EQ(r.pending_blocks(), 0);
+  Step(1, accepted);
+  r = ValueOrDie(deferred_client_->Recover());
+  EXPECT_FALSE(r.kept());
+  EXPECT_EQ(r.pending_blocks(), pending) << "accepted " << accepted[0] << "," << accepted[1]
+                                         << "," << accepted[2];
+  EXPECT_EQ(ValueOrDie(eager_client_->Recover()).pending_blocks(), 0);
+  ASSERT_TRUE(deferred_->session().Flush(v1::FlushRequest()).ok());
+  EXPECT_EQ(ValueOrDie(deferred_client_->Recover()).pending_blocks(), 0);
 }
 
 TEST_F(DeferredCommitTest, ManyStepsAgreeAndTheEndOfTheDriverMaterializesEverything) {

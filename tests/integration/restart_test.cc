@@ -13,6 +13,8 @@
 // - A step in flight: UNAVAILABLE, then FAILED_PRECONDITION naming it.
 // - A layout change across a restart is refused with the changed field, and
 //   discarded when told (--discard_kept_pools).
+// - A second specstated on a live one's keeper is refused at start, naming
+//   its pid; the next one after the first's death takes the pools over.
 // - The keeper's death with specstated alive: NOT_SERVING with the reason,
 //   SERVING again once a keeper is back (and holds the pools).
 // - systemd's file-descriptor store (a fake notification socket): FDSTORE=1
@@ -26,10 +28,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -209,6 +213,179 @@ TEST(RestartTest, AnInterruptedCommitReportsItsBlocksLostUntilRewritten) {
       {RunfilePath("client/cli/specstatectl"), "--server=" + service->address(), "verify-pools"});
   EXPECT_EQ(verify->exit_code, 0) << verify->output;
   EXPECT_THAT(verify->output, HasSubstr("verify       consistent"));
+}
+
+// Fresh random inputs for `s`'s steps: q, k, v, g and beta (small bf16
+// values, never zero) of the layout's heads.
+void RandomActivations(Scheduler& s, const v1::Layout& layout, std::mt19937_64& rng) {
+  const size_t tokens = Scheduler::kRows * Scheduler::kTokensPerRow;
+  const size_t per_head = layout.head_dim();
+  for (int which : {0, 1, 2, 3, 5}) {
+    const size_t count = tokens * layout.num_heads() * (which == 5 ? 1 : per_head);
+    uint16_t* v = reinterpret_cast<uint16_t*>(s.Act(which));
+    for (size_t i = 0; i < count; ++i) v[i] = static_cast<uint16_t>(0x3c00 + rng() % 256);
+  }
+}
+
+// A step committed before a restart is refused after it, as within one
+// instance: a full re-run (Verify of every layer, then Commit) of the step
+// Recover reports as last_committed_step gets the in-instance refusal, code
+// and message, and writes nothing; the next step goes on.
+TEST(RestartTest, TheLastCommittedStepIsRefusedAfterARestartAsWithinOneInstance) {
+  std::unique_ptr<OwnService> service = StartOwn();
+  ASSERT_NE(service, nullptr);
+  auto c = ValueOrDie(Client::Connect(service->address()));
+  const v1::Layout layout = ValueOrDie(c->GetLayout());
+  Scheduler s(*c);
+  std::mt19937_64 rng(std::random_device{}());
+  RandomActivations(s, layout, rng);
+  const uint64_t step = 1 + rng() % 1000;
+  std::vector<int> accepted;
+  for (int i = 0; i < Scheduler::kRows; ++i) accepted.push_back(1 + rng() % 2);
+  const v1::CommitRequest commit = s.Commit(step, accepted);
+  ASSERT_OK(s.VerifyAll(step));
+  ASSERT_OK(s.session().Commit(commit).status());
+  const absl::Status within = s.session().Verify(s.Verify(step, 0)).status();
+  ExpectError(within, absl::StatusCode::kFailedPrecondition,
+              absl::StrCat("step ", step, " is already committed"));
+  const std::string committed = s.Pools();
+  service->Kill();
+  ASSERT_OK(service->Launch());
+  const v1::RecoverResponse kept = ValueOrDie(s.session().Resume(absl::Seconds(20)));
+  ASSERT_EQ(kept.last_committed_step(), step);
+  // The full re-run: every layer's Verify, then the Commit.
+  for (int l = 0; l < layout.num_layers(); ++l) {
+    const absl::Status after = s.session().Verify(s.Verify(step, l)).status();
+    EXPECT_EQ(after.code(), within.code()) << "layer " << l << ": " << after;
+    EXPECT_EQ(std::string(after.message()), std::string(within.message())) << "layer " << l;
+  }
+  const absl::Status again = s.session().Commit(commit).status();
+  ExpectError(again, absl::StatusCode::kFailedPrecondition,
+              absl::StrCat("step ", step, " is already committed"));
+  EXPECT_TRUE(s.Pools() == committed) << "the re-run wrote the pools";
+  v1::RecoverResponse now = ValueOrDie(c->Recover(/*verify=*/true));
+  EXPECT_EQ(now.commits(), 1u);
+  EXPECT_EQ(now.last_committed_step(), step);
+  EXPECT_THAT(now.problems(), ::testing::IsEmpty());
+  // The next step id goes on from the kept states.
+  ASSERT_OK(s.VerifyAll(step + 1));
+  ASSERT_OK(s.session().Commit(s.Commit(step + 1, accepted)).status());
+  EXPECT_FALSE(s.Pools() == committed);
+  EXPECT_EQ(ValueOrDie(c->Recover()).last_committed_step(), step + 1);
+}
+
+// One service per kept allocation: a second specstated given the keeper of
+// a live one is refused at start, naming the holder's pid, and exits
+// non-zero; the first serves on and its pools are untouched. Once the first
+// is dead (SIGKILL: no goodbye), the next one takes the pools over.
+TEST(RestartTest, ASecondServiceOnALiveHoldersPoolsIsRefusedAtStart) {
+  std::unique_ptr<OwnService> service = StartOwn();
+  ASSERT_NE(service, nullptr);
+  auto c = ValueOrDie(Client::Connect(service->address()));
+  Scheduler s(*c);
+  ASSERT_OK(s.VerifyAll(1));
+  ASSERT_OK(s.session().Commit(s.Commit(1)).status());
+  const std::string committed = s.Pools();
+  // `timeout`: without the refusal the second one would serve for good.
+  absl::StatusOr<ProcessResult> second = RunProcess(
+      {"/usr/bin/timeout", "30", RunfilePath("server/specstated"),
+       "--listen=unix://" + service->directory() + "/second.sock",
+       "--keeper=" + service->keeper_socket()});
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_NE(second->exit_code, 0) << second->output;
+  EXPECT_NE(second->exit_code, 124) << "it served on the live holder's pools:\n" << second->output;
+  EXPECT_THAT(second->output, HasSubstr(absl::StrCat("held by pid ", service->pid())));
+  EXPECT_THAT(second->output, HasSubstr("one service per kept allocation"));
+  EXPECT_THAT(second->output, ::testing::Not(HasSubstr("took over the kept pools")));
+  // The first serves on, its pools as it left them, and goes on committing.
+  EXPECT_EQ(s.Pools(), committed);
+  EXPECT_EQ(ValueOrDie(c->Health()), "SERVING");
+  ASSERT_OK(s.VerifyAll(2));
+  ASSERT_OK(s.session().Commit(s.Commit(2)).status());
+  v1::RecoverResponse live = ValueOrDie(c->Recover(/*verify=*/true));
+  EXPECT_EQ(live.last_committed_step(), 2u);
+  EXPECT_EQ(live.restarts(), 0u);
+  EXPECT_THAT(live.problems(), ::testing::IsEmpty());
+  const std::string pools = s.Pools();
+  // A dead holder holds nothing: the next specstated takes them over.
+  service->Kill();
+  ASSERT_OK(service->Launch());
+  auto next = ValueOrDie(Client::Connect(service->address()));
+  const v1::RecoverResponse kept = ValueOrDie(next->Recover());
+  EXPECT_TRUE(kept.kept());
+  EXPECT_EQ(kept.restarts(), 1u);
+  EXPECT_EQ(kept.last_committed_step(), 2u);
+  EXPECT_EQ(s.Pools(), pools);
+}
+
+// The scheduler says which lost blocks it re-prefilled (MarkReprefilled):
+// Recover and every later restart no longer report them, the others stay
+// lost. Bad input is refused naming the entry and the bound, by the driver
+// only, and changes nothing.
+TEST(RestartTest, ReprefilledBlocksAreNoLongerReportedLostAfterTheNextRestart) {
+  std::unique_ptr<OwnService> service = StartOwn();
+  ASSERT_NE(service, nullptr);
+  service->Kill();
+  ASSERT_OK(service->Launch({"--test_crash_at=commit:layer:1"}));
+  auto c = ValueOrDie(Client::Connect(service->address()));
+  const int64_t num_blocks = ValueOrDie(c->GetLayout()).num_blocks();
+  Scheduler s(*c);
+  ASSERT_OK(s.VerifyAll(2));
+  EXPECT_EQ(s.session().Commit(s.Commit(2)).status().code(), absl::StatusCode::kUnavailable);
+  service->Kill();
+  ASSERT_OK(service->Launch());
+  v1::RecoverResponse kept = ValueOrDie(s.session().Resume(absl::Seconds(20)));
+  ASSERT_THAT(kept.lost_blocks(), ::testing::ElementsAre(1, 2, 3));
+  // A random part of them re-prefilled (the scheduler's own writes), one
+  // listed twice.
+  std::mt19937_64 rng(std::random_device{}());
+  std::vector<int32_t> done, rest;
+  const int mask = 1 + rng() % 7;
+  for (int b = 1; b <= 3; ++b) ((mask >> (b - 1)) & 1 ? done : rest).push_back(b);
+  std::vector<int32_t> told = done;
+  told.push_back(done[rng() % done.size()]);
+  std::shuffle(told.begin(), told.end(), rng);
+  // Bad input first: refused, nothing changes.
+  ExpectError(s.session().MarkReprefilled({}).status(), absl::StatusCode::kInvalidArgument,
+              "blocks is empty");
+  std::vector<int32_t> bad = told;
+  const int32_t past = static_cast<int32_t>(num_blocks + rng() % 100);
+  bad.push_back(past);
+  ExpectError(s.session().MarkReprefilled(bad).status(), absl::StatusCode::kOutOfRange,
+              absl::StrCat("blocks[", bad.size() - 1, "] = ", past,
+                           " is out of range [1, num_blocks = ", num_blocks, ")"));
+  ExpectError(s.session().MarkReprefilled({done[0], 0}).status(), absl::StatusCode::kOutOfRange,
+              "blocks[1] = 0 is out of range");
+  ExpectError(s.session().MarkReprefilled({-1 - static_cast<int32_t>(rng() % 1000)}).status(),
+              absl::StatusCode::kOutOfRange, "blocks[0] = -");
+  ExpectError(
+      s.session().MarkReprefilled(std::vector<int32_t>(num_blocks + 1, done[0])).status(),
+      absl::StatusCode::kInvalidArgument,
+      absl::StrCat("blocks has ", num_blocks + 1, " entries: at most num_blocks = ", num_blocks));
+  {
+    Scheduler reader(*c, /*drive=*/false);
+    absl::Status refused = reader.session().MarkReprefilled(done).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  }
+  EXPECT_THAT(ValueOrDie(c->Recover()).lost_blocks(), ::testing::ElementsAre(1, 2, 3));
+  // The re-prefilled ones are no longer lost, now and after the next restart.
+  const v1::MarkReprefilledResponse marked = ValueOrDie(s.session().MarkReprefilled(told));
+  EXPECT_THAT(marked.lost_blocks(), ::testing::ElementsAreArray(rest));
+  EXPECT_THAT(ValueOrDie(c->Recover()).lost_blocks(), ::testing::ElementsAreArray(rest));
+  service->Kill();
+  ASSERT_OK(service->Launch());
+  kept = ValueOrDie(ValueOrDie(Client::Connect(service->address()))->Recover(/*verify=*/true));
+  EXPECT_THAT(kept.lost_blocks(), ::testing::ElementsAreArray(rest));
+  EXPECT_FALSE(kept.interrupted());
+  EXPECT_EQ(kept.problems().empty(), rest.empty()) << kept.DebugString();
+  // The rest too: the bookkeeping is consistent again.
+  ValueOrDie(s.session().Resume(absl::Seconds(20)));
+  if (!rest.empty()) {
+    EXPECT_THAT(ValueOrDie(s.session().MarkReprefilled(rest)).lost_blocks(), ::testing::IsEmpty());
+  }
+  kept = ValueOrDie(c->Recover(/*verify=*/true));
+  EXPECT_THAT(kept.lost_blocks(), ::testing::IsEmpty());
+  EXPECT_THAT(kept.problems(), ::testing::IsEmpty());
 }
 
 TEST(RestartTest, ALayoutChangeIsRefusedAcrossARestart) {

@@ -13,9 +13,13 @@
 // bit for bit) in a driving session of its own, appended to the log once it passed;
 // now and then a driver then dies abruptly (its session ends when its
 // stream breaks). A contender keeps trying to drive, and drops the session
-// at once when it gets one. Readers read everything and register and drop
+// at once when it gets one. Readers read everything and check it (a
+// block's every value against the service's summary of it, the committed
+// steps never going back, their own regions listed) and register and drop
 // regions; hostile clients send what no scheduler should and truncate their
-// own shared memory. The final pools are a function of the logged runs
+// own shared memory. Every process of every role does at least one round
+// (even one started as the stop file appeared) and ends printing
+// "ROLE: N rounds (...)"; tools/soak.sh fails when a participant did none. The final pools are a function of the logged runs
 // alone, so `replay` on a fresh server must produce them byte for byte
 // (`hash` prints the FNV-1a of every pool byte).
 //
@@ -26,7 +30,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <cstdio>
 #include <fstream>
@@ -102,7 +108,7 @@ int Driver(Client& c) {
   const int lock = open(absl::GetFlag(FLAGS_lock).c_str(), O_RDWR | O_CREAT, 0600);
   if (lock < 0) Fail("opening the lock", absl::InternalError(std::strerror(errno)));
   int turns = 0;
-  while (!Stopped()) {
+  do {
     Run r;
     r.seed = rng();
     r.steps = 2 + rng() % 5;
@@ -125,16 +131,20 @@ int Driver(Client& c) {
     ++turns;
     // Now and then die as a crashed scheduler would: no goodbye. The turn
     // is logged and its session ends when the stream breaks.
-    if (rng() % 8 == 0) _exit(0);
+    if (rng() % 8 == 0) {
+      std::printf("driver: %d rounds (runs passed; then died on purpose)\n", turns);
+      std::fflush(stdout);
+      _exit(0);
+    }
     flock(lock, LOCK_UN);
-  }
-  std::printf("driver: %d runs\n", turns);
+  } while (!Stopped());
+  std::printf("driver: %d rounds (runs passed)\n", turns);
   return 0;
 }
 
 int Contender(Client& c) {
   int got = 0, refused = 0;
-  while (!Stopped()) {
+  do {
     absl::StatusOr<std::unique_ptr<client::Session>> s = c.OpenSession("contender", true);
     if (s.ok()) {
       ++got;
@@ -145,23 +155,72 @@ int Contender(Client& c) {
       Fail("OpenSession(drive)", s.status());
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(3));
-  }
-  std::printf("contender: drove %d times, refused %d\n", got, refused);
+  } while (!Stopped());
+  std::printf("contender: %d rounds (drove %d times, refused %d)\n", got + refused, got, refused);
   return 0;
 }
 
+// A reader's round: a block's state with every value, checked against the
+// summary the service computed over the same bytes; the stats (the
+// committed steps never go back); the pools' export (their size); health;
+// and every fourth round a session of its own whose registered region must
+// be listed under it. Every round does all of it (a round is never empty),
+// and a process does at least one round, even if the stop file appeared
+// while it started.
 int Reader(Client& c) {
   std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
   const v1::Layout layout = c.GetLayout().value();
   auto memory = client::SharedMemory::Create(v1::CPU).value();
   int calls = 0;
-  while (!Stopped()) {
+  uint64_t values_checked = 0;
+  uint64_t committed = 0;
+  do {
     const int layer = rng() % layout.num_layers();
     const int block = rng() % layout.num_blocks();
-    absl::Status s = c.ReadState(layer, block, rng() % 4 == 0).status();
-    if (s.ok()) s = c.GetStats().status();
-    if (s.ok()) s = c.ListRegions().status();
-    if (s.ok()) s = c.ExportPools().status();
+    absl::StatusOr<v1::ReadStateResponse> read = c.ReadState(layer, block, true);
+    if (!read.ok()) Fail("ReadState", read.status());
+    for (const v1::TensorSummary* t : {&read->recurrent(), &read->conv()}) {
+      int64_t elements = 1;
+      for (int64_t d : t->shape()) elements *= d;
+      if (t->shape().empty() || elements != t->values_size()) {
+        Fail("ReadState", absl::DataLossError(absl::StrCat(
+                              "layer ", layer, " block ", block, ": ", t->values_size(),
+                              " values for a shape of ", elements, " elements")));
+      }
+      double lo = t->values_size() > 0 ? t->values(0) : 0, hi = lo, sum2 = 0;
+      for (float v : t->values()) {
+        lo = std::min<double>(lo, v);
+        hi = std::max<double>(hi, v);
+        sum2 += double{v} * v;
+      }
+      // The summary is of the same bytes: its extremes are values, and its
+      // norm is theirs (up to the float rounding of the values sent).
+      if (lo != t->min() || hi != t->max() ||
+          std::abs(std::sqrt(sum2) - t->l2_norm()) > 1e-4 * (1 + t->l2_norm())) {
+        Fail("ReadState", absl::DataLossError(absl::StrFormat(
+                              "layer %d block %d: values span [%g, %g] norm %g, the summary "
+                              "says [%g, %g] norm %g",
+                              layer, block, lo, hi, std::sqrt(sum2), t->min(), t->max(),
+                              t->l2_norm())));
+      }
+      values_checked += t->values_size();
+    }
+    absl::StatusOr<v1::Stats> stats = c.GetStats();
+    if (!stats.ok()) Fail("GetStats", stats.status());
+    if (stats->steps_committed() < committed) {
+      Fail("GetStats", absl::DataLossError(absl::StrCat("steps_committed went back from ",
+                                                        committed, " to ",
+                                                        stats->steps_committed())));
+    }
+    committed = stats->steps_committed();
+    absl::StatusOr<v1::ExportPoolsResponse> pools = c.ExportPools();
+    if (!pools.ok()) Fail("ExportPools", pools.status());
+    if (pools->allocation_bytes() < layout.pool_bytes()) {
+      Fail("ExportPools", absl::DataLossError(absl::StrCat(
+                              "allocation_bytes ", pools->allocation_bytes(),
+                              " < the layout's pool_bytes ", layout.pool_bytes())));
+    }
+    absl::Status s = c.ListRegions().status();
     if (s.ok()) s = c.Health().status();
     if (!s.ok()) Fail("reading", s);
     if (rng() % 4 == 0) {
@@ -171,6 +230,13 @@ int Reader(Client& c) {
       if (!buffer.ok()) Fail("Allocate", buffer.status());
       absl::StatusOr<std::string> name = (*session)->RegisterBuffer(**buffer);
       if (!name.ok()) Fail("RegisterBuffer", name.status());
+      absl::StatusOr<v1::ListRegionsResponse> mine = c.ListRegions((*session)->id());
+      if (!mine.ok()) Fail("ListRegions", mine.status());
+      if (mine->regions_size() != 1 || mine->regions(0).name() != *name) {
+        Fail("ListRegions", absl::DataLossError(absl::StrCat(
+                                "session ", (*session)->id(), " registered ", *name, " but ",
+                                mine->regions_size(), " regions are listed under it")));
+      }
       if (rng() % 2 == 0) {
         absl::Status u = (*session)->Unregister(*name);
         if (!u.ok()) Fail("Unregister", u);
@@ -178,8 +244,9 @@ int Reader(Client& c) {
       // Closing drops the rest.
     }
     ++calls;
-  }
-  std::printf("reader: %d rounds\n", calls);
+  } while (!Stopped());
+  std::printf("reader: %d rounds (%llu state values checked)\n", calls,
+              static_cast<unsigned long long>(values_checked));
   return 0;
 }
 
@@ -190,7 +257,7 @@ int Hostile(Client& c) {
   const v1::Layout layout = c.GetLayout().value();
   auto memory = client::SharedMemory::Create(v1::CPU).value();
   int calls = 0;
-  while (!Stopped()) {
+  do {
     auto session = c.OpenSession("hostile", false);
     if (!session.ok()) Fail("OpenSession", session.status());
     client::Session& s = **session;
@@ -246,7 +313,7 @@ int Hostile(Client& c) {
     buffer.reset();
     ++calls;
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
+  } while (!Stopped());
   std::printf("hostile: %d rounds\n", calls);
   return 0;
 }

@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import grpc
 import numpy as np
@@ -860,6 +860,18 @@ class Session:
             request.layer = layer
         _set_signals(request, wait, signal)
         return self.client.call("Flush", request)
+
+
+    def mark_reprefilled(self, blocks: Sequence[int]) -> pb.MarkReprefilledResponse:
+        """After a restart: the scheduler re-prefilled `blocks` (the
+        ``lost_blocks`` of :meth:`resume`'s answer, or of ``recover``), so
+        they are no longer reported lost, by this instance or after later
+        restarts (MarkReprefilled). Returns the blocks still lost
+        (``lost_blocks``). OUT_OF_RANGE for a block outside [1, num_blocks),
+        INVALID_ARGUMENT for an empty list; nothing changes then."""
+        request = pb.MarkReprefilledRequest(session_id=self.id,
+                                            blocks=[int(b) for b in blocks])
+        return self.client.call("MarkReprefilled", request)
 
 
 def _rows(index: pb.IndexTensor) -> int:

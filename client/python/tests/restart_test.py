@@ -4,7 +4,8 @@ goes on after specstated is SIGKILLed and started again (session.resume()
 reconnects, re-opens the session, re-registers the buffers, reloads the layer
 parameters); a step in flight when it died is refused afterwards
 (FAILED_PRECONDITION naming it) and re-runs under a new id; an interrupted
-Commit's blocks come back in lost_blocks."""
+Commit's blocks come back in lost_blocks, until the scheduler says it
+re-prefilled them (session.mark_reprefilled)."""
 from __future__ import annotations
 
 import os
@@ -88,6 +89,19 @@ class RestartTest(unittest.TestCase):
             self.assertIn("step 2's Commit was interrupted", e.exception.message)
             verified = client.recover(verify=True)
             self.assertEqual(sorted(verified.inconsistent_blocks), sorted(kept.lost_blocks))
+            # The scheduler re-prefills them and says so (a bad block first:
+            # refused, nothing changed): no longer lost, after a restart too.
+            with self.assertRaises(specstate.SpecStateError) as e:
+                session.mark_reprefilled([kept.lost_blocks[0], 10**6])
+            self.assertEqual(e.exception.code, grpc.StatusCode.OUT_OF_RANGE)
+            self.assertIn("blocks[1] = 1000000 is out of range [1, num_blocks", e.exception.message)
+            self.assertEqual(sorted(client.recover().lost_blocks), sorted(kept.lost_blocks))
+            self.assertEqual(list(session.mark_reprefilled(kept.lost_blocks).lost_blocks), [])
+            self.server.kill(hard=True)
+            self.server.start()
+            again = session.resume()
+            self.assertEqual(list(again.lost_blocks), [])
+            self.assertEqual(client.recover(verify=True).problems, [])
             h.close()
 
 
