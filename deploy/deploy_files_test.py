@@ -196,7 +196,8 @@ class ProtoParserTest(unittest.TestCase):
         messages, enums = parse_proto(read(PROTO))
         self.assertEqual(set(messages["ServiceConfig"]),
                          {"layout", "listen", "default_lease_ms", "max_lease_ms",
-                          "submit_spin_us", "stuck_stream_ms", "keeper", "discard_kept_pools"})
+                          "submit_spin_us", "stuck_stream_ms", "keeper", "discard_kept_pools",
+                          "host_tier_bytes"})
         self.assertEqual(messages["ServiceConfig"]["layout"], ("Layout", False))
         self.assertIn("mamba_block_size", messages["Layout"])
         self.assertEqual(messages["Layout"]["backend"], ("Backend", False))

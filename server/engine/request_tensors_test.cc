@@ -147,7 +147,9 @@ TEST_F(RequestTensorsTest, InlineIndexFollowsItsShapeRules) {
 
 TEST_F(RequestTensorsTest, RegionIndexPointsIntoTheRegionAndPinsIt) {
   RegionLookup lookup(registry_, session_);
-  const int rows = Draw(1, 64);
+  // At least two rows: one row with a stride is still dense (the strided
+  // column below would pass as num_accepted).
+  const int rows = Draw(2, 64);
   const uint64_t offset = 4 * Draw(0, 1000);
   absl::StatusOr<IndexInput> in =
       ResolveIndex(lookup, InRegion("acts", offset, {rows}), "idx_mapping", {});

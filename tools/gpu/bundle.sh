@@ -11,7 +11,7 @@ dest=${1:-.gpu}
 default_targets="//server:specstated //client/cli:specstatectl //kernels:kda_kernels_gpu_test
   //tests/integration:gpu_service_test //tests/bench:kda_bench //tests/bench:service_bench //tests/bench:handoff_bench
   //tools/gpu/trace:libcupti_trace.so //keeper:specstate-keeper //tools/gpu:vmm_probe
-  //kernels/fast:fast_cuda_gpu_test //tests/bench:fast_bench"
+  //kernels/fast:fast_cuda_gpu_test //tests/bench:fast_bench //tests/bench:host_tier_bench"
 read -r -a targets <<< "$(echo ${BUNDLE_TARGETS:-$default_targets})"
 bazel build "${targets[@]}"
 final=$dest

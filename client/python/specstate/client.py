@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy as np
@@ -188,6 +188,15 @@ class Client:
     def list_regions(self, session_id: str = "") -> pb.ListRegionsResponse:
         """Regions of one session, or of every session when `session_id` is empty."""
         return self.call("ListRegions", pb.ListRegionsRequest(session_id=session_id))
+
+    def list_saved(self) -> pb.ListSavedResponse:
+        """The host tier's keys, most recently used first, and its capacity
+        (ListSaved; capacity 0: no host tier)."""
+        return self.call("ListSaved", pb.ListSavedRequest())
+
+    def drop_saved(self, keys: Sequence[str]) -> int:
+        """Forgets saved keys (DropSaved); how many were saved."""
+        return int(self.call("DropSaved", pb.DropSavedRequest(keys=[str(k) for k in keys])).dropped)
 
     def recover(self, verify: bool = False) -> pb.RecoverResponse:
         """What the service kept across its last restart (Recover): the last
@@ -861,6 +870,32 @@ class Session:
         _set_signals(request, wait, signal)
         return self.client.call("Flush", request)
 
+
+    def save_blocks(self, entries: Union[Dict[str, int], Sequence[Tuple[int, str]]], *,
+                    ordering: Union[None, str, int] = None, wait: Any = None,
+                    signal: Any = None) -> pb.SaveBlocksResponse:
+        """The host tier (specstated --host_tier_bytes): copies blocks, every
+        layer's recurrent and conv state as the commits so far left them,
+        into host memory under keys (SaveBlocks). `entries`: {key: block} or
+        [(block, key), ...]. Returns the keys evicted to make room and the
+        bytes copied. The pools are not changed."""
+        pairs = entries.items() if isinstance(entries, dict) else [(k, b) for b, k in entries]
+        request = pb.SaveBlocksRequest(
+            session_id=self.id, ordering=_ordering(ordering, wait, signal),
+            entries=[pb.SaveEntry(block=int(b), key=str(k)) for k, b in pairs])
+        _set_signals(request, wait, signal)
+        return self.client.call("SaveBlocks", request)
+
+    def restore_blocks(self, entries: Dict[str, int], *, ordering: Union[None, str, int] = None,
+                       wait: Any = None, signal: Any = None) -> pb.RestoreBlocksResponse:
+        """Writes saved keys back into blocks, bit for bit ({key: block};
+        RestoreBlocks); what the mode kept unapplied for those blocks is
+        forgotten first. NOT_FOUND for a key not saved; nothing is written."""
+        request = pb.RestoreBlocksRequest(
+            session_id=self.id, ordering=_ordering(ordering, wait, signal),
+            entries=[pb.RestoreEntry(key=str(k), block=int(b)) for k, b in entries.items()])
+        _set_signals(request, wait, signal)
+        return self.client.call("RestoreBlocks", request)
 
     def mark_reprefilled(self, blocks: Sequence[int]) -> pb.MarkReprefilledResponse:
         """After a restart: the scheduler re-prefilled `blocks` (the
