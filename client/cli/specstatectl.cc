@@ -117,6 +117,10 @@ ABSL_FLAG(int, restart_every, 0,
           "temporary directory; not with --server) and kill the service about every N steps, in "
           "turn between calls, inside a Verify and inside a Commit (at each of its phases); the "
           "verdict still compares every state bit for bit and checks what each restart kept");
+ABSL_FLAG(int, host_tier_every, 0,
+          "simulate: every N steps, between steps, save a live request's block to the service's "
+          "host tier (it needs --host_tier_bytes), overwrite it and restore it; the block is "
+          "checked and the run goes on from it (not with --restart_every)");
 ABSL_FLAG(std::string, service_flags, "",
           "simulate --restart_every: flags of its own specstated, space-separated (default: the "
           "CPU backend's default layout)");
@@ -144,7 +148,8 @@ constexpr char kUsage[] =
     "  simulate   a decode loop checked bit for bit against the stock path\n"
     "             (--steps, --requests, --seed, --async; --servers=A0,A1,... for tensor\n"
     "             parallelism, checked against the TP=1 run too; --restart_every=N: its own\n"
-    "             keeper and specstated, killed and restarted every N steps)\n"
+    "             keeper and specstated, killed and restarted every N steps; --host_tier_every=N:\n"
+    "             a block saved, overwritten and restored every N steps)\n"
     "  plan       offline, no server: the blocks specstated allocates for a model and a memory\n"
     "             budget, SpecState's bytes per request against the stock speculative path\n"
     "             (--model, --pool_memory or --blocks, --max_rows, --num_spec, --commit_mode,\n"
@@ -357,6 +362,7 @@ int Simulate(const std::vector<Client*>& ranks, RestartDrill* drill = nullptr) {
   options.abandon_commit_at_step = absl::GetFlag(FLAGS_abandon_commit_at_step);
   options.corrupt_rank = absl::GetFlag(FLAGS_corrupt_rank);
   options.commit_mode = absl::GetFlag(FLAGS_commit_mode);
+  options.host_tier_every = absl::GetFlag(FLAGS_host_tier_every);
   const bool tty = isatty(fileno(stderr));
   options.progress = [tty](const SimulationProgress& p) {
     if (tty) {

@@ -95,6 +95,9 @@ class Driver {
   absl::Status MaterializeSome(int step);
   absl::Status MaterializeSomeOnce(int step);
   absl::Status FinalFlush();
+  // The host tier (SimulationOptions::host_tier_every; host_tier_phase.cc):
+  // a live request's block saved, overwritten, restored and checked.
+  absl::Status EvictAndRestore(int step);
   // Restart drills: a step's service calls, or a call between steps, across
   // the service's restarts.
   absl::Status ServiceCallsAcrossRestarts(StepPlan& p);

@@ -95,6 +95,12 @@ std::string FormatReport(const SimulationReport& r) {
       "memory saved against the stock path: %d bytes of recurrent state\n",
       r.steps, r.backend, r.layers, r.rows, r.null_rows, r.tokens_verified, r.tokens_accepted,
       r.requests_started, r.requests_finished, r.boundary_states, r.state_bytes_saved);
+  if (r.host_tier_round_trips > 0) {
+    out += absl::StrFormat(
+        "host tier: %d blocks saved, overwritten and restored between steps, each checked as "
+        "after a Flush\n",
+        r.host_tier_round_trips);
+  }
   if (r.deferred) {
     out += absl::StrFormat(
         "commit mode DEFERRED: %d blocks held their checkpoint after Commit; materialized by "

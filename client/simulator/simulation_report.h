@@ -56,6 +56,9 @@ struct SimulationReport {
   uint64_t materialized_by_flush = 0;
   uint64_t materialized_by_read = 0;  // (layer, block) pairs ReadState materialized
   uint64_t discarded = 0;             // finished requests' pending blocks flushed with discard
+  // The host tier (SimulationOptions::host_tier_every): blocks saved,
+  // overwritten and restored, each then checked as after a Flush.
+  uint64_t host_tier_round_trips = 0;
   // Commit mode FAST: the service's mode and fold_every; how many states
   // were measured; the largest errors over the run against the float64
   // reference, FAST's (the service's) and the exact path's (the stock

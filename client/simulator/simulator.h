@@ -118,6 +118,13 @@ struct SimulationOptions {
   // flight refused), re-prefills the lost blocks and re-runs the step, and
   // goes on comparing every state bit for bit. One service, SYNC ordering.
   RestartDrill* drill = nullptr;
+  // The host tier (specstated --host_tier_bytes): every this many steps
+  // (0: never), between steps, one live request's block is saved
+  // (SaveBlocks), overwritten with random bytes as if the GPU copy had been
+  // evicted and the block reused, and restored (RestoreBlocks); the block is
+  // then checked as after a Flush of it, and the run goes on from it. Not
+  // with a restart drill (the saved copies die with the service).
+  int host_tier_every = 0;
   // Called after every step (under tensor parallelism, once every rank has
   // done it, with the ranks' sums).
   std::function<void(const SimulationProgress&)> progress;

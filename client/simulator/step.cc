@@ -54,6 +54,10 @@ absl::Status Driver::Step(int s) {
   }
   last_step_id_ = p.step_id;
   if (phases_.pending_blocks) st = MaterializeSome(p.step);
+  if (st.ok() && options_.host_tier_every > 0 && options_.drill == nullptr &&
+      (p.step + 1) % options_.host_tier_every == 0) {
+    st = EvictAndRestore(p.step);
+  }
   if (st.ok() && s == options_.corrupt_after_step) {
     st = CorruptARunningState(/*flip=*/rank_ == options_.corrupt_rank, s);
   }

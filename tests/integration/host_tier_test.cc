@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/lib/client.h"
+#include "client/simulator/simulator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/mode_fixture.h"
@@ -261,6 +262,34 @@ TEST_P(HostTierTest, ABudgetBelowOneBlockIsRefusedAtStart) {
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_THAT(r.output, ::testing::HasSubstr("host_tier_bytes 1024 holds no block: one block of "
                                              "every layer takes 299008 bytes"));
+}
+
+// The simulator's decode loop with a block saved, overwritten and restored
+// every few steps (none and align mode): every state and output still as
+// the stock path's (FAST: within its contract), and the restored blocks
+// checked.
+TEST_P(HostTierTest, TheSimulatorSavesOverwritesAndRestoresBlocksMidRun) {
+  for (const std::string cache_mode : {"none", "align"}) {
+    SCOPED_TRACE(cache_mode);
+    std::vector<std::string> flags = {"--backend=cpu", "--commit_mode=" + GetParam(),
+                                      "--host_tier_bytes=64MiB", "--cache_mode=" + cache_mode,
+                                      "--blocks=200"};
+    if (cache_mode == "align") flags.push_back("--mamba_block_size=8");
+    if (GetParam() == "fast") flags.push_back("--fold_every=2");
+    server_ = ValueOrDie(ServerProcess::Start(flags));
+    client_ = ValueOrDie(Client::Connect(server_->address()));
+    client::SimulationOptions o;
+    o.steps = 40;
+    o.requests = 4;
+    o.seed = seed_;
+    o.commit_mode = GetParam();
+    o.host_tier_every = 3;
+    const client::SimulationReport r = ValueOrDie(client::RunSimulation(*client_, o));
+    EXPECT_TRUE(r.passed()) << client::FormatReport(r);
+    EXPECT_GE(r.host_tier_round_trips, 10u) << client::FormatReport(r);
+    client_.reset();
+    server_.reset();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, HostTierTest, ::testing::Values("eager", "deferred", "fast"),
