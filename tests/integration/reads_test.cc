@@ -1,201 +1,24 @@
-// Reads have no side effects (issue 35), over a real socket (CPU backend):
-// in every commit mode, two specstated in that mode get the same decode loop
-// (fresh random inputs every step, random acceptances, the same prefill);
-// one of them also answers ReadState calls between steps and between a
-// step's Verify and its Commit, of blocks with pending tokens (DEFERRED) or
-// ring tokens (FAST) and of blocks without. At the end every pool byte
-// (recurrent and conv, every layer) of the two must be equal: a read may not
-// materialize anything in place, since that changes what the pool shows
-// through ExportPools and, under FAST, the rounding of every later step. What
-// ReadState returns must still be the block's current state: after a Flush
-// of every block, each block's bytes are what ReadState read just before.
-// (gpu_service_test's ReadsChangeNoPoolByte runs the same on CUDA.)
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <map>
-#include <memory>
-#include <random>
+// Reads have no side effects (issue 35), over a real socket on the CPU
+// backend, in every commit mode: a decode loop run on two services, with
+// ReadState calls interleaved on one of them, leaves every pool byte of the
+// two equal, and what ReadState returned is what a Flush then leaves
+// (tests/integration/reads_loop.h). gpu_service_test's
+// ReadsChangeNoPoolByte runs the same on CUDA.
 #include <string>
-#include <utility>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
-#include "client/lib/client.h"
 #include "gtest/gtest.h"
-#include "tests/integration/mode_fixture.h"
-#include "tests/integration/server_process.h"
-#include "tests/integration/test_scheduler.h"
+#include "tests/integration/reads_loop.h"
 
 namespace specstate {
 namespace {
 
-using client::Client;
-using testing::Scheduler;
-using testing::ServerProcess;
-using testing::ValueOrDie;
-
-uint16_t FloatToBf16(float f) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-// The flags of each mode's two services.
-std::vector<std::string> FlagsOf(const std::string& mode) {
-  std::vector<std::string> flags = {"--backend=cpu", "--commit_mode=" + mode};
-  if (mode == "fast") flags.push_back("--fold_every=3");
-  return flags;
-}
-
-class ReadsTest : public ::testing::TestWithParam<std::string> {
- protected:
-  void SetUp() override {
-    seed_ = std::random_device()();
-    rng_.seed(seed_);
-    std::printf("%s: seed %u\n", GetParam().c_str(), seed_);
-    for (int i = 0; i < 2; ++i) {
-      servers_[i] = ValueOrDie(ServerProcess::Start(FlagsOf(GetParam())));
-      clients_[i] = ValueOrDie(Client::Connect(servers_[i]->address()));
-      schedulers_[i] = std::make_unique<Scheduler>(*clients_[i]);
-    }
-    views_ = ValueOrDie(clients_[0]->ExportPools());
-    layers_ = schedulers_[0]->layout().num_layers();
-    // A prefill: the same random states in blocks 1..kRows of both.
-    std::string pools = schedulers_[0]->Pools();
-    for (const v1::PoolView& view : views_.pools()) {
-      if (view.kind() != "recurrent") continue;
-      ASSERT_EQ(view.dtype(), v1::FP32);
-      const uint64_t block_bytes = view.byte_size() / view.shape(0);
-      for (int b = 1; b <= Scheduler::kRows; ++b) {
-        for (uint64_t i = 0; i < block_bytes / 4; ++i) {
-          const float x = std::normal_distribution<float>(0.0f, 0.1f)(rng_);
-          std::memcpy(&pools[view.offset_bytes() + b * block_bytes + 4 * i], &x, 4);
-        }
-      }
-    }
-    for (auto& s : schedulers_) s->RestorePools(pools);
-  }
-
-  void TearDown() override {
-    if (!HasFailure()) return;
-    std::fprintf(stderr, "%s: seed %u; the reading service's log:\n%s", GetParam().c_str(),
-                 seed_, servers_[1]->Log().c_str());
-  }
-
-  Scheduler& plain() { return *schedulers_[0]; }
-  Scheduler& reader() { return *schedulers_[1]; }
-  Client& reader_client() { return *clients_[1]; }
-
-  // Fresh random activations, the same in both services' regions.
-  void DrawInputs() {
-    const v1::Layout& l = plain().layout();
-    const int64_t elems =
-        int64_t{Scheduler::kRows} * Scheduler::kTokensPerRow * l.num_heads() * l.head_dim();
-    for (int which : {0, 1, 2, 3, 5}) {  // q, k, v, g, beta (4: the outputs)
-      const int64_t n = which == 5 ? elems / l.head_dim() : elems;
-      std::vector<uint16_t> bits(n);
-      for (uint16_t& b : bits) b = FloatToBf16(std::normal_distribution<float>(0.0f, 1.0f)(rng_));
-      for (auto& s : schedulers_) std::memcpy(s->Act(which), bits.data(), n * 2);
-    }
-  }
-
-  // Reads of a random layer of some blocks, among them the step's rows'
-  // (pending or ring tokens) and one no row uses (block kRows + 1), each
-  // with or without its values.
-  void ReadSome(const std::string& when) {
-    for (int b = 0; b <= Scheduler::kRows + 1; ++b) {
-      if (rng_() % 3 == 0) continue;
-      const int layer = static_cast<int>(rng_() % layers_);
-      const absl::StatusOr<v1::ReadStateResponse> r =
-          reader_client().ReadState(layer, b, rng_() % 2 == 0);
-      ASSERT_TRUE(r.ok()) << when << ": ReadState(layer " << layer << ", block " << b
-                          << "): " << r.status();
-      ++reads_;
-    }
-  }
-
-  // A step on both: every layer's Verify (reads between them and the
-  // Commit now and then, on the reader only), the Commit of random
-  // acceptances, then reads.
-  void Step(uint64_t step) {
-    DrawInputs();
-    for (int l = 0; l < layers_; ++l) {
-      for (auto& s : schedulers_) {
-        const absl::StatusOr<v1::VerifyResponse> v = s->session().Verify(s->Verify(step, l));
-        ASSERT_TRUE(v.ok()) << "step " << step << ", layer " << l << ": " << v.status();
-      }
-      ASSERT_EQ(plain().Outputs(), reader().Outputs())
-          << "step " << step << ", layer " << l << ": the reads changed Verify's outputs";
-    }
-    if (step % 3 == 0) {
-      ASSERT_NO_FATAL_FAILURE(ReadSome(absl::StrCat("step ", step, ", before its Commit")));
-    }
-    std::vector<int> accepted;
-    for (int n = 0; n < Scheduler::kRows; ++n) {
-      accepted.push_back(std::uniform_int_distribution<int>(0, Scheduler::kTokensPerRow)(rng_));
-    }
-    for (auto& s : schedulers_) {
-      const absl::StatusOr<v1::CommitResponse> c = s->session().Commit(s->Commit(step, accepted));
-      ASSERT_TRUE(c.ok()) << "step " << step << ": " << c.status();
-    }
-    ASSERT_NO_FATAL_FAILURE(ReadSome(absl::StrCat("after step ", step)));
-  }
-
-  // The first (layer, kind, block) whose bytes differ, or "".
-  std::string FirstDifference(const std::string& a, const std::string& b) const {
-    if (a.size() != b.size()) return "the pools' sizes";
-    for (const v1::PoolView& view : views_.pools()) {
-      for (int blk = 0; blk < view.shape(0); ++blk) {
-        if (testing::PoolBlock(a, views_, view.layer(), blk, view.kind()) !=
-            testing::PoolBlock(b, views_, view.layer(), blk, view.kind())) {
-          return absl::StrCat("layer ", view.layer(), ", ", view.kind(), ", block ", blk);
-        }
-      }
-    }
-    return a == b ? "" : "bytes outside the pools' views";
-  }
-
-  uint32_t seed_ = 0;
-  std::mt19937 rng_;
-  std::unique_ptr<ServerProcess> servers_[2];
-  std::unique_ptr<Client> clients_[2];
-  std::unique_ptr<Scheduler> schedulers_[2];
-  v1::ExportPoolsResponse views_;
-  int layers_ = 0;
-  int reads_ = 0;
-};
+class ReadsTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ReadsTest, ReadsChangeNoPoolByte) {
-  for (uint64_t step = 1; step <= 24; ++step) {
-    ASSERT_NO_FATAL_FAILURE(Step(step));
-    if (step % 8 == 0) {
-      ASSERT_EQ(FirstDifference(plain().Pools(), reader().Pools()), "")
-          << "after step " << step << " and " << reads_ << " reads";
-    }
-  }
-  EXPECT_GT(reads_, 40);
-  // Every pool byte, with blocks still pending (DEFERRED) or holding ring
-  // tokens (FAST): what the reads left must be what no reads left.
-  ASSERT_EQ(FirstDifference(plain().Pools(), reader().Pools()), "")
-      << "after 24 steps and " << reads_ << " reads";
-  // What ReadState returns is the block's current state: the bytes a Flush
-  // leaves in the pool.
-  std::map<std::pair<int, int>, uint64_t> read;
-  for (int l = 0; l < layers_; ++l) {
-    for (int b = 0; b <= Scheduler::kRows + 1; ++b) {
-      read[{l, b}] = ValueOrDie(reader_client().ReadState(l, b, false)).recurrent().checksum();
-    }
-  }
-  ASSERT_EQ(FirstDifference(plain().Pools(), reader().Pools()), "") << "after the last reads";
-  for (auto& s : schedulers_) ASSERT_TRUE(s->session().Flush(v1::FlushRequest()).ok());
-  const std::string flushed = reader().Pools();
-  EXPECT_EQ(FirstDifference(plain().Pools(), flushed), "") << "after a Flush of every block";
-  for (const auto& [at, checksum] : read) {
-    EXPECT_EQ(checksum, testing::Fnv1a(testing::PoolBlock(flushed, views_, at.first, at.second)))
-        << "layer " << at.first << ", block " << at.second
-        << ": ReadState's checksum is not that of the state a Flush leaves";
-  }
+  std::vector<std::string> flags = {"--backend=cpu", "--commit_mode=" + GetParam()};
+  if (GetParam() == "fast") flags.push_back("--fold_every=3");
+  testing::ExpectReadsChangeNoPoolByte(flags, v1::CPU, 24);
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryMode, ReadsTest, ::testing::Values("eager", "deferred", "fast"),
