@@ -509,6 +509,21 @@ struct FlushArgs {
   DeviceStatus* status = nullptr;
   DeviceStatus* status_mirror = nullptr;  // optional, as in VerifyArgs
   CommitMode mode = CommitMode::kEager;   // kDeferred or kFast (EAGER leaves nothing to flush)
+  // Materialize into a copy (ReadState; a host tier's save): with
+  // `copy.data` set, the current state of list element i's block in `layer`
+  // goes to block i + 1 of `copy` (its block 0 unused, as a pool's), the
+  // bytes a Flush would leave in the pool, bit for bit (the same replay or
+  // fold), and nothing else changes: no pool byte, no pending entry and no
+  // journal (DEFERRED), no ring and no cursor (FAST). Needs a list, one
+  // layer and no discard; copy.num_blocks > num_blocks_given, its
+  // block_stride the layer's pool's. A null entry (<= 0) leaves its copy
+  // block as it was. The list is checked as a Flush's.
+  StatePool copy;
+  // DEFERRED, with `copy` (its replay reads a layer table): layer `layer`'s
+  // entry with its state pool replaced by `copy`, on the host and where the
+  // kernels read it (one entry each).
+  const CommitLayer* copy_layer = nullptr;
+  const CommitLayer* device_copy_layer = nullptr;
 };
 
 // Align mode, after the commit: point each request at the block holding its

@@ -288,6 +288,27 @@ absl::Status ValidateFlushArgs(const FlushArgs& a) {
                                       a.layers[l].records.q, " tokens, not ", a.spec_query_len));
     }
   }
+  if (a.copy.data != nullptr) {
+    if (a.layer < 0) {
+      return Invalid(op, "copy: a copy is of one layer, and layer is -1 (every layer)");
+    }
+    if (a.blocks == nullptr || a.num_blocks_given < 1) {
+      return Invalid(op, "copy: a copy needs a block list (blocks is empty)");
+    }
+    if (a.discard) return Invalid(op, "copy: discard changes the blocks; a copy changes nothing");
+    if (a.copy.num_blocks <= a.num_blocks_given) {
+      return OutOfRange(op, absl::StrCat("copy.num_blocks = ", a.copy.num_blocks,
+                                         " must exceed the ", a.num_blocks_given,
+                                         " blocks given (its block 0 is unused)"));
+    }
+    st = CheckStatePool(op, a.shape, a.copy, "copy");
+    if (!st.ok()) return st;
+    if (a.copy.block_stride != a.layers[a.layer].state.block_stride) {
+      return Invalid(op, absl::StrCat("copy.block_stride = ", a.copy.block_stride,
+                                      " must be layer ", a.layer, "'s pool's, ",
+                                      a.layers[a.layer].state.block_stride));
+    }
+  }
   if (a.status == nullptr) return Invalid(op, "status is null");
   return ModeDispatch::Flush(a.mode).validate(a);
 }

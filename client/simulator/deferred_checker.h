@@ -44,7 +44,8 @@ class DeferredChecker final : public ModeChecker {
   absl::Status CheckFlushed(const std::vector<int32_t>& blocks, int step,
                             absl::string_view how) override;
   // After ReadState of `slot`'s pending block in `layer`: its checksum and
-  // the block's bytes in that layer.
+  // its values against the stock state (the block stays pending: a read
+  // materializes into a copy).
   absl::Status CheckRead(int step, int slot, int layer, const v1::ReadStateResponse& read) override;
 
   std::vector<int32_t> PendingBlocks() const override;
@@ -66,19 +67,18 @@ class DeferredChecker final : public ModeChecker {
  private:
   // Per request slot: its block whose tokens are pending, and per layer the
   // stock state (this rank's part; under TP also the TP=1 run's) it must
-  // hold once materialized; whether each layer already is (ReadState).
+  // hold once materialized.
   struct Pending {
     int32_t block = 0;  // 0: nothing pending
     int step = 0;
     std::vector<std::vector<char>> state, tp1_state;
-    std::vector<bool> materialized;
   };
 
   // After a step's Verify calls: every live row's pending block.
   absl::Status CheckMaterializedByVerify(const StepPlan& p);
   // Before Commit: the live rows' checkpoints.
   absl::Status SnapshotCheckpoints(const StepPlan& p);
-  // A pending block, once materialized: every layer not yet checked against
+  // A pending block, once materialized: every layer checked against
   // the stock state kept for it (and the TP=1 run's); then nothing pending.
   absl::Status CheckMaterialized(int step, int slot, absl::string_view how);
   // The service's block `block` of `layer` against `expected`, bit for bit

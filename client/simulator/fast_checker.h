@@ -70,7 +70,8 @@ class FastChecker final : public ModeChecker {
   absl::Status CheckFlushed(const std::vector<int32_t>& blocks, int step,
                             absl::string_view how) override;
   // After ReadState of `slot`'s pending block in `layer`: its checksum
-  // against the pool's bytes, and those against the current states.
+  // against its values, and those against the current states (the block
+  // stays pending: a read folds into a copy).
   absl::Status CheckRead(int step, int slot, int layer, const v1::ReadStateResponse& read) override;
 
   std::vector<int32_t> PendingBlocks() const override { return pending_; }
@@ -91,6 +92,10 @@ class FastChecker final : public ModeChecker {
                              absl::string_view what) override;
 
  private:
+  // CompareStates of `service`, the service's state of `block` in `layer`
+  // however it was read (the pool, or ReadState's values).
+  absl::Status MeasureState(int step, int layer, int slot, int32_t block, int col,
+                            const std::vector<char>& service, absl::string_view what);
   // One comparison of `got` (the service's) and `exact` (the stock path's)
   // with `want`, into the run's maxima; `what` names it for the worst case.
   void Measure(const std::vector<double>& got, const std::vector<double>& exact,

@@ -43,6 +43,23 @@ void CopyColumns(const std::vector<char>& src, int64_t src_stride, int64_t from,
   }
 }
 
+std::vector<char> BytesOfValues(const float* values, int64_t count, DType dtype) {
+  std::vector<char> out;
+  if (dtype == DType::kFloat32) {
+    out.resize(count * 4);
+    std::memcpy(out.data(), values, out.size());
+  } else if (dtype == DType::kBFloat16) {
+    out.resize(count * 2);
+    for (int64_t i = 0; i < count; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &values[i], 4);
+      const uint16_t high = static_cast<uint16_t>(bits >> 16);  // exact: the value was a bf16
+      std::memcpy(&out[i * 2], &high, 2);
+    }
+  }
+  return out;
+}
+
 float ElementAsFloat(const char* p, DType dtype) {
   switch (dtype) {
     case DType::kFloat32: {

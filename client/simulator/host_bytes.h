@@ -34,6 +34,11 @@ void CopyColumns(const std::vector<char>& src, int64_t src_stride, int64_t from,
 // The element of `dtype` at `p`, as a float (0 for kInt32).
 float ElementAsFloat(const char* p, DType dtype);
 
+// `count` values read as floats (ReadState's `values`) back as elements of
+// `dtype`: exact for values read from fp32 or bf16 elements (the state
+// dtypes); empty for other dtypes.
+std::vector<char> BytesOfValues(const float* values, int64_t count, DType dtype);
+
 // The index of the first element (of `element_bytes` bytes) where `a` and
 // `b` differ. They must differ somewhere.
 int64_t FirstDifference(const char* a, const char* b, int64_t element_bytes);

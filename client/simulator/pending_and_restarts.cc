@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "client/simulator/driver.h"
 
 namespace specstate {
@@ -96,7 +97,8 @@ absl::Status Driver::MaterializeSome(int step) {
 
 // Between steps, now and then, as a scheduler would: a Flush of every
 // pending block, of some of them, or a ReadState of one pending block in
-// one layer (its checksum, and the block's bytes in that layer).
+// one layer (its values and checksum; the block's bytes in the pool, which
+// a read may not change).
 absl::Status Driver::MaterializeSomeOnce(int step) {
   const std::vector<int32_t> pending = checker_->PendingBlocks();
   const Materialization m = model_->DrawMaterialization(pending);
@@ -111,9 +113,22 @@ absl::Status Driver::MaterializeSomeOnce(int step) {
       break;
   }
   const int32_t block = pending[m.slot];
+  std::vector<char> before, after;
+  absl::Status st = pools_->ReadState(m.layer, block, &before);
+  if (!st.ok()) return st;
   absl::StatusOr<v1::ReadStateResponse> r =
-      latencies_.Time("ReadState", [&] { return client_.ReadState(m.layer, block, false); });
+      latencies_.Time("ReadState", [&] { return client_.ReadState(m.layer, block, true); });
   if (!r.ok()) return r.status();
+  st = pools_->ReadState(m.layer, block, &after);
+  if (!st.ok()) return st;
+  Tally tally(report_);
+  tally.Count();
+  if (before != after) {
+    tally.Mismatch(absl::StrFormat(
+        "step %d, layer %d: ReadState of block %d changed its bytes in the pool (a read "
+        "materializes into a copy and changes nothing)",
+        step, m.layer, block));
+  }
   return checker_->CheckRead(step, m.slot, m.layer, *r);
 }
 

@@ -142,6 +142,24 @@ absl::Status ValidateFlush(const FlushArgs& a) {
                          absl::StrCat("layer ", l, ": "));
     if (!st.ok()) return st;
   }
+  if (a.copy.data != nullptr) {
+    // The replay into the copy reads the layer's records and parameters
+    // from copy_layer, and writes its state pool: the copy.
+    const CommitLayer* c = a.copy_layer;
+    if (c == nullptr || a.device_copy_layer == nullptr) {
+      return Invalid(op, "copy: a DEFERRED copy needs copy_layer and device_copy_layer");
+    }
+    const CommitLayer& layer = a.layers[a.layer];
+    if (c->state.data != a.copy.data || c->state.num_blocks != a.copy.num_blocks ||
+        c->state.block_stride != a.copy.block_stride) {
+      return Invalid(op, "copy_layer: its state pool must be the copy");
+    }
+    if (c->records.kv != layer.records.kv || c->records_alt.kv != layer.records_alt.kv ||
+        c->params.a_log != layer.params.a_log || c->params.dt_bias != layer.params.dt_bias) {
+      return Invalid(op, absl::StrCat("copy_layer: its records and parameters must be layer ",
+                                      a.layer, "'s"));
+    }
+  }
   return absl::OkStatus();
 }
 

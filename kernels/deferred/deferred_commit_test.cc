@@ -5,9 +5,10 @@
 // of the block replays them first, a Flush or the next Commit materializes
 // them otherwise). Rows join, leave, skip steps and change order; steps are
 // abandoned halfway; requests end (their blocks flushed with discard and
-// prefilled afresh); Flush and single-block flushes (ReadState's) come in
-// between. Every output of every Verify is the EAGER one; after every Commit
-// every block but those it left pending holds the EAGER state, and so does
+// prefilled afresh); Flush and single-block flushes come in between, the
+// latter first into a copy (ReadState's: EAGER's state, nothing changed).
+// Every output of every Verify is the EAGER one; after every Commit every
+// block but those it left pending holds the EAGER state, and so does
 // every block a flush materialized; conv windows never differ. Then the
 // misuse the kernels detect: rows sharing a pending block, a commit writing
 // a block another commit left pending, a bad block list; each rejected with
@@ -382,6 +383,28 @@ class DeferredCommitTest : public KdaKernelsTest {
     return r;
   }
 
+  // ReadState's materialization: `block` of `layer` flushed into a copy
+  // (FlushArgs::copy), which must change nothing in `m`; the copy's bytes.
+  std::vector<uint8_t> FlushIntoCopy(Memory& m, int32_t block, int layer) {
+    CallData cd;
+    FlushArgs a = FlushArgsFor(m, &cd);
+    a.blocks = Ints(&cd, {block});
+    a.num_blocks_given = 1;
+    a.checked_blocks = m.checked_blocks.As<int32_t>();
+    a.layer = layer;
+    const size_t bytes = block_elems_ * state_size();
+    Tensor copy = Zeroed(2 * bytes);
+    a.copy = StatePool{copy.data(), 2, static_cast<int64_t>(block_elems_)};
+    CommitLayer entry = cd.layers[layer];
+    entry.state = a.copy;
+    Tensor table = Upload(ToBytes(std::vector<CommitLayer>{entry}));
+    a.copy_layer = &entry;
+    a.device_copy_layer = table.As<CommitLayer>();
+    EXPECT_TRUE(CallOk(Finish(kernels_->Flush(a, stream()), "Flush", a.status, false)));
+    const std::vector<uint8_t> all = copy.Read();
+    return std::vector<uint8_t>(all.begin() + bytes, all.end());
+  }
+
   std::vector<uint8_t> BlockOf(const Memory& m, int l, int32_t block) const {
     const size_t bytes = block_elems_ * state_size();
     std::vector<uint8_t> out(bytes);
@@ -467,7 +490,8 @@ class DeferredCommitTest : public KdaKernelsTest {
     const int64_t max_tokens = int64_t{max_rows_} * spec.q;
     const std::vector<uint8_t> poison =
         Poisoned(shape_.act_dtype, max_tokens * ValueWidth(shape_));
-    int deferred_rows = 0, materialized_by_verify = 0, flushes = 0, abandoned = 0, ended = 0;
+    int deferred_rows = 0, materialized_by_verify = 0, flushes = 0, abandoned = 0, ended = 0,
+        copies = 0;
 
     for (int step = 0; step < spec.steps; ++step) {
       const std::string when = absl::StrCat("step ", step);
@@ -541,6 +565,18 @@ class DeferredCommitTest : public KdaKernelsTest {
       } else if (what == 1 && !pending.empty()) {
         const int32_t block = *pending.begin();
         const int l = rng().Int(0, spec.layers - 1);
+        // Into a copy first (ReadState's): EAGER's state, and nothing of the
+        // DEFERRED memory changed (its pools, its pending table).
+        const std::vector<uint8_t> entries = deferred.entries.Read();
+        const std::vector<uint8_t> pool = deferred.layers[l].state.Read();
+        const std::vector<uint8_t> copied = FlushIntoCopy(deferred, block, l);
+        ASSERT_EQ(FirstDifference(BlockOf(eager, l, block), copied), -1)
+            << when << ": block " << block << " of layer " << l << " flushed into a copy";
+        ASSERT_EQ(FirstDifference(deferred.layers[l].state.Read(), pool), -1)
+            << when << ": a flush into a copy changed the pool";
+        ASSERT_EQ(FirstDifference(deferred.entries.Read(), entries), -1)
+            << when << ": a flush into a copy changed the pending table";
+        ++copies;
         ASSERT_TRUE(CallOk(Flush(deferred, {block}, l, false))) << when;
         ASSERT_EQ(FirstDifference(BlockOf(eager, l, block), BlockOf(deferred, l, block)), -1)
             << when << ": block " << block << " of layer " << l << " after its flush";
@@ -569,9 +605,11 @@ class DeferredCommitTest : public KdaKernelsTest {
     EXPECT_GT(materialized_by_verify, spec.align ? spec.steps / 4 : spec.steps / 2)
         << "too few Verify calls replayed";
     RecordProperty("deferred_rows", deferred_rows);
-    std::printf("%d steps: %d rows deferred, %d replayed by Verify, %d flushes, %d abandoned, "
+    std::printf("%d steps: %d rows deferred, %d replayed by Verify, %d flushes (%d into a copy "
+                "first), %d abandoned, "
                 "%d requests ended\n",
-                spec.steps, deferred_rows, materialized_by_verify, flushes, abandoned, ended);
+                spec.steps, deferred_rows, materialized_by_verify, flushes, copies, abandoned,
+                ended);
   }
 
   static constexpr int kConvDim = 8;

@@ -195,10 +195,38 @@ void RunCommit(const CommitArgs& a) {
   RunReplayJobs(a.shape, a.layers, a.spec_query_len, jobs);
 }
 
+// A Flush into a copy (FlushArgs::copy): each listed block's bytes in the
+// layer copied to its copy block, then its pending tokens replayed there as
+// a Flush replays them in the pool (the same jobs, on copy_layer); the
+// table, the journal and the pool are left as they are.
+void FlushIntoCopy(const FlushArgs& a) {
+  const int64_t elem = DTypeSize(a.shape.state_dtype);
+  const int64_t block_bytes = ValueWidth(a.shape) * a.shape.head_dim * elem;
+  const int64_t stride_bytes = a.copy.block_stride * elem;
+  const char* pool = static_cast<const char*>(a.layers[a.layer].state.data);
+  char* copy = static_cast<char*>(a.copy.data);
+  const int32_t* entries = PendingEntriesOf(a.pending, a.layer);
+  std::vector<ReplayJob> jobs;
+  for (int i = 0; i < a.num_blocks_given; ++i) {
+    const int32_t b = a.checked_blocks[i];
+    if (!IsBlock(b)) continue;
+    std::memcpy(copy + (i + 1) * stride_bytes, pool + b * stride_bytes, block_bytes);
+    if (entries[b] != 0) {
+      jobs.push_back(PendingJob(0, i + 1, UnpackPending(entries[b]), a.spec_query_len));
+    }
+  }
+  PublishJobs(jobs, a.jobs);
+  RunReplayJobs(a.shape, a.copy_layer, a.spec_query_len, jobs);
+}
+
 void RunFlush(const FlushArgs& a) {
   *a.status = internal::OkStatus();
   if (!CpuChecker::LoadedRows(a.num_blocks_given, a.prerequisites.input_fault, a.status,
                               [&](int i) { return CheckFlushBlock(a, i); })) {
+    return;
+  }
+  if (a.copy.data != nullptr) {
+    FlushIntoCopy(a);
     return;
   }
   const bool listed = a.blocks == nullptr;
@@ -257,7 +285,8 @@ void CommitCpu(const CommitArgs& a) {
 void FlushCpu(const FlushArgs& a) {
   RunFlush(a);
   internal::PublishStatus(*a.status, a.status_mirror);
-  if (a.pending.journal != nullptr) PendingJournalMarkDone(a.pending);
+  // (A copy journals nothing: it changes neither the table nor a pool.)
+  if (a.pending.journal != nullptr && a.copy.data == nullptr) PendingJournalMarkDone(a.pending);
 }
 
 }  // namespace deferred

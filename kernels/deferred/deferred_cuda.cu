@@ -21,7 +21,8 @@ absl::Status CommitCuda(const CommitArgs& a, cudaStream_t s) { return LaunchDefe
 
 absl::Status FlushCuda(const FlushArgs& a, cudaStream_t s) {
   const absl::Status st = LaunchDeferredFlush(a, s);
-  if (!st.ok() || a.pending.journal == nullptr) return st;
+  // (A copy journals nothing: it changes neither the table nor a pool.)
+  if (!st.ok() || a.pending.journal == nullptr || a.copy.data != nullptr) return st;
   return LaunchPendingJournalDone(a.pending, s);
 }
 

@@ -12,7 +12,8 @@
 // the windows as in every mode); with fp32 state its outputs and current
 // states are within the contract's reach of EAGER's. Rows join, skip steps
 // and change order; requests end (their blocks flushed with discard and
-// prefilled afresh); Flush and single-block folds (ReadState's) come in
+// prefilled afresh); Flush and single-block folds (first into a copy, as
+// ReadState's: nothing changes, and the copy is the fold's) come in
 // between, one of them between a step's Verify and its Commit. Then the
 // device checks: each refusal names its field, bound and row, with nothing
 // written. Every test draws fresh random inputs; its seed is printed
@@ -429,6 +430,21 @@ class FastInterfaceTest : public ::testing::Test {
     }
   }
 
+  // ReadState's: `block` of `layer` folded into a copy through the interface
+  // (FlushArgs::copy, Materialize's `out`); the copy's bytes.
+  std::vector<uint8_t> FlushIntoCopy(Memory& m, int32_t block, int layer) {
+    const std::vector<int32_t> one = {block};
+    FlushArgs a = InterfaceFlushArgs(m, &one, layer, false);
+    const int64_t elems = ValueWidth(shape_) * shape_.head_dim;
+    const size_t bytes = elems * DTypeSize(shape_.state_dtype);
+    std::vector<uint64_t> copy((2 * bytes + 7) / 8, 0);  // 16-byte aligned (malloc's)
+    a.copy = StatePool{copy.data(), 2, elems};
+    const absl::Status st = DeviceResult(CpuKdaKernels().Flush(a, nullptr), m, "Flush");
+    EXPECT_TRUE(st.ok()) << st;
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(copy.data()) + bytes;
+    return std::vector<uint8_t>(p, p + bytes);
+  }
+
   // Flush through the interface and Materialize directly, alike.
   void FlushBoth(Memory& via, Memory& direct, const std::vector<int32_t>* blocks, int layer,
                  bool discard) {
@@ -595,7 +611,16 @@ TEST_F(FastInterfaceTest, AgreesWithTheDirectCallsBitForBit) {
         for (int n = 0; n < w.rows(); ++n) {
           if (w.request[n] < 0) continue;
           const std::vector<int32_t> one = {w.sources[n]};
-          FlushBoth(via, direct, &one, step % spec.layers, false);
+          const int l = step % spec.layers;
+          // Into a copy first: nothing changes (the pools, the rings, the
+          // candidates), and the copy is what the fold in place then leaves.
+          const std::vector<uint8_t> copied = FlushIntoCopy(via, w.sources[n], l);
+          ExpectSameFastMemory(via, direct, when + ", after a fold into a copy");
+          FlushBoth(via, direct, &one, l, false);
+          const size_t bytes = copied.size();
+          const std::vector<uint8_t> pool(via.layers[l].state.begin() + w.sources[n] * bytes,
+                                          via.layers[l].state.begin() + (w.sources[n] + 1) * bytes);
+          EXPECT_EQ(copied, pool) << when << ": the fold into a copy differs from the fold in place";
           ++mid_step_folds;
           break;
         }

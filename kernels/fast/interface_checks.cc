@@ -83,6 +83,13 @@ absl::Status ValidateInterfaceFlush(const FlushArgs& a) {
     st = CheckRings(op, a.layers[l].fast, a.layers[0].state.num_blocks, a.spec_query_len,
                     absl::StrCat("layer ", l, ": "), "fast");
   }
+  // A copy is FastMaterialize's `out`: blocks one after another.
+  const int64_t block_elems = int64_t{ValueHeads(a.shape)} * a.shape.head_dim * a.shape.head_dim;
+  if (st.ok() && a.copy.data != nullptr && a.copy.block_stride != block_elems) {
+    return Invalid(op, absl::StrCat("copy.block_stride = ", a.copy.block_stride,
+                                    ": commit mode FAST folds into a copy of dense blocks (",
+                                    block_elems, " elements)"));
+  }
   return st;
 }
 

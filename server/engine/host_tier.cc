@@ -70,36 +70,28 @@ void Engine::SaveBlocks(const std::string& session, const v1::SaveBlocksRequest&
   absl::StatusOr<HostTier::Ticket> ticket = host_tier_->BeginSave(keys, &evicted);
   if (!ticket.ok()) return reply(ticket.status(), {});
 
-  // The blocks, once each, for the mode's materialization.
-  auto distinct = std::make_shared<IndexInput>();
-  distinct->present = true;
-  absl::flat_hash_set<int32_t> seen;
-  for (int32_t b : blocks) {
-    if (seen.insert(b).second) distinct->values.push_back(b);
-  }
-  distinct->rows = static_cast<int64_t>(distinct->values.size());
-
   UnsteppedCall call;
   call.session = session;
   call.verb = "SaveBlocks";
   call.ordering = *std::move(ordering);
-  call.make = [this, distinct, blocks, slots = ticket->slots](kernels::DeviceStatus* mirror) {
+  call.make = [this, blocks, slots = ticket->slots](kernels::DeviceStatus* mirror) {
     ModeEngine::FlushWork work;
-    // What the mode keeps unapplied for the blocks is applied first, so the
-    // copy holds their state as the commits so far left it.
-    Launch materialize = mode_->Materialize(distinct, -1, false, mirror);
-    work.launch = [this, materialize, blocks, slots](kernels::Stream stream,
-                                                    Scratch& scratch) -> absl::Status {
-      if (absl::Status st = materialize(stream, scratch); !st.ok()) return st;
+    // Each block's current state, layer by layer, materialized into the
+    // mode's copy (DEFERRED's pending tokens replayed there, FAST's ring
+    // folded there: what a Flush would leave, the pool unchanged), then
+    // copied out; the conv window straight from the pool.
+    work.launch = [this, blocks, slots, mirror](kernels::Stream stream,
+                                               Scratch& scratch) -> absl::Status {
       for (size_t i = 0; i < blocks.size(); ++i) {
         char* dst = host_tier_->SlotData(slots[i]);
-        for (const LayerState& layer : layers_) {
-          const char* state =
-              static_cast<const char*>(layer.state.data) + blocks[i] * sizes_.state_block_bytes;
-          const char* conv =
-              static_cast<const char*>(layer.conv.data) + blocks[i] * sizes_.conv_block_bytes;
-          absl::Status st = device_->CopyOnStream(dst, state, sizes_.state_block_bytes, stream);
+        for (int l = 0; l < layout_.num_layers(); ++l) {
+          absl::Status st = mode_->MaterializeCopy(l, blocks[i], mirror)(stream, scratch);
+          if (st.ok()) {
+            st = device_->CopyOnStream(dst, mode_->CopyBlock(), sizes_.state_block_bytes, stream);
+          }
           dst += sizes_.state_block_bytes;
+          const char* conv =
+              static_cast<const char*>(layers_[l].conv.data) + blocks[i] * sizes_.conv_block_bytes;
           if (st.ok()) st = device_->CopyOnStream(dst, conv, sizes_.conv_block_bytes, stream);
           dst += sizes_.conv_block_bytes;
           if (!st.ok()) return st;

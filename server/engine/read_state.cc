@@ -1,10 +1,14 @@
 // Engine::ReadState: a summary (and optionally the values) of one block's
-// recurrent and conv state in one layer, for debugging; and
+// recurrent and conv state in one layer, for debugging. A read changes no
+// pool byte: the mode materializes the block into a copy
+// (ModeEngine::MaterializeCopy) and the summary is of the copy. And
 // Engine::CountPendingBlocks, DEFERRED's pending blocks for Recover.
+#include <cstring>
 #include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/device_status.h"
 #include "server/engine/engine.h"
 #include "server/engine/tensor_summary.h"
 
@@ -28,7 +32,9 @@ void Engine::ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateR
   }
   const LayerState& layer = layers_[request.layer()];
   // Host memory the device copies into (pinned on CUDA, so the copies stay
-  // asynchronous); reused across calls.
+  // asynchronous), reused across calls: the status of the mode's checks,
+  // then the recurrent and the conv state.
+  const uint64_t status_bytes = sizeof(kernels::DeviceStatus);
   char* buffer = nullptr;
   {
     absl::MutexLock lock(&mu_);
@@ -39,40 +45,52 @@ void Engine::ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateR
   }
   if (buffer == nullptr) {
     absl::StatusOr<void*> p =
-        device_->AllocateHost(sizes_.state_block_bytes + sizes_.conv_block_bytes);
+        device_->AllocateHost(status_bytes + sizes_.state_block_bytes + sizes_.conv_block_bytes);
     if (!p.ok()) {
       reply(p.status(), {});
       return;
     }
     buffer = static_cast<char*>(*p);
   }
+  auto* mirror = reinterpret_cast<kernels::DeviceStatus*>(buffer);
+  std::memset(mirror, 0, sizeof(*mirror));
+  char* const state = buffer + status_bytes;
   const int64_t state_bytes = sizes_.state_block_bytes;
   const int64_t conv_bytes = sizes_.conv_block_bytes;
+  const int32_t block = request.block();
   Work work;
-  // What the mode keeps unapplied for the block in this layer is applied
-  // first (DEFERRED replays its pending tokens; FAST folds its ring, the
-  // candidates of a step in flight kept): the summary is of its current state.
-  auto block = std::make_shared<IndexInput>();
-  block->present = true;
-  block->values = {request.block()};
-  block->rows = 1;
-  work.launch = mode_->Materialize(std::move(block), request.layer(), false, nullptr);
+  // A read changes nothing (docs/semantics.md, "Reads"): what the mode keeps
+  // unapplied for the block in this layer is applied to a copy (DEFERRED
+  // replays its pending tokens there, FAST folds its ring there), and the
+  // summary is of the copy: the block's current state, bit for bit what a
+  // Flush would leave in the pool, which keeps its bytes. The null block 0
+  // has nothing unapplied: it is read from the pool.
+  const void* recurrent =
+      static_cast<const char*>(layer.state.data) + int64_t{block} * state_bytes;
+  if (block > 0) {
+    work.launch = mode_->MaterializeCopy(request.layer(), block, mirror);
+    recurrent = mode_->CopyBlock();
+  } else {
+    work.launch = [](kernels::Stream, Scratch&) { return absl::OkStatus(); };
+  }
+  work.readbacks.push_back(Readback{recurrent, state, uint64_t(state_bytes)});
   work.readbacks.push_back(Readback{
-      static_cast<const char*>(layer.state.data) + request.block() * state_bytes, buffer,
-      uint64_t(state_bytes)});
-  work.readbacks.push_back(Readback{
-      static_cast<const char*>(layer.conv.data) + request.block() * conv_bytes,
-      buffer + state_bytes, uint64_t(conv_bytes)});
+      static_cast<const char*>(layer.conv.data) + int64_t{block} * conv_bytes,
+      state + state_bytes, uint64_t(conv_bytes)});
   const v1::Layout layout = layout_;
   const bool values = request.values();
-  work.done = [this, buffer, state_bytes, conv_bytes, layout, values,
+  work.done = [this, buffer, mirror, state, state_bytes, conv_bytes, layout, values,
                reply](absl::Status launched) {
     v1::ReadStateResponse out;
-    if (launched.ok()) {
+    absl::Status result = launched;
+    if (result.ok() && mirror->failed != 0) {
+      result = kernels::DeviceStatusToStatus(*mirror, "ReadState");
+    }
+    if (result.ok()) {
       const int64_t k = layout.head_dim();
-      SummarizeTensor(buffer, state_bytes, FromProto(layout.state_dtype()).value(), values,
+      SummarizeTensor(state, state_bytes, FromProto(layout.state_dtype()).value(), values,
                       {ValueHeadsOf(layout), k, k}, out.mutable_recurrent());
-      SummarizeTensor(buffer + state_bytes, conv_bytes,
+      SummarizeTensor(state + state_bytes, conv_bytes,
                       FromProto(layout.activation_dtype()).value(), values,
                       {layout.conv_dim(), layout.conv_width()}, out.mutable_conv());
     }
@@ -80,7 +98,7 @@ void Engine::ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateR
       absl::MutexLock lock(&mu_);
       read_buffers_.push_back(buffer);
     }
-    reply(launched, std::move(out));
+    reply(result, std::move(out));
   };
   absl::Status st = device_->Submit(std::move(work));
   if (!st.ok()) {

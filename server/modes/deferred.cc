@@ -1,8 +1,11 @@
 // DEFERRED's engine side: two records buffers a layer (a step's records live
 // until its blocks' next Verify), the pending table (kept across a restart
 // with the pools), each layer's replay plan, and the replay lists of Commit
-// and Flush. A Commit plans; a block's next Verify (or a Flush, a ReadState,
-// the end of the driving session) replays its pending tokens.
+// and Flush. A Commit plans; a block's next Verify (or a Flush, the end of
+// the driving session) replays its pending tokens; a ReadState replays them
+// into a copy.
+#include <vector>
+
 #include "server/modes/mode_engine.h"
 #include "server/base/test_crash.h"
 
@@ -58,6 +61,14 @@ class DeferredEngine final : public ModeEngine {
     if (st.ok()) st = AllocateDevice(sizeof(int32_t), &flush_jobs_.count);
     if (st.ok()) st = AllocateDevice(uint64_t(blocks) * 4, &checked_blocks_);
     if (st.ok()) st = AllocateDevice(sizeof(kernels::DeviceStatus), &flush_status_);
+    if (st.ok()) st = AllocateCopy(tables);
+    // The layer table of a replay into the copy: each layer's records and
+    // parameters, the copy as its state pool.
+    copy_layers_.assign(tables.host, tables.host + L);
+    for (kernels::CommitLayer& entry : copy_layers_) entry.state = copy();
+    const uint64_t table_bytes = uint64_t(L) * sizeof(kernels::CommitLayer);
+    if (st.ok()) st = AllocateDevice(table_bytes, &device_copy_layers_);
+    if (st.ok()) st = device().CopyToDevice(device_copy_layers_, copy_layers_.data(), table_bytes);
     return st;
   }
 
@@ -95,6 +106,18 @@ class DeferredEngine final : public ModeEngine {
     return FlushLaunchOf(args, std::move(blocks), checked_blocks_);
   }
 
+  // The block's pool bytes and its pending tokens replayed into the copy;
+  // the pending table, its journal and the pool left as they are.
+  Launch MaterializeCopy(int layer, int32_t block, kernels::DeviceStatus* mirror) const override {
+    kernels::FlushArgs args = FlushArgsFor(tables_, layer, false, flush_status_, mirror);
+    args.mode = kernels::CommitMode::kDeferred;
+    args.pending = pending_;
+    args.jobs = flush_jobs_;
+    args.copy_layer = &copy_layers_[layer];
+    args.device_copy_layer = device_copy_layers_ + layer;
+    return CopyLaunchOf(args, block, checked_blocks_);
+  }
+
  private:
   bool kept() const { return env_.kept.pending.entries != nullptr; }
 
@@ -106,6 +129,9 @@ class DeferredEngine final : public ModeEngine {
   kernels::ReplayJobs commit_jobs_, flush_jobs_;
   int32_t* checked_blocks_ = nullptr;        // [num_blocks]: a Flush's list, checked
   kernels::DeviceStatus* flush_status_ = nullptr;  // every Flush's (stream-ordered)
+  // [layers]: each layer's entry with the read's copy as its state pool.
+  std::vector<kernels::CommitLayer> copy_layers_;
+  kernels::CommitLayer* device_copy_layers_ = nullptr;
 };
 
 }  // namespace

@@ -1,6 +1,6 @@
 // EAGER's engine side: one records buffer a layer; a Commit applies its
 // tokens at once, so a Flush, a ReadState and the end of a session have
-// nothing to apply. A Flush's block list is still checked, in stream order,
+// nothing to apply (a read's copy is the pool's block). A Flush's block list is still checked, in stream order,
 // as the other modes' kernels check theirs.
 #include <cstring>
 #include <vector>
@@ -46,9 +46,10 @@ class EagerEngine final : public ModeEngine {
     return absl::OkStatus();
   }
 
-  absl::Status AllocateShared(const LayerTables&) override {
-    // Where a Flush's block list is copied to be checked.
-    return AllocateDevice(uint64_t(layout().num_blocks()) * 4, &checked_blocks_);
+  absl::Status AllocateShared(const LayerTables& tables) override {
+    // Where a Flush's block list is copied to be checked; a read's copy.
+    absl::Status st = AllocateDevice(uint64_t(layout().num_blocks()) * 4, &checked_blocks_);
+    return st.ok() ? AllocateCopy(tables) : st;
   }
 
   void AddToVerify(int, kernels::VerifyArgs&) const override {}
@@ -57,6 +58,20 @@ class EagerEngine final : public ModeEngine {
   Launch Materialize(std::shared_ptr<const IndexInput>, int, bool,
                      kernels::DeviceStatus*) const override {
     return [](kernels::Stream, Scratch&) { return absl::OkStatus(); };
+  }
+
+  // Nothing unapplied: the pool's block is its current state, copied on the
+  // stream. (The null block, and a block past the pool, which ReadState
+  // refuses first, leave the copy as it was, as the other modes' checks do.)
+  Launch MaterializeCopy(int layer, int32_t block, kernels::DeviceStatus*) const override {
+    const kernels::StatePool pool = copy_tables().host[layer].state;
+    return [this, pool, block](kernels::Stream stream, Scratch&) -> absl::Status {
+      if (block <= 0 || block >= pool.num_blocks) return absl::OkStatus();
+      const uint64_t bytes = uint64_t(sizes().state_block_bytes);
+      return device().CopyOnStream(const_cast<void*>(CopyBlock()),
+                                   static_cast<const char*>(pool.data) + block * bytes, bytes,
+                                   stream);
+    };
   }
 
   uint64_t FlushMirrorBytes() const override {

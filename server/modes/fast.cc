@@ -1,7 +1,8 @@
 // FAST's engine side: no records (a step's window goes into the block's
 // ring), each layer's rings (k, u, log-decay, cursors), and the Verify owner
-// table. A Commit moves cursors and folds the rings that are due; a Flush, a
-// ReadState and the end of the driving session fold (or empty) rings.
+// table. A Commit moves cursors and folds the rings that are due; a Flush
+// and the end of the driving session fold (or empty) rings; a ReadState
+// folds a block's ring into a copy.
 #include "server/modes/mode_engine.h"
 
 namespace specstate {
@@ -35,6 +36,7 @@ class FastEngine final : public ModeEngine {
     absl::Status st = AllocateDevice(workspace_bytes_, reinterpret_cast<char**>(&workspace_));
     if (st.ok()) st = AllocateDevice(uint64_t(layout().num_blocks()) * 4, &checked_blocks_);
     if (st.ok()) st = AllocateDevice(sizeof(kernels::DeviceStatus), &flush_status_);
+    if (st.ok()) st = AllocateCopy(tables);
     return st;
   }
 
@@ -54,6 +56,14 @@ class FastEngine final : public ModeEngine {
     kernels::FlushArgs args = FlushArgsFor(tables_, layer, discard, flush_status_, mirror);
     args.mode = kernels::CommitMode::kFast;
     return FlushLaunchOf(args, std::move(blocks), checked_blocks_);
+  }
+
+  // The block's ring folded into the copy (Materialize's `out`), the ring,
+  // its cursor and the pool left as they are.
+  Launch MaterializeCopy(int layer, int32_t block, kernels::DeviceStatus* mirror) const override {
+    kernels::FlushArgs args = FlushArgsFor(tables_, layer, false, flush_status_, mirror);
+    args.mode = kernels::CommitMode::kFast;
+    return CopyLaunchOf(args, block, checked_blocks_);
   }
 
  private:

@@ -75,5 +75,26 @@ Launch ModeEngine::FlushLaunchOf(kernels::FlushArgs args, std::shared_ptr<const 
   };
 }
 
+const void* ModeEngine::CopyBlock() const {
+  return static_cast<const char*>(copy_.data) + sizes().state_block_bytes;
+}
+
+absl::Status ModeEngine::AllocateCopy(const LayerTables& tables) {
+  copy_tables_ = tables;
+  copy_.num_blocks = 2;
+  copy_.block_stride = tables.host[0].state.block_stride;
+  return AllocateDevice(uint64_t(ReadCopyBytes(env_.shape)), &copy_.data);
+}
+
+Launch ModeEngine::CopyLaunchOf(kernels::FlushArgs args, int32_t block,
+                                int32_t* checked_blocks) const {
+  args.copy = copy_;
+  auto list = std::make_shared<IndexInput>();
+  list->present = true;
+  list->values = {block};
+  list->rows = 1;
+  return FlushLaunchOf(args, std::move(list), checked_blocks);
+}
+
 }  // namespace server
 }  // namespace specstate

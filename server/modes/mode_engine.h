@@ -1,7 +1,8 @@
 // The engine side of a commit mode: the device memory it keeps beside the
 // pools (records, DEFERRED's pending table and replay lists, FAST's rings),
 // what it adds to each verb's kernel arguments, and what a Flush, a
-// ReadState or the end of a driving session runs. The engine holds one and
+// ReadState (into a copy: a read changes nothing) or the end of a driving
+// session runs. The engine holds one and
 // makes no mode decision of its own; ModeEngine::Create is the one place
 // that picks an implementation (eager.cc, deferred.cc, fast.cc).
 #ifndef SPECSTATE_SERVER_MODES_MODE_ENGINE_H_
@@ -77,6 +78,20 @@ class ModeEngine {
   virtual Launch Materialize(std::shared_ptr<const IndexInput> blocks, int layer, bool discard,
                              kernels::DeviceStatus* mirror) const = 0;
 
+  // Materializes into a copy: the current state of `block` in `layer`, the
+  // bytes a Flush would leave in its pool block (the same replay or fold, bit
+  // for bit), written to CopyBlock(), and nothing else changed: no pool byte,
+  // nothing the mode keeps (DEFERRED's pending entries and journal, FAST's
+  // rings and cursors). Its status mirrored to `mirror` (may be null). The
+  // block is checked as a Flush's list (in [0, num_blocks); the null block 0
+  // leaves the copy as it was). ReadState reads from the copy; a host tier
+  // would save blocks through it. Stream-ordered: the copy is good until the
+  // next work on the device.
+  virtual Launch MaterializeCopy(int layer, int32_t block, kernels::DeviceStatus* mirror) const = 0;
+  // Where MaterializeCopy writes: device memory, one block of the state pool
+  // (LayoutSizes::state_block_bytes).
+  const void* CopyBlock() const;
+
   // A Flush call: its launch, readbacks into `mirror`'s host memory, and a
   // check on the host once the device got there (may be empty). The host
   // memory of `mirror` is FlushMirrorBytes() long.
@@ -108,6 +123,15 @@ class ModeEngine {
   // unapplied), the list checked into `checked_blocks` [num_blocks].
   Launch FlushLaunchOf(kernels::FlushArgs args, std::shared_ptr<const IndexInput> blocks,
                        int32_t* checked_blocks) const;
+  // The copy MaterializeCopy writes (a state pool of two blocks: block 1 the
+  // copy, block 0 unused as a pool's), allocated by each mode's
+  // AllocateShared, and the layer table it copies from.
+  absl::Status AllocateCopy(const LayerTables& tables);
+  // A Flush into the copy of `block` in `layer` (DEFERRED, FAST): `args`
+  // from FlushArgsFor with the mode's fields, the copy set here.
+  Launch CopyLaunchOf(kernels::FlushArgs args, int32_t block, int32_t* checked_blocks) const;
+  const kernels::StatePool& copy() const { return copy_; }
+  const LayerTables& copy_tables() const { return copy_tables_; }
   // `bytes` of zeroed device memory.
   template <typename T>
   absl::Status AllocateDevice(uint64_t bytes, T** out) {
@@ -118,6 +142,10 @@ class ModeEngine {
   }
 
   const ModeEnvironment env_;
+
+ private:
+  kernels::StatePool copy_;
+  LayerTables copy_tables_;
 };
 
 // Each mode's engine side (eager.cc, deferred.cc, fast.cc).

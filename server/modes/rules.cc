@@ -44,8 +44,9 @@ class EagerRules final : public CommitModeRules {
     ModeScratchSizes s;
     s.records_per_layer_bytes = RecordsPerLayerBytes(l, shape);
     s.record_bytes = s.records_per_layer_bytes * l.num_layers();
-    // A Flush's block list, copied to be checked (modes/eager.cc).
-    s.mode_bytes = Align256(int64_t{l.num_blocks()} * 4);
+    // A Flush's block list, copied to be checked (modes/eager.cc), and a
+    // read's copy.
+    s.mode_bytes = Align256(int64_t{l.num_blocks()} * 4) + ReadCopyBytes(shape);
     return s;
   }
   bool KeepsUnappliedTokens() const override { return false; }
@@ -81,7 +82,9 @@ class DeferredRules final : public CommitModeRules {
         int64_t(kernels::CommitJobsCapacity(l.max_rows(), l.num_layers()) +
                 kernels::FlushJobsCapacity(l.max_rows(), l.num_layers())) *
             int64_t{sizeof(kernels::ReplayJob)} +
-        Align256(int64_t{l.num_blocks()} * 4) + 512;  // a Flush's checked blocks, counts
+        Align256(int64_t{l.num_blocks()} * 4) + 512 +  // a Flush's checked blocks, counts
+        ReadCopyBytes(shape) +  // a read's copy and the layer table of its replay
+        Align256(int64_t{l.num_layers()} * int64_t{sizeof(kernels::CommitLayer)});
     return s;
   }
   bool KeepsUnappliedTokens() const override { return true; }
@@ -142,7 +145,8 @@ class FastRules final : public CommitModeRules {
                       s.fast_cursor_bytes) *
                      l.num_layers();
     s.mode_bytes = int64_t(kernels::VerifyWorkspaceBytes(l.num_blocks())) +
-                   Align256(int64_t{l.num_blocks()} * 4) + 512;  // a Flush's checked blocks, status
+                   Align256(int64_t{l.num_blocks()} * 4) + 512 +  // a Flush's checked blocks, status
+                   ReadCopyBytes(shape);                          // a read's copy
     return s;
   }
   bool KeepsUnappliedTokens() const override { return true; }
@@ -158,6 +162,11 @@ class FastRules final : public CommitModeRules {
 };
 
 }  // namespace
+
+int64_t ReadCopyBytes(const kernels::KdaShape& shape) {
+  return Align256(2 * kernels::ValueWidth(shape) * shape.head_dim *
+                  int64_t(DTypeSize(shape.state_dtype)));
+}
 
 const CommitModeRules& CommitModeOf(v1::CommitMode mode) {
   static const EagerRules eager;

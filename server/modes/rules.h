@@ -31,8 +31,10 @@ struct ModeScratchSizes {
   // (DEFERRED), or the rings (FAST, which keeps no records).
   int64_t record_bytes = 0;
   int64_t records_per_layer_bytes = 0;  // one records buffer of one layer (0 under FAST)
-  // What the mode keeps beside: DEFERRED's bookkeeping and replay lists,
-  // FAST's Verify owner table, and in every mode a Flush's block list.
+  // What the mode keeps beside: DEFERRED's bookkeeping and replay lists (and
+  // the layer table of its replays into a read's copy), FAST's Verify owner
+  // table, and in every mode a Flush's block list and a read's copy
+  // (ReadCopyBytes).
   int64_t mode_bytes = 0;
   // FAST: R = fold_every * Q ring tokens per block, and one layer's rings
   // (k, u, log-decay, cursors).
@@ -42,6 +44,11 @@ struct ModeScratchSizes {
   int64_t fast_ring_log_decay_bytes = 0;
   int64_t fast_cursor_bytes = 0;
 };
+
+// The copy a read materializes into (ModeEngine::MaterializeCopy), in every
+// mode: two blocks of a layer's state pool (block 1 the copy, block 0 unused
+// as a pool's), 256-byte aligned.
+int64_t ReadCopyBytes(const kernels::KdaShape& shape);
 
 class CommitModeRules {
  public:

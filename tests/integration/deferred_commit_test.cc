@@ -1,8 +1,9 @@
 // Commit mode DEFERRED over a real socket (CPU backend): two specstated, one
 // EAGER and one DEFERRED, get the same calls; the DEFERRED one's outputs are
 // the EAGER one's bit for bit, and so is every pool byte once it is
-// materialized: by the block's next Verify, by ReadState, by Flush, or when
-// the driving session ends. Until then a pending block holds its checkpoint.
+// materialized: by the block's next Verify, by Flush, or when the driving
+// session ends (ReadState shows its current state from a copy, changing no
+// pool byte). Until then a pending block holds its checkpoint.
 // Misuse the service can detect is refused, with the field and the rows.
 #include <algorithm>
 #include <cstring>
@@ -85,14 +86,13 @@ TEST_F(DeferredCommitTest, PendingBlocksHoldTheirCheckpointUntilMaterialized) {
   // The next step's Verify calls materialize them, and outputs still agree.
   Step(2, {2, 2, 2});
   const std::string after_two = deferred_->Pools();
-  // ReadState materializes one block of one layer (here block 3, layer 1).
+  // ReadState shows a pending block's current state (here block 3, layer
+  // 1), replayed into a copy: the pool keeps every byte.
   const v1::ReadStateResponse eager_read = ValueOrDie(eager_client_->ReadState(1, 3, false));
   const v1::ReadStateResponse deferred_read = ValueOrDie(deferred_client_->ReadState(1, 3, false));
   EXPECT_EQ(deferred_read.recurrent().checksum(), eager_read.recurrent().checksum());
-  EXPECT_EQ(Block(deferred_->Pools(), 1, 3), Block(eager_->Pools(), 1, 3));
-  EXPECT_EQ(Block(deferred_->Pools(), 0, 3), Block(after_two, 0, 3))
-      << "ReadState of layer 1 changed layer 0's pending block";
-  // Flush of blocks 1 and 2 (3 is still pending in layer 0).
+  EXPECT_EQ(deferred_->Pools(), after_two) << "ReadState changed a pool byte";
+  // Flush of blocks 1 and 2 (3 is still pending).
   v1::FlushRequest flush;
   for (int b : {1, 2, 2, 0}) flush.mutable_blocks()->mutable_values()->add_values(b);
   ASSERT_TRUE(deferred_->session().Flush(flush).ok());

@@ -6,9 +6,9 @@
 // exact path's error: so within 3x the exact path's budget of each other).
 // Its conv windows are EAGER's bit for bit (Commit compacts them in every
 // mode). A block's pool bytes stay its checkpoint until its ring folds (at
-// a Commit that leaves no room for the next window), a Flush, a ReadState
-// of that layer or the end of the driving session materializes it; a Flush
-// with discard forgets the ring. Misuse the service can detect is refused
+// a Commit that leaves no room for the next window), a Flush or the end of
+// the driving session materializes it (a ReadState shows the current state
+// from a copy and changes nothing); a Flush with discard forgets the ring. Misuse the service can detect is refused
 // with the field and the rows, nothing written; layouts FAST cannot serve are
 // refused at start. FastSimulationTest runs `specstatectl simulate
 // --commit_mode=fast`'s simulation, which judges FAST against a float64
@@ -232,8 +232,7 @@ class FastCommitTest : public testing::ModePairTest {
   Scheduler* fast_ = nullptr;
   std::mt19937 rng_;
   int layers_ = 0, q_ = 0, capacity_ = 0;
-  // Each (layer, block)'s ring tokens, as the Commits, Flushes and ReadStates
-  // left them.
+  // Each (layer, block)'s ring tokens, as the Commits and Flushes left them.
   std::map<std::pair<int, int>, int> ring_tokens_;
   double max_output_error_ = 0, max_state_error_ = 0;
 };
@@ -281,22 +280,28 @@ TEST_F(FastCommitTest, ReadStateFlushAndDiscard) {
   // One step accepting one token a row: nothing folds (1 + Q <= R).
   ASSERT_EQ(Step(1, {1, 1, 1}), 0);
   const std::string checkpoints = fast_->Pools();
-  // ReadState materializes its block in its layer (block 2, layer 1) only.
-  const v1::ReadStateResponse read = ValueOrDie(fast_client_->ReadState(1, 2, false));
+  // ReadState shows block 2's current state in layer 1, its ring folded into
+  // a copy: the pool (and the ring) keep every byte.
+  const v1::ReadStateResponse read = ValueOrDie(fast_client_->ReadState(1, 2, true));
+  EXPECT_EQ(fast_->Pools(), checkpoints) << "ReadState changed a pool byte";
+  std::string values(read.recurrent().values_size() * 4, '\0');
+  std::memcpy(&values[0], read.recurrent().values().data(), values.size());
+  EXPECT_EQ(read.recurrent().checksum(), testing::Fnv1a(values));
+  EXPECT_LT(Error(Fp32Values(values), Fp32Values(Block(eager_->Pools(), 1, 2))), kStateTolerance)
+      << "ReadState's values are not near EAGER's state";
+  // They are the bytes a Flush of the block then leaves in the pool.
+  v1::FlushRequest flush_one;
+  flush_one.mutable_blocks()->mutable_values()->add_values(2);
+  flush_one.set_layer(1);
+  ASSERT_TRUE(fast_->session().Flush(flush_one).ok());
   ring_tokens_[{1, 2}] = 0;
-  const std::string after_read = fast_->Pools();
-  EXPECT_EQ(read.recurrent().checksum(), testing::Fnv1a(Block(after_read, 1, 2)))
-      << "ReadState summarized other bytes than the block's current state";
-  ExpectStateNear(after_read, eager_->Pools(), 1, 2, "after ReadState");
-  EXPECT_EQ(Block(after_read, 0, 2), Block(checkpoints, 0, 2))
-      << "ReadState of layer 1 changed layer 0";
-  EXPECT_EQ(Block(after_read, 1, 3), Block(checkpoints, 1, 3))
-      << "ReadState of block 2 changed block 3";
-  // A ReadState between a step's Verify and its Commit keeps the step's
-  // candidates: the Commit succeeds and agrees.
+  EXPECT_EQ(Block(fast_->Pools(), 1, 2), values) << "ReadState's bytes are not the Flush's";
+  // A ReadState between a step's Verify and its Commit changes nothing
+  // either: the Commit succeeds and agrees.
   Step(2, {2, 2, 2}, [&] {
+    const std::string pools = fast_->Pools();
     ValueOrDie(fast_client_->ReadState(0, 1, true));
-    ring_tokens_[{0, 1}] = 0;
+    EXPECT_EQ(fast_->Pools(), pools) << "ReadState between Verify and Commit changed a pool byte";
   });
   if (HasFailure()) return;
   ASSERT_TRUE(fast_->session().Flush(v1::FlushRequest()).ok());

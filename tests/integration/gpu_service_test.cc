@@ -1,7 +1,8 @@
 // GPU integration tests (tag "gpu"): specstated on the CUDA backend, driven by
 // specstatectl simulate in a separate process that shares its buffers and
 // maps the pools by CUDA IPC handle, checking every state bit for bit against
-// its own CUDA stock path. Needs an NVIDIA GPU.
+// its own CUDA stock path (ReadsChangeNoPoolByte drives two services itself,
+// tests/integration/reads_loop.h). Needs an NVIDIA GPU.
 #include <cuda_runtime.h>
 
 #include <csignal>
@@ -16,6 +17,7 @@
 #include "client/lib/client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/integration/reads_loop.h"
 #include "tests/integration/server_process.h"
 
 namespace specstate {
@@ -237,6 +239,21 @@ TEST_F(GpuServiceTest, KilledSchedulersWaitingCommitNeverRuns) {
   const testing::ProcessResult after = Simulate({"--steps=4", "--requests=3", "--seed=9"});
   EXPECT_EQ(after.exit_code, 0) << after.output;
   EXPECT_THAT(after.output, HasSubstr("verdict: PASS"));
+}
+
+// Reads have no side effects on CUDA (reads_loop.h; reads_test runs it on
+// the CPU): a decode loop on two CUDA services, ReadState calls interleaved
+// on one, in every commit mode; every pool byte equal at the end, and what
+// ReadState returned is what a Flush then leaves. (The CUDA kernels are
+// deterministic run to run: no float atomics.)
+TEST_F(GpuServiceTest, ReadsChangeNoPoolByte) {
+  for (const char* mode : {"eager", "deferred", "fast"}) {
+    SCOPED_TRACE(mode);
+    std::vector<std::string> flags = {"--backend=cuda", absl::StrCat("--commit_mode=", mode)};
+    if (std::string(mode) == "fast") flags.push_back("--fold_every=3");
+    testing::ExpectReadsChangeNoPoolByte(flags, v1::CUDA, 24);
+    if (HasFatalFailure()) return;
+  }
 }
 
 // Whether the service is an MPS client is in the layout, in the log at start

@@ -122,9 +122,13 @@ TEST_P(HostTierTest, RestoreWritesBackWhatWasSavedBitForBit) {
   // Blocks 1..3 after a few steps: DEFERRED's last commit pending, FAST's
   // ring holding tokens.
   ASSERT_NO_FATAL_FAILURE(Decode(1, 3));
+  const std::string before_save = s_->Pools();
   v1::SaveBlocksResponse saved = ValueOrDie(s_->session().SaveBlocks(Save({{2, "k2"}, {3, "k3"}})));
   EXPECT_EQ(saved.bytes(), 2 * EntryBytes());
   EXPECT_TRUE(saved.evicted().empty());
+  // A save is a read: not a pool byte changed (the pending tokens and rings
+  // are applied in a copy).
+  EXPECT_EQ(s_->Pools(), before_save);
   const std::string expected = Materialized();
 
   // More steps change blocks 1..3; then k2 back into block 2 and into block

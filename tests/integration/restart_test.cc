@@ -104,8 +104,9 @@ TEST(RestartTest, ADecodeLoopKeepsEveryCommittedStateAcrossKills) {
 
 // commit_mode DEFERRED: pending tokens (the pending table and both records
 // buffers) survive kills between calls, inside a Verify and its replay of
-// pending blocks, at every phase of a Commit and inside a Flush or
-// ReadState; every state the service materializes is the stock path's.
+// pending blocks, at every phase of a Commit and inside a Flush (a
+// ReadState, which replays into a copy, changes nothing a kill could lose);
+// every state the service materializes is the stock path's.
 TEST(RestartTest, DeferredCommitsKeepTheirPendingTokensAcrossKills) {
   RunDrill({"--commit_mode=deferred", "--layers=3", "--heads=2", "--conv_dim=128",
             "--blocks=32"},

@@ -54,10 +54,12 @@ class Scheduler {
   static constexpr int kRows = 3;
   static constexpr int kTokensPerRow = 2;
 
-  explicit Scheduler(Client& c, bool drive = true) : c_(c) {
+  // `backend`: where its buffers live, the service's backend (v1::CUDA:
+  // device memory; write and read them through WriteAct, Pools, Outputs).
+  explicit Scheduler(Client& c, bool drive = true, v1::Backend backend = v1::CPU) : c_(c) {
     layout_ = ValueOrDie(c.GetLayout());
     session_ = ValueOrDie(c.OpenSession("test scheduler", drive));
-    memory_ = ValueOrDie(SharedMemory::Create(v1::CPU));
+    memory_ = ValueOrDie(SharedMemory::Create(backend));
     pools_ = ValueOrDie(memory_->MapPools(ValueOrDie(c.ExportPools())));
     H_ = layout_.num_heads();
     K_ = layout_.head_dim();
@@ -70,7 +72,7 @@ class Scheduler {
       x = x * 1664525u + 1013904223u;
       v = static_cast<uint16_t>(0x3c00 + (x >> 24));
     }
-    std::memcpy(acts_->data(), random.data(), random.size() * 2);
+    EXPECT_TRUE(memory_->CopyIn(acts_->data(), random.data(), random.size() * 2).ok());
     ValueOrDie(session_->RegisterBuffer(*acts_, "acts"));
     if (drive && layout_.layer_kind() == v1::KDA) {  // GDN layers have no parameters
       for (int l = 0; l < layout_.num_layers(); ++l) EXPECT_TRUE(LoadParams(l).ok());
@@ -121,16 +123,25 @@ class Scheduler {
     return c;
   }
 
+  // Activation `which` (q, k, v, g, o, beta: 0..5) from host memory.
+  void WriteAct(int which, const void* host, uint64_t bytes) {
+    EXPECT_TRUE(memory_->CopyIn(Act(which), host, bytes).ok());
+  }
   // Every byte of every pool.
   std::string Pools() {
-    const uint64_t bytes = pools_->description().allocation_bytes();
-    return std::string(pools_->base(), bytes);
+    std::string bytes(pools_->description().allocation_bytes(), '\0');
+    EXPECT_TRUE(memory_->CopyOut(&bytes[0], pools_->base(), bytes.size()).ok());
+    return bytes;
   }
   // Writes them back, as a scheduler may (prefill writes the pools).
   void RestorePools(const std::string& bytes) {
-    std::memcpy(pools_->base(), bytes.data(), bytes.size());
+    EXPECT_TRUE(memory_->CopyIn(pools_->base(), bytes.data(), bytes.size()).ok());
   }
-  std::string Outputs() { return std::string(Act(4), T_ * H_ * K_ * 2); }
+  std::string Outputs() {
+    std::string bytes(T_ * H_ * K_ * 2, '\0');
+    EXPECT_TRUE(memory_->CopyOut(&bytes[0], Act(4), bytes.size()).ok());
+    return bytes;
+  }
 
   Session& session() { return *session_; }
   SharedMemory& memory() { return *memory_; }

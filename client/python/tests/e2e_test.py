@@ -240,7 +240,8 @@ class Harness:
         accepted tokens without folding (a fold, and a row that leaves its
         block or crosses a boundary in align mode, store real states); with
         `flush` "read", each such block's state is read through ReadState
-        (which materializes it in its layer) instead of a Flush."""
+        (which materializes it into a copy: the pool keeps the checkpoint and
+        the block stays pending) instead of a Flush."""
         R, Q = self.R, self.Q
         tokens = [Q if full else int(self.rng.integers(1, Q + 1)) for _ in range(R)]
         accepted = [t if full else int(self.rng.integers(1, t + 1)) for t in tokens]
@@ -395,23 +396,25 @@ class Harness:
                 np.testing.assert_array_equal(
                     self.pools.recurrent(layer)[checkpoint[i]], checkpoints_before[i][layer],
                     f"step {s}: pending block {checkpoint[i]} changed before it was flushed")
-        flushed = set(range(R)) if flush == "all" else set(pending) if flush else set()
+        flushed = (set(range(R)) if flush == "all" else
+                   set(pending) if flush in ("blocks",) else set())
+        read_states = {}
         if flush == "all":
             self.session.flush()
             pending.clear()
         elif flush == "blocks":
             self.session.flush([checkpoint[i] for i in sorted(pending)] + [0])
             pending.clear()
-        elif flush == "read":  # ReadState of each layer materializes its block there
+        elif flush == "read":  # ReadState shows each layer's current state, from a copy
             for i in sorted(pending):
                 for layer in range(self.L):
                     read = self.client.read_state(layer, checkpoint[i], values=True)
-                    got = np.array(read.recurrent.values, dtype=np.float64).reshape(
-                        self.pools.recurrent(layer)[checkpoint[i]].shape)
+                    pool = self.pools.recurrent(layer)[checkpoint[i]]
+                    read_states[(i, layer)] = np.array(
+                        read.recurrent.values, dtype=np.float64).reshape(pool.shape)
                     np.testing.assert_array_equal(
-                        got, self.pools.recurrent(layer)[checkpoint[i]],
-                        f"step {s}: ReadState's values are not the pool's after it")
-            pending.clear()
+                        pool, checkpoints_before[i][layer],
+                        f"step {s}: ReadState changed pending block {checkpoint[i]} in the pool")
         for i in flushed:  # (FAST: their rings folded)
             self.ring_tokens[i] = 0
 
@@ -434,8 +437,10 @@ class Harness:
                     return st
 
                 want = run(commit_len)
-                if i not in pending:  # (pending: checked through the next step's outputs)
-                    got = self.pools.recurrent(layer)[final]
+                # (pending: checked through the next step's outputs, or
+                # through what ReadState returned)
+                if i not in pending or (i, layer) in read_states:
+                    got = read_states.get((i, layer), self.pools.recurrent(layer)[final])
                     err = ref.rel_err(got, want)
                     state_errors.append(err)
                     self.t.assertLess(err, STATE_TOL, f"step {s}, layer {layer}, row {i}: "

@@ -56,7 +56,7 @@ void RunCommit(const CommitArgs& a) {
 // FAST Flush: the block list (into its checked copy), then every listed
 // block's cursor in every layer it covers (without a list: every block
 // whose ring holds tokens or candidates), then kernels/fast's Materialize
-// in place.
+// in place, or into the copy (FlushArgs::copy: its `out`).
 void RunFlush(const FlushArgs& a) {
   *a.status = internal::OkStatus();
   if (!CpuChecker::LoadedRows(a.num_blocks_given, a.prerequisites.input_fault, a.status,
@@ -103,6 +103,10 @@ void RunFlush(const FlushArgs& a) {
   m.num_blocks_given = count;
   m.layer = a.layer;
   m.discard = a.discard;
+  if (a.copy.data != nullptr) {  // into a copy: Materialize's `out`, from block 1
+    m.out = static_cast<char*>(a.copy.data) +
+            a.copy.block_stride * int64_t(DTypeSize(a.shape.state_dtype));
+  }
   RunFastMaterializeCpu(m, FastNumerics());
 }
 

@@ -1,7 +1,8 @@
 // FAST's Flush through the kernel interface on CUDA: the check kernel (the
 // block list into its checked copy, then the cursor of every listed block,
 // or without a list of every block, in every covered layer), then
-// kernels/fast/cuda's Materialize in place, gated on its status.
+// kernels/fast/cuda's Materialize in place (or into the copy, FlushArgs::copy:
+// its `out`), gated on its status.
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_INTERFACE_FLUSH_CUH_
 #define SPECSTATE_KERNELS_FAST_CUDA_INTERFACE_FLUSH_CUH_
 
@@ -65,6 +66,10 @@ absl::Status LaunchFastInterfaceFlush(const FlushArgs& a, cudaStream_t s) {
   }
   m.layer = a.layer;
   m.discard = a.discard;
+  if (a.copy.data != nullptr) {  // into a copy: Materialize's `out`, from block 1
+    m.out = static_cast<char*>(a.copy.data) +
+            a.copy.block_stride * int64_t(DTypeSize(a.shape.state_dtype));
+  }
   m.gate = a.status;
   return fast::RunFastMaterializeCuda(m, s);
 }
