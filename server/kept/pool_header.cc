@@ -92,8 +92,6 @@ std::string DeferredProblem(const KeptDeferred& d) {
   return std::string();
 }
 
-const KeptDeferred& DeferredOf(const std::vector<char>& bytes) { return HeaderOf(bytes).deferred; }
-
 // The DEFERRED table in a host copy of the bookkeeping.
 struct PendingView {
   kernels::PendingJournalRecord* journal;
