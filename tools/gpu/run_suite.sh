@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the GPU suites and benchmarks from a bundle made by tools/gpu/bundle.sh,
 # on a machine with an NVIDIA GPU (no Bazel needed):
-#   tools/gpu/run_suite.sh BUNDLE OUTDIR [tests|service|bench|all|restart]
-# (service: the service's GPU tests and the Python client's, not the kernels';
+#   tools/gpu/run_suite.sh BUNDLE OUTDIR [tests|service|bench|tier|all|restart]
+# (tier: the host tier's benchmark, tests/bench/host_tier_bench.cc;
+# service: the service's GPU tests and the Python client's, not the kernels';
 # GPU_SERVICE_FILTER is a gtest filter for gpu_service_test; restart: the kept
 # pools on the GPU (issue 24): vmm_probe, then the restart drill on the CUDA
 # backend without and with MPS, and again with commit_mode DEFERRED (its
@@ -128,6 +129,23 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   timeout 200 "$bin/service_bench" --server="unix://$sock" ${SERVICE_BENCH_FLAGS:-} > "$out/service_bench.md" 2>&1
   note "service_bench: exit $?"
   kill $server; wait $server 2>/dev/null
+fi
+if [ "$what" = all ] || [ "$what" = tier ]; then
+  # The host tier: SaveBlocks / RestoreBlocks of Kimi-Linear blocks (20
+  # layers, 2 MiB + 144 KiB each) against the copy engine's ceilings, every
+  # restored block checked (tests/bench/host_tier_bench.cc).
+  if [ ! -x "$bin/host_tier_bench" ]; then note "host_tier_bench: not in this bundle"; else
+  sock=$(mktemp -d /tmp/ssXXXXXX)/s.sock
+  "$bin/specstated" --backend=cuda --listen="unix://$sock" --model=kimi-linear-48b-a3b --blocks=72 \
+    --max_rows=16 --host_tier_bytes=${HOST_TIER_BYTES:-3GiB} > "$out/host_tier_server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 300); do [ -S "$sock" ] && break; sleep 0.1; done
+  timeout 240 "$bin/host_tier_bench" --server="unix://$sock" ${HOST_TIER_BENCH_FLAGS:-} \
+    > "$out/host_tier_bench.md" 2>&1
+  rc=$?; note "host_tier_bench: exit $rc"
+  [ $rc -eq 0 ] || status=1
+  kill $server; wait $server 2>/dev/null
+  fi
 fi
 if [ "$what" = restart ]; then
   # 1. What the driver does with a cuMemCreate allocation whose descriptor
