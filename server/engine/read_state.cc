@@ -111,12 +111,9 @@ void Engine::ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateR
 }
 
 void Engine::CountPendingBlocks(Reply<int32_t> reply) {
-  const kernels::PendingBlocks pending = mode_->PendingTable();
-  if (pending.entries == nullptr) {
-    reply(absl::OkStatus(), 0);
-    return;
-  }
-  const uint64_t bytes = uint64_t(pending.num_layers) * pending.num_blocks * sizeof(int32_t);
+  // What the mode keeps pending, read back after the work enqueued before
+  // (ModeEngine::PendingCountReadbacks; nothing for the modes without).
+  const uint64_t bytes = mode_->PendingCountBytes() + sizeof(int32_t);
   char* buffer = nullptr;
   {
     absl::MutexLock lock(&mu_);
@@ -139,20 +136,9 @@ void Engine::CountPendingBlocks(Reply<int32_t> reply) {
   };
   Work work;
   work.launch = [](kernels::Stream, Scratch&) { return absl::OkStatus(); };
-  work.readbacks.push_back(Readback{pending.entries, buffer, bytes});
-  work.done = [pending, buffer, give_back, reply](absl::Status launched) {
-    // A block is pending when some layer's entry for it is not 0 (block 0,
-    // the null block, never is).
-    int32_t count = 0;
-    const auto* entries = reinterpret_cast<const int32_t*>(buffer);
-    for (int64_t b = 1; launched.ok() && b < pending.num_blocks; ++b) {
-      for (int l = 0; l < pending.num_layers; ++l) {
-        if (entries[int64_t{l} * pending.num_blocks + b] != 0) {
-          ++count;
-          break;
-        }
-      }
-    }
+  work.readbacks = mode_->PendingCountReadbacks(buffer);
+  work.done = [this, buffer, give_back, reply](absl::Status launched) {
+    const int32_t count = launched.ok() ? mode_->CountPendingBlocks(buffer) : 0;
     give_back();
     reply(launched, count);
   };

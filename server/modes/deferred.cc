@@ -79,7 +79,27 @@ class DeferredEngine final : public ModeEngine {
     }
   }
 
-  kernels::PendingBlocks PendingTable() const override { return pending_; }
+  uint64_t PendingCountBytes() const override {
+    return uint64_t(pending_.num_layers) * pending_.num_blocks * sizeof(int32_t);
+  }
+  std::vector<Readback> PendingCountReadbacks(void* host) const override {
+    return {Readback{pending_.entries, host, PendingCountBytes()}};
+  }
+  // A block is pending when some layer's entry for it is not 0 (block 0,
+  // the null block, never is).
+  int32_t CountPendingBlocks(const void* host) const override {
+    const auto* entries = static_cast<const int32_t*>(host);
+    int32_t count = 0;
+    for (int64_t b = 1; b < pending_.num_blocks; ++b) {
+      for (int l = 0; l < pending_.num_layers; ++l) {
+        if (entries[int64_t{l} * pending_.num_blocks + b] != 0) {
+          ++count;
+          break;
+        }
+      }
+    }
+    return count;
+  }
 
   void AddToVerify(int layer, kernels::VerifyArgs& args) const override {
     args.mode = kernels::CommitMode::kDeferred;

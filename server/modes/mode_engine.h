@@ -63,9 +63,14 @@ class ModeEngine {
   // Kept pools: every Commit journals to `journal` (set by the engine).
   virtual void SetCommitJournal(const kernels::CommitJournal& journal) {}
 
-  // DEFERRED: its pending table (where the kernels see it); entries null
-  // for the modes without one.
-  virtual kernels::PendingBlocks PendingTable() const { return {}; }
+  // Recover's pending_blocks (blocks holding pending tokens in some layer):
+  // the readbacks that copy what the mode keeps pending into `host`
+  // (PendingCountBytes() long), and the count read from it once they are
+  // done. DEFERRED: its pending table; the others keep no tokens pending
+  // between a session's steps that a restart could keep: nothing, 0.
+  virtual uint64_t PendingCountBytes() const { return 0; }
+  virtual std::vector<Readback> PendingCountReadbacks(void* host) const { return {}; }
+  virtual int32_t CountPendingBlocks(const void* host) const { return 0; }
 
   // What the mode adds to a Verify of `layer` and to a Commit.
   virtual void AddToVerify(int layer, kernels::VerifyArgs& args) const = 0;

@@ -42,74 +42,9 @@ from specstate.regions import Region, RegionCache, describe, is_torch_tensor
 from specstate.shm import MappedPools, SharedBuffer
 from specstate.v1 import specstate_pb2 as pb
 from specstate.v1 import specstate_pb2_grpc as pb_grpc
+from specstate import wire
 
 _log = logging.getLogger("specstate")
-
-_HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
-
-
-def _health_request(service: str) -> bytes:
-    """grpc.health.v1.HealthCheckRequest{service} in wire format (field 1, string)."""
-    data = service.encode()
-    out = bytearray(b"\x0a" if data else b"")
-    if data:
-        n = len(data)
-        while n >= 0x80:
-            out.append((n & 0x7F) | 0x80)
-            n >>= 7
-        out.append(n)
-        out += data
-    return bytes(out)
-
-
-def _health_status(data: bytes) -> str:
-    """The status name in a grpc.health.v1.HealthCheckResponse (field 1, enum)."""
-    i, status = 0, 0
-    while i < len(data):
-        key = data[i]
-        i += 1
-        if key & 7 == 0:  # varint
-            value, shift = 0, 0
-            while True:
-                b = data[i]
-                i += 1
-                value |= (b & 0x7F) << shift
-                shift += 7
-                if not b & 0x80:
-                    break
-            if key >> 3 == 1:
-                status = value
-        else:  # no other field is defined; stop at anything unexpected
-            break
-    return _HEALTH_STATUS.get(status, str(status))
-
-
-def _ordering(ordering: Union[None, str, int], wait: Any, signal: Any) -> int:
-    if ordering is None:
-        return pb.ASYNC if (wait is not None or signal is not None) else pb.ORDERING_UNSPECIFIED
-    if isinstance(ordering, str):
-        try:
-            return {"sync": pb.SYNC, "async": pb.ASYNC}[ordering.lower()]
-        except KeyError:
-            raise SpecStateError(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"ordering {ordering!r}: expected 'sync' or 'async'") from None
-    return int(ordering)
-
-
-def _signal(x: Any) -> Optional[pb.Signal]:
-    """A Signal from a Doorbell, IpcEvent, Signal or torch interprocess event."""
-    if x is None or isinstance(x, pb.Signal):
-        return x
-    if isinstance(x, pb.Doorbell):
-        return pb.Signal(doorbell=x)
-    if isinstance(x, pb.IpcEvent):
-        return pb.Signal(event=x)
-    if hasattr(x, "ipc_handle"):
-        return pb.Signal(event=pb.IpcEvent(handle=bytes(x.ipc_handle())))
-    raise SpecStateError(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"wait/signal: expected a Doorbell (session.doorbell(...)), an IpcEvent "
-                         f"or a torch interprocess event, got {type(x).__name__}")
-
 
 class Client:
     """A connection to specstated.
@@ -147,8 +82,8 @@ class Client:
                 "(is it running? see specstated --listen)") from None
         self.stub = pb_grpc.SpecStateStub(self._channel)
         self._health = self._channel.unary_unary(
-            "/grpc.health.v1.Health/Check", request_serializer=_health_request,
-            response_deserializer=_health_status)
+            "/grpc.health.v1.Health/Check", request_serializer=wire.health_request,
+            response_deserializer=wire.health_status)
 
     def call(self, method: str, request: Any) -> Any:
         """Calls unary `method` ("GetLayout", ...) with the client's deadline."""
@@ -511,7 +446,7 @@ class Session:
         idx = self.index(state_indices)
         if num_rows is None:
             if idx is not None:
-                num_rows = _rows(idx)
+                num_rows = wire.rows_of(idx)
             elif step in self._step_rows:
                 num_rows = self._step_rows[step]
             else:
@@ -521,12 +456,12 @@ class Session:
         request = pb.VerifyRequest(
             session_id=self.id, step=step, layer=layer, num_rows=num_rows,
             q=self.tensor(q), k=self.tensor(k), v=self.tensor(v), g=self.tensor(g),
-            beta=self.tensor(beta), o=self.tensor(o), ordering=_ordering(ordering, wait, signal))
+            beta=self.tensor(beta), o=self.tensor(o), ordering=wire.ordering_of(ordering, wait, signal))
         if qsl is not None:
             request.query_start_loc.CopyFrom(qsl)
         if idx is not None:
             request.state_indices.CopyFrom(idx)
-        _set_signals(request, wait, signal)
+        wire.set_signals(request, wait, signal)
         return request
 
     def bind_verify_inputs(self, layer: int, *, q: Any, k: Any, v: Any, g: Any, beta: Any,
@@ -605,8 +540,8 @@ class Session:
         self._step_rows = {step: num_rows}
         request = pb.VerifyRequest(
             session_id=self.id, step=step, layer=layer, num_rows=num_rows, bound_inputs=True,
-            num_tokens=num_tokens, ordering=_ordering(ordering, wait, signal))
-        _set_signals(request, wait, signal)
+            num_tokens=num_tokens, ordering=wire.ordering_of(ordering, wait, signal))
+        wire.set_signals(request, wait, signal)
         return request
 
     def commit(self, step: int, num_accepted: Any, *, request_indices: Any = None,
@@ -632,13 +567,13 @@ class Session:
         for :meth:`submit_step`."""
         request = pb.CommitRequest(session_id=self.id, step=step,
                                    num_accepted=self.index(num_accepted),
-                                   ordering=_ordering(ordering, wait, signal))
+                                   ordering=wire.ordering_of(ordering, wait, signal))
         for field, value in (("request_indices", request_indices), ("block_table", block_table),
                              ("num_computed_tokens", num_computed_tokens)):
             t = self.index(value)
             if t is not None:
                 getattr(request, field).CopyFrom(t)
-        _set_signals(request, wait, signal)
+        wire.set_signals(request, wait, signal)
         return request
 
     def submit_step(self, step: int, verifies: Any = (), commit: Any = None
@@ -713,11 +648,11 @@ class Session:
             num_sampled=self.index(num_sampled), num_computed_tokens=self.index(num_computed_tokens),
             block_table_width=block_table_width, state_idx=self.tensor(state_idx, dtypes.INT32),
             num_accepted=self.tensor(num_accepted, dtypes.INT32),
-            ordering=_ordering(ordering, wait, signal))
+            ordering=wire.ordering_of(ordering, wait, signal))
         t = self.index(request_indices)
         if t is not None:
             request.request_indices.CopyFrom(t)
-        _set_signals(request, wait, signal)
+        wire.set_signals(request, wait, signal)
         self._check_step(step, record=True)
         return self.client.call("RecordStateBlocks", request)
 
@@ -861,13 +796,13 @@ class Session:
         `layer` limits it to one layer. Under EAGER it has nothing to do.
         OUT_OF_RANGE for a block past the pools."""
         request = pb.FlushRequest(session_id=self.id, discard=discard,
-                                  ordering=_ordering(ordering, wait, signal))
+                                  ordering=wire.ordering_of(ordering, wait, signal))
         t = self.index(blocks)
         if t is not None:
             request.blocks.CopyFrom(t)
         if layer is not None:
             request.layer = layer
-        _set_signals(request, wait, signal)
+        wire.set_signals(request, wait, signal)
         return self.client.call("Flush", request)
 
 
@@ -881,9 +816,9 @@ class Session:
         bytes copied. The pools are not changed."""
         pairs = entries.items() if isinstance(entries, dict) else [(k, b) for b, k in entries]
         request = pb.SaveBlocksRequest(
-            session_id=self.id, ordering=_ordering(ordering, wait, signal),
+            session_id=self.id, ordering=wire.ordering_of(ordering, wait, signal),
             entries=[pb.SaveEntry(block=int(b), key=str(k)) for k, b in pairs])
-        _set_signals(request, wait, signal)
+        wire.set_signals(request, wait, signal)
         return self.client.call("SaveBlocks", request)
 
     def restore_blocks(self, entries: Dict[str, int], *, ordering: Union[None, str, int] = None,
@@ -892,9 +827,9 @@ class Session:
         RestoreBlocks); what the mode kept unapplied for those blocks is
         forgotten first. NOT_FOUND for a key not saved; nothing is written."""
         request = pb.RestoreBlocksRequest(
-            session_id=self.id, ordering=_ordering(ordering, wait, signal),
+            session_id=self.id, ordering=wire.ordering_of(ordering, wait, signal),
             entries=[pb.RestoreEntry(key=str(k), block=int(b)) for k, b in entries.items()])
-        _set_signals(request, wait, signal)
+        wire.set_signals(request, wait, signal)
         return self.client.call("RestoreBlocks", request)
 
     def mark_reprefilled(self, blocks: Sequence[int]) -> pb.MarkReprefilledResponse:
@@ -908,16 +843,3 @@ class Session:
                                             blocks=[int(b) for b in blocks])
         return self.client.call("MarkReprefilled", request)
 
-
-def _rows(index: pb.IndexTensor) -> int:
-    if index.HasField("values"):
-        return int(index.values.shape[0]) if index.values.shape else len(index.values.values)
-    return int(index.region.shape[0]) if index.region.shape else 0
-
-
-def _set_signals(request: Any, wait: Any, signal: Any) -> None:
-    w, s = _signal(wait), _signal(signal)
-    if w is not None:
-        request.wait.CopyFrom(w)
-    if s is not None:
-        request.signal.CopyFrom(s)
