@@ -28,12 +28,12 @@ absl::Status SetTestCrash(const std::string& spec) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--test_crash_at=", spec, ": expected POINT:N with N >= 1 (POINT one of verify, "
         "commit:enqueued, commit:started, commit:conv, commit:layer, commit:deferred, "
-        "commit:replayed, verify:replayed, flush:taken)"));
+        "commit:replayed, verify:replayed, flush:taken, restore:layer)"));
   }
   const std::string point = spec.substr(0, colon);
   static const char* const kPoints[] = {
       "verify",          "commit:enqueued", "commit:started",  "commit:conv",   "commit:layer",
-      "commit:deferred", "commit:replayed", "verify:replayed", "flush:taken"};
+      "commit:deferred", "commit:replayed", "verify:replayed", "flush:taken", "restore:layer"};
   bool known = false;
   for (const char* p : kPoints) known |= point == p;
   if (!known) {

@@ -14,7 +14,8 @@
 // committed); DEFERRED adds "commit:deferred" (the pending table updated,
 // the replays not run), "verify:replayed" (a Verify stored the first head
 // of a row's materialized checkpoint) and "flush:taken" (a Flush took its
-// blocks' entries, replayed none). Unset, every point costs one relaxed
+// blocks' entries, replayed none); "restore:layer" (a RestoreBlocks wrote a
+// layer of a block; CPU backend). Unset, every point costs one relaxed
 // atomic load.
 #ifndef SPECSTATE_SERVER_BASE_TEST_CRASH_H_
 #define SPECSTATE_SERVER_BASE_TEST_CRASH_H_

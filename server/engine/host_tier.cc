@@ -6,6 +6,11 @@
 //
 // A saved entry is the block's layers in order, each its recurrent block
 // (LayoutSizes::state_block_bytes) then its conv block (conv_block_bytes).
+//
+// With kept pools a restore marks its blocks lost in the kept block records
+// before its first write and clears them after its last, on the device's
+// queue: a restore a restart cuts short reports its blocks lost
+// (Recover.lost_blocks), as an interrupted Commit does.
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -15,11 +20,15 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "server/base/test_crash.h"
 #include "server/engine/engine.h"
 
 namespace specstate {
 namespace server {
 namespace {
+
+// The lost flag a restore sets while it writes (any nonzero value).
+const uint32_t kRestoreInFlight = 1;
 
 absl::Status NoHostTier() {
   return absl::FailedPreconditionError(
@@ -159,6 +168,12 @@ void Engine::RestoreBlocks(const std::string& session, const v1::RestoreBlocksRe
     Launch forget = mode_->Materialize(index, -1, true, mirror);
     work.launch = [this, forget, blocks, slots](kernels::Stream stream,
                                                Scratch& scratch) -> absl::Status {
+      kernels::BlockRecord* records = journal_.blocks;  // null: no kept pools
+      for (size_t i = 0; records != nullptr && i < blocks.size(); ++i) {
+        absl::Status st = device_->CopyOnStream(&records[blocks[i]].lost, &kRestoreInFlight,
+                                                sizeof(kRestoreInFlight), stream);
+        if (!st.ok()) return st;
+      }
       if (absl::Status st = forget(stream, scratch); !st.ok()) return st;
       for (size_t i = 0; i < blocks.size(); ++i) {
         const char* src = host_tier_->SlotData(slots[i]);
@@ -170,7 +185,13 @@ void Engine::RestoreBlocks(const std::string& session, const v1::RestoreBlocksRe
           if (st.ok()) st = device_->CopyOnStream(conv, src, sizes_.conv_block_bytes, stream);
           src += sizes_.conv_block_bytes;
           if (!st.ok()) return st;
+          TestCrashPoint("restore:layer");
         }
+      }
+      for (size_t i = 0; records != nullptr && i < blocks.size(); ++i) {
+        absl::Status st = device_->ZeroOnStream(&records[blocks[i]].lost,
+                                                sizeof(records[blocks[i]].lost), stream);
+        if (!st.ok()) return st;
       }
       return absl::OkStatus();
     };

@@ -165,6 +165,40 @@ TEST(RestartTest, AStepInFlightIsRefusedNamingItAfterTheRestart) {
   EXPECT_EQ(ValueOrDie(c->Recover()).last_committed_step(), 3u);
 }
 
+// A RestoreBlocks (the host tier) dies after writing one layer of its
+// block: after the restart that block, and only it, is reported lost; a
+// restore that finishes clears it.
+TEST(RestartTest, AnInterruptedRestoreReportsItsBlockLost) {
+  std::unique_ptr<OwnService> service = StartOwn({"--host_tier_bytes=64MiB"});
+  ASSERT_NE(service, nullptr);
+  service->Kill();
+  ASSERT_OK(service->Launch({"--test_crash_at=restore:layer:1"}));
+  auto c = ValueOrDie(Client::Connect(service->address()));
+  Scheduler s(*c);
+  ASSERT_OK(s.VerifyAll(1));
+  ASSERT_OK(s.session().Commit(s.Commit(1)).status());
+  v1::SaveBlocksRequest save;
+  v1::SaveEntry* e = save.add_entries();
+  e->set_block(2);
+  e->set_key("prefix");
+  ASSERT_OK(s.session().SaveBlocks(save).status());
+  v1::RestoreBlocksRequest restore;
+  v1::RestoreEntry* r = restore.add_entries();
+  r->set_key("prefix");
+  r->set_block(5);
+  EXPECT_EQ(s.session().RestoreBlocks(restore).status().code(), absl::StatusCode::kUnavailable);
+  service->Kill();  // reaps it: it killed itself
+  ASSERT_OK(service->Launch());
+  v1::RecoverResponse kept = ValueOrDie(s.session().Resume(absl::Seconds(20)));
+  EXPECT_THAT(kept.lost_blocks(), ::testing::ElementsAre(5));
+  EXPECT_EQ(kept.last_committed_step(), 1u);
+  // The saved copies died with the process; a new save and a restore that
+  // finishes write the block whole and clear it.
+  ASSERT_OK(s.session().SaveBlocks(save).status());
+  ASSERT_OK(s.session().RestoreBlocks(restore).status());
+  EXPECT_THAT(ValueOrDie(c->Recover()).lost_blocks(), ::testing::IsEmpty());
+}
+
 // The commit of step 2 dies after its first layer: its blocks are lost, and
 // say so across a second restart too, until a commit writes them again.
 TEST(RestartTest, AnInterruptedCommitReportsItsBlocksLostUntilRewritten) {
