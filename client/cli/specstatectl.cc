@@ -38,6 +38,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/lib/client.h"
 #include "client/simulator/restart_drill.h"
 #include "client/simulator/simulator.h"
@@ -141,6 +143,7 @@ constexpr char kUsage[] =
     "  regions    registered regions of every session\n"
     "  state      one block of one layer (--layer, --block, --values)\n"
     "  stats      counters and per-RPC latency\n"
+    "  saved      the host tier's saved blocks, most recently used first (--json)\n"
     "  recover    what the service kept across its last restart: the last committed step,\n"
     "             the blocks an interrupted commit lost, bytes kept (--json)\n"
     "  verify-pools  re-reads the pools' bookkeeping: header checksum, layout fingerprint,\n"
@@ -291,6 +294,17 @@ int Stats(Client& c) {
       static_cast<unsigned long long>(s->tokens_verified()),
       static_cast<unsigned long long>(s->tokens_committed()),
       static_cast<unsigned long long>(s->state_bytes_saved()));
+  if (s->has_host_tier()) {
+    const v1::HostTierStats& t = s->host_tier();
+    std::printf("host tier: %lld of %lld blocks saved; since start %llu saved, %llu restored, "
+                "%llu evicted, %llu dropped, %llu failed saves\n",
+                static_cast<long long>(t.keys()), static_cast<long long>(t.capacity()),
+                static_cast<unsigned long long>(t.saves()),
+                static_cast<unsigned long long>(t.restores()),
+                static_cast<unsigned long long>(t.evictions()),
+                static_cast<unsigned long long>(t.drops()),
+                static_cast<unsigned long long>(t.failed_saves()));
+  }
   std::printf("health: %s\n", s->health().c_str());
   for (const std::string& warning : s->warnings()) std::printf("WARNING: %s\n", warning.c_str());
   std::printf("%-20s %8s %8s %10s %10s\n", "rpc", "calls", "errors", "p50 us", "p99 us");
@@ -300,6 +314,30 @@ int Stats(Client& c) {
     std::printf("%-20s %8llu %8llu %10.1f %10.1f\n", r.method().c_str(),
                 static_cast<unsigned long long>(r.calls()), static_cast<unsigned long long>(errors),
                 r.latency().p50_us(), r.latency().p99_us());
+  }
+  return 0;
+}
+
+// The host tier's keys, most recently used first.
+int Saved(Client& c) {
+  absl::StatusOr<v1::ListSavedResponse> r = c.ListSaved();
+  if (!r.ok()) return Fail(r.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s", Json(*r).c_str());
+    return 0;
+  }
+  if (r->capacity() == 0) {
+    std::printf("no host tier (start specstated with --host_tier_bytes)\n");
+    return 0;
+  }
+  std::printf("host tier: %d of %lld blocks saved, %s a block\n", r->keys_size(),
+              static_cast<long long>(r->capacity()),
+              server::FormatBytes(double(r->entry_bytes())).c_str());
+  const double now = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch());
+  std::printf("%-40s %12s %12s %9s\n", "key", "saved (s ago)", "used (s ago)", "restores");
+  for (const v1::SavedKey& k : r->keys()) {
+    std::printf("%-40s %12.1f %12.1f %9llu\n", k.key().c_str(), now - k.saved_at(),
+                now - k.used_at(), static_cast<unsigned long long>(k.restores()));
   }
   return 0;
 }
@@ -652,7 +690,7 @@ int main(int argc, char** argv) {
   if (command == "plan") return Plan();
   const bool known = command == "health" || command == "layout" || command == "regions" ||
                      command == "state" || command == "stats" || command == "simulate" ||
-                     command == "recover" || command == "verify-pools";
+                     command == "recover" || command == "verify-pools" || command == "saved";
   if (!known) {
     std::fprintf(stderr, "specstatectl: unknown subcommand \"%s\"\n%s\n", command.c_str(), kUsage);
     return 2;
@@ -717,6 +755,7 @@ int main(int argc, char** argv) {
   if (command == "regions") return Regions(c);
   if (command == "state") return State(c);
   if (command == "stats") return Stats(c);
+  if (command == "saved") return Saved(c);
   if (command == "recover") return Recover(c, false);
   if (command == "verify-pools") return Recover(c, true);
   return Simulate({&c});

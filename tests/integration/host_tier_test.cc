@@ -202,6 +202,19 @@ TEST_P(HostTierTest, LeastRecentlyUsedKeysAreEvicted) {
   EXPECT_EQ(stats.host_tier().evictions(), 1u);
   EXPECT_EQ(stats.host_tier().drops(), 1u);
   EXPECT_EQ(stats.host_tier().capacity(), 3);
+  // What an operator sees: specstatectl saved and stats.
+  const auto ctl = [&](const std::string& command) {
+    return ValueOrDie(testing::RunProcess({testing::RunfilePath("client/cli/specstatectl"),
+                                           "--server=" + server_->address(), command}));
+  };
+  const testing::ProcessResult saved = ctl("saved");
+  EXPECT_EQ(saved.exit_code, 0) << saved.output;
+  EXPECT_THAT(saved.output, ::testing::HasSubstr("host tier: 2 of 3 blocks saved"));
+  EXPECT_THAT(saved.output, ::testing::HasSubstr("\nd "));
+  EXPECT_THAT(saved.output, ::testing::HasSubstr("\nc "));
+  const testing::ProcessResult counters = ctl("stats");
+  EXPECT_THAT(counters.output, ::testing::HasSubstr("host tier: 2 of 3 blocks saved; since start "
+                                                    "4 saved, 1 restored, 1 evicted, 1 dropped"));
 }
 
 TEST_P(HostTierTest, BadCallsChangeNothing) {
