@@ -10,6 +10,7 @@ packages=(
   bazel-bootstrap bazel-rules-java
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libabsl-dev libgtest-dev libgmock-dev prometheus-cpp-dev pkg-config g++
+  libucx-dev
   python3 python3-grpcio python3-protobuf python3-numpy python3-yaml
 )
 if [ "${1:-}" = "--tests" ]; then

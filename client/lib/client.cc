@@ -127,6 +127,15 @@ absl::StatusOr<v1::DropSavedResponse> Client::DropSaved(const std::vector<std::s
                                                            r);
 }
 
+absl::StatusOr<v1::FetchSavedResponse> Client::FetchSaved(const std::string& source,
+                                                          const std::vector<std::string>& keys) {
+  v1::FetchSavedRequest r;
+  r.set_source(source);
+  for (const std::string& key : keys) r.add_keys(key);
+  return Call<v1::FetchSavedRequest, v1::FetchSavedResponse>(this, &v1::SpecState::Stub::FetchSaved,
+                                                             r);
+}
+
 absl::StatusOr<std::string> Client::Health(const std::string& service) {
   auto health = grpc::health::v1::Health::NewStub(channel_);
   grpc::ClientContext ctx;

@@ -84,6 +84,10 @@ class Client {
   // The host tier (any client): the saved keys, and forgetting some.
   absl::StatusOr<v1::ListSavedResponse> ListSaved();
   absl::StatusOr<v1::DropSavedResponse> DropSaved(const std::vector<std::string>& keys);
+  // Transfers: `keys` saved on the service at `source` copied into this
+  // service's host tier.
+  absl::StatusOr<v1::FetchSavedResponse> FetchSaved(const std::string& source,
+                                                    const std::vector<std::string>& keys);
   // grpc.health.v1 Check of `service` ("" = the server as a whole): the
   // status name, e.g. "SERVING".
   absl::StatusOr<std::string> Health(const std::string& service = "");

@@ -232,7 +232,9 @@ std::vector<MetricFamily> Metrics::Families(const v1::Stats& stats) {
                            {"restored", t.restores()},
                            {"evicted", t.evictions()},
                            {"dropped", t.drops()},
-                           {"failed_save", t.failed_saves()}}));
+                           {"failed_save", t.failed_saves()},
+                           {"sent", t.sent()},
+                           {"fetched", t.fetched()}}));
   }
   return out;
 }

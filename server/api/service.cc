@@ -121,6 +121,8 @@ v1::Stats SpecStateService::CollectStats() const {
     t->set_evictions(tier->evictions);
     t->set_drops(tier->drops);
     t->set_failed_saves(tier->failed_saves);
+    t->set_sent(tier->sent);
+    t->set_fetched(tier->fetched);
   }
   stats_.ToProto(&stats);
   return stats;
@@ -440,6 +442,39 @@ grpc::ServerUnaryReactor* SpecStateService::DropSaved(grpc::CallbackServerContex
   absl::StatusOr<v1::DropSavedResponse> dropped = engine_->DropSaved(*request);
   if (dropped.ok()) *response = *std::move(dropped);
   Finish(reactor, "DropSaved", start, dropped.status());
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SpecStateService::FetchSaved(grpc::CallbackServerContext* ctx,
+                                                       const v1::FetchSavedRequest* request,
+                                                       v1::FetchSavedResponse* response) {
+  const absl::Time start = absl::Now();
+  auto* reactor = ctx->DefaultReactor();
+  engine_->FetchSaved(*request, [this, reactor, response, start](absl::Status s,
+                                                                 v1::FetchSavedResponse r) {
+    if (s.ok()) *response = std::move(r);
+    Finish(reactor, "FetchSaved", start, s);
+  });
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SpecStateService::ExportSaved(grpc::CallbackServerContext* ctx,
+                                                        const v1::ExportSavedRequest* request,
+                                                        v1::ExportSavedResponse* response) {
+  const absl::Time start = absl::Now();
+  auto* reactor = ctx->DefaultReactor();
+  absl::StatusOr<v1::ExportSavedResponse> r = engine_->ExportSaved(*request);
+  if (r.ok()) *response = *std::move(r);
+  Finish(reactor, "ExportSaved", start, r.status());
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* SpecStateService::ReleaseSaved(grpc::CallbackServerContext* ctx,
+                                                         const v1::ReleaseSavedRequest* request,
+                                                         v1::ReleaseSavedResponse*) {
+  const absl::Time start = absl::Now();
+  auto* reactor = ctx->DefaultReactor();
+  Finish(reactor, "ReleaseSaved", start, engine_->ReleaseSaved(*request));
   return reactor;
 }
 

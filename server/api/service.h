@@ -106,6 +106,15 @@ class SpecStateService final : public v1::SpecState::CallbackService {
   grpc::ServerUnaryReactor* DropSaved(grpc::CallbackServerContext* ctx,
                                       const v1::DropSavedRequest* request,
                                       v1::DropSavedResponse* response) override;
+  grpc::ServerUnaryReactor* FetchSaved(grpc::CallbackServerContext* ctx,
+                                       const v1::FetchSavedRequest* request,
+                                       v1::FetchSavedResponse* response) override;
+  grpc::ServerUnaryReactor* ExportSaved(grpc::CallbackServerContext* ctx,
+                                        const v1::ExportSavedRequest* request,
+                                        v1::ExportSavedResponse* response) override;
+  grpc::ServerUnaryReactor* ReleaseSaved(grpc::CallbackServerContext* ctx,
+                                         const v1::ReleaseSavedRequest* request,
+                                         v1::ReleaseSavedResponse* response) override;
   grpc::ServerUnaryReactor* Recover(grpc::CallbackServerContext* ctx,
                                     const v1::RecoverRequest* request,
                                     v1::RecoverResponse* response) override;

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -34,6 +35,7 @@
 #include "server/engine/request_tensors.h"
 #include "server/engine/step_table.h"
 #include "server/tier/host_tier.h"
+#include "server/transfer/ucx_transport.h"
 
 namespace specstate {
 namespace server {
@@ -111,6 +113,12 @@ class Engine {
   // Any client's.
   v1::ListSavedResponse ListSaved() const;
   absl::StatusOr<v1::DropSavedResponse> DropSaved(const v1::DropSavedRequest& request);
+  // Transfers between instances (transfer.cc), any client's: FetchSaved
+  // (destination side; answers from a thread of its own once the blocks
+  // are here), ExportSaved and ReleaseSaved (source side).
+  void FetchSaved(const v1::FetchSavedRequest& request, Reply<v1::FetchSavedResponse> reply);
+  absl::StatusOr<v1::ExportSavedResponse> ExportSaved(const v1::ExportSavedRequest& request);
+  absl::Status ReleaseSaved(const v1::ReleaseSavedRequest& request);
   // Unset when the service has no host tier.
   std::optional<HostTier::Counters> HostTierCounters() const;
   // Verify of each of `request.verifies`, in order, then Commit; stops at the
@@ -300,6 +308,22 @@ class Engine {
   std::unique_ptr<ModeEngine> mode_;
   // Saved blocks in host memory (null: no host tier).
   std::unique_ptr<HostTier> host_tier_;
+  // Transfers: the UCX transport over the host tier (made at the first
+  // transfer), and the exports other instances are reading (released by
+  // ReleaseSaved, or after kExportLease).
+  struct Export {
+    HostTier::Ticket ticket;
+    absl::Time expires;
+  };
+  // FAILED_PRECONDITION: this service has no host tier.
+  static absl::Status NoHostTier();
+  absl::StatusOr<UcxTransport*> Transport() ABSL_EXCLUSIVE_LOCKS_REQUIRED(transfer_mu_);
+  void ExpireExports() ABSL_EXCLUSIVE_LOCKS_REQUIRED(transfer_mu_);
+  absl::StatusOr<v1::FetchSavedResponse> FetchSavedNow(const v1::FetchSavedRequest& request);
+  absl::Mutex transfer_mu_;
+  std::unique_ptr<UcxTransport> transport_ ABSL_GUARDED_BY(transfer_mu_);
+  std::map<uint64_t, Export> exports_ ABSL_GUARDED_BY(transfer_mu_);
+  uint64_t next_export_ ABSL_GUARDED_BY(transfer_mu_) = 1;
   float* params_staging_ = nullptr;                  // LoadLayerParams: [H + H * K]
   kernels::DeviceStatus* params_status_ = nullptr;  // LoadLayerParams' device status
 

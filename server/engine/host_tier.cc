@@ -30,12 +30,6 @@ namespace {
 // The lost flag a restore sets while it writes (any nonzero value).
 const uint32_t kRestoreInFlight = 1;
 
-absl::Status NoHostTier() {
-  return absl::FailedPreconditionError(
-      "this service has no host tier: start specstated with --host_tier_bytes "
-      "(ServiceConfig.host_tier_bytes)");
-}
-
 // The checks every call with entries makes: their count, each block's range.
 absl::Status CheckTierEntries(int entries, int capacity, const std::vector<int32_t>& blocks,
                               int64_t num_blocks) {
@@ -55,6 +49,12 @@ absl::Status CheckTierEntries(int entries, int capacity, const std::vector<int32
 }
 
 }  // namespace
+
+absl::Status Engine::NoHostTier() {
+  return absl::FailedPreconditionError(
+      "this service has no host tier: start specstated with --host_tier_bytes "
+      "(ServiceConfig.host_tier_bytes)");
+}
 
 std::optional<HostTier::Counters> Engine::HostTierCounters() const {
   if (host_tier_ == nullptr) return std::nullopt;

@@ -37,16 +37,17 @@ HostTier::HostTier(char* arena, int slots, uint64_t entry_bytes)
   counters_.entry_bytes = entry_bytes;
 }
 
-absl::Status HostTier::ValidateKeys(const std::vector<std::string>& keys, const char* field) {
+absl::Status HostTier::ValidateKeys(const std::vector<std::string>& keys, const char* field,
+                                    const char* member) {
   absl::flat_hash_set<absl::string_view> seen;
   for (size_t i = 0; i < keys.size(); ++i) {
     if (keys[i].empty() || keys[i].size() > kMaxKeyBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "].key has ", keys[i].size(),
-                                                     " bytes: 1 to ", kMaxKeyBytes));
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "]", member, " has ",
+                                                     keys[i].size(), " bytes: 1 to ", kMaxKeyBytes));
     }
     if (!seen.insert(keys[i]).second) {
       return absl::InvalidArgumentError(
-          absl::StrCat(field, "[", i, "].key \"", keys[i], "\" is listed twice"));
+          absl::StrCat(field, "[", i, "]", member, " \"", keys[i], "\" is listed twice"));
     }
   }
   return absl::OkStatus();
@@ -112,7 +113,8 @@ absl::StatusOr<HostTier::Ticket> HostTier::BeginSave(const std::vector<std::stri
   return ticket;
 }
 
-void HostTier::EndSave(const Ticket& ticket, const std::vector<std::string>& keys, bool copied) {
+void HostTier::EndSave(const Ticket& ticket, const std::vector<std::string>& keys, bool copied,
+                       bool fetched) {
   absl::MutexLock lock(&mu_);
   const absl::Time now = absl::Now();
   for (size_t i = 0; i < keys.size() && i < ticket.slots.size(); ++i) {
@@ -125,22 +127,28 @@ void HostTier::EndSave(const Ticket& ticket, const std::vector<std::string>& key
     Entry& e = entries_[keys[i]];
     e = Entry{slot, now, now, 0, lru_.begin()};
     slots_[slot].keyed = true;
-    ++counters_.saves;
+    ++(fetched ? counters_.fetched : counters_.saves);
   }
   if (!copied) counters_.failed_saves += keys.size();
 }
 
-absl::StatusOr<HostTier::Ticket> HostTier::BeginRestore(const std::vector<std::string>& keys) {
+absl::StatusOr<HostTier::Ticket> HostTier::BeginRestore(const std::vector<std::string>& keys,
+                                                        bool send) {
   absl::MutexLock lock(&mu_);
+  // How the caller's request names key i: RestoreBlocks' entries[i].key,
+  // ExportSaved's keys[i].
+  const auto named = [send](size_t i) {
+    return send ? absl::StrCat("keys[", i, "]") : absl::StrCat("entries[", i, "].key");
+  };
   for (size_t i = 0; i < keys.size(); ++i) {
     if (saving_.contains(keys[i])) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "entries[", i, "].key \"", keys[i],
-          "\" has a save in flight (ASYNC): restore it once that call's work is done"));
+          named(i), " \"", keys[i],
+          "\" has a save in flight (ASYNC): read it once that call's work is done"));
     }
     if (!entries_.contains(keys[i])) {
       return absl::NotFoundError(
-          absl::StrCat("entries[", i, "].key \"", keys[i], "\" is not saved in the host tier"));
+          absl::StrCat(named(i), " \"", keys[i], "\" is not saved in the host tier"));
     }
   }
   Ticket ticket;
@@ -149,16 +157,16 @@ absl::StatusOr<HostTier::Ticket> HostTier::BeginRestore(const std::vector<std::s
     Entry& e = entries_.at(key);
     ++slots_[e.slot].readers;
     Touch(e, key);
-    ++e.restores;
+    if (!send) ++e.restores;
     ticket.slots.push_back(e.slot);
   }
   return ticket;
 }
 
-void HostTier::EndRestore(const Ticket& ticket, bool copied) {
+void HostTier::EndRestore(const Ticket& ticket, bool copied, bool send) {
   absl::MutexLock lock(&mu_);
   for (int slot : ticket.slots) --slots_[slot].readers;
-  if (copied) counters_.restores += ticket.slots.size();
+  if (copied) (send ? counters_.sent : counters_.restores) += ticket.slots.size();
 }
 
 int64_t HostTier::Drop(const std::vector<std::string>& keys) {

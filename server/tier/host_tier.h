@@ -52,6 +52,8 @@ class HostTier {
     uint64_t evictions = 0;
     uint64_t drops = 0;
     uint64_t failed_saves = 0;
+    uint64_t sent = 0;     // blocks another instance read (transfers out)
+    uint64_t fetched = 0;  // blocks read from another instance (transfers in)
   };
   struct KeyInfo {
     std::string key;
@@ -74,14 +76,17 @@ class HostTier {
                                    std::vector<std::string>* evicted);
   // The save's copies are done: on success its keys name its slots (the
   // slots they named before are free once no copy reads them); otherwise
-  // its slots are free again and its keys unchanged.
-  void EndSave(const Ticket& ticket, const std::vector<std::string>& keys, bool copied);
+  // its slots are free again and its keys unchanged. `fetched`: the copies
+  // came from another instance (counted as fetched, not saved).
+  void EndSave(const Ticket& ticket, const std::vector<std::string>& keys, bool copied,
+               bool fetched = false);
 
   // The slots of saved `keys`, held until EndRestore; the keys count as
   // used. NOT_FOUND naming the first key not saved; FAILED_PRECONDITION
-  // when a save of one is in flight. Nothing held then.
-  absl::StatusOr<Ticket> BeginRestore(const std::vector<std::string>& keys);
-  void EndRestore(const Ticket& ticket, bool copied);
+  // when a save of one is in flight. Nothing held then. `send`: another
+  // instance reads them (counted as sent, not restored).
+  absl::StatusOr<Ticket> BeginRestore(const std::vector<std::string>& keys, bool send = false);
+  void EndRestore(const Ticket& ticket, bool copied, bool send = false);
 
   // Forgets `keys` (those not saved are skipped); how many were saved.
   int64_t Drop(const std::vector<std::string>& keys);
@@ -94,10 +99,13 @@ class HostTier {
   int capacity() const { return static_cast<int>(slots_.size()); }
   // Where slot `slot`'s entry_bytes() bytes are.
   char* SlotData(int slot) const { return arena_ + uint64_t(slot) * entry_bytes_; }
+  // The arena: every slot, capacity() x entry_bytes() bytes from SlotData(0).
+  uint64_t arena_bytes() const { return uint64_t(capacity()) * entry_bytes_; }
 
   // 1 to kMaxKeyBytes bytes each, distinct: INVALID_ARGUMENT naming
-  // `field` and the entry otherwise.
-  static absl::Status ValidateKeys(const std::vector<std::string>& keys, const char* field);
+  // `field`, the entry and `member` (entries[3].key; keys[3]) otherwise.
+  static absl::Status ValidateKeys(const std::vector<std::string>& keys, const char* field,
+                                   const char* member = ".key");
 
  private:
   HostTier(char* arena, int slots, uint64_t entry_bytes);

@@ -248,8 +248,9 @@ class ProtocolExamplesTest(unittest.TestCase):
                     if session_open:
                         self.assertIn("3>&-", command, "a job started in the background while "
                                       f"a session is open holds its input open:\n{command}")
-        # The three servers and the CUDA block's buffer; every open_session call.
-        self.assertEqual((background, opened), (4, 4))
+        # The four servers (the transfer's destination among them) and the
+        # CUDA block's buffer; every open_session call.
+        self.assertEqual((background, opened), (5, 4))
 
     def _run_clean_up(self, setup: str) -> Tuple[int, str, str]:
         """Runs `setup`, then the page's clean-up (its paths this test's own), in

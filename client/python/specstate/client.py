@@ -129,6 +129,13 @@ class Client:
         (ListSaved; capacity 0: no host tier)."""
         return self.call("ListSaved", pb.ListSavedRequest())
 
+    def fetch_saved(self, source: str, keys: Sequence[str]) -> pb.FetchSavedResponse:
+        """Transfers: `keys` saved on the service at `source` (its address)
+        read into this service's host tier with UCX, bit for bit
+        (FetchSaved); RestoreBlocks then writes them into blocks."""
+        return self.call("FetchSaved", pb.FetchSavedRequest(source=source,
+                                                            keys=[str(k) for k in keys]))
+
     def drop_saved(self, keys: Sequence[str]) -> int:
         """Forgets saved keys (DropSaved); how many were saved."""
         return int(self.call("DropSaved", pb.DropSavedRequest(keys=[str(k) for k in keys])).dropped)
