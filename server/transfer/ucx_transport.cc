@@ -3,6 +3,8 @@
 #include <dlfcn.h>
 #include <ucp/api/ucp.h>
 
+#include <stdlib.h>
+
 #include <chrono>
 #include <mutex>
 #include <utility>
@@ -123,6 +125,11 @@ absl::StatusOr<std::unique_ptr<UcxTransport>> UcxTransport::Create(void* arena, 
   t->api_ = *api;
   t->arena_ = arena;
 
+  // UCX's malloc hooks are for its registration cache, which mapping one
+  // arena for the transport's life does not need; off, they cannot clash
+  // with the process's allocator (or a sanitizer's). A user's setting wins.
+  setenv("UCX_MEM_MALLOC_HOOKS", "no", /*overwrite=*/0);
+  setenv("UCX_MEM_EVENTS", "no", /*overwrite=*/0);
   ucp_config_t* config = nullptr;
   ucs_status_t s = a.config_read(nullptr, nullptr, &config);
   if (s != UCS_OK) return UcxError(a, s, "reading its configuration");
