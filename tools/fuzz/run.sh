@@ -31,17 +31,21 @@ fi
 
 out=${FUZZ_OUT:-/tmp/specstate-fuzz}
 mkdir -p "$out/gen" "$out/obj"
-protoc -Iproto --cpp_out="$out/gen" proto/specstate/v1/specstate.proto || fail "protoc failed"
+# (The gRPC stubs too: a transfer's destination calls its source.)
+protoc -Iproto --cpp_out="$out/gen" --grpc_out="$out/gen" \
+  --plugin=protoc-gen-grpc="$(command -v grpc_cpp_plugin)" proto/specstate/v1/specstate.proto ||
+  fail "protoc failed"
 flags=(-std=c++17 -O1 -g -fno-omit-frame-pointer -ffp-contract=off
        -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined
-       -I. -I"$out/gen" $(pkg-config --cflags protobuf))
+       -I. -I"$out/gen" $(pkg-config --cflags protobuf grpc++))
 # The engine's own sources, as its Bazel target has them in the CPU-only
 # build (so that a moved or added file needs no edit here), and the target's.
 mapfile -t sources < <(bazel query --repo_env=SPECSTATE_CUDA=0 --noshow_progress \
   'kind("source file", deps(//server/engine:engine))' 2>/dev/null |
   grep -E '^//(server|kernels)[/:]' | grep -E '\.cc$' | sed -e 's|^//||' -e 's|:|/|')
 [ ${#sources[@]} -gt 10 ] || fail "bazel query found no sources of //server/engine:engine"
-sources+=("$out/gen/specstate/v1/specstate.pb.cc" tools/fuzz/engine_fuzzer.cc)
+sources+=("$out/gen/specstate/v1/specstate.pb.cc" "$out/gen/specstate/v1/specstate.grpc.pb.cc"
+          tools/fuzz/engine_fuzzer.cc)
 objects=()
 pids=()
 for src in "${sources[@]}"; do
@@ -58,7 +62,7 @@ for p in "${pids[@]}"; do wait "$p" || fail "compiling failed"; done
 absl="absl_base absl_status absl_statusor absl_str_format absl_strings absl_synchronization
       absl_time absl_hash absl_raw_hash_set"
 clang++ -fsanitize=fuzzer,address,undefined "${objects[@]}" -o "$out/engine_fuzzer" \
-  $(pkg-config --libs protobuf $absl) -lpthread || fail "linking failed"
+  $(pkg-config --libs protobuf grpc++ $absl) -ldl -lpthread || fail "linking failed"
 
 # The corpus is one archive (hundreds of small inputs would crowd the tree).
 corpus=tools/fuzz/corpus.tar.xz
