@@ -453,9 +453,10 @@ void Recovery::MarkReprefilled(
     absl::MutexLock lock(&mu_);
     buffers_.push_back(buffer);
   };
-  // The lost flags are cleared on the device's queue: the kernels write the
-  // block records in stream order (a Commit clears the flag of every block it
-  // writes; nothing on the device sets it).
+  // The lost flags are cleared on the device's queue: the block records are
+  // written in stream order (a Commit clears the flag of every block it
+  // writes; a RestoreBlocks sets its blocks' flags before its writes and
+  // clears them after).
   Work work;
   kernels::BlockRecord* records = journal_.blocks;
   work.launch = [this, records, list = *blocks](kernels::Stream stream, Scratch&) {
