@@ -12,6 +12,8 @@
 //                                        # tensor parallelism: one service per rank
 //   specstatectl simulate --restart_every=8 --steps=200
 //                                        # its own keeper + specstated, killed and restarted
+//   specstatectl simulate --transfer_every=5 --transfer_peer=unix:///tmp/specstate-decode.sock
+//                                        # a block moved to a second service and back (UCX)
 //   specstatectl plan --model=kimi-linear-48b-a3b --pool_memory=60GiB [--max_rows=256] [--json]
 //                                        # offline: the blocks specstated would allocate, the
 //                                        # bytes per request against the stock path
@@ -123,6 +125,16 @@ ABSL_FLAG(int, host_tier_every, 0,
           "simulate: every N steps, between steps, save a live request's block to the service's "
           "host tier (it needs --host_tier_bytes), overwrite it and restore it; the block is "
           "checked and the run goes on from it (not with --restart_every)");
+ABSL_FLAG(int, transfer_every, 0,
+          "simulate: every N steps, between steps, move a live request's block to "
+          "--transfer_peer and back: saved here, fetched by the peer (FetchSaved, over UCX), "
+          "restored into a block of the peer's and saved there (its bytes checked), fetched back "
+          "after the block here was overwritten, restored and checked; the run goes on from it "
+          "(host tiers on both; one --server, not with --restart_every)");
+ABSL_FLAG(std::string, transfer_peer, "",
+          "simulate --transfer_every: the second specstated's address (same layout, "
+          "--host_tier_bytes); the simulator drives a session there, and each service must reach "
+          "the other at the address the simulator uses");
 ABSL_FLAG(std::string, service_flags, "",
           "simulate --restart_every: flags of its own specstated, space-separated (default: the "
           "CPU backend's default layout)");
@@ -152,7 +164,9 @@ constexpr char kUsage[] =
     "             (--steps, --requests, --seed, --async; --servers=A0,A1,... for tensor\n"
     "             parallelism, checked against the TP=1 run too; --restart_every=N: its own\n"
     "             keeper and specstated, killed and restarted every N steps; --host_tier_every=N:\n"
-    "             a block saved, overwritten and restored every N steps)\n"
+    "             a block saved, overwritten and restored every N steps;\n"
+    "             --transfer_every=N --transfer_peer=ADDRESS: a block moved to a second\n"
+    "             service and back every N steps)\n"
     "  plan       offline, no server: the blocks specstated allocates for a model and a memory\n"
     "             budget, SpecState's bytes per request against the stock speculative path\n"
     "             (--model, --pool_memory or --blocks, --max_rows, --num_spec, --commit_mode,\n"
@@ -401,6 +415,8 @@ int Simulate(const std::vector<Client*>& ranks, RestartDrill* drill = nullptr) {
   options.corrupt_rank = absl::GetFlag(FLAGS_corrupt_rank);
   options.commit_mode = absl::GetFlag(FLAGS_commit_mode);
   options.host_tier_every = absl::GetFlag(FLAGS_host_tier_every);
+  options.transfer_every = absl::GetFlag(FLAGS_transfer_every);
+  options.transfer_peer = absl::GetFlag(FLAGS_transfer_peer);
   const bool tty = isatty(fileno(stderr));
   options.progress = [tty](const SimulationProgress& p) {
     if (tty) {

@@ -4,7 +4,7 @@
 // scheduler does, calling on the model (model.h) for the draws, the stock
 // path (stock_path.h) for the reference and the checker of the service's
 // commit mode (mode_checker.h) after each phase. Private to the simulator;
-// its phases in three files:
+// its phases, a file each:
 //   simulator.cc             set-up, Run, RunSimulation (one service, or one
 //                            driver per rank on worker threads: ranks.h)
 //   step.cc                  one step: churn and prefill, the inputs, Verify,
@@ -13,12 +13,16 @@
 //   pending_and_restarts.cc  Flush and ReadState of pending blocks between
 //                            steps and at the end (DEFERRED, FAST), and a
 //                            restart drill's resume
+//   host_tier_phase.cc       a block saved to the host tier, evicted and
+//                            restored, and the helpers of moved blocks
+//   transfer_phase.cc        a block's round trip through a second service
 #ifndef SPECSTATE_CLIENT_SIMULATOR_DRIVER_H_
 #define SPECSTATE_CLIENT_SIMULATOR_DRIVER_H_
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -43,6 +47,13 @@ namespace simulator_internal {
 // SPECSTATE_TRACE=1: each phase of each step on stderr, so a stall shows
 // where it is (used while bringing up a backend).
 void TracePhase(int step, const char* phase);
+
+// The transfer phase's options (transfer_every, transfer_peer,
+// corrupt_transfer_at_step) for a simulation of the service at `address`:
+// INVALID_ARGUMENT naming the field for a bad value or combination (a peer
+// without transfer_every or the other way round, the service itself as its
+// peer, a restart drill).
+absl::Status CheckTransferOptions(const SimulationOptions& options, const std::string& address);
 
 // The driver of one service: the whole model's, or under tensor parallelism
 // rank `rank`'s part of it (of `ranks`).
@@ -95,9 +106,36 @@ class Driver {
   absl::Status MaterializeSome(int step);
   absl::Status MaterializeSomeOnce(int step);
   absl::Status FinalFlush();
-  // The host tier (SimulationOptions::host_tier_every; host_tier_phase.cc):
-  // a live request's block saved, overwritten, restored and checked.
+  // ---- blocks moved out of the pools and back (host_tier_phase.cc,
+  // transfer_phase.cc) ----
+  // A live request's checkpoint block, picked with `rng`, and its bytes in
+  // every layer before it moves.
+  struct MovingBlock {
+    int32_t block = 0;     // 0: no live request has one
+    bool pending = false;  // the mode holds it pending: checked as after a Flush
+    std::vector<std::vector<char>> states, convs;  // per layer
+  };
+  absl::StatusOr<MovingBlock> PickMovingBlock(std::mt19937_64& rng);
+  // Every layer's state and conv window of `block` in `pools` overwritten
+  // with random bytes (an eviction: the block reused by someone else).
+  absl::Status WriteNoise(ServicePools& pools, int32_t block, std::mt19937_64& rng);
+  // `got` (per layer, of `block` in `whose` pools) against `want`, bit for
+  // bit: each layer a comparison, each difference a mismatch naming `how`.
+  void CompareBlockBytes(const std::vector<std::vector<char>>& got,
+                         const std::vector<std::vector<char>>& want, bool states, int step,
+                         int32_t block, absl::string_view whose, absl::string_view how);
+  // After `moving` came back into its block by `how`: a pending block holds
+  // its materialized state (checked as after a Flush), any other exactly
+  // its bytes; conv windows always their bytes.
+  absl::Status CheckMovedBack(const MovingBlock& moving, int step, absl::string_view how);
+  // The host tier (SimulationOptions::host_tier_every): a live request's
+  // block saved, overwritten, restored and checked.
   absl::Status EvictAndRestore(int step);
+  // Transfers (SimulationOptions::transfer_every): the peer connected, its
+  // layout and host tiers checked, a driving session opened on it and its
+  // pools mapped (at set-up); then a block's round trip through the peer.
+  absl::Status ConnectTransferPeer();
+  absl::Status TransferRoundTrip(int step);
   // Restart drills: a step's service calls, or a call between steps, across
   // the service's restarts.
   absl::Status ServiceCallsAcrossRestarts(StepPlan& p);
@@ -150,6 +188,11 @@ class Driver {
   // chosen once, at set-up.
   std::unique_ptr<ModeChecker> checker_;
   ModePhases phases_;
+  // Transfers (transfer_every): the peer, a driving session on it and its
+  // pools (mapped with memory_, so declared after it).
+  std::unique_ptr<Client> peer_;
+  std::unique_ptr<Session> peer_session_;
+  std::unique_ptr<ServicePools> peer_pools_;
 };
 
 template <typename Message>

@@ -22,6 +22,11 @@ absl::Status CheckRankOptions(int ranks, const SimulationOptions& options) {
   if (options.drill != nullptr) {
     return absl::InvalidArgumentError("a restart drill drives one service, not ranks");
   }
+  if (options.transfer_every != 0 || !options.transfer_peer.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "transfer_every (transfer_peer) moves blocks between one service and its peer, not ",
+        ranks, " ranks"));
+  }
   if (options.corrupt_rank < 0 || options.corrupt_rank >= ranks) {
     return absl::InvalidArgumentError(absl::StrCat("corrupt_rank = ", options.corrupt_rank,
                                                    " is not a rank: there are ", ranks));

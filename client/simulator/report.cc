@@ -101,6 +101,12 @@ std::string FormatReport(const SimulationReport& r) {
         "after a Flush\n",
         r.host_tier_round_trips);
   }
+  if (r.transfer_round_trips > 0) {
+    out += absl::StrFormat(
+        "transfers: %d blocks moved to the peer service and back between steps (FetchSaved both "
+        "ways, through a block of the peer's), checked on the peer and when back\n",
+        r.transfer_round_trips);
+  }
   if (r.deferred) {
     out += absl::StrFormat(
         "commit mode DEFERRED: %d blocks held their checkpoint after Commit; materialized by "

@@ -59,6 +59,10 @@ struct SimulationReport {
   // The host tier (SimulationOptions::host_tier_every): blocks saved,
   // overwritten and restored, each then checked as after a Flush.
   uint64_t host_tier_round_trips = 0;
+  // Transfers (SimulationOptions::transfer_every): blocks moved to the peer
+  // and back (saved, fetched, restored into the peer's pool and saved there,
+  // checked there; fetched back and restored), each then checked as above.
+  uint64_t transfer_round_trips = 0;
   // Commit mode FAST: the service's mode and fold_every; how many states
   // were measured; the largest errors over the run against the float64
   // reference, FAST's (the service's) and the exact path's (the stock

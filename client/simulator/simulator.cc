@@ -60,6 +60,7 @@ absl::StatusOr<SimulationReport> Driver::Run() {
   report_.latency = latencies_.Summaries();
   if (options_.drill != nullptr) report_.restart_summary = options_.drill->Summary();
   st = session_->Close();
+  if (st.ok() && peer_session_ != nullptr) st = peer_session_->Close();
   if (!st.ok()) return st;
   return report_;
 }
@@ -73,6 +74,7 @@ absl::StatusOr<SimulationReport> Driver::Run() {
 absl::Status Driver::Setup() {
   absl::Status st = ReadLayout();
   if (st.ok()) st = OpenMemoryAndPools();
+  if (st.ok() && options_.transfer_every > 0) st = ConnectTransferPeer();
   if (!st.ok()) return st;
   absl::StatusOr<std::unique_ptr<Session>> session =
       client_.OpenSession("specstatectl simulate", /*drive=*/true);
@@ -212,6 +214,8 @@ absl::StatusOr<SimulationReport> RunSimulation(Client& client, const SimulationO
         "a restart drill runs SYNC steps: ASYNC calls sent ahead would have to be re-sent in "
         "order after a restart");
   }
+  absl::Status st = simulator_internal::CheckTransferOptions(options, client.address());
+  if (!st.ok()) return st;
   simulator_internal::Driver driver(client, options);
   return driver.Run();
 }

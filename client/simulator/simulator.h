@@ -125,6 +125,29 @@ struct SimulationOptions {
   // then checked as after a Flush of it, and the run goes on from it. Not
   // with a restart drill (the saved copies die with the service).
   int host_tier_every = 0;
+  // Transfers between instances (docs/protocol.md, "The host tier", its
+  // Transfers): every this many steps (0: never), between steps, one live
+  // request's block makes a round trip through `transfer_peer`, a second
+  // specstated of the same layout (device aside), with a host tier on both:
+  // this service saves it (SaveBlocks); the peer fetches the key
+  // (FetchSaved, over UCX), restores it into one of its own blocks (with a
+  // driving session the simulator opens there) and saves that block under a
+  // new key, its bytes checked through the peer's exported pools against
+  // what this service saved; this service then drops its key, its block is
+  // overwritten with random bytes (evicted), and it fetches the new key back
+  // from the peer and restores it into the block, which is checked as after
+  // the host-tier phase's restore (a pending block holds its materialized
+  // state, any other exactly its bytes); the run goes on from it. Each
+  // service must reach the other at the address the simulator uses for it.
+  // One service (no tensor parallelism), no restart drill (INVALID_ARGUMENT
+  // naming the field).
+  int transfer_every = 0;
+  std::string transfer_peer;
+  // Tests of the verdict (with transfer_every): at the transfer after this
+  // step, flip a bit of the peer's block between its restore and its save
+  // (FAST: of every element of layer 0's state), so that the bytes moved
+  // back differ from the ones saved; with corrupt_with_nan, write NaNs.
+  int corrupt_transfer_at_step = -1;
   // Called after every step (under tensor parallelism, once every rank has
   // done it, with the ranks' sums).
   std::function<void(const SimulationProgress&)> progress;

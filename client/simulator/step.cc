@@ -58,6 +58,9 @@ absl::Status Driver::Step(int s) {
       (p.step + 1) % options_.host_tier_every == 0) {
     st = EvictAndRestore(p.step);
   }
+  if (st.ok() && options_.transfer_every > 0 && (p.step + 1) % options_.transfer_every == 0) {
+    st = TransferRoundTrip(p.step);
+  }
   if (st.ok() && s == options_.corrupt_after_step) {
     st = CorruptARunningState(/*flip=*/rank_ == options_.corrupt_rank, s);
   }
