@@ -249,6 +249,27 @@ struct FastRings {
   int capacity = 0;  // R tokens: fold_every * Q
 };
 
+// FAST with kept pools (server/kept/pool_header.h): the fold journal, in
+// memory that outlives the service beside the rings. A Flush that folds
+// rings into their checkpoints in place, or empties them (`discard`), lists
+// its blocks and marks the record started (a PendingJournalRecord of kind
+// kPendingFlush or kPendingDiscard) once its checks have passed and before
+// its first write, and marks it idle after its last. After a crash the
+// listed blocks of a started fold are reported lost (a checkpoint may be
+// half folded) and those of a started discard emptied, in every layer. A
+// Commit's folds are covered by the commit journal (CommitJournal: they
+// write only the blocks it lists). Null `record`: none. Only the kernels
+// write it, in stream order.
+struct FoldJournal {
+  PendingJournalRecord* record = nullptr;
+  int32_t* blocks = nullptr;  // [capacity]
+  int capacity = 0;           // >= the pool's blocks
+  // Tests only, CPU backend: called on the worker once a fold has written
+  // the first covered layer of its blocks ("flush:taken"), so a test can
+  // kill the process mid-fold. Null in production.
+  void (*test_hook)(const char* point) = nullptr;
+};
+
 // Statuses of earlier calls this call depends on (device memory on CUDA).
 // When one of them failed, this call's checks fail with problem
 // kPrerequisiteFailed and nothing of it runs: the service chains a step's
@@ -368,7 +389,8 @@ struct VerifyArgs {
 // its final kernel records the step in the BlockRecord of each listed block
 // and marks the record committed. A commit whose checks fail leaves it
 // untouched. DEFERRED commits keep it too (with PendingBlocks::journal,
-// required then); FAST commits do not (ValidateCommitArgs refuses both).
+// required then), and FAST commits (their folds write only listed blocks;
+// FlushArgs::fold_journal covers a Flush's).
 inline constexpr uint32_t kJournalIdle = 0;
 inline constexpr uint32_t kJournalStarted = 1;
 inline constexpr uint32_t kJournalCommitted = 2;
@@ -509,6 +531,9 @@ struct FlushArgs {
   DeviceStatus* status = nullptr;
   DeviceStatus* status_mirror = nullptr;  // optional, as in VerifyArgs
   CommitMode mode = CommitMode::kEager;   // kDeferred or kFast (EAGER leaves nothing to flush)
+  // FAST with kept pools: the fold journal (not with `copy`: a copy writes
+  // nothing that outlives the call).
+  FoldJournal fold_journal;
   // Materialize into a copy (ReadState; a host tier's save): with
   // `copy.data` set, the current state of list element i's block in `layer`
   // goes to block i + 1 of `copy` (its block 0 unused, as a pool's), the

@@ -536,10 +536,10 @@ int Run() {
     }
     recovery = *std::move(r);
   }
-  // DEFERRED: the pending table and the records are kept with the pools.
-  const DeferredParts kept_deferred = recovery != nullptr ? recovery->deferred() : DeferredParts{};
+  // DEFERRED's pending table and records, FAST's rings: kept with the pools.
+  const KeptModeParts kept_parts = recovery != nullptr ? recovery->kept_parts() : KeptModeParts{};
   absl::StatusOr<std::unique_ptr<Engine>> engine =
-      Engine::Create(*config, *std::move(device), &kept_deferred);
+      Engine::Create(*config, *std::move(device), &kept_parts);
   if (!engine.ok()) {
     LogError(absl::StrCat("cannot serve this layout: ", engine.status().ToString()));
     return 1;

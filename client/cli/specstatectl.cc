@@ -758,9 +758,7 @@ int main(int argc, char** argv) {
     if (!client.ok()) return Fail(client.status());
     absl::StatusOr<v1::Layout> layout = (*client)->GetLayout();
     if (!layout.ok()) return Fail(layout.status());
-    RestartDrill drill(service->get(), restart_every, absl::GetFlag(FLAGS_seed),
-                       layout->num_layers(), layout->backend() == v1::CUDA,
-                       specstate::server::CommitModeOf(*layout).RecordsInKeptAllocation());
+    RestartDrill drill(service->get(), restart_every, absl::GetFlag(FLAGS_seed), *layout);
     return Simulate({client->get()}, &drill);
   }
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(absl::GetFlag(FLAGS_server));

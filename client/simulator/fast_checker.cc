@@ -39,6 +39,7 @@ double Bound(double exact) { return kFastContractFactor * std::max(exact, kFastC
 ModePhases FastPhases() {
   ModePhases phases;
   phases.pending_blocks = true;
+  phases.drill_keeps_pending = true;  // the rings are kept with the pools
   phases.corrupt_whole_block = true;
   return phases;
 }
@@ -53,7 +54,8 @@ FastChecker::FastChecker(SharedMemory& memory, const ServicePools& pools, const 
       pools64_(dims.L),
       out64_(dims.L),
       written64_(dims.L),
-      pending_(dims.R, 0) {
+      pending_(dims.R, 0),
+      current_(dims.R, std::vector<std::vector<char>>(dims.L)) {
   report_.fast = true;
   shape_.heads = d_.H;
   shape_.head_dim = d_.K;
@@ -138,6 +140,23 @@ bool FastChecker::StartsPending(const StepPlan& p, int slot, const CommittedBloc
   pending_[slot] = stays ? c.final_block : 0;
   if (stays) ++report_.pending_checked;
   return stays;
+}
+
+// A pending row's committed state (the stock path's, column acc - 1), kept
+// for a restart drill's re-prefill of its block.
+absl::Status FastChecker::CheckPending(const StepPlan& p, int slot, int layer) {
+  std::vector<char>& state = current_[slot][layer];
+  state.resize(d_.state_block_bytes);
+  return memory_.CopyOut(state.data(), stock_.Block(layer, slot, p.accepted[slot] - 1),
+                         state.size());
+}
+
+std::vector<ModeChecker::Expected> FastChecker::Expectations() const {
+  std::vector<Expected> out;
+  for (int i = 0; i < d_.R; ++i) {
+    if (pending_[i] > 0) out.push_back(Expected{i, pending_[i], current_[i]});
+  }
+  return out;
 }
 
 absl::Status FastChecker::CompareStates(int step, int layer, int slot, int32_t block, int col,

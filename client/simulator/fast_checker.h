@@ -78,6 +78,12 @@ class FastChecker final : public ModeChecker {
   int32_t PendingBlock(int slot) const override { return pending_[slot]; }
   void Discarded(int slot) override;
 
+  // Restart drills: each pending block with its request's current state (the
+  // stock path's), which a re-prefill writes when a restart lost the block;
+  // the block then holds that state with an empty ring: no longer pending.
+  std::vector<Expected> Expectations() const override;
+  void Forget(int slot) override { pending_[slot] = 0; }
+
   // At the end: the contract over the whole run (a mismatch if broken).
   void Verdict() override;
 
@@ -86,6 +92,8 @@ class FastChecker final : public ModeChecker {
   // stays in the block, no boundary state); then its state is checked where
   // it is materialized.
   bool StartsPending(const StepPlan& p, int slot, const CommittedBlocks& c) override;
+  // Then per layer: its committed state kept (for Expectations).
+  absl::Status CheckPending(const StepPlan& p, int slot, int layer) override;
   // A real state the service stored: `layer`'s state in `block` against the
   // stock and reference states at column `col` of `slot`.
   absl::Status CompareStates(int step, int layer, int slot, int32_t block, int col,
@@ -107,6 +115,7 @@ class FastChecker final : public ModeChecker {
   std::vector<std::vector<double>> out64_;      // per layer: the step's outputs
   std::vector<std::vector<bool>> written64_;    // per layer: tokens with outputs
   std::vector<int32_t> pending_;                // per slot
+  std::vector<std::vector<std::vector<char>>> current_;  // per slot, layer: its pending state
   // Where the largest FAST/exact ratio of each quantity was seen.
   std::string worst_[4];
   double worst_ratio_[4] = {0, 0, 0, 0};

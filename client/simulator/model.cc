@@ -71,13 +71,10 @@ absl::StatusOr<Dims> ReadDims(const v1::Layout& layout, const SimulationOptions&
         "the service runs commit mode ", v1::CommitMode_Name(layout.commit_mode()), ", not ",
         options.commit_mode, " (specstated --commit_mode=", options.commit_mode, ")"));
   }
-  if (d.fast && (tp > 1 || options.drill != nullptr)) {
-    return absl::FailedPreconditionError(absl::StrCat(
+  if (d.fast && tp > 1) {
+    return absl::FailedPreconditionError(
         "commit mode FAST is checked by its accuracy contract against a float64 reference, with "
-        "one service and no restart drill (", tp > 1 ? "tensor parallelism's checks are bit for "
-                                                        "bit against the TP=1 run"
-                                                      : "FAST's rings are not kept across a restart",
-        ")"));
+        "one service (tensor parallelism's checks are bit for bit against the TP=1 run)");
   }
   d.R = options.requests;
   if (d.R < 1 || d.R > d.max_rows) {

@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "client/lib/client.h"
+#include "server/modes/rules.h"
 
 namespace specstate {
 namespace client {
@@ -207,23 +208,33 @@ const char* KillPointName(KillPoint point) {
 }
 
 namespace {
-constexpr KillPoint kPoints[] = {KillPoint::kBetweenCalls,   KillPoint::kVerify,
-                                 KillPoint::kCommitStarted,  KillPoint::kCommitConv,
-                                 KillPoint::kCommitLayer,    KillPoint::kCommitReplayed,
-                                 KillPoint::kCommitEnqueued};
-constexpr int kNumPoints = sizeof(kPoints) / sizeof(kPoints[0]);
-// DEFERRED: no per-layer replay hook; its table, its Verify replay, its Flush.
-constexpr KillPoint kDeferredPoints[] = {
-    KillPoint::kBetweenCalls,   KillPoint::kVerify,          KillPoint::kVerifyReplayed,
-    KillPoint::kCommitStarted,  KillPoint::kCommitConv,      KillPoint::kCommitDeferred,
-    KillPoint::kCommitReplayed, KillPoint::kCommitEnqueued,  KillPoint::kFlushTaken};
-constexpr int kNumDeferredPoints = sizeof(kDeferredPoints) / sizeof(kDeferredPoints[0]);
+
+// The kill points of a layout's commit mode, by what it keeps beside the
+// pools.
+std::vector<KillPoint> PointsFor(const v1::Layout& layout) {
+  const server::CommitModeRules& mode = server::CommitModeOf(layout);
+  if (mode.RecordsInKeptAllocation()) {  // a pending table: its Verify replay, its Flush
+    return {KillPoint::kBetweenCalls,   KillPoint::kVerify,         KillPoint::kVerifyReplayed,
+            KillPoint::kCommitStarted,  KillPoint::kCommitConv,     KillPoint::kCommitDeferred,
+            KillPoint::kCommitReplayed, KillPoint::kCommitEnqueued, KillPoint::kFlushTaken};
+  }
+  std::vector<KillPoint> points = {
+      KillPoint::kBetweenCalls, KillPoint::kVerify,         KillPoint::kCommitStarted,
+      KillPoint::kCommitConv,   KillPoint::kCommitLayer,    KillPoint::kCommitReplayed,
+      KillPoint::kCommitEnqueued};
+  if (mode.KeepsRings()) points.push_back(KillPoint::kFlushTaken);  // a Flush's fold
+  return points;
+}
+
 }  // namespace
 
-RestartDrill::RestartDrill(OwnService* service, int every, uint64_t seed, int layers, bool cuda,
-                           bool deferred)
-    : service_(service), every_(every < 1 ? 1 : every), layers_(layers < 1 ? 1 : layers),
-      rng_(seed), cuda_(cuda), deferred_(deferred) {
+RestartDrill::RestartDrill(OwnService* service, int every, uint64_t seed, const v1::Layout& layout)
+    : service_(service),
+      every_(every < 1 ? 1 : every),
+      layers_(layout.num_layers() < 1 ? 1 : layout.num_layers()),
+      rng_(seed),
+      cuda_(layout.backend() == v1::CUDA),
+      points_(PointsFor(layout)) {
   next_point_ = static_cast<int>(rng_() % kinds());
   // The service runs unarmed: its first death is a kill between calls.
   armed_ = KillPoint::kBetweenCalls;
@@ -237,10 +248,8 @@ void RestartDrill::BeforeStep(int s) {
   }
 }
 
-int RestartDrill::kinds() const { return deferred_ ? kNumDeferredPoints : kNumPoints; }
-
 std::vector<std::string> RestartDrill::ArmNext(int from_step) {
-  armed_ = deferred_ ? kDeferredPoints[next_point_] : kPoints[next_point_];
+  armed_ = points_[next_point_];
   next_point_ = (next_point_ + 1) % kinds();
   if (cuda_) {  // no hooks inside the CUDA kernels: a commit dies while they run
     const bool hooked = armed_ == KillPoint::kCommitStarted || armed_ == KillPoint::kCommitConv ||

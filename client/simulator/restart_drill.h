@@ -36,6 +36,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "specstate/v1/specstate.pb.h"
 
 namespace specstate {
 namespace client {
@@ -108,17 +109,18 @@ const char* KillPointName(KillPoint point);
 
 class RestartDrill {
  public:
-  // `every`: steps between kills (>= 1); `layers`: the layout's, to place
-  // crashes inside a later step's calls. Points taken in turn, starting at a
-  // seeded place. `cuda`: the CUDA backend, whose Commit phases have no test
-  // hook: the points are between calls, inside Verify, and right after the
-  // Commit's kernels were enqueued (the process dies while they run, so the
-  // Commit may be found not started, interrupted or finished).
-  // `deferred`: commit_mode DEFERRED: its own points too (inside a Verify's
-  // replay, the Commit with its table updated, inside a Flush), and no
-  // "layers half replayed" (a DEFERRED Commit replays through one list).
-  RestartDrill(OwnService* service, int every, uint64_t seed, int layers, bool cuda = false,
-               bool deferred = false);
+  // `every`: steps between kills (>= 1); `layout`: the service's (its
+  // layers place crashes inside a later step's calls). Points taken in
+  // turn, starting at a seeded place; which points, by what the layout's
+  // commit mode keeps beside the pools: a pending table (DEFERRED: inside a
+  // Verify's replay, the Commit with its table updated, inside a Flush, and
+  // no "layers half replayed": a DEFERRED Commit replays through one list),
+  // rings (FAST: a Commit's folds layer by layer, inside a Flush's fold), or
+  // nothing (EAGER). The CUDA backend's Commit phases have no test hook: the
+  // points are between calls, inside Verify, and right after the Commit's
+  // kernels were enqueued (the process dies while they run, so the Commit
+  // may be found not started, interrupted or finished).
+  RestartDrill(OwnService* service, int every, uint64_t seed, const v1::Layout& layout);
 
   // Before step `s`'s calls: kills the service when a kill between calls
   // is due.
@@ -130,9 +132,8 @@ class RestartDrill {
   KillPoint last_point() const { return last_point_; }
 
   bool cuda() const { return cuda_; }
-  bool deferred() const { return deferred_; }
   // How many kinds of kill the drill takes in turn.
-  int kinds() const;
+  int kinds() const { return static_cast<int>(points_.size()); }
   // ResumeAfterRestart's measurements: how long the session took to resume
   // (from the restarted service's start), the bytes it kept, and what a
   // kill at kCommitEnqueued found ("not started", "interrupted", "finished").
@@ -161,7 +162,7 @@ class RestartDrill {
   std::map<std::string, int> kills_;
   absl::Duration max_restart_;
   bool cuda_ = false;
-  bool deferred_ = false;
+  std::vector<KillPoint> points_;
   absl::Duration max_resume_;
   absl::Duration total_kill_to_resumed_;
   uint64_t kept_bytes_ = 0;

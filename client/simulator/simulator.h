@@ -28,7 +28,8 @@
 // instead (fast_checker.h): the simulator also runs a float64 reference, and
 // FAST's errors against it must stay within 2x its stock path's over the
 // run; the conv windows stay bit for bit. One service (no tensor
-// parallelism, no restart drill: FAST's rings are not kept).
+// parallelism). Under a restart drill a block whose ring a restart lost is
+// re-prefilled with the stock path's state of its request.
 //
 //   SimulationOptions options;
 //   options.steps = 50;

@@ -43,11 +43,6 @@ __global__ void __launch_bounds__(kCheckThreads)
   internal::BlockPublishStatus(a.status, a.status_mirror);
 }
 
-// Nothing before the journal's records (EAGER keeps no pending journal).
-struct NothingBeforeRecords {
-  __device__ void operator()() const {}
-};
-
 absl::Status LaunchEagerCommitKernels(const CommitArgs& a, cudaStream_t s) {
   const int64_t num_blocks = a.layers[0].state.num_blocks;
   EagerCommitPlanKernel<<<1, kCheckThreads, 0, s>>>(a, num_blocks);

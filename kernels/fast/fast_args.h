@@ -136,6 +136,9 @@ struct FastCommitArgs {
   // gate. The CPU calls plan and check before they run and ignore both.
   const CommitPlanRow* plan = nullptr;
   const DeviceStatus* gate = nullptr;
+  // Tests only, CPU: called after each layer's rows ("layer"; the commit
+  // journal's hook), so a test can kill the process between layers' folds.
+  void (*test_hook)(const char* phase) = nullptr;
 };
 
 // The CommitArgs that the commit plan and the checks of
@@ -180,6 +183,9 @@ struct FastMaterializeArgs {
   // in a covered layer (`blocks` null, num_blocks_given 0, `out` null).
   bool every_block = false;
   const DeviceStatus* gate = nullptr;  // as FastVerifyArgs::gate
+  // Tests only, CPU, in place: called once the first covered layer's blocks
+  // are folded ("flush:taken"; the fold journal's hook).
+  void (*test_hook)(const char* point) = nullptr;
 };
 
 }  // namespace fast

@@ -872,19 +872,75 @@ TEST_F(FastInterfaceChecksTest, CommitAndFlushRefuseWithNothingWritten) {
     via_.layers[1].cursors[3] = FastCursor{0, 0};
   }
   {
-    // Host checks: a journal (the rings do not outlive the service).
-    CommitArgs a = InterfaceCommitArgs(via_, w);
-    JournalRecord record;
-    int32_t entries[8] = {};
-    std::vector<BlockRecord> blocks(num_blocks_);
-    a.journal = CommitJournal{&record, entries, 4, blocks.data(), 1};
-    const absl::Status st = CpuKdaKernels().Commit(a, nullptr);
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
-    EXPECT_NE(st.message().find("FAST commits keep no journal"), std::string::npos) << st;
+    // Host checks: a fold journal too small for the pool.
+    const std::vector<int32_t> three = {3};
+    FlushArgs a = InterfaceFlushArgs(via_, &three, -1, false);
+    PendingJournalRecord record;
+    std::vector<int32_t> listed(num_blocks_);
+    a.fold_journal = FoldJournal{&record, listed.data(), static_cast<int>(num_blocks_) - 1};
+    const absl::Status st = CpuKdaKernels().Flush(a, nullptr);
+    EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
+    EXPECT_NE(st.message().find("fold_journal.capacity"), std::string::npos) << st;
   }
-  // The step's Commit itself still passes: nothing above changed a byte.
-  const absl::Status st = Commit(w);
-  EXPECT_TRUE(st.ok()) << st;
+  // The step's Commit itself still passes, journaled (kept pools): nothing
+  // above changed a byte; its rows' blocks are listed and recorded.
+  CommitArgs a = InterfaceCommitArgs(via_, w);
+  JournalRecord record;
+  std::vector<int32_t> entries(2 * a.num_rows);
+  std::vector<BlockRecord> blocks(num_blocks_);
+  a.journal = CommitJournal{&record, entries.data(), a.num_rows, blocks.data(), 41};
+  const absl::Status st = DeviceResult(CpuKdaKernels().Commit(a, nullptr), via_, "Commit");
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(record.state, kJournalCommitted);
+  EXPECT_EQ(record.last_committed_step, 41u);
+  EXPECT_EQ(record.num_rows, a.num_rows);
+  int recorded = 0;
+  for (int32_t b : entries) {
+    if (b <= kNullBlock) continue;
+    EXPECT_EQ(blocks[b].step, 41u) << "block " << b;
+    EXPECT_EQ(blocks[b].sequence, 1u) << "block " << b;
+    ++recorded;
+  }
+  EXPECT_GE(recorded, a.num_rows) << "each row's final block at least";
+}
+
+// A Flush with a fold journal (kept pools) lists the blocks it folds and
+// leaves the journal idle; a copy (ReadState) does not touch it.
+TEST_F(FastInterfaceChecksTest, AFlushJournalsTheBlocksItFolds) {
+  SCOPED_TRACE(absl::StrCat("replay with SPECSTATE_TEST_SEED=", seed_));
+  Window w = TwoRows();
+  ASSERT_TRUE(Verify(w, 0).ok());
+  ASSERT_TRUE(Verify(w, 1).ok());
+  ASSERT_TRUE(Commit(w).ok());
+  // The next step's Verify: candidates in the rings (tokens too where a row
+  // stayed in its block).
+  ASSERT_TRUE(Verify(w, 0).ok());
+  ASSERT_TRUE(Verify(w, 1).ok());
+  std::vector<int32_t> holding;  // blocks whose ring holds tokens or candidates
+  for (int32_t b = 1; b < num_blocks_; ++b) {
+    for (int l = 0; l < 2; ++l) {
+      const FastCursor c = via_.layers[l].cursors[b];
+      if (c.tokens != 0 || c.candidates != 0) {
+        holding.push_back(b);
+        break;
+      }
+    }
+  }
+  ASSERT_FALSE(holding.empty());
+  PendingJournalRecord record;
+  std::vector<int32_t> listed(num_blocks_, -7);
+  FlushArgs a = InterfaceFlushArgs(via_, nullptr, -1, false);
+  a.fold_journal = FoldJournal{&record, listed.data(), static_cast<int>(num_blocks_)};
+  ASSERT_TRUE(DeviceResult(CpuKdaKernels().Flush(a, nullptr), via_, "Flush").ok());
+  EXPECT_EQ(record.state, kJournalIdle);
+  EXPECT_EQ(record.kind, kPendingFlush);
+  EXPECT_EQ(record.layer, -1);
+  std::vector<int32_t> folded(listed.begin(), listed.begin() + record.count);
+  std::sort(folded.begin(), folded.end());
+  EXPECT_EQ(folded, holding) << "every block whose ring held tokens or candidates, once";
+  for (int l = 0; l < 2; ++l) {
+    for (int32_t b : holding) EXPECT_EQ(via_.layers[l].cursors[b].tokens, 0);
+  }
 }
 
 }  // namespace

@@ -67,11 +67,6 @@ absl::Status ValidateInterfaceCommit(const CommitArgs& a) {
     st = CheckRings(op, a.layers[l].fast, a.layers[0].state.num_blocks, a.spec_query_len,
                     absl::StrCat("layer ", l, ": "), "fast");
   }
-  if (st.ok() && a.journal.record != nullptr) {
-    st = Invalid(op,
-                 "journal: FAST commits keep no journal yet (their accepted tokens live in "
-                 "the rings, which do not outlive the service)");
-  }
   return st;
 }
 
@@ -82,6 +77,15 @@ absl::Status ValidateInterfaceFlush(const FlushArgs& a) {
   for (int l = 0; st.ok() && l < a.num_layers; ++l) {
     st = CheckRings(op, a.layers[l].fast, a.layers[0].state.num_blocks, a.spec_query_len,
                     absl::StrCat("layer ", l, ": "), "fast");
+  }
+  const FoldJournal& j = a.fold_journal;
+  if (st.ok() && j.record != nullptr) {
+    if (j.blocks == nullptr) return Invalid(op, "fold_journal: a record needs its blocks");
+    if (j.capacity < a.layers[0].state.num_blocks) {
+      return OutOfRange(op, absl::StrCat("fold_journal.capacity = ", j.capacity,
+                                         " is below the pool's ", a.layers[0].state.num_blocks,
+                                         " blocks (a Flush may fold every one)"));
+    }
   }
   // A copy is FastMaterialize's `out`: blocks one after another.
   const int64_t block_elems = int64_t{ValueHeads(a.shape)} * a.shape.head_dim * a.shape.head_dim;

@@ -1,8 +1,8 @@
 // Commit mode FAST's host checks: the rings' (shared by the kernel
 // interface and kernels/fast's direct calls, fast_kernels.h), and what the
 // interface's Validate* (kda_kernels.h) adds for a FAST call after the
-// checks every mode shares (the rings of each layer, the window's bound, no
-// journal). Each returns INVALID_ARGUMENT or OUT_OF_RANGE "In <op>: ..."
+// checks every mode shares (the rings of each layer, the window's bound, a
+// Flush's fold journal). Each returns INVALID_ARGUMENT or OUT_OF_RANGE "In <op>: ..."
 // naming the field and the bound.
 //
 //   absl::Status st = fast::ValidateInterfaceVerify(args);  // after the shared checks

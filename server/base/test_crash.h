@@ -14,7 +14,9 @@
 // committed); DEFERRED adds "commit:deferred" (the pending table updated,
 // the replays not run), "verify:replayed" (a Verify stored the first head
 // of a row's materialized checkpoint) and "flush:taken" (a Flush took its
-// blocks' entries, replayed none); "restore:layer" (a RestoreBlocks wrote a
+// blocks' entries, replayed none); FAST adds "commit:layer" (a Commit's
+// rows of one layer advanced and folded) and "flush:taken" (a Flush folded
+// its blocks' first layer); "restore:layer" (a RestoreBlocks wrote a
 // layer of a block; CPU backend). Unset, every point costs one relaxed
 // atomic load.
 #ifndef SPECSTATE_SERVER_BASE_TEST_CRASH_H_
@@ -38,8 +40,9 @@ void TestCrashPoint(absl::string_view point);
 // kernels::CommitJournal::test_hook: TestCrashPoint("commit:" + phase).
 void CommitTestHook(const char* phase);
 
-// kernels::PendingBlocks::test_hook: TestCrashPoint(point) ("verify:replayed",
-// "flush:taken"; CPU backend, DEFERRED with kept pools).
+// kernels::PendingBlocks::test_hook and kernels::FoldJournal::test_hook:
+// TestCrashPoint(point) ("verify:replayed", "flush:taken"; CPU backend,
+// DEFERRED or FAST with kept pools).
 void PendingTestHook(const char* point);
 
 // Whether a crash point is set (the journal's hook is installed only then).

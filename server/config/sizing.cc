@@ -136,9 +136,12 @@ ServiceBytes ComputeServiceBytes(const v1::Layout& layout, bool kept_pools) {
   if (kept_pools) {
     const KeptDeferred deferred =
         KeptDeferredFor(layout, static_cast<uint64_t>(s.records_per_layer_bytes));
-    b.kept_header = static_cast<int64_t>(HeaderLayoutFor(layout.num_blocks(), deferred).bytes);
-    // DEFERRED's records live in the kept allocation; the engine allocates none.
-    b.total += b.kept_header - (CommitModeOf(layout).RecordsInKeptAllocation() ? b.records : 0);
+    b.kept_header = static_cast<int64_t>(
+        HeaderLayoutFor(layout.num_blocks(), deferred, KeptFastFor(layout)).bytes);
+    // DEFERRED's records and FAST's rings live in the kept allocation; the
+    // engine allocates none.
+    b.total += b.kept_header -
+               (CommitModeOf(layout).TokenScratchInKeptAllocation() ? b.records : 0);
   }
   return b;
 }

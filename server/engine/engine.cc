@@ -28,7 +28,7 @@ Engine::~Engine() = default;
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const v1::ServiceConfig& config,
                                                        std::unique_ptr<Device> device,
-                                                       const DeferredParts* kept) {
+                                                       const KeptModeParts* kept) {
   absl::Status st = ValidateLayout(config.layout());
   if (!st.ok()) return st;
   std::unique_ptr<Engine> engine(new Engine(config, std::move(device)));
@@ -37,7 +37,7 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(const v1::ServiceConfig& 
   return engine;
 }
 
-absl::Status Engine::Allocate(const DeferredParts* kept) {
+absl::Status Engine::Allocate(const KeptModeParts* kept) {
   sizes_ = ComputeLayoutSizes(layout_);
   shape_ = ShapeOf(layout_);
   const int L = layout_.num_layers();

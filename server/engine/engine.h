@@ -63,12 +63,12 @@ class Engine {
  public:
   // Validates the layout, checks that it fits in the device's free memory
   // (RESOURCE_EXHAUSTED naming the bytes otherwise) and allocates everything.
-  // `kept` (commit_mode DEFERRED with kept pools, Recovery::deferred()):
-  // the pending table and the records buffers live there, as an earlier
-  // instance left them, instead of in fresh memory.
+  // `kept` (kept pools, Recovery::kept_parts()): DEFERRED's pending table
+  // and records buffers, FAST's rings, cursors and fold journal live there,
+  // as an earlier instance left them, instead of in fresh memory.
   static absl::StatusOr<std::unique_ptr<Engine>> Create(const v1::ServiceConfig& config,
                                                         std::unique_ptr<Device> device,
-                                                        const DeferredParts* kept = nullptr);
+                                                        const KeptModeParts* kept = nullptr);
   ~Engine();
 
   // The layout, with the backend and derived sizes filled in.
@@ -205,7 +205,7 @@ class Engine {
 
   Engine(const v1::ServiceConfig& config, std::unique_ptr<Device> device);
   // `kept`: DEFERRED's parts in the kept allocation (may be null).
-  absl::Status Allocate(const DeferredParts* kept);
+  absl::Status Allocate(const KeptModeParts* kept);
   absl::Status AllocateLayers();
   absl::StatusOr<std::vector<StepSlot>> AllocateSlots();
 

@@ -13,11 +13,15 @@
 #include "absl/strings/str_split.h"
 #include "kernels/kda_kernels.h"
 #include "server/base/fnv1a.h"
+#include "server/config/config.h"
+#include "server/kept/fast_parts.h"
 #include "server/modes/rules.h"
 
 namespace specstate {
 namespace server {
 namespace {
+
+using kept_internal::FastProblem;
 
 uint64_t AlignUp(uint64_t x, uint64_t to) { return (x + to - 1) / to * to; }
 
@@ -196,7 +200,11 @@ absl::Status CheckIntact(const std::vector<char>& bytes) {
     return damaged(absl::StrCat("num_blocks ", h.num_blocks, ", journal rows ", h.journal_rows));
   }
   if (const std::string why = DeferredProblem(h.deferred); !why.empty()) return damaged(why);
-  const HeaderLayout at = HeaderLayoutFor(h.num_blocks, h.deferred);
+  if (const std::string why = FastProblem(h.fast); !why.empty()) return damaged(why);
+  if (h.deferred.present != 0 && h.fast.present != 0) {
+    return damaged("it says it has both DEFERRED's and FAST's parts");
+  }
+  const HeaderLayout at = HeaderLayoutFor(h.num_blocks, h.deferred, h.fast);
   if (h.bytes != at.bytes || bytes.size() < at.bookkeeping_bytes) {
     return damaged(absl::StrCat("it says ", h.bytes, " bytes, has ", bytes.size(), ", its layout needs ",
                                 at.bytes, " (", at.bookkeeping_bytes, " of bookkeeping)"));
@@ -230,6 +238,12 @@ absl::Status CheckIntact(const std::vector<char>& bytes) {
                                   v.capacity, " fit"));
     }
   }
+  if (h.fast.present != 0) {
+    if (const std::string why = kept_internal::FoldJournalProblem(bytes.data(), at, h.num_blocks);
+        !why.empty()) {
+      return damaged(why);
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -237,12 +251,16 @@ double UnixSeconds(absl::Time t) { return absl::ToDoubleSeconds(t - absl::UnixEp
 
 }  // namespace
 
-HeaderLayout HeaderLayoutFor(int64_t num_blocks, const KeptDeferred& d) {
+HeaderLayout HeaderLayoutFor(int64_t num_blocks, const KeptDeferred& d, const KeptFast& f) {
   HeaderLayout at;
   at.journal = sizeof(KeptHeader);
   at.entries = at.journal + 256;
   at.blocks = AlignUp(at.entries + 2 * sizeof(int32_t) * uint64_t{kJournalRows}, 256);
   const uint64_t end = at.blocks + sizeof(kernels::BlockRecord) * uint64_t(num_blocks);
+  if (f.present != 0) {
+    kept_internal::LayOutFast(num_blocks, f, end, &at);
+    return at;
+  }
   if (d.present == 0) {
     at.bookkeeping_bytes = at.bytes = AlignUp(end, 4096);
     return at;
@@ -274,6 +292,43 @@ KeptDeferred KeptDeferredFor(const v1::Layout& layout, uint64_t records_per_laye
   return d;
 }
 
+KeptFast KeptFastFor(const v1::Layout& layout) {
+  KeptFast f;
+  if (!CommitModeOf(layout).KeepsRings()) return f;
+  const LayoutSizes sizes = ComputeLayoutSizes(layout);
+  f.present = 1;
+  f.num_layers = layout.num_layers();
+  f.capacity = sizes.fast_ring_capacity;
+  f.spec_query_len = sizes.spec_query_len;
+  f.ring_k_bytes = static_cast<uint64_t>(sizes.fast_ring_k_bytes);
+  f.ring_u_bytes = static_cast<uint64_t>(sizes.fast_ring_u_bytes);
+  f.ring_log_decay_bytes = static_cast<uint64_t>(sizes.fast_ring_log_decay_bytes);
+  f.checksum = kept_internal::FastChecksum(f);
+  return f;
+}
+
+FastParts FastPartsAt(void* base, int64_t num_blocks, const KeptFast& f) {
+  FastParts parts;
+  if (f.present == 0) return parts;
+  const HeaderLayout at = HeaderLayoutFor(num_blocks, {}, f);
+  char* p = static_cast<char*>(base);
+  for (int l = 0; l < f.num_layers; ++l) {
+    kernels::FastRings r;
+    char* rings = p + at.rings + l * at.rings_stride;
+    r.k = rings;
+    r.u = reinterpret_cast<float*>(rings + f.ring_k_bytes);
+    r.log_decay = reinterpret_cast<float*>(rings + f.ring_k_bytes + f.ring_u_bytes);
+    r.cursors = reinterpret_cast<kernels::FastCursor*>(p + at.cursors + l * at.cursors_stride);
+    r.num_blocks = num_blocks;
+    r.capacity = f.capacity;
+    parts.rings.push_back(r);
+  }
+  parts.journal.record = reinterpret_cast<kernels::PendingJournalRecord*>(p + at.fold_journal);
+  parts.journal.blocks = reinterpret_cast<int32_t*>(p + at.fold_journal_blocks);
+  parts.journal.capacity = static_cast<int>(num_blocks);
+  return parts;
+}
+
 DeferredParts DeferredPartsAt(void* base, int64_t num_blocks, const KeptDeferred& d) {
   DeferredParts parts;
   if (d.present == 0) return parts;
@@ -296,8 +351,11 @@ HeaderLayout HeaderLayoutOf(const std::vector<char>& bytes) {
   if (bytes.size() < sizeof(KeptHeader)) return HeaderLayoutFor(2);
   const KeptHeader& h = HeaderOf(bytes);
   const int64_t num_blocks = std::max<int64_t>(h.num_blocks, 2);
-  if (!DeferredProblem(h.deferred).empty()) return HeaderLayoutFor(num_blocks);
-  return HeaderLayoutFor(num_blocks, h.deferred);
+  if (!DeferredProblem(h.deferred).empty() || !FastProblem(h.fast).empty() ||
+      (h.deferred.present != 0 && h.fast.present != 0)) {
+    return HeaderLayoutFor(num_blocks);
+  }
+  return HeaderLayoutFor(num_blocks, h.deferred, h.fast);
 }
 
 std::string LayoutIdentity(const v1::Layout& l) {
@@ -323,8 +381,9 @@ std::string LayoutIdentity(const v1::Layout& l) {
 uint64_t LayoutFingerprint(const v1::Layout& layout) { return Fnv1a(LayoutIdentity(layout)); }
 
 std::vector<char> FreshHeader(const v1::Layout& layout, v1::Backend backend, int device,
-                              uint64_t pool_bytes, absl::Time now, const KeptDeferred& deferred) {
-  const HeaderLayout at = HeaderLayoutFor(layout.num_blocks(), deferred);
+                              uint64_t pool_bytes, absl::Time now, const KeptDeferred& deferred,
+                              const KeptFast& fast) {
+  const HeaderLayout at = HeaderLayoutFor(layout.num_blocks(), deferred, fast);
   std::vector<char> bytes(at.bookkeeping_bytes, 0);
   KeptHeader& h = HeaderOf(&bytes);
   std::memcpy(h.magic, kKeptMagic, sizeof(kKeptMagic));
@@ -343,12 +402,13 @@ std::vector<char> FreshHeader(const v1::Layout& layout, v1::Backend backend, int
   h.checksum = HeaderChecksum(h);
   h.started_unix_s = UnixSeconds(now);
   h.deferred = deferred;
+  h.fast = fast;
   return bytes;
 }
 
 absl::Status CheckHeader(const std::vector<char>& bytes, const v1::Layout& layout,
                          v1::Backend backend, int device, uint64_t pool_bytes,
-                         const KeptDeferred& deferred) {
+                         const KeptDeferred& deferred, const KeptFast& fast) {
   absl::Status intact = CheckIntact(bytes);
   if (!intact.ok()) return intact;
   const KeptHeader& h = HeaderOf(bytes);
@@ -389,6 +449,12 @@ absl::Status CheckHeader(const std::vector<char>& bytes, const v1::Layout& layou
         " layers, ", h.deferred.capacity, " rows, ", h.deferred.records_per_layer_bytes,
         " bytes of records a layer) are not those of the layout it names (", deferred.num_layers,
         " layers, ", deferred.capacity, " rows, ", deferred.records_per_layer_bytes, " bytes)"));
+  }
+  if (std::memcmp(&h.fast, &fast, sizeof(KeptFast)) != 0) {
+    return absl::DataLossError(absl::StrCat(
+        "the kept pools' header is damaged: its FAST parts (", h.fast.num_layers, " layers, R = ",
+        h.fast.capacity, ", Q = ", h.fast.spec_query_len, ") are not those of the layout it names (",
+        fast.num_layers, " layers, R = ", fast.capacity, ", Q = ", fast.spec_query_len, ")"));
   }
   return absl::OkStatus();
 }
@@ -500,6 +566,11 @@ v1::RecoverResponse AttachHeader(std::vector<char>* bytes, absl::Time now, int64
     j.state = kernels::kJournalIdle;
   }
   if (h.deferred.present != 0) AttachPending(bytes, &out);
+  if (h.fast.present != 0) {
+    kept_internal::AttachFast(bytes->data(), HeaderLayoutFor(h.num_blocks, {}, h.fast), h.fast,
+                              h.num_blocks, blocks,
+                              static_cast<uint32_t>(std::max<uint64_t>(h.restarts, 1)), &out);
+  }
   for (int64_t b = 1; b < h.num_blocks; ++b) {
     if (blocks[b].lost != 0) out.add_lost_blocks(static_cast<int32_t>(b));
   }
@@ -518,7 +589,7 @@ v1::RecoverResponse AttachHeader(std::vector<char>* bytes, absl::Time now, int64
 void ReadLiveHeader(const std::vector<char>& bytes, v1::RecoverResponse* out) {
   if (!CheckIntact(bytes).ok()) return;
   const KeptHeader& h = HeaderOf(bytes);
-  const HeaderLayout at = HeaderLayoutFor(h.num_blocks, h.deferred);
+  const HeaderLayout at = HeaderLayoutFor(h.num_blocks, h.deferred, h.fast);
   const kernels::JournalRecord& j = JournalOf(bytes, at);
   const kernels::BlockRecord* blocks = BlocksOf(bytes, at);
   out->set_last_committed_step(j.last_committed_step);
@@ -530,6 +601,10 @@ void ReadLiveHeader(const std::vector<char>& bytes, v1::RecoverResponse* out) {
   if (h.deferred.present != 0) {
     out->set_pending_blocks(CountPending(
         PendingOf(const_cast<char*>(bytes.data()), at, h.deferred, h.num_blocks), h.num_blocks));
+  }
+  if (h.fast.present != 0) {
+    out->set_pending_blocks(
+        kept_internal::CountFastPending(bytes.data(), at, h.fast, h.num_blocks));
   }
 }
 
@@ -605,7 +680,7 @@ void VerifyHeader(const std::vector<char>& bytes, const v1::Layout& layout,
         " is not the served layout's ", absl::StrFormat("%016x", Fnv1a(identity)), ": ",
         Differences(IdentityOf(h), identity)));
   }
-  const HeaderLayout at = HeaderLayoutFor(h.num_blocks, h.deferred);
+  const HeaderLayout at = HeaderLayoutFor(h.num_blocks, h.deferred, h.fast);
   const kernels::JournalRecord& j = JournalOf(bytes, at);
   const int32_t* entries = EntriesOf(bytes, at);
   const kernels::BlockRecord* blocks = BlocksOf(bytes, at);
@@ -650,6 +725,9 @@ void VerifyHeader(const std::vector<char>& bytes, const v1::Layout& layout,
                                    "them; no commit has written them since)"));
   }
   if (h.deferred.present != 0) VerifyPending(bytes, at, &bad, out);
+  if (h.fast.present != 0) {
+    kept_internal::VerifyFast(bytes.data(), at, h.fast, h.num_blocks, blocks, &bad, out);
+  }
   for (int32_t b : bad) out->add_inconsistent_blocks(b);
 }
 

@@ -21,8 +21,16 @@
 //   pending_header     PendingBlocks::header (the records' parity word, the list)
 //   pending_entries    PendingBlocks::entries [num_layers, num_blocks]
 //   records            2 * num_layers records buffers (layer l's buffer b at 2 l + b)
-// Everything before `records` is the bookkeeping Attach and Recover read;
-// the records are read only by the kernels.
+// or with commit_mode FAST (KeptHeader::fast says so) its rings, so that
+// accepted tokens not yet folded survive:
+//   fold_journal       kernels::PendingJournalRecord (kernels::FoldJournal's)
+//   fold_journal_blocks int32 [num_blocks]
+//   cursors            kernels::FastCursor [num_layers, num_blocks] (a layer's
+//                      at cursors + l * cursors_stride)
+//   rings              per layer k, u and log-decay (layer l's at
+//                      rings + l * rings_stride)
+// Everything before `records` (`rings`) is the bookkeeping Attach and
+// Recover read; the records and rings are read only by the kernels.
 //
 //   std::vector<char> bytes = FreshHeader(layout, v1::CPU, 0, pool_bytes, absl::Now());
 //   ...                                  // kept by a keeper; a new instance:
@@ -64,6 +72,21 @@ struct KeptDeferred {
 };
 static_assert(sizeof(KeptDeferred) == 32, "KeptDeferred's layout is part of the format");
 
+// FAST's kept parts, as the header records them (zero: none). Written once,
+// when the pools are made; its own checksum (after DEFERRED's, where older
+// headers have zeros).
+struct KeptFast {
+  uint32_t present = 0;        // 1: the allocation has FAST's parts
+  int32_t num_layers = 0;
+  int32_t capacity = 0;        // R: ring tokens a block (fold_every * Q)
+  int32_t spec_query_len = 0;  // Q
+  uint64_t ring_k_bytes = 0;   // one layer's rings, as ModeScratchSizes sizes them
+  uint64_t ring_u_bytes = 0;
+  uint64_t ring_log_decay_bytes = 0;
+  uint64_t checksum = 0;       // FNV-1a of the fields before it
+};
+static_assert(sizeof(KeptFast) == 48, "KeptFast's layout is part of the format");
+
 // The start of the bookkeeping allocation. Everything up to `checksum` is
 // written once, when the pools are made; the rest at every attach.
 struct KeptHeader {
@@ -87,7 +110,8 @@ struct KeptHeader {
   int64_t pid;
   uint64_t restarts;
   KeptDeferred deferred;  // written once, with the part above
-  char reserved[4096 - 2160 - sizeof(KeptDeferred)];
+  KeptFast fast;          // written once, with the part above
+  char reserved[4096 - 2160 - sizeof(KeptDeferred) - sizeof(KeptFast)];
 };
 static_assert(sizeof(KeptHeader) == 4096, "KeptHeader is one page");
 static_assert(sizeof(kernels::JournalRecord) == 64, "JournalRecord's layout is part of the format");
@@ -105,14 +129,24 @@ struct HeaderLayout {
   uint64_t pending_entries = 0;
   uint64_t records = 0;
   uint64_t records_stride = 0;  // between two records buffers
+  // FAST (all 0 without it).
+  uint64_t fold_journal = 0;
+  uint64_t fold_journal_blocks = 0;
+  uint64_t cursors = 0;
+  uint64_t cursors_stride = 0;  // between two layers' cursors
+  uint64_t rings = 0;
+  uint64_t rings_stride = 0;    // between two layers' rings (k, u, log-decay)
   uint64_t bookkeeping_bytes = 0;  // [0, bookkeeping_bytes): what the host reads
   uint64_t bytes = 0;
 };
-HeaderLayout HeaderLayoutFor(int64_t num_blocks, const KeptDeferred& deferred = {});
+HeaderLayout HeaderLayoutFor(int64_t num_blocks, const KeptDeferred& deferred = {},
+                             const KeptFast& fast = {});
 
 // `layout`'s DEFERRED parts (present = 0 for other commit modes), given one
 // records buffer's size (LayoutSizes::records_per_layer_bytes).
 KeptDeferred KeptDeferredFor(const v1::Layout& layout, uint64_t records_per_layer_bytes);
+// `layout`'s FAST parts (present = 0 for other commit modes).
+KeptFast KeptFastFor(const v1::Layout& layout);
 
 // Where DEFERRED's kept parts lie in a mapped allocation (`base`: where the
 // kernels see it): the pending table with its journal, and the records
@@ -123,6 +157,21 @@ struct DeferredParts {
   std::vector<char*> records;  // [2 * num_layers]: layer l's buffer b at 2 l + b
 };
 DeferredParts DeferredPartsAt(void* base, int64_t num_blocks, const KeptDeferred& deferred);
+
+// Where FAST's kept parts lie in a mapped allocation: every layer's rings
+// and cursors (FastRings, as the kernels take them) and the fold journal.
+struct FastParts {
+  std::vector<kernels::FastRings> rings;  // [num_layers]
+  kernels::FoldJournal journal;
+};
+FastParts FastPartsAt(void* base, int64_t num_blocks, const KeptFast& fast);
+
+// What the kept allocation holds for the layout's commit mode (both empty
+// for EAGER), for the Engine (Recovery::kept_parts()).
+struct KeptModeParts {
+  DeferredParts deferred;  // pending.entries null: none
+  FastParts fast;          // rings empty: none
+};
 
 // The fields of a layout that give the pools' bytes their meaning, as text
 // ("layer_kind=KDA num_layers=4 ..."): what must not change across a
@@ -139,7 +188,7 @@ uint64_t LayoutFingerprint(const v1::Layout& layout);
 // the records that follow it in the allocation start zeroed.
 std::vector<char> FreshHeader(const v1::Layout& layout, v1::Backend backend, int device,
                               uint64_t pool_bytes, absl::Time now,
-                              const KeptDeferred& deferred = {});
+                              const KeptDeferred& deferred = {}, const KeptFast& fast = {});
 
 // The layout a header's own fields give (its num_blocks and DEFERRED parts);
 // the EAGER layout when the header is too damaged to say.
@@ -151,11 +200,11 @@ HeaderLayout HeaderLayoutOf(const std::vector<char>& bytes);
 //   format version, backend, device, pool size or layout (each changed field
 //   with its old and new value).
 //   `bytes` is the bookkeeping (at least HeaderLayout::bookkeeping_bytes);
-//   `deferred`: the parts `layout` needs (DATA_LOSS when the header's differ
-//   though the fingerprint matches).
+//   `deferred`, `fast`: the parts `layout` needs (DATA_LOSS when the
+//   header's differ though the fingerprint matches).
 absl::Status CheckHeader(const std::vector<char>& bytes, const v1::Layout& layout,
                          v1::Backend backend, int device, uint64_t pool_bytes,
-                         const KeptDeferred& deferred = {});
+                         const KeptDeferred& deferred = {}, const KeptFast& fast = {});
 
 // Takes checked bookkeeping over for a new instance: marks the blocks of an
 // interrupted commit lost, closes the journal, stamps the instance; returns
@@ -167,6 +216,11 @@ absl::Status CheckHeader(const std::vector<char>& bytes, const v1::Layout& layou
 // word's, no tokens or more than Q) loses its block, and the list of
 // pending blocks is rebuilt from the entries, so the table is consistent
 // whatever call the crash interrupted.
+// FAST: the blocks an interrupted fold listed are lost too (an interrupted
+// discard's are emptied), every lost block's ring is emptied in every
+// layer, a cursor no call could have left loses its block, and every
+// Verify's candidates are forgotten (the step in flight is refused and
+// re-run), so the rings hold only accepted tokens of finished Commits.
 v1::RecoverResponse AttachHeader(std::vector<char>* bytes, absl::Time now, int64_t pid);
 
 // What the bookkeeping says now (a live service's): `out`'s
@@ -177,7 +231,9 @@ void ReadLiveHeader(const std::vector<char>& bytes, v1::RecoverResponse* out);
 // verify-pools: re-checks the header against `layout` and every record
 // against the journal (DEFERRED: the pending table too: the parity word,
 // every entry's record row, buffer and tokens, every pending block listed,
-// no lost block pending, the pending journal idle); fills `out`'s verified,
+// no lost block pending, the pending journal idle; FAST: the fold journal
+// idle, every cursor one a call leaves, no lost block with ring tokens);
+// fills `out`'s verified,
 // problems and inconsistent_blocks.
 void VerifyHeader(const std::vector<char>& bytes, const v1::Layout& layout,
                   v1::RecoverResponse* out);

@@ -75,8 +75,10 @@ absl::StatusOr<std::unique_ptr<Recovery>> Recovery::Start(const v1::Layout& layo
   r->num_blocks_ = layout.num_blocks();
   // DEFERRED: its pending table and both records buffers are kept in the
   // bookkeeping allocation (never exported: no client maps the records).
+  // FAST: its rings, cursors and fold journal, likewise.
   r->deferred_ = KeptDeferredFor(layout, static_cast<uint64_t>(sizes.records_per_layer_bytes));
-  const HeaderLayout at = HeaderLayoutFor(layout.num_blocks(), r->deferred_);
+  r->fast_ = KeptFastFor(layout);
+  const HeaderLayout at = HeaderLayoutFor(layout.num_blocks(), r->deferred_, r->fast_);
   r->header_bytes_ = at.bytes;
   r->bookkeeping_bytes_ = at.bookkeeping_bytes;
   if (!options.keeper.empty()) {
@@ -223,7 +225,7 @@ absl::Status Recovery::Attach(Kept kept, const v1::Layout& layout) {
   const v1::Backend backend =
       device_.kind() == kernels::Backend::kCuda ? v1::CUDA : v1::CPU;
   if (st.ok()) {
-    st = CheckHeader(bytes, layout, backend, device_.ordinal(), pool_bytes_, deferred_);
+    st = CheckHeader(bytes, layout, backend, device_.ordinal(), pool_bytes_, deferred_, fast_);
   }
   if (st.ok() && header->bytes < header_bytes_) {
     st = absl::DataLossError(absl::StrCat("the kept pools' header allocation has ", header->bytes,
@@ -258,8 +260,9 @@ absl::Status Recovery::Attach(Kept kept, const v1::Layout& layout) {
       report_.interrupted_call().empty()
           ? std::string()
           : absl::StrCat("; a ", report_.interrupted_call(), " was interrupted"),
-      deferred_.present != 0 ? absl::StrCat("; ", report_.pending_blocks(), " blocks pending")
-                             : std::string()));
+      deferred_.present != 0 || fast_.present != 0
+          ? absl::StrCat("; ", report_.pending_blocks(), " blocks pending")
+          : std::string()));
   return absl::OkStatus();
 }
 
@@ -271,7 +274,7 @@ absl::Status Recovery::Fresh(const v1::Layout& layout) {
   const v1::Backend backend =
       device_.kind() == kernels::Backend::kCuda ? v1::CUDA : v1::CPU;
   const std::vector<char> bytes =
-      FreshHeader(layout, backend, device_.ordinal(), pool_bytes_, absl::Now(), deferred_);
+      FreshHeader(layout, backend, device_.ordinal(), pool_bytes_, absl::Now(), deferred_, fast_);
   absl::Status st = device_.CopyToDevice(header->data, bytes.data(), bytes.size());
   if (!st.ok()) return st;
   pools_ = *pools;
@@ -360,8 +363,11 @@ void Recovery::Watch() {
   }
 }
 
-DeferredParts Recovery::deferred() const {
-  return DeferredPartsAt(header_.data, num_blocks_, deferred_);
+KeptModeParts Recovery::kept_parts() const {
+  KeptModeParts parts;
+  parts.deferred = DeferredPartsAt(header_.data, num_blocks_, deferred_);
+  parts.fast = FastPartsAt(header_.data, num_blocks_, fast_);
+  return parts;
 }
 
 std::string Recovery::HealthProblem() const {

@@ -12,7 +12,7 @@
 //   RecoveryOptions options;
 //   options.keeper = "/run/specstate/keeper.sock";
 //   auto recovery = Recovery::Start(config.layout(), *device, options, start).value();
-//   DeferredParts kept = recovery->deferred();
+//   KeptModeParts kept = recovery->kept_parts();
 //   auto engine = Engine::Create(config, std::move(device), &kept).value();
 //   engine->SetCommitJournal(recovery->journal());
 #ifndef SPECSTATE_SERVER_KEPT_RECOVERY_H_
@@ -85,10 +85,11 @@ class Recovery {
   // The commit journal in the kept bookkeeping (CommitArgs.journal, step unset).
   kernels::CommitJournal journal() const { return journal_; }
 
-  // commit_mode DEFERRED: the pending table (with its journal) and both
-  // records buffers of every layer, in the kept bookkeeping allocation, for
-  // Engine::Create; empty (pending.entries null) for other modes.
-  DeferredParts deferred() const;
+  // What the kept bookkeeping allocation holds for the mode, for
+  // Engine::Create: DEFERRED's pending table (with its journal) and both
+  // records buffers of every layer; FAST's rings and cursors of every layer
+  // and its fold journal; empty for EAGER.
+  KeptModeParts kept_parts() const;
 
   // What was kept at start (RecoverResponse without the verify fields).
   v1::RecoverResponse Report() const;
@@ -139,6 +140,7 @@ class Recovery {
   uint64_t header_bytes_ = 0;       // the whole allocation (DEFERRED: with the records)
   uint64_t bookkeeping_bytes_ = 0;  // what the host reads: everything but the records
   KeptDeferred deferred_;
+  KeptFast fast_;
   int64_t num_blocks_ = 0;
   Device::KeptMemory pools_;
   Device::KeptMemory header_;

@@ -246,7 +246,7 @@ TEST_F(RecoveryTest, DeferredKeepsItsPendingTableAndRecordsAcrossInstances) {
   deferred.set_commit_mode(v1::DEFERRED);
   absl::StatusOr<Instance> first = StartInstance(deferred);
   ASSERT_TRUE(first.ok()) << first.status();
-  DeferredParts parts = first->recovery->deferred();
+  DeferredParts parts = first->recovery->kept_parts().deferred;
   ASSERT_NE(parts.pending.entries, nullptr);
   ASSERT_NE(parts.pending.journal, nullptr);
   ASSERT_EQ(parts.records.size(), 2u * deferred.num_layers());
@@ -275,7 +275,7 @@ TEST_F(RecoveryTest, DeferredKeepsItsPendingTableAndRecordsAcrossInstances) {
   EXPECT_THAT(report.lost_blocks(), ::testing::IsEmpty());
   EXPECT_EQ(report.interrupted_call(), "");
   EXPECT_EQ(report.pending_blocks(), 2);
-  parts = second->recovery->deferred();
+  parts = second->recovery->kept_parts().deferred;
   EXPECT_EQ(parts.pending.header[0], 1);
   EXPECT_EQ(parts.pending.header[1], 2);
   EXPECT_EQ(parts.pending.entries[B + 7], Pending(1, 1, 2));
@@ -298,7 +298,7 @@ TEST_F(RecoveryTest, DeferredKeepsItsPendingTableAndRecordsAcrossInstances) {
   EXPECT_THAT(report.lost_blocks(), ::testing::ElementsAre(5));
   EXPECT_EQ(report.interrupted_call(), "Verify of layer 0");
   EXPECT_EQ(report.pending_blocks(), 1);
-  parts = third->recovery->deferred();
+  parts = third->recovery->kept_parts().deferred;
   EXPECT_EQ(parts.pending.journal->state, kernels::kJournalIdle);
   EXPECT_EQ(parts.pending.entries[B + 5], 0);
   EXPECT_EQ(parts.pending.entries[B + 7], Pending(1, 1, 2));
@@ -321,14 +321,112 @@ TEST_F(RecoveryTest, TheCommitModeOfKeptPoolsCannotChange) {
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("max_rows (not kept) -> "));
 }
 
-TEST_F(RecoveryTest, FastCommitsAreRefused) {
+// commit_mode FAST: the rings, cursors and fold journal are kept with the
+// pools; an interrupted fold or commit loses exactly its blocks (their rings
+// emptied), an interrupted discard is finished, a cursor no call leaves
+// loses its block, and a Verify's candidates are forgotten.
+TEST_F(RecoveryTest, FastKeepsItsRingsAcrossInstances) {
   Keeper keeper(options_.keeper);
   v1::Layout fast = layout_;
   fast.set_commit_mode(v1::FAST);
+  absl::StatusOr<Instance> first = StartInstance(fast);
+  ASSERT_TRUE(first.ok()) << first.status();
+  FastParts parts = first->recovery->kept_parts().fast;
+  ASSERT_EQ(parts.rings.size(), size_t(fast.num_layers()));
+  ASSERT_NE(parts.journal.record, nullptr);
+  const int R = parts.rings[0].capacity;
+  const int Q = fast.num_spec() + 1;
+  ASSERT_GE(R - Q, 3);
+  // As Commits and a Verify leave them: block 5 with tokens in both layers
+  // (and candidates in layer 0), block 7 in layer 1 only, block 11 too.
+  parts.rings[0].cursors[5] = kernels::FastCursor{2, Q, 0};
+  parts.rings[1].cursors[5] = kernels::FastCursor{2, 0, 0};
+  parts.rings[1].cursors[7] = kernels::FastCursor{3, 0, 0};
+  parts.rings[0].cursors[11] = kernels::FastCursor{1, 0, 0};
+  parts.rings[1].u[100] = 1.5f;
+  first->pools[7] = 9;
+  first->recovery.reset();
+  first->device.reset();
+
+  // A restart between calls: the rings as they were, the candidates gone.
+  absl::StatusOr<Instance> second = StartInstance(fast);
+  ASSERT_TRUE(second.ok()) << second.status();
+  v1::RecoverResponse report = second->recovery->Report();
+  EXPECT_TRUE(report.kept());
+  EXPECT_THAT(report.lost_blocks(), ::testing::IsEmpty());
+  EXPECT_EQ(report.pending_blocks(), 3);
+  parts = second->recovery->kept_parts().fast;
+  EXPECT_EQ(parts.rings[0].cursors[5].tokens, 2);
+  EXPECT_EQ(parts.rings[0].cursors[5].candidates, 0);
+  EXPECT_EQ(parts.rings[1].cursors[7].tokens, 3);
+  EXPECT_EQ(parts.rings[1].u[100], 1.5f);
+  EXPECT_EQ(second->pools[7], 9);
+
+  // A Flush killed mid-fold of block 5, a Commit killed writing block 11,
+  // and block 9's cursor no call leaves: all three lost, their rings
+  // emptied in every layer; block 7 stays.
+  parts.journal.blocks[0] = 5;
+  parts.journal.record->kind = kernels::kPendingFlush;
+  parts.journal.record->layer = -1;
+  parts.journal.record->count = 1;
+  parts.journal.record->state = kernels::kJournalStarted;
+  parts.rings[1].cursors[9] = kernels::FastCursor{R, 0, 0};
+  kernels::CommitJournal commit = second->recovery->journal();
+  commit.entries[0] = 11;
+  commit.entries[1] = kernels::kNullBlock;
+  commit.record->num_rows = 1;
+  commit.record->step = 77;
+  commit.record->state = kernels::kJournalStarted;
+  second->recovery.reset();
+  second->device.reset();
+  absl::StatusOr<Instance> third = StartInstance(fast);
+  ASSERT_TRUE(third.ok()) << third.status();
+  report = third->recovery->Report();
+  EXPECT_THAT(report.lost_blocks(), ::testing::ElementsAre(5, 9, 11));
+  EXPECT_EQ(report.interrupted_call(), "Flush");
+  EXPECT_TRUE(report.interrupted());
+  EXPECT_EQ(report.interrupted_step(), 77u);
+  EXPECT_EQ(report.pending_blocks(), 1);
+  parts = third->recovery->kept_parts().fast;
+  EXPECT_EQ(parts.journal.record->state, kernels::kJournalIdle);
+  for (int l = 0; l < fast.num_layers(); ++l) {
+    for (int32_t b : {5, 9, 11}) {
+      EXPECT_EQ(parts.rings[l].cursors[b].tokens, 0) << "layer " << l << " block " << b;
+    }
+  }
+  EXPECT_EQ(parts.rings[1].cursors[7].tokens, 3);
+
+  // A discard of block 7 killed: finished (its rings empty), not lost.
+  parts.journal.blocks[0] = 7;
+  parts.journal.record->kind = kernels::kPendingDiscard;
+  parts.journal.record->count = 1;
+  parts.journal.record->state = kernels::kJournalStarted;
+  third->recovery.reset();
+  third->device.reset();
+  absl::StatusOr<Instance> fourth = StartInstance(fast);
+  ASSERT_TRUE(fourth.ok()) << fourth.status();
+  report = fourth->recovery->Report();
+  EXPECT_THAT(report.lost_blocks(), ::testing::ElementsAre(5, 9, 11));
+  EXPECT_EQ(report.interrupted_call(), "Flush (discard)");
+  EXPECT_EQ(report.pending_blocks(), 0);
+  EXPECT_EQ(fourth->recovery->kept_parts().fast.rings[1].cursors[7].tokens, 0);
+  EXPECT_EQ(fourth->pools[7], 9);
+}
+
+// The rings' meaning depends on fold_every: a change is refused, named.
+TEST_F(RecoveryTest, TheFoldEveryOfKeptRingsCannotChange) {
+  Keeper keeper(options_.keeper);
+  v1::Layout fast = layout_;
+  fast.set_commit_mode(v1::FAST);
+  fast.set_fold_every(4);
+  {
+    absl::StatusOr<Instance> first = StartInstance(fast);
+    ASSERT_TRUE(first.ok()) << first.status();
+  }
+  fast.set_fold_every(2);
   absl::StatusOr<Instance> refused = StartInstance(fast);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
-  EXPECT_THAT(std::string(refused.status().message()),
-              HasSubstr("commit_mode FAST keeps accepted tokens in rings"));
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("fold_every 4 -> 2"));
 }
 
 TEST_F(RecoveryTest, DescriptorsThatAreNotSpecstatedsAreRefused) {

@@ -23,10 +23,10 @@ class DeferredEngine final : public ModeEngine {
 
   absl::Status AllocateLayer(int l, kernels::CommitLayer& entry) override {
     absl::StatusOr<kernels::Records> records =
-        AllocateRecords(kept() ? env_.kept.records[2 * l] : nullptr);
+        AllocateRecords(kept() ? env_.kept.deferred.records[2 * l] : nullptr);
     if (!records.ok()) return records.status();
     entry.records = *records;
-    records = AllocateRecords(kept() ? env_.kept.records[2 * l + 1] : nullptr);
+    records = AllocateRecords(kept() ? env_.kept.deferred.records[2 * l + 1] : nullptr);
     if (!records.ok()) return records.status();
     entry.records_alt = *records;
     return absl::OkStatus();
@@ -42,7 +42,7 @@ class DeferredEngine final : public ModeEngine {
     const int64_t blocks = layout().num_blocks();
     absl::Status st;
     if (kept()) {
-      pending_ = env_.kept.pending;
+      pending_ = env_.kept.deferred.pending;
     } else {
       pending_.num_layers = L;
       pending_.num_blocks = blocks;
@@ -139,7 +139,7 @@ class DeferredEngine final : public ModeEngine {
   }
 
  private:
-  bool kept() const { return env_.kept.pending.entries != nullptr; }
+  bool kept() const { return env_.kept.deferred.pending.entries != nullptr; }
 
   LayerTables tables_;
   kernels::PendingBlocks pending_;
@@ -157,7 +157,7 @@ class DeferredEngine final : public ModeEngine {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ModeEngine>> NewDeferredEngine(const ModeEnvironment& env) {
-  const DeferredParts& kept = env.kept;
+  const DeferredParts& kept = env.kept.deferred;
   const v1::Layout& l = *env.layout;
   if (kept.pending.entries != nullptr &&
       (static_cast<int>(kept.records.size()) != 2 * l.num_layers() ||

@@ -6,10 +6,13 @@ namespace specstate {
 namespace server {
 
 absl::StatusOr<std::unique_ptr<ModeEngine>> ModeEngine::Create(const ModeEnvironment& env) {
-  if (env.kept.pending.entries != nullptr &&
-      !CommitModeOf(*env.layout).RecordsInKeptAllocation()) {
+  if ((env.kept.deferred.pending.entries != nullptr &&
+       !CommitModeOf(*env.layout).RecordsInKeptAllocation()) ||
+      (!env.kept.fast.rings.empty() &&
+       (!CommitModeOf(*env.layout).KeepsRings() ||
+        static_cast<int>(env.kept.fast.rings.size()) != env.layout->num_layers()))) {
     return absl::InternalError(
-        "kept DEFERRED parts were given for a layout of another commit mode (Recovery checks "
+        "kept parts were given for a layout of another commit mode or shape (Recovery checks "
         "that first)");
   }
   switch (CommitModeOf(*env.layout).id()) {

@@ -32,9 +32,10 @@ struct ModeEnvironment {
   const LayoutSizes* sizes = nullptr;
   kernels::KdaShape shape;
   Device* device = nullptr;
-  // DEFERRED with kept pools: the pending table and records as an earlier
-  // instance left them (pending.entries null: fresh memory).
-  DeferredParts kept;
+  // Kept pools: what the kept allocation holds for the mode, as an earlier
+  // instance left it (DEFERRED's pending table and records; FAST's rings,
+  // cursors and fold journal; both empty: fresh memory).
+  KeptModeParts kept;
 };
 
 // The layer table every layer-spanning kernel reads (set up by the engine).
@@ -66,8 +67,8 @@ class ModeEngine {
   // Recover's pending_blocks (blocks holding pending tokens in some layer):
   // the readbacks that copy what the mode keeps pending into `host`
   // (PendingCountBytes() long), and the count read from it once they are
-  // done. DEFERRED: its pending table; the others keep no tokens pending
-  // between a session's steps that a restart could keep: nothing, 0.
+  // done. DEFERRED: its pending table; FAST: its cursors (ring tokens);
+  // EAGER keeps nothing pending: nothing, 0.
   virtual uint64_t PendingCountBytes() const { return 0; }
   virtual std::vector<Readback> PendingCountReadbacks(void* host) const { return {}; }
   virtual int32_t CountPendingBlocks(const void* host) const { return 0; }

@@ -150,14 +150,11 @@ class FastRules final : public CommitModeRules {
     return s;
   }
   bool KeepsUnappliedTokens() const override { return true; }
-  absl::Status CheckKeepsPools() const override {
-    // Its accepted tokens live in the rings, beside the pools but not kept
-    // with them (and its folds keep no journal): a restart would lose them
-    // silently.
-    return absl::FailedPreconditionError(
-        "commit_mode FAST keeps accepted tokens in rings beside the pools, which do not outlive "
-        "specstated: keeping the pools across restarts (--keeper, systemd's file-descriptor "
-        "store) needs commit_mode EAGER or DEFERRED");
+  // Its rings, cursors and fold journal are kept with the pools: the mode,
+  // fold_every and Q (in num_spec) give them their meaning.
+  bool KeepsRings() const override { return true; }
+  std::string IdentitySuffix(const v1::Layout& l) const override {
+    return absl::StrCat(" commit_mode=FAST fold_every=", FoldEvery(l));
   }
 };
 

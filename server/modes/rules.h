@@ -80,6 +80,12 @@ class CommitModeRules {
   // Whether the kept allocation holds the mode's records and pending table
   // (DEFERRED), so that the engine allocates none.
   virtual bool RecordsInKeptAllocation() const { return false; }
+  // Whether the kept allocation holds the mode's rings, cursors and fold
+  // journal (FAST), so that the engine allocates none.
+  virtual bool KeepsRings() const { return false; }
+  // Whether the kept allocation holds the mode's token scratch (records or
+  // rings: ModeScratchSizes::record_bytes).
+  bool TokenScratchInKeptAllocation() const { return RecordsInKeptAllocation() || KeepsRings(); }
   // What LayoutIdentity adds for the mode: the fields that give its kept
   // parts their meaning ("" where it keeps none).
   virtual std::string IdentitySuffix(const v1::Layout& layout) const { return ""; }

@@ -7,9 +7,10 @@
 # GPU_SERVICE_FILTER is a gtest filter for gpu_service_test; restart: the kept
 # pools on the GPU (issue 24): vmm_probe, then the restart drill on the CUDA
 # backend without and with MPS, and again with commit_mode DEFERRED (its
-# pending tokens kept), and the kernels' commit journal and DEFERRED tests
-# (both journals); not part of `all`. RESTART_STEPS (200), RESTART_EVERY (5) and
-# RESTART_SERVICE_FLAGS size the drill.)
+# pending tokens kept) and FAST (its rings kept), and the kernels' commit
+# journal, DEFERRED and FAST journal tests; not part of `all`. RESTART_STEPS
+# (200), RESTART_EVERY (5) and RESTART_SERVICE_FLAGS size the drill;
+# RESTART_MODES ("eager deferred fast") picks the drills.)
 # Writes logs and tables into OUTDIR and prints a summary; exits non-zero when
 # a test failed.
 set -uo pipefail
@@ -161,6 +162,13 @@ if [ "$what" = restart ]; then
   rc=$?; note "kda_kernels_gpu_test CommitJournal*:Deferred*: exit $rc, $(grep -E '^\[  (PASSED|FAILED) ' "$out/commit_journal.log" | tr '\n' ' ')"
   [ $rc -eq 0 ] || status=1
   no_skips "$out/commit_journal.log" "CommitJournal*:Deferred*"
+  # FAST's journals through the kernel interface: the CUDA backend writes
+  # the commit journal and the fold journal as the CPU backend does.
+  timeout 300 "$bin/fast_cuda_gpu_test" --gtest_brief=1 --gtest_filter='FastCudaInterfaceTest.*' \
+    > "$out/fast_journal.log" 2>&1
+  rc=$?; note "fast_cuda_gpu_test FastCudaInterfaceTest.*: exit $rc, $(grep -E '^\[  (PASSED|FAILED) ' "$out/fast_journal.log" | tr '\n' ' ')"
+  [ $rc -eq 0 ] || status=1
+  no_skips "$out/fast_journal.log" "FastCudaInterfaceTest.*"
   # 3. The drill on the CUDA backend: its own keeper and specstated, killed
   #    between calls, inside Verify and right after a Commit's kernels were
   #    enqueued (they run on while the process dies), started again; every
@@ -177,9 +185,11 @@ if [ "$what" = restart ]; then
     grep -E '^(restart drill|verdict)' "$out/restart_drill_$name.log" | tee -a "$summary"
     [ $rc -eq 0 ] || status=1
   }
-  drill no_mps
-  drill deferred --commit_mode=deferred
-  if command -v nvidia-cuda-mps-control > /dev/null; then
+  modes=" ${RESTART_MODES:-eager deferred fast} "
+  [[ $modes == *" eager "* ]] && drill no_mps
+  [[ $modes == *" deferred "* ]] && drill deferred --commit_mode=deferred
+  [[ $modes == *" fast "* ]] && drill fast --commit_mode=fast
+  if [[ $modes == *" eager "* ]] && command -v nvidia-cuda-mps-control > /dev/null; then
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/ss-restart-mps CUDA_MPS_LOG_DIRECTORY=/tmp/ss-restart-mps-log
     mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
     if nvidia-cuda-mps-control -d; then

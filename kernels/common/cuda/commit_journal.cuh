@@ -1,5 +1,5 @@
 // The commit journal on CUDA (common/journal.h), for the modes that keep it
-// (EAGER, DEFERRED): listed and marked started by the commit's plan kernel
+// (all three): listed and marked started by the commit's plan kernel
 // before its first write (BlockStartCommitJournal), recorded and marked
 // committed by a kernel after its last (JournalFinishKernel).
 #ifndef SPECSTATE_KERNELS_COMMON_CUDA_COMMIT_JOURNAL_CUH_
@@ -52,6 +52,12 @@ __global__ void __launch_bounds__(kCheckThreads)
   __syncthreads();
   if (threadIdx.x == 0) internal::JournalMarkCommitted(j, sequence);
 }
+
+// Nothing before the journal's records (EAGER and FAST keep no pending
+// journal).
+struct NothingBeforeRecords {
+  __device__ void operator()() const {}
+};
 
 template <typename BeforeRecords>
 absl::Status LaunchJournalFinish(const CommitArgs& a, const BeforeRecords& before_records,

@@ -550,6 +550,7 @@ void RunFastCommitCpu(const FastCommitArgs& a, const CommitPlanRow* plan,
         StoreBlock<State, K>(a.shape, layer.state, p.final_block, final_state);
         layer.rings.cursors[p.final_block] = FastCursor{0, 0};
       }
+      if (a.test_hook != nullptr) a.test_hook("layer");
     }
   });
 }
@@ -560,6 +561,7 @@ void RunFastMaterializeCpu(const FastMaterializeArgs& a, const FastNumerics& num
     using State = typename decltype(state)::type;
     constexpr int K = decltype(head_dim)::value;
     std::vector<float> folded;
+    bool hooked = false;
     const int64_t block_elems = int64_t{ValueHeads(a.shape)} * K * K;
     for (int l = 0; l < a.num_layers; ++l) {
       if (a.layer >= 0 && l != a.layer) continue;
@@ -586,6 +588,10 @@ void RunFastMaterializeCpu(const FastMaterializeArgs& a, const FastNumerics& num
         // they follow, which the fold changes only by its rounding.
         MoveSlotsToFront<Act>(a.shape, layer.rings, b, cursor.tokens, cursor.candidates);
         cursor.tokens = 0;
+      }
+      if (a.test_hook != nullptr && a.out == nullptr && !a.discard && !hooked) {
+        hooked = true;
+        a.test_hook("flush:taken");
       }
     }
   });

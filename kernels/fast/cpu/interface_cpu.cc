@@ -12,6 +12,7 @@
 #include "kernels/fast/checks.h"
 #include "kernels/fast/cpu/fast_cpu.h"
 #include "kernels/fast/fast_args.h"
+#include "kernels/fast/fold_journal.h"
 #include "kernels/fast/from_interface.h"
 
 namespace specstate {
@@ -40,17 +41,25 @@ void RunVerify(const VerifyArgs& a) {
 
 // The commit's plan and checks (as EAGER's), FAST's own (every layer's
 // cursors and candidates, each written block's ring empty, one row a
-// checkpoint block), the conv windows, then kernels/fast's Commit along the
-// checked plan: rings advance, folds.
+// checkpoint block), the commit journal started (kept pools), the conv
+// windows, then kernels/fast's Commit along the checked plan (rings
+// advance, folds), then the journal's finish.
 void RunCommit(const CommitArgs& a) {
   internal::CommitWorkspace ws;
   if (!common::PlanCommitCpu(a, &ws)) return;
   if (!CheckFastCommit<CpuChecker>(a, ws, a.num_layers, [&](int l) { return a.layers[l].fast; })) {
     return;
   }
+  if (a.journal.record != nullptr) {  // before the first write
+    common::ListCommitJournalCpu(a, ws.plan);
+    common::MarkCommitJournalStartedCpu(a);
+  }
   common::CompactConvCpu(a, ws.plan);
   const std::vector<FastLayer> layers = FastLayersOf(a.layers, a.num_layers);
-  RunFastCommitCpu(FastCommitArgsOf(a, layers.data()), ws.plan, FastNumerics());
+  FastCommitArgs f = FastCommitArgsOf(a, layers.data());
+  f.test_hook = a.journal.test_hook;
+  RunFastCommitCpu(f, ws.plan, FastNumerics());
+  if (a.journal.record != nullptr) common::FinishCommitJournalCpu(a, [] {});
 }
 
 // FAST Flush: the block list (into its checked copy), then every listed
@@ -106,8 +115,18 @@ void RunFlush(const FlushArgs& a) {
   if (a.copy.data != nullptr) {  // into a copy: Materialize's `out`, from block 1
     m.out = static_cast<char*>(a.copy.data) +
             a.copy.block_stride * int64_t(DTypeSize(a.shape.state_dtype));
+    RunFastMaterializeCpu(m, FastNumerics());
+    return;
+  }
+  // In place: the fold journal (kept pools) lists the blocks first.
+  const FoldJournal& j = a.fold_journal;
+  if (j.record != nullptr) {
+    for (int i = 0; i < count; ++i) FoldJournalList(j, i, blocks[i]);
+    FoldJournalMarkStarted(j, a.discard, count, a.layer);
+    m.test_hook = j.test_hook;
   }
   RunFastMaterializeCpu(m, FastNumerics());
+  if (j.record != nullptr) FoldJournalMarkDone(j);
 }
 
 }  // namespace

@@ -460,6 +460,8 @@ TEST(FastCudaInterfaceTest, ChecksAndRefusalsAreTheCpuBackends) {
   auto normal = [&] { return std::normal_distribution<float>(0.0f, 1.0f)(rng); };
   Buffer pool, conv, ring_k, ring_u, ring_g, cursors, a_log, dt_bias, q, k, v, g, beta, out;
   Buffer qsl, indices, snap_qsl, snap_indices, accepted, blocks, checked, vws, cws, status, table;
+  // Kept pools' bookkeeping: the commit journal and the fold journal.
+  Buffer journal, entries, block_records, fold_record, fold_blocks;
   pool.Init(DType::kFloat32, num_blocks * block_elems);
   conv.Init(DType::kBFloat16, num_blocks * conv_dim * conv_width);
   ring_k.Init(DType::kBFloat16, FastRingKBytes(s, num_blocks, R) / 2);
@@ -483,6 +485,16 @@ TEST(FastCudaInterfaceTest, ChecksAndRefusalsAreTheCpuBackends) {
   vws.Init(DType::kFloat32, VerifyWorkspaceBytes(num_blocks) / 4 + 1);
   cws.Init(DType::kFloat32, CommitWorkspaceBytes(max_rows, Q, num_blocks) / 4 + 1);
   status.Init(DType::kFloat32, sizeof(DeviceStatus) / 4 + 1);
+  journal.Init(DType::kFloat32, sizeof(JournalRecord) / 4);
+  entries.Init(DType::kFloat32, 2 * max_rows);
+  block_records.Init(DType::kFloat32, num_blocks * sizeof(BlockRecord) / 4);
+  fold_record.Init(DType::kFloat32, sizeof(PendingJournalRecord) / 4);
+  fold_blocks.Init(DType::kFloat32, num_blocks);
+  for (Buffer* b : {&journal, &entries, &block_records, &fold_record, &fold_blocks}) {
+    std::fill(b->host.begin(), b->host.end(), 0);
+    b->Upload();
+  }
+  bool journaled = false;  // step 5: the passing calls keep both journals
   auto ints = [](Buffer& b) { return reinterpret_cast<int32_t*>(b.host.data()); };
   auto ptr = [](Buffer& b, bool dev) { return dev ? b.device : static_cast<void*>(b.host.data()); };
   auto layer_of = [&](bool dev) {
@@ -546,6 +558,11 @@ TEST(FastCudaInterfaceTest, ChecksAndRefusalsAreTheCpuBackends) {
     a.workspace_bytes = cws.host.size();
     a.status = st_of(dev);
     a.mode = CommitMode::kFast;
+    if (journaled) {
+      a.journal = CommitJournal{static_cast<JournalRecord*>(ptr(journal, dev)),
+                                static_cast<int32_t*>(ptr(entries, dev)), max_rows,
+                                static_cast<BlockRecord*>(ptr(block_records, dev)), 0};
+    }
     return a;
   };
   auto flush_args = [&](bool dev, bool listed) {
@@ -562,6 +579,11 @@ TEST(FastCudaInterfaceTest, ChecksAndRefusalsAreTheCpuBackends) {
     }
     a.status = st_of(dev);
     a.mode = CommitMode::kFast;
+    if (journaled) {
+      a.fold_journal = FoldJournal{static_cast<PendingJournalRecord*>(ptr(fold_record, dev)),
+                                   static_cast<int32_t*>(ptr(fold_blocks, dev)),
+                                   static_cast<int>(num_blocks)};
+    }
     return a;
   };
   // Runs a call on both backends; returns the CPU's result after checking
@@ -635,8 +657,11 @@ TEST(FastCudaInterfaceTest, ChecksAndRefusalsAreTheCpuBackends) {
   EXPECT_EQ(st.code(), absl::StatusCode::kOutOfRange) << st;
   EXPECT_EQ(device_bytes(), before) << "a refused Flush wrote";
   // 5. Then the calls pass, and agree: Verify, Commit, Verify, Commit (the
-  // second one folds: R = 2Q), a Flush of every block.
+  // second one folds: R = 2Q), a Flush of every block; with kept pools'
+  // journals, which both backends write alike (the fold journal's list in
+  // any order on CUDA).
   set_rows(1, 2);
+  journaled = true;
   for (int step = 0; step < 2; ++step) {
     st = both(verify, "Verify");
     ASSERT_TRUE(st.ok()) << st;
@@ -645,17 +670,45 @@ TEST(FastCudaInterfaceTest, ChecksAndRefusalsAreTheCpuBackends) {
     EXPECT_EQ(ring_k.Download(), ring_k.host);
     EXPECT_EQ(cursors.Download(), cursors.host);
     for (int n = 0; n < rows; ++n) ints(accepted)[n] = 3 + step;
-    st = both(commit, "Commit");
+    st = both([&](const KdaKernels& kk, bool dev) {
+      CommitArgs a = commit_args(dev);
+      a.journal.step = 100 + step;
+      return kk.Commit(a, nullptr);
+    }, "Commit");
     ASSERT_TRUE(st.ok()) << st;
+    EXPECT_EQ(reinterpret_cast<const JournalRecord*>(journal.host.data())->state,
+              kJournalCommitted);
+    EXPECT_EQ(journal.Download(), journal.host) << "commit journal, step " << step;
+    EXPECT_EQ(entries.Download(), entries.host) << "journal entries, step " << step;
+    EXPECT_EQ(block_records.Download(), block_records.host) << "block records, step " << step;
     EXPECT_EQ(cursors.Download(), cursors.host) << "cursors, step " << step;
     EXPECT_EQ(conv.Download(), conv.host) << "conv windows, step " << step;
     EXPECT_LE(Compare(pool, 2e-6).worst_ratio, 1.0) << "states, step " << step;
   }
+  // A Verify leaves candidates in both rings: the Flush lists both blocks.
+  st = both(verify, "Verify");
+  ASSERT_TRUE(st.ok()) << st;
   st = both([&](const KdaKernels& kk, bool dev) { return kk.Flush(flush_args(dev, false), nullptr); },
             "Flush");
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_EQ(cursors.Download(), cursors.host);
   EXPECT_LE(Compare(pool, 2e-6).worst_ratio, 1.0) << "states after the Flush";
+  EXPECT_EQ(reinterpret_cast<const PendingJournalRecord*>(fold_record.host.data())->count, 2);
+  const std::vector<uint8_t> dev_fold = fold_record.Download();
+  const auto* host_record = reinterpret_cast<const PendingJournalRecord*>(fold_record.host.data());
+  const auto* dev_record = reinterpret_cast<const PendingJournalRecord*>(dev_fold.data());
+  EXPECT_EQ(host_record->state, kJournalIdle);
+  EXPECT_EQ(dev_record->state, kJournalIdle);
+  EXPECT_EQ(dev_record->kind, kPendingFlush);
+  ASSERT_EQ(dev_record->count, host_record->count);
+  const std::vector<uint8_t> dev_listed_bytes = fold_blocks.Download();
+  std::vector<int32_t> host_listed(ints(fold_blocks), ints(fold_blocks) + host_record->count);
+  std::vector<int32_t> dev_listed(
+      reinterpret_cast<const int32_t*>(dev_listed_bytes.data()),
+      reinterpret_cast<const int32_t*>(dev_listed_bytes.data()) + dev_record->count);
+  std::sort(host_listed.begin(), host_listed.end());
+  std::sort(dev_listed.begin(), dev_listed.end());
+  EXPECT_EQ(dev_listed, host_listed) << "the blocks the Flush folded";
 }
 
 std::vector<Case> Cases() {

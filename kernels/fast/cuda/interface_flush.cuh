@@ -1,8 +1,9 @@
 // FAST's Flush through the kernel interface on CUDA: the check kernel (the
 // block list into its checked copy, then the cursor of every listed block,
-// or without a list of every block, in every covered layer), then
-// kernels/fast/cuda's Materialize in place (or into the copy, FlushArgs::copy:
-// its `out`), gated on its status.
+// or without a list of every block, in every covered layer; then, in place
+// with kept pools, the fold journal's list and start), kernels/fast/cuda's
+// Materialize in place (or into the copy, FlushArgs::copy: its `out`),
+// gated on its status, and the fold journal marked idle.
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_INTERFACE_FLUSH_CUH_
 #define SPECSTATE_KERNELS_FAST_CUDA_INTERFACE_FLUSH_CUH_
 
@@ -17,6 +18,7 @@
 #include "kernels/common/cuda/launch.cuh"
 #include "kernels/fast/checks.h"
 #include "kernels/fast/cuda/fast_cuda.h"
+#include "kernels/fast/fold_journal.h"
 #include "kernels/fast/from_interface.h"
 #include "kernels/kda_args.h"
 
@@ -46,8 +48,39 @@ __global__ void __launch_bounds__(kCheckThreads) FastFlushCheckKernel(const Flus
         },
         [](int) { return -1; });
   }
+  const FoldJournal& j = a.fold_journal;
+  if (passed && j.record != nullptr && a.copy.data == nullptr) {
+    // Before the first write: the listed blocks, or every block whose ring
+    // holds tokens or candidates in a covered layer (those the fold writes).
+    __shared__ int listed;
+    if (threadIdx.x == 0) listed = 0;
+    __syncthreads();
+    if (a.blocks != nullptr) {
+      for (int i = threadIdx.x; i < a.num_blocks_given; i += blockDim.x) {
+        fast::FoldJournalList(j, i, a.checked_blocks[i]);
+      }
+      if (threadIdx.x == 0) listed = a.num_blocks_given;
+    } else {
+      for (int64_t b = 1 + threadIdx.x; b < num_blocks; b += blockDim.x) {
+        for (int l = 0; l < a.num_layers; ++l) {
+          if (a.layer >= 0 && l != a.layer) continue;
+          const FastCursor c = a.device_layers[l].fast.cursors[b];
+          if (c.tokens != 0 || c.candidates != 0) {
+            fast::FoldJournalList(j, atomicAdd(&listed, 1), static_cast<int32_t>(b));
+            break;
+          }
+        }
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) fast::FoldJournalMarkStarted(j, a.discard, listed, a.layer);
+  }
   internal::BlockPublishStatus(a.status, a.status_mirror);
 }
+
+// After the fold's last write (stream order): the fold journal idle. (Where
+// the checks failed it was never started: idle already.)
+__global__ void FastFoldJournalDoneKernel(const FoldJournal j) { fast::FoldJournalMarkDone(j); }
 
 absl::Status LaunchFastInterfaceFlush(const FlushArgs& a, cudaStream_t s) {
   FastFlushCheckKernel<<<1, kCheckThreads, 0, s>>>(a);
@@ -71,7 +104,10 @@ absl::Status LaunchFastInterfaceFlush(const FlushArgs& a, cudaStream_t s) {
             a.copy.block_stride * int64_t(DTypeSize(a.shape.state_dtype));
   }
   m.gate = a.status;
-  return fast::RunFastMaterializeCuda(m, s);
+  const absl::Status st = fast::RunFastMaterializeCuda(m, s);
+  if (!st.ok() || a.fold_journal.record == nullptr || a.copy.data != nullptr) return st;
+  FastFoldJournalDoneKernel<<<1, 1, 0, s>>>(a.fold_journal);
+  return LaunchStatus(cudaGetLastError(), "Flush");
 }
 
 }  // namespace

@@ -1,0 +1,46 @@
+// FAST's fold journal (kda_args.h, FoldJournal), shared by its CPU and CUDA
+// Flush: the blocks listed and the record marked started before the first
+// write to a checkpoint or a ring, idle after the last.
+#ifndef SPECSTATE_KERNELS_FAST_FOLD_JOURNAL_H_
+#define SPECSTATE_KERNELS_FAST_FOLD_JOURNAL_H_
+
+#include <cstdint>
+
+#include "kernels/common/journal.h"
+#include "kernels/kda_args.h"
+
+namespace specstate {
+namespace kernels {
+namespace fast {
+
+// Listing: entry `index` is `block` (indices past the capacity are dropped;
+// the host checks the capacity covers the pool's blocks).
+SPECSTATE_HD void FoldJournalList(const FoldJournal& j, int index, int32_t block) {
+  if (index >= 0 && index < j.capacity) j.blocks[index] = block;
+}
+
+// Once the blocks are listed (one thread), before the first write.
+SPECSTATE_HD void FoldJournalMarkStarted(const FoldJournal& j, bool discard, int count,
+                                         int32_t layer) {
+  PendingJournalRecord* r = j.record;
+  r->kind = discard ? kPendingDiscard : kPendingFlush;
+  r->count = count < j.capacity ? count : j.capacity;
+  r->layer = layer;
+  r->step = 0;
+  internal::JournalFence();
+  *reinterpret_cast<volatile uint32_t*>(&r->state) = kJournalStarted;
+  internal::JournalFence();
+}
+
+// After the last write (one thread): nothing is half-folded.
+SPECSTATE_HD void FoldJournalMarkDone(const FoldJournal& j) {
+  internal::JournalFence();
+  *reinterpret_cast<volatile uint32_t*>(&j.record->state) = kJournalIdle;
+  internal::JournalFence();
+}
+
+}  // namespace fast
+}  // namespace kernels
+}  // namespace specstate
+
+#endif  // SPECSTATE_KERNELS_FAST_FOLD_JOURNAL_H_
