@@ -27,6 +27,23 @@ for target in "${targets[@]}"; do
     [ -n "$path" ] && [ -e "$path" ] && cp -Ln "$path" "$dest/lib/" 2>/dev/null || true
   done
 done
+# UCX, which specstated loads at its first transfer (dlopen: no ldd sees it),
+# with its transport modules where libucs looks for them (lib/ucx) and what
+# they link.
+ucx=$(ldconfig -p | awk '/libucp\.so\.0 / {p = $NF} END {print p}')
+if [ -n "$ucx" ]; then
+  mkdir -p "$dest/lib/ucx"
+  cp -Ln "$ucx" "$dest/lib/"
+  cp -Ln "$(dirname "$ucx")"/ucx/*.so.0 "$dest/lib/ucx/"
+  for so in "$ucx" "$(dirname "$ucx")"/ucx/*.so.0; do
+    ldd "$so" | awk '/=>/ {print $1, $3}' | while read -r name path; do
+      [[ "$name" =~ $skip ]] && continue
+      [ -n "$path" ] && [ -e "$path" ] && cp -Ln "$path" "$dest/lib/" 2>/dev/null || true
+    done
+  done
+else
+  echo "bundle.sh: no libucp.so.0 here (libucx-dev): the bundle's transfers will be UNAVAILABLE" >&2
+fi
 # Tests find the server and the CLI through their runfiles, as under Bazel
 # (hard links: the archive holds each binary once).
 ln "$dest/bin/specstated" "$dest/runfiles/specstate/server/"

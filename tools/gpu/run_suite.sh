@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Runs the GPU suites and benchmarks from a bundle made by tools/gpu/bundle.sh,
 # on a machine with an NVIDIA GPU (no Bazel needed):
-#   tools/gpu/run_suite.sh BUNDLE OUTDIR [tests|service|bench|tier|all|restart]
+#   tools/gpu/run_suite.sh BUNDLE OUTDIR [tests|service|bench|tier|all|restart|transfer]
 # (tier: the host tier's benchmark, tests/bench/host_tier_bench.cc;
+# transfer: two CUDA services on this GPU with host tiers, Kimi-Linear's
+# layout; in each commit mode the simulator moves a request's block to the
+# other service and back over UCX every other step (FetchSaved), every state
+# compared, and prints each call's latency; TRANSFER_STEPS (20) sizes it;
+# not part of `all`;
 # service: the service's GPU tests and the Python client's, not the kernels';
 # GPU_SERVICE_FILTER is a gtest filter for gpu_service_test; restart: the kept
 # pools on the GPU (issue 24): vmm_probe, then the restart drill on the CUDA
@@ -148,6 +153,32 @@ if [ "$what" = all ] || [ "$what" = tier ]; then
   kill $server; wait $server 2>/dev/null
   fi
 fi
+if [ "$what" = transfer ]; then
+  dir=$(mktemp -d /tmp/ss-transfer.XXXXXX)
+  serve() {  # NAME MODE: a CUDA specstated with a host tier, serving on DIR/NAME.sock
+    "$bin/specstated" --backend=cuda --listen="unix://$dir/$1.sock" --commit_mode="$2" \
+      --model=kimi-linear-48b-a3b --blocks=16 --max_rows=4 --host_tier_bytes=2GiB \
+      > "$out/transfer_$2_$1.log" 2>&1 &
+    echo $!
+  }
+  for mode in ${TRANSFER_MODES:-eager deferred fast}; do
+    a=$(serve a "$mode"); b=$(serve b "$mode")
+    for _ in $(seq 120); do
+      "$bin/specstatectl" --server="unix://$dir/a.sock" health > /dev/null 2>&1 &&
+        "$bin/specstatectl" --server="unix://$dir/b.sock" health > /dev/null 2>&1 && break
+      sleep 1
+    done
+    timeout 400 "$bin/specstatectl" simulate --server="unix://$dir/a.sock" \
+      --transfer_peer="unix://$dir/b.sock" --transfer_every=2 --steps="${TRANSFER_STEPS:-20}" \
+      --requests=2 --commit_mode="$mode" > "$out/transfer_$mode.log" 2>&1
+    rc=$?; note "transfer simulation ($mode): exit $rc"
+    grep -E '^(verdict|transfers)|SaveBlocks|FetchSaved|RestoreBlocks' "$out/transfer_$mode.log" | tee -a "$summary"
+    [ $rc -eq 0 ] || status=1
+    kill "$a" "$b"; wait "$a" "$b" 2> /dev/null
+  done
+  rm -rf "$dir"
+fi
+
 if [ "$what" = restart ]; then
   # 1. What the driver does with a cuMemCreate allocation whose descriptor
   #    outlives its creator; whether cudaIpcGetMemHandle covers it.
