@@ -63,6 +63,7 @@ void Engine::ExpireExports() {
     host_tier_->EndRestore(it->second.ticket, /*copied=*/false, /*send=*/true);
     it = exports_.erase(it);
   }
+  if (transport_ != nullptr) transport_->SetServing(!exports_.empty());
 }
 
 absl::StatusOr<v1::ExportSavedResponse> Engine::ExportSaved(const v1::ExportSavedRequest& req) {
@@ -77,6 +78,7 @@ absl::StatusOr<v1::ExportSavedResponse> Engine::ExportSaved(const v1::ExportSave
   if (!ticket.ok()) return ticket.status();
   const uint64_t id = next_export_++;
   exports_[id] = Export{*ticket, absl::Now() + kExportLease};
+  (*transport)->SetServing(true);
   v1::ExportSavedResponse out;
   out.set_export_id(id);
   out.set_worker_address((*transport)->worker_address());
@@ -101,6 +103,7 @@ absl::Status Engine::ReleaseSaved(const v1::ReleaseSavedRequest& req) {
   }
   host_tier_->EndRestore(it->second.ticket, req.completed(), /*send=*/true);
   exports_.erase(it);
+  if (transport_ != nullptr) transport_->SetServing(!exports_.empty());
   return absl::OkStatus();
 }
 

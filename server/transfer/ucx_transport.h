@@ -54,6 +54,10 @@ class UcxTransport {
   absl::Status Get(const std::string& peer_worker_address, const std::string& peer_remote_key,
                    const std::vector<Read>& reads, absl::Duration timeout);
 
+  // While a peer may be reading the arena (an export held), the progress
+  // thread polls every 20 us; otherwise it backs off to 2 ms when idle.
+  void SetServing(bool serving) { serving_.store(serving, std::memory_order_relaxed); }
+
   // libucp's entry points (ucx_transport.cc).
   struct Api;
 
@@ -69,6 +73,7 @@ class UcxTransport {
   std::string worker_address_;
   std::string remote_key_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> serving_{false};
   std::thread progress_;
 };
 
