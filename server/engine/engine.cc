@@ -66,6 +66,10 @@ absl::Status Engine::Allocate(const KeptModeParts* kept) {
   absl::StatusOr<std::unique_ptr<ModeEngine>> mode = ModeEngine::Create(env);
   if (!mode.ok()) return mode.status();
   mode_ = *std::move(mode);
+  read_buffers_ = std::make_unique<HostBufferPool>(
+      *device_, sizeof(kernels::DeviceStatus) + sizes_.state_block_bytes + sizes_.conv_block_bytes);
+  pending_buffers_ =
+      std::make_unique<HostBufferPool>(*device_, mode_->PendingCountBytes() + sizeof(int32_t));
   // What specstated --pool_memory and specstatectl plan size with (server/config/sizing.h),
   // less what the kept allocation holds already (not counted twice).
   const ServiceBytes service = ComputeServiceBytes(layout_, /*kept_pools=*/false);

@@ -28,6 +28,7 @@
 #include "specstate/v1/specstate.pb.h"
 #include "server/config/config.h"
 #include "server/device/device.h"
+#include "server/device/host_buffer_pool.h"
 #include "server/modes/mode_engine.h"
 #include "server/kept/pool_header.h"
 #include "server/engine/phase_profile.h"
@@ -331,8 +332,9 @@ class Engine {
   // The steps, their slots, the sessions' errors and waits (set by Allocate).
   std::unique_ptr<StepTable> steps_ ABSL_PT_GUARDED_BY(mu_);
   EngineCounters counters_ ABSL_GUARDED_BY(mu_);
-  std::vector<char*> read_buffers_ ABSL_GUARDED_BY(mu_);  // ReadState's host buffers
-  std::vector<char*> pending_buffers_ ABSL_GUARDED_BY(mu_);  // CountPendingBlocks'
+  // Host buffers ReadState and CountPendingBlocks read back into.
+  std::unique_ptr<HostBufferPool> read_buffers_;
+  std::unique_ptr<HostBufferPool> pending_buffers_;
   std::vector<kernels::DeviceStatus*> param_mirrors_ ABSL_GUARDED_BY(mu_);  // LoadLayerParams'
   // Status mirrors of the unstepped calls (Flush, SaveBlocks, RestoreBlocks).
   std::vector<kernels::DeviceStatus*> flush_mirrors_ ABSL_GUARDED_BY(mu_);

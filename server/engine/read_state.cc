@@ -35,23 +35,12 @@ void Engine::ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateR
   // asynchronous), reused across calls: the status of the mode's checks,
   // then the recurrent and the conv state.
   const uint64_t status_bytes = sizeof(kernels::DeviceStatus);
-  char* buffer = nullptr;
-  {
-    absl::MutexLock lock(&mu_);
-    if (!read_buffers_.empty()) {
-      buffer = read_buffers_.back();
-      read_buffers_.pop_back();
-    }
+  absl::StatusOr<char*> taken = read_buffers_->Take();
+  if (!taken.ok()) {
+    reply(taken.status(), {});
+    return;
   }
-  if (buffer == nullptr) {
-    absl::StatusOr<void*> p =
-        device_->AllocateHost(status_bytes + sizes_.state_block_bytes + sizes_.conv_block_bytes);
-    if (!p.ok()) {
-      reply(p.status(), {});
-      return;
-    }
-    buffer = static_cast<char*>(*p);
-  }
+  char* const buffer = *taken;
   auto* mirror = reinterpret_cast<kernels::DeviceStatus*>(buffer);
   std::memset(mirror, 0, sizeof(*mirror));
   char* const state = buffer + status_bytes;
@@ -94,18 +83,12 @@ void Engine::ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateR
                       FromProto(layout.activation_dtype()).value(), values,
                       {layout.conv_dim(), layout.conv_width()}, out.mutable_conv());
     }
-    {
-      absl::MutexLock lock(&mu_);
-      read_buffers_.push_back(buffer);
-    }
+    read_buffers_->GiveBack(buffer);
     reply(result, std::move(out));
   };
   absl::Status st = device_->Submit(std::move(work));
   if (!st.ok()) {
-    {
-      absl::MutexLock lock(&mu_);
-      read_buffers_.push_back(buffer);
-    }
+    read_buffers_->GiveBack(buffer);
     reply(st, {});
   }
 }
@@ -113,27 +96,13 @@ void Engine::ReadState(const v1::ReadStateRequest& request, Reply<v1::ReadStateR
 void Engine::CountPendingBlocks(Reply<int32_t> reply) {
   // What the mode keeps pending, read back after the work enqueued before
   // (ModeEngine::PendingCountReadbacks; nothing for the modes without).
-  const uint64_t bytes = mode_->PendingCountBytes() + sizeof(int32_t);
-  char* buffer = nullptr;
-  {
-    absl::MutexLock lock(&mu_);
-    if (!pending_buffers_.empty()) {
-      buffer = pending_buffers_.back();
-      pending_buffers_.pop_back();
-    }
+  absl::StatusOr<char*> taken = pending_buffers_->Take();
+  if (!taken.ok()) {
+    reply(taken.status(), 0);
+    return;
   }
-  if (buffer == nullptr) {
-    absl::StatusOr<void*> p = device_->AllocateHost(bytes);
-    if (!p.ok()) {
-      reply(p.status(), 0);
-      return;
-    }
-    buffer = static_cast<char*>(*p);
-  }
-  const auto give_back = [this, buffer] {
-    absl::MutexLock lock(&mu_);
-    pending_buffers_.push_back(buffer);
-  };
+  char* const buffer = *taken;
+  const auto give_back = [this, buffer] { pending_buffers_->GiveBack(buffer); };
   Work work;
   work.launch = [](kernels::Stream, Scratch&) { return absl::OkStatus(); };
   work.readbacks = mode_->PendingCountReadbacks(buffer);

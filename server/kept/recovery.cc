@@ -81,6 +81,7 @@ absl::StatusOr<std::unique_ptr<Recovery>> Recovery::Start(const v1::Layout& layo
   const HeaderLayout at = HeaderLayoutFor(layout.num_blocks(), r->deferred_, r->fast_);
   r->header_bytes_ = at.bytes;
   r->bookkeeping_bytes_ = at.bookkeeping_bytes;
+  r->buffers_ = std::make_unique<HostBufferPool>(device, at.bookkeeping_bytes);
   if (!options.keeper.empty()) {
     const absl::Time deadline = absl::Now() + options.keeper_wait;
     absl::StatusOr<std::unique_ptr<keeper::KeeperClient>> k =
@@ -388,22 +389,12 @@ void Recovery::Recover(const v1::RecoverRequest& request, const v1::Layout& layo
   // The bookkeeping as the work enqueued before this call leaves it: the
   // last committed step and the lost blocks now (the journal's and the
   // block records'), with `verify` everything checked.
-  char* buffer = nullptr;
-  {
-    absl::MutexLock lock(&mu_);
-    if (!buffers_.empty()) {
-      buffer = buffers_.back();
-      buffers_.pop_back();
-    }
+  absl::StatusOr<char*> taken = buffers_->Take();
+  if (!taken.ok()) {
+    reply(taken.status(), {});
+    return;
   }
-  if (buffer == nullptr) {
-    absl::StatusOr<void*> p = device_.AllocateHost(bookkeeping_bytes_);
-    if (!p.ok()) {
-      reply(p.status(), {});
-      return;
-    }
-    buffer = static_cast<char*>(*p);
-  }
+  char* const buffer = *taken;
   Work work;
   work.launch = [](kernels::Stream, Scratch&) { return absl::OkStatus(); };
   work.readbacks.push_back(Readback{header_.data, buffer, bookkeeping_bytes_});
@@ -415,18 +406,12 @@ void Recovery::Recover(const v1::RecoverRequest& request, const v1::Layout& layo
       ReadLiveHeader(bytes, &out);
       if (verify) VerifyHeader(bytes, layout, &out);
     }
-    {
-      absl::MutexLock lock(&mu_);
-      buffers_.push_back(buffer);
-    }
+    buffers_->GiveBack(buffer);
     reply(launched, std::move(out));
   };
   absl::Status st = device_.Submit(std::move(work));
   if (!st.ok()) {
-    {
-      absl::MutexLock lock(&mu_);
-      buffers_.push_back(buffer);
-    }
+    buffers_->GiveBack(buffer);
     reply(st, {});
   }
 }
@@ -439,26 +424,13 @@ void Recovery::MarkReprefilled(
     reply(blocks.status(), {});
     return;
   }
-  char* buffer = nullptr;
-  {
-    absl::MutexLock lock(&mu_);
-    if (!buffers_.empty()) {
-      buffer = buffers_.back();
-      buffers_.pop_back();
-    }
+  absl::StatusOr<char*> taken = buffers_->Take();
+  if (!taken.ok()) {
+    reply(taken.status(), {});
+    return;
   }
-  if (buffer == nullptr) {
-    absl::StatusOr<void*> p = device_.AllocateHost(bookkeeping_bytes_);
-    if (!p.ok()) {
-      reply(p.status(), {});
-      return;
-    }
-    buffer = static_cast<char*>(*p);
-  }
-  const auto give_back = [this, buffer] {
-    absl::MutexLock lock(&mu_);
-    buffers_.push_back(buffer);
-  };
+  char* const buffer = *taken;
+  const auto give_back = [this, buffer] { buffers_->GiveBack(buffer); };
   // The lost flags are cleared on the device's queue: the block records are
   // written in stream order (a Commit clears the flag of every block it
   // writes; a RestoreBlocks sets its blocks' flags before its writes and

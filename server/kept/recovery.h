@@ -33,6 +33,7 @@
 #include "keeper/keeper_client.h"
 #include "kernels/kda_args.h"
 #include "server/device/device.h"
+#include "server/device/host_buffer_pool.h"
 #include "server/kept/fd_server.h"
 #include "server/kept/pool_header.h"
 #include "specstate/v1/specstate.pb.h"
@@ -149,7 +150,8 @@ class Recovery {
   std::unique_ptr<FdServer> fd_server_;
 
   mutable absl::Mutex mu_;
-  std::vector<char*> buffers_ ABSL_GUARDED_BY(mu_);  // host memory Recover reads the header into
+  // Host memory Recover and MarkReprefilled read the bookkeeping into.
+  std::unique_ptr<HostBufferPool> buffers_;
   std::unique_ptr<keeper::KeeperClient> keeper_ ABSL_GUARDED_BY(mu_);
   std::string problem_ ABSL_GUARDED_BY(mu_);
   absl::Notification stop_;
