@@ -66,10 +66,6 @@ absl::Status Engine::Allocate(const KeptModeParts* kept) {
   absl::StatusOr<std::unique_ptr<ModeEngine>> mode = ModeEngine::Create(env);
   if (!mode.ok()) return mode.status();
   mode_ = *std::move(mode);
-  read_buffers_ = std::make_unique<HostBufferPool>(
-      *device_, sizeof(kernels::DeviceStatus) + sizes_.state_block_bytes + sizes_.conv_block_bytes);
-  pending_buffers_ =
-      std::make_unique<HostBufferPool>(*device_, mode_->PendingCountBytes() + sizeof(int32_t));
   // What specstated --pool_memory and specstatectl plan size with (server/config/sizing.h),
   // less what the kept allocation holds already (not counted twice).
   const ServiceBytes service = ComputeServiceBytes(layout_, /*kept_pools=*/false);
@@ -94,6 +90,12 @@ absl::Status Engine::Allocate(const KeptModeParts* kept) {
   record_workspace_ = *ws;
   st = mode_->AllocateShared(LayerTables{host_layer_table_.data(), device_layer_table_});
   if (!st.ok()) return st;
+  // ReadState's status and one block; the mode's pending count (sized once
+  // its shared parts are: DEFERRED's table).
+  read_buffers_ = std::make_unique<HostBufferPool>(
+      *device_, sizeof(kernels::DeviceStatus) + sizes_.state_block_bytes + sizes_.conv_block_bytes);
+  pending_buffers_ =
+      std::make_unique<HostBufferPool>(*device_, mode_->PendingCountBytes() + sizeof(int32_t));
   absl::StatusOr<std::vector<StepSlot>> slots = AllocateSlots();
   if (!slots.ok()) return slots.status();
   if (config_.host_tier_bytes() > 0) {

@@ -62,6 +62,9 @@ TEST_F(ServiceTest, SimulationNoneModeSync) {
   client::SimulationOptions o;
   o.steps = 12;
   o.requests = 5;
+  // Requests must finish within the run under any seed (at 0.15 some seeds
+  // finish none in 12 steps: seed 741078789 did).
+  o.finish_probability = 0.3;
   o.seed = std::random_device()();
   SCOPED_TRACE(absl::StrCat("seed ", o.seed));
   const client::SimulationReport r = ValueOrDie(client::RunSimulation(*client_, o));
