@@ -413,6 +413,64 @@ TEST(PoolHeaderTest, VerifyFindsAnInconsistentPendingTable) {
   EXPECT_EQ(after.problems_size(), 1) << absl::StrJoin(after.problems(), "\n");
 }
 
+// FAST: its parts follow the block records, are checked like DEFERRED's,
+// and verify-pools finds what no call leaves; the next start fixes it.
+TEST(PoolHeaderTest, FastPartsAreCheckedAndVerified) {
+  v1::Layout l = TestLayout();
+  l.set_commit_mode(v1::FAST);
+  const KeptFast f = KeptFastFor(l);
+  ASSERT_EQ(f.present, 1u);
+  EXPECT_EQ(KeptFastFor(TestLayout()).present, 0u);
+  const HeaderLayout at = HeaderLayoutFor(l.num_blocks(), {}, f);
+  EXPECT_GT(at.fold_journal, HeaderLayoutFor(l.num_blocks()).blocks);
+  EXPECT_EQ(at.bookkeeping_bytes, at.rings);
+  EXPECT_GE(at.bytes - at.rings,
+            uint64_t(l.num_layers()) * (f.ring_k_bytes + f.ring_u_bytes + f.ring_log_decay_bytes));
+  std::vector<char> bytes = FreshHeader(l, v1::CPU, 0, PoolBytes(l), absl::Now(), {}, f);
+  EXPECT_EQ(bytes.size(), at.bookkeeping_bytes);
+  EXPECT_TRUE(CheckHeader(bytes, l, v1::CPU, 0, PoolBytes(l), {}, f).ok());
+  absl::Status st = CheckHeader(bytes, l, v1::CPU, 0, PoolBytes(l), {}, KeptFast{});
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("FAST parts"));
+  std::vector<char> damaged = bytes;
+  reinterpret_cast<KeptHeader*>(damaged.data())->fast.capacity += 1;
+  st = CheckHeader(damaged, l, v1::CPU, 0, PoolBytes(l), {}, f);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("FAST parts' checksum"));
+  damaged = bytes;
+  auto* journal = reinterpret_cast<kernels::PendingJournalRecord*>(damaged.data() + at.fold_journal);
+  journal->state = 4;
+  st = CheckHeader(damaged, l, v1::CPU, 0, PoolBytes(l), {}, f);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("fold journal's state is 4"));
+
+  v1::RecoverResponse ok;
+  VerifyHeader(bytes, l, &ok);
+  EXPECT_THAT(ok.problems(), ::testing::IsEmpty());
+  const auto cursor = [&](int layer, int64_t block) -> kernels::FastCursor& {
+    return reinterpret_cast<kernels::FastCursor*>(bytes.data() + at.cursors +
+                                                  layer * at.cursors_stride)[block];
+  };
+  cursor(0, 4) = kernels::FastCursor{2, 0, 0};          // fine: pending
+  cursor(1, 6) = kernels::FastCursor{f.capacity, 0, 0};  // more tokens than a Commit leaves
+  cursor(0, 9) = kernels::FastCursor{1, 0, 0};          // pending on a lost block
+  Blocks(bytes, l.num_blocks())[9].lost = 1;
+  v1::RecoverResponse bad;
+  VerifyHeader(bytes, l, &bad);
+  EXPECT_EQ(bad.pending_blocks(), 3);
+  EXPECT_THAT(bad.inconsistent_blocks(), ::testing::ElementsAre(6, 9));
+  const std::string all = absl::StrJoin(bad.problems(), "\n");
+  EXPECT_THAT(all, HasSubstr("block 6's ring in layer 1 has a cursor no call leaves"));
+  EXPECT_THAT(all, HasSubstr("block 9 is marked lost and its ring still holds tokens"));
+  // The next start: block 6 lost too, both rings emptied, block 4 kept.
+  const v1::RecoverResponse r = AttachHeader(&bytes, absl::Now(), 7);
+  EXPECT_THAT(r.lost_blocks(), ::testing::ElementsAre(6, 9));
+  EXPECT_EQ(r.pending_blocks(), 1);
+  EXPECT_EQ(cursor(0, 4).tokens, 2);
+  EXPECT_EQ(cursor(1, 6).tokens, 0);
+  EXPECT_EQ(cursor(0, 9).tokens, 0);
+}
+
 }  // namespace
 }  // namespace server
 }  // namespace specstate
