@@ -606,7 +606,11 @@ void PrintPlan(const server::SizingPlan& p, const std::string& model) {
       mode.scratch_name(), FormatBytes(b.records),
       FormatBytes(b.workspaces), FormatBytes(b.mode),
       FormatBytes(b.params + b.step_slots + b.layer_table),
-      b.kept_header > 0 ? absl::StrCat(", kept header ", FormatBytes(b.kept_header)) : "");
+      b.kept_header == 0 ? ""
+      : mode.TokenScratchInKeptAllocation()
+          ? absl::StrCat(", kept header ", FormatBytes(b.kept_header), " (the ",
+                         mode.scratch_name(), " are in it: counted once)")
+          : absl::StrCat(", kept header ", FormatBytes(b.kept_header)));
   absl::PrintF("requests fit  SpecState %d, stock spec path %d (%.2fx)\n", p.requests_fit,
                p.stock_requests_fit,
                p.stock_requests_fit > 0
