@@ -1,8 +1,9 @@
 // The commit journal's writes (kda_args.h, CommitJournal), shared by the CPU
-// and CUDA backends and by the commit modes that keep it (EAGER, DEFERRED),
-// so all keep the same bookkeeping: the plan lists each row's blocks and
-// marks the record started, the commit's last step records the listed
-// blocks and marks it committed.
+// and CUDA backends and by every commit mode, so all keep the same
+// bookkeeping: the plan lists each row's blocks and marks the record
+// started, the commit's last step records the listed blocks and marks it
+// committed. And the start and end of a PendingJournalRecord, which
+// DEFERRED's pending journal and FAST's fold journal share.
 #ifndef SPECSTATE_KERNELS_COMMON_JOURNAL_H_
 #define SPECSTATE_KERNELS_COMMON_JOURNAL_H_
 
@@ -32,6 +33,27 @@ SPECSTATE_HD void JournalStoreState(JournalRecord* r, uint32_t state) {
 
 SPECSTATE_HD uint32_t JournalLoadState(const JournalRecord* r) {
   return *reinterpret_cast<const volatile uint32_t*>(&r->state);
+}
+
+// A PendingJournalRecord (DEFERRED's pending journal, FAST's fold journal),
+// once its call listed `count` blocks (at most `capacity` kept), before the
+// call's first write (one thread): what the call is, then "started".
+SPECSTATE_HD void PendingRecordMarkStarted(PendingJournalRecord* r, uint32_t kind, int count,
+                                           int capacity, int32_t layer, uint64_t step) {
+  r->kind = kind;
+  r->count = count < capacity ? count : capacity;
+  r->layer = layer;
+  r->step = step;
+  JournalFence();
+  *reinterpret_cast<volatile uint32_t*>(&r->state) = kJournalStarted;
+  JournalFence();
+}
+
+// After the call's last write (one thread): nothing is half-done.
+SPECSTATE_HD void PendingRecordMarkIdle(PendingJournalRecord* r) {
+  JournalFence();
+  *reinterpret_cast<volatile uint32_t*>(&r->state) = kJournalIdle;
+  JournalFence();
 }
 
 // Row i's entries: the blocks its commit writes (ForEachCommitWrite: the

@@ -24,21 +24,12 @@ SPECSTATE_HD void PendingJournalList(const PendingBlocks& p, int index, int32_t 
 // the table or the pool.
 SPECSTATE_HD void PendingJournalMarkStarted(const PendingBlocks& p, uint32_t kind, int count,
                                             int32_t layer, uint64_t step) {
-  PendingJournalRecord* r = p.journal;
-  r->kind = kind;
-  r->count = count < p.journal_capacity ? count : p.journal_capacity;
-  r->layer = layer;
-  r->step = step;
-  internal::JournalFence();
-  *reinterpret_cast<volatile uint32_t*>(&r->state) = kJournalStarted;
-  internal::JournalFence();
+  internal::PendingRecordMarkStarted(p.journal, kind, count, p.journal_capacity, layer, step);
 }
 
 // After the call's last write (one thread): nothing is half-done.
 SPECSTATE_HD void PendingJournalMarkDone(const PendingBlocks& p) {
-  internal::JournalFence();
-  *reinterpret_cast<volatile uint32_t*>(&p.journal->state) = kJournalIdle;
-  internal::JournalFence();
+  internal::PendingRecordMarkIdle(p.journal);
 }
 
 }  // namespace deferred

@@ -22,21 +22,13 @@ SPECSTATE_HD void FoldJournalList(const FoldJournal& j, int index, int32_t block
 // Once the blocks are listed (one thread), before the first write.
 SPECSTATE_HD void FoldJournalMarkStarted(const FoldJournal& j, bool discard, int count,
                                          int32_t layer) {
-  PendingJournalRecord* r = j.record;
-  r->kind = discard ? kPendingDiscard : kPendingFlush;
-  r->count = count < j.capacity ? count : j.capacity;
-  r->layer = layer;
-  r->step = 0;
-  internal::JournalFence();
-  *reinterpret_cast<volatile uint32_t*>(&r->state) = kJournalStarted;
-  internal::JournalFence();
+  internal::PendingRecordMarkStarted(j.record, discard ? kPendingDiscard : kPendingFlush, count,
+                                     j.capacity, layer, /*step=*/0);
 }
 
 // After the last write (one thread): nothing is half-folded.
 SPECSTATE_HD void FoldJournalMarkDone(const FoldJournal& j) {
-  internal::JournalFence();
-  *reinterpret_cast<volatile uint32_t*>(&j.record->state) = kJournalIdle;
-  internal::JournalFence();
+  internal::PendingRecordMarkIdle(j.record);
 }
 
 }  // namespace fast
