@@ -35,7 +35,10 @@ def cuda_library(name, srcs, hdrs = [], cu_deps_hdrs = [], deps = [], nvcc_flags
             name = "_%s_%s_nvcc" % (name, src.replace("/", "_").replace(".", "_")),
             srcs = [src] + hdrs + cu_deps_hdrs,
             outs = [obj],
-            cmd = "%s %s %s -I. -I$(GENDIR) -c $(location %s) -o $@" %
+            # A temporary directory of its own: nvcc names its files by
+            # process id, which two sandboxes' PID namespaces can share.
+            cmd = ("t=$$(mktemp -d) && TMPDIR=$$t %s %s %s -I. -I$(GENDIR) -c $(location %s) " +
+                   "-o $@; s=$$?; rm -rf $$t; exit $$s") %
                   (NVCC, " ".join(NVCC_FLAGS), " ".join(nvcc_flags), src),
             message = "nvcc %s" % src,
         )

@@ -34,6 +34,7 @@ CHECKS_HDRS = ["//kernels/checks:" + h for h in [
 COMMON_CUDA_HDRS = ["//kernels/common:" + h for h in [
     "cuda/commit_journal.cuh",
     "cuda/common_cuda.h",
+    "cuda/cp_async.cuh",
     "cuda/launch.cuh",
     "cuda/pipelined_recurrent.cuh",
     "cuda/recurrent_launch.cuh",

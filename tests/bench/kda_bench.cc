@@ -63,6 +63,8 @@ ABSL_FLAG(int, fast_snapshots, 6,
 ABSL_FLAG(bool, fast_checkpoint_numerics, true,
           "FAST: also time Verify's checkpoint products on CUDA cores (fp32) and on tensor "
           "cores (3xTF32, tf32), through the kernel launcher (no device checks)");
+ABSL_FLAG(bool, fast_verify_schedules, true,
+          "FAST's verify (3xTF32) under each FastVerifySchedule beside the served one");
 ABSL_FLAG(bool, eager, true,
           "time EAGER's verify and commit (with --eager=false only the stock kernel and DEFERRED's "
           "rows run: what profile_kernels.sh profiles)");
@@ -278,6 +280,37 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
       rows->push_back(MeanOf(
           absl::StrFormat("FAST verify launcher, checkpoint %s (F=%d), 1 layer", name, fold_every),
           runs));
+      rows->back().stock_us = stock_us;
+    }
+  }
+  if (absl::GetFlag(FLAGS_fast_verify_schedules)) {
+    // The served numerics (3xTF32) under each schedule, side by side
+    // (FastVerifySchedule: the same bits, laid out differently).
+    using Staging = kernels::fast::FastVerifySchedule::Staging;
+    const kernels::fast::FastVerifyArgs direct = kernels::fast::FastVerifyArgsOf(verify);
+    kernels::fast::FastNumerics num;
+    num.checkpoint = kernels::fast::FastNumerics::Operands::kTf32Split;
+    std::vector<std::pair<kernels::fast::FastVerifySchedule, std::string>> schedules = {
+        {{Staging::kAuto, 0}, "launcher's choice"}, {{Staging::kOff, 1}, "unstaged"}};
+    for (int splits : {1, 2, 4, 8}) {
+      if (b.shape.K / splits >= 16) {
+        schedules.push_back({{Staging::kOn, splits}, absl::StrCat("staged, ", splits, " a head")});
+      }
+    }
+    for (const auto& [schedule, name] : schedules) {
+      std::vector<Row> runs;
+      for (int x = 0; x < steps; ++x) {
+        runs.push_back(Measure(
+            "", b.N, FastVerifyBytes(b, b.ring_tokens[x]), iters, stream,
+            [&](const KdaKernels&) {
+              CheckOk(kernels::fast::FastVerifyCuda(direct, num, stream, schedule),
+                      "FAST Verify (schedule)");
+            },
+            [&] { RestoreCursors(b, x, false, stream); }));
+        CheckDevice(b, "FAST Verify (schedule)");
+      }
+      rows->push_back(MeanOf(
+          absl::StrFormat("FAST verify 3xTF32, %s (F=%d), 1 layer", name, fold_every), runs));
       rows->back().stock_us = stock_us;
     }
   }

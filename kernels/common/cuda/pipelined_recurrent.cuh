@@ -32,6 +32,7 @@
 #include "absl/strings/string_view.h"
 #include "kernels/checks/commit_plan.h"
 #include "kernels/checks/rows.h"
+#include "kernels/common/cuda/cp_async.cuh"
 #include "kernels/common/cuda/launch.cuh"
 #include "kernels/common/cuda/recurrent_launch.cuh"
 #include "kernels/deferred/pending.h"
@@ -43,20 +44,6 @@
 namespace specstate {
 namespace kernels {
 namespace {
-
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void CpAsync8(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
 
 // One lane's quad of a state row in a stage buffer, to and from fp32.
 template <typename State>

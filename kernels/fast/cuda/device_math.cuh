@@ -167,6 +167,27 @@ __device__ __forceinline__ void SmemCols(const float* p, float (&out)[C]) {
   }
 }
 
+// C consecutive state elements of shared memory as floats (C a multiple of
+// 8; 16-byte loads, aligned), converted as LoadCols.
+template <int C>
+__device__ __forceinline__ void SharedStateCols(const float* p, float (&out)[C]) {
+  SmemCols<C>(p, out);
+}
+template <int C>
+__device__ __forceinline__ void SharedStateCols(const BFloat16* p, float (&out)[C]) {
+  static_assert(C % 8 == 0, "whole 16-byte loads");
+#pragma unroll
+  for (int q = 0; q < C / 8; ++q) {
+    const uint4 w = reinterpret_cast<const uint4*>(p)[q];
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      out[8 * q + 2 * e] = BitsToFloat(words[e] << 16);
+      out[8 * q + 2 * e + 1] = BitsToFloat(words[e] & 0xffff0000u);
+    }
+  }
+}
+
 // Stores 8 consecutive state elements (16-byte stores), rounded as FromFloat.
 template <int C>
 __device__ __forceinline__ void StoreCols(const float (&x)[C], float* p) {

@@ -9,7 +9,8 @@ namespace specstate {
 namespace kernels {
 namespace fast {
 
-absl::Status FastVerifyCuda(const FastVerifyArgs& a, const FastNumerics& num, cudaStream_t stream) {
+absl::Status FastVerifyCuda(const FastVerifyArgs& a, const FastNumerics& num, cudaStream_t stream,
+                            const FastVerifySchedule& schedule) {
   if (absl::Status st = ValidateFastVerifyArgs(a); !st.ok()) return st;
   // Verify runs the checkpoint's products on tensor cores when asked to
   // (tf32 or 3xTF32); every other product stays fp32.
@@ -21,12 +22,13 @@ absl::Status FastVerifyCuda(const FastVerifyArgs& a, const FastNumerics& num, cu
       (!tensor_cores && num.checkpoint != FastNumerics::Operands::kFp32)) {
     return NumericsUnimplemented("FastVerify");
   }
-  return RunFastVerifyCuda(a, stream, num.checkpoint);
+  return RunFastVerifyCuda(a, stream, num.checkpoint, schedule);
 }
 
 absl::Status RunFastVerifyCuda(const FastVerifyArgs& a, cudaStream_t stream,
-                               FastNumerics::Operands checkpoint) {
-  return LaunchFastVerify(a, stream, checkpoint);
+                               FastNumerics::Operands checkpoint,
+                               const FastVerifySchedule& schedule) {
+  return LaunchFastVerify(a, stream, checkpoint, schedule);
 }
 
 }  // namespace fast

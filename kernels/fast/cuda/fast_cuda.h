@@ -36,14 +36,38 @@ namespace specstate {
 namespace kernels {
 namespace fast {
 
+// How FAST's Verify is laid out on the GPU, never what it computes: every
+// schedule writes the same bits (fast_cuda_gpu_test checks it).
+struct FastVerifySchedule {
+  enum class Staging {
+    // Staged where the grid has at most one (row, value head) an SM and
+    // the copies fit in shared memory, split as far as the SMs take.
+    kAuto,
+    // Each phase loads the ring and the checkpoint from global memory; a
+    // block per (row, value head).
+    kOff,
+    // The ring tokens a block reads and its rows of the checkpoint are
+    // copied to shared memory as soon as it starts, in flight while the
+    // window's phase runs (needs the checkpoint's products on tensor
+    // cores).
+    kOn,
+  };
+  Staging staging = Staging::kAuto;
+  // Blocks per (row, value head), each taking K / value_splits of the state
+  // rows (at least 16): 1, 2, 4 or 8 with staging; 0 lets the launcher
+  // choose. Small batches split so that N = 1 fills the GPU.
+  int value_splits = 0;
+};
+
 // FAST Verify of one layer (fast_args.h): outputs, and the window's
 // candidates in ring slots [tokens, tokens + T).
 // `numerics`: the default (fp32 throughout), or with `checkpoint` kTf32 or
 // kTf32Split (3xTF32), the checkpoint's products on tensor cores.
-// \returns INVALID_ARGUMENT as ValidateFastVerifyArgs, UNIMPLEMENTED for
-//   other numerics, a CUDA launch error.
+// \returns INVALID_ARGUMENT as ValidateFastVerifyArgs, or for a schedule
+//   the launch cannot run (named), UNIMPLEMENTED for other numerics, a CUDA
+//   launch error.
 absl::Status FastVerifyCuda(const FastVerifyArgs& args, const FastNumerics& numerics,
-                            cudaStream_t stream);
+                            cudaStream_t stream, const FastVerifySchedule& schedule = {});
 
 // FAST Commit of every layer (fast_args.h): each row's accepted candidates
 // join its ring; a ring that has no room for another window is folded into
@@ -69,7 +93,8 @@ absl::Status FastMaterializeCuda(const FastMaterializeArgs& args, const FastNume
 // RunFastVerifyCuda's `checkpoint`: kFp32 (CUDA cores), kTf32 or kTf32Split
 // (tensor cores) for the checkpoint's products; UNIMPLEMENTED for the rest.
 absl::Status RunFastVerifyCuda(const FastVerifyArgs& args, cudaStream_t stream,
-                               FastNumerics::Operands checkpoint);
+                               FastNumerics::Operands checkpoint,
+                               const FastVerifySchedule& schedule = {});
 
 // What the kernel interface's CUDA backend serves, chosen by measurement on
 // an H200 (docs/benchmarks.md, "Commit mode FAST on CUDA"): 3xTF32 on tensor

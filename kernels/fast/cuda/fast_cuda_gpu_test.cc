@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/dtype.h"
 #include "kernels/fast/cuda/fast_cuda.h"
@@ -149,6 +150,50 @@ struct Layer {
   Buffer pool, ring_k, ring_u, ring_g, cursors, a_log, dt_bias;
   Buffer q, k, v, g, beta, out;
 };
+
+std::string NameOf(const FastVerifySchedule& s) {
+  using Staging = FastVerifySchedule::Staging;
+  return absl::StrCat(s.staging == Staging::kOn    ? "staged"
+                      : s.staging == Staging::kOff ? "unstaged"
+                                                   : "auto",
+                      ", value_splits ", s.value_splits);
+}
+
+// The schedules Verify can run for case c, the unstaged one first: staged
+// with every split that leaves a block 16 rows or more (tensor cores only).
+std::vector<FastVerifySchedule> SchedulesToCompare(const Case& c) {
+  using Staging = FastVerifySchedule::Staging;
+  std::vector<FastVerifySchedule> out = {{Staging::kOff, 1}};
+  if (c.checkpoint == FastNumerics::Operands::kFp32) return out;
+  for (int splits : {1, 2, 4, 8}) {
+    if (c.K / splits >= 16) out.push_back({Staging::kOn, splits});
+  }
+  return out;
+}
+
+// Schedules the launcher cannot run are refused before anything launches,
+// with the field and its bound named.
+void ExpectSchedulesRefused(const Case& c, const FastVerifyArgs& a, const FastNumerics& numerics) {
+  using Staging = FastVerifySchedule::Staging;
+  struct Refusal {
+    FastVerifySchedule schedule;
+    std::string says;
+  };
+  std::vector<Refusal> refusals = {
+      {{Staging::kOn, 3}, "value_splits 3 is not 0 (chosen), 1, 2, 4 or 8"},
+      {{Staging::kOff, 2}, "value_splits 2 needs the staged schedule"}};
+  if (c.K / 8 < 16) {
+    refusals.push_back({{Staging::kOn, 8}, absl::StrCat("leaves ", c.K / 8, " state rows a block")});
+  }
+  if (c.checkpoint == FastNumerics::Operands::kFp32) {
+    refusals.push_back({{Staging::kOn, 1}, "staging kOn needs the checkpoint's products on tensor cores"});
+  }
+  for (const Refusal& r : refusals) {
+    const absl::Status st = FastVerifyCuda(a, numerics, nullptr, r.schedule);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << c.name << " " << NameOf(r.schedule);
+    EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr(r.says)) << c.name;
+  }
+}
 
 TEST_P(FastCudaTest, AgreesWithCpu) {
   if (!HaveGpu()) GTEST_SKIP() << "no GPU";
@@ -301,6 +346,31 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
         a.num_rows = rows;
         a.query_start_loc = static_cast<const int32_t*>(dev ? qsl.device : qsl.host.data());
         a.state_indices = static_cast<const int32_t*>(dev ? indices.device : indices.host.data());
+        if (dev) {
+          // Every schedule writes the same bits: each one here (the
+          // window's candidates overwritten with the same values), then
+          // the launcher's own choice, compared with the CPU below.
+          std::vector<std::vector<uint8_t>> first;
+          for (const FastVerifySchedule& schedule : SchedulesToCompare(c)) {
+            const absl::Status st = FastVerifyCuda(a, verify_numerics, nullptr, schedule);
+            ASSERT_TRUE(st.ok()) << st;
+            ASSERT_CUDA(cudaDeviceSynchronize());
+            std::vector<std::vector<uint8_t>> now = {L.out.Download(), L.ring_u.Download(),
+                                                     L.ring_k.Download(), L.ring_g.Download(),
+                                                     L.cursors.Download()};
+            if (first.empty()) {
+              first = std::move(now);
+              continue;
+            }
+            const char* names[] = {"outputs", "ring u", "ring k", "ring gamma", "cursors"};
+            for (int x = 0; x < 5; ++x) {
+              EXPECT_TRUE(now[x] == first[x])
+                  << c.name << " step " << step << " layer " << l << ": " << names[x]
+                  << " under " << NameOf(schedule) << " differ from the unstaged schedule's";
+            }
+          }
+          if (step == 0 && l == 0) ExpectSchedulesRefused(c, a, verify_numerics);
+        }
         const absl::Status st = dev ? FastVerifyCuda(a, verify_numerics, nullptr)
                                     : FastVerifyCpu(a, verify_numerics);
         ASSERT_TRUE(st.ok()) << st;

@@ -27,8 +27,11 @@
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
 #define SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
 
+#include "absl/status/statusor.h"
+#include "kernels/common/cuda/cp_async.cuh"
 #include "kernels/common/cuda/launch.cuh"
 #include "kernels/fast/cuda/device_math.cuh"
+#include "kernels/fast/cuda/fast_cuda.h"
 
 namespace specstate {
 namespace kernels {
@@ -218,8 +221,14 @@ __device__ __forceinline__ void SplitTf32(const float (&x)[M], uint32_t (&hi)[M]
 // 8t + 2s + 1 as its k indices t, t + 4. 3xTF32: each k-step's hi*lo and
 // lo*hi, then hi*hi, into one fp32 accumulator; a bf16 state is exact in
 // tf32, so its lo*hi is skipped.
-template <typename State, int K, bool kSplit>
-__device__ __forceinline__ void MmaCheckpointPass(const State* s0, int T, const float* kc_s,
+//
+// The pass covers state rows v_lo .. v_lo + rows - 1 (a multiple of 16):
+// `slice` points at row v_lo, rows kRowStride elements apart, in global
+// memory or (kShared, Verify's staged schedule) in shared memory. Which rows
+// and where they are read from change nothing in a row's sums.
+template <typename State, int K, bool kSplit, bool kShared, int kRowStride>
+__device__ __forceinline__ void MmaCheckpointPass(const State* slice, int v_lo, int rows, int T,
+                                                  const float* kc_s,
                                                   const float* qc_s, float* kn, float* qn,
                                                   int lane, int warp) {
   constexpr int kGroups = K / 32;
@@ -231,22 +240,27 @@ __device__ __forceinline__ void MmaCheckpointPass(const State* s0, int T, const 
   const int g = lane >> 2, t4 = lane & 3;
   const int per_kind = T <= 4 ? 4 : 8;  // vectors of each kind, padded
   const int n_tiles = per_kind / 4;
-  for (int tile = warp; tile < K / 16; tile += kWarps) {
+  for (int tile = warp; tile < rows / 16; tile += kWarps) {
     float acc[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
     }
-    const State* row0 = s0 + int64_t{tile * 16 + g} * K + 8 * t4;
-    const State* row1 = row0 + 8 * K;
+    const State* row0 = slice + int64_t{tile * 16 + g} * kRowStride + 8 * t4;
+    const State* row1 = row0 + 8 * kRowStride;
 #pragma unroll 1
     for (int grp0 = 0; grp0 < kGroups; grp0 += kBatch) {
       float a0[kBatch][8], a1[kBatch][8];
 #pragma unroll
       for (int x = 0; x < kBatch; ++x) {
-        LoadCols<8>(row0 + (grp0 + x) * 32, a0[x]);
-        LoadCols<8>(row1 + (grp0 + x) * 32, a1[x]);
+        if constexpr (kShared) {
+          SharedStateCols<8>(row0 + (grp0 + x) * 32, a0[x]);
+          SharedStateCols<8>(row1 + (grp0 + x) * 32, a1[x]);
+        } else {
+          LoadCols<8>(row0 + (grp0 + x) * 32, a0[x]);
+          LoadCols<8>(row1 + (grp0 + x) * 32, a1[x]);
+        }
       }
 #pragma unroll
       for (int x = 0; x < kBatch; ++x) {
@@ -288,7 +302,7 @@ __device__ __forceinline__ void MmaCheckpointPass(const State* s0, int T, const 
       if (nt >= n_tiles) break;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int v = tile * 16 + g + (e >= 2 ? 8 : 0);
+        const int v = v_lo + tile * 16 + g + (e >= 2 ? 8 : 0);
         const int idx = nt * 8 + 2 * t4 + (e & 1), tok = idx % per_kind;
         if (tok < T) (idx < per_kind ? kn : qn)[tok * K + v] = acc[nt][e];
       }
@@ -313,6 +327,35 @@ struct VerifySmem {
   }
 };
 
+// The staged schedule's copies (FastVerifySchedule), after VerifySmem's
+// floats: the ring's raw k [R][K] (activation dtype), log-decays [R][K]
+// (GDN: [R]), the block's rows of u [R][rows], and its rows of the
+// checkpoint [rows][RowStride()] (state dtype), each 16-byte aligned.
+// RowStride pads a row so that MmaCheckpointPass's 16-byte loads (lanes g
+// = 0, 1 and 8t4 columns apart) fall in distinct banks: fp32 rows 4 words
+// past a multiple of 32, bf16 rows 16.
+template <typename Act, typename State>
+struct StagedSmem {
+  int k, r, rows;
+  bool gdn;
+  static __host__ __device__ size_t Align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+  template <int K>
+  static __host__ __device__ constexpr int RowStride() {
+    return sizeof(State) == 4 ? K + 4 : K + 32;
+  }
+  __host__ __device__ size_t RingKBytes() const { return Align16(size_t(r) * k * sizeof(Act)); }
+  __host__ __device__ size_t RingGBytes() const {
+    return Align16(size_t(r) * (gdn ? 1 : k) * sizeof(float));
+  }
+  __host__ __device__ size_t RingUBytes() const { return Align16(size_t(r) * rows * sizeof(float)); }
+  __host__ __device__ size_t SliceBytes() const {
+    return Align16(size_t(rows) * (sizeof(State) == 4 ? k + 4 : k + 32) * sizeof(State));
+  }
+  __host__ __device__ size_t Bytes() const {
+    return RingKBytes() + RingGBytes() + RingUBytes() + SliceBytes();
+  }
+};
+
 // How Verify forms the checkpoint's products S0 . kc_t, S0 . qc_t.
 enum class CheckpointPassKind {
   kRowBatch,   // CUDA cores, CheckpointPass (at most one block per SM)
@@ -331,12 +374,30 @@ enum class CheckpointPassKind {
 // CheckpointPass (and 68.1 / 202.0 / 705.5 us with the prefetch). Four blocks
 // per SM at K <= 128 (64 registers; three would make N = 16's 512 blocks two
 // waves: 76.6 us).
-template <typename Act, typename State, int K, CheckpointPassKind kPass>
-__global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
+//
+// kStaged (FastVerifySchedule): the ring tokens the block reads and its
+// rows of the checkpoint are copied to shared memory (cp.async) as soon as
+// the block knows its row, in flight while the window's phase runs, and
+// every later phase reads them there; and a (row, value head)'s state rows
+// may be split over gridDim.z blocks (blockIdx.z takes rows K / gridDim.z
+// * z onward). Every block of a split recomputes the window's and ring's
+// coefficients, which do not depend on the rows; block z = 0 writes the
+// candidates' k and gammas and the cursor. Each state row's arithmetic is
+// the same under every schedule, so are its bits.
+template <typename Act, typename State, int K, CheckpointPassKind kPass, bool kStaged>
+__global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <= 128 ? 4 : 1))
     FastVerifyKernel(FastVerifyArgs a, bool small_grid) {
+  constexpr bool kMma =
+      kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3;
+  static_assert(kMma || !kStaged, "the staged schedule runs the tensor-core checkpoint pass");
   extern __shared__ float smem[];
   const int n = blockIdx.x, hv = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // This block's state rows v_lo .. v_lo + rows - 1 (every row unless
+  // split; constants unstaged, which keeps that kernel's registers).
+  const int rows = kStaged ? K / int(gridDim.z) : K;
+  const int v_lo = kStaged ? int(blockIdx.z) * rows : 0;
+  const bool lead = !kStaged || blockIdx.z == 0;
   // Launched as the check kernel's programmatic dependent (through the
   // kernel interface): resident while the checks run, it waits for them
   // before it reads their gate and snapshot. (A plain launch: no wait.)
@@ -352,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
   const int c = cursor->tokens;
   if (T < 0 || T > Q || bos < 0 || bos + T > a.num_tokens || c < 0 || c + T > R) return;
   if (T == 0) {
-    if (hv == 0 && tid == 0) cursor->candidates = 0;
+    if (hv == 0 && lead && tid == 0) cursor->candidates = 0;
     return;
   }
   const bool gdn = s.kind == LayerKind::kGdn;
@@ -361,21 +422,71 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
   const bool first_of_group = hv % (HV / H) == 0;
   const kda::GateRule rule = RuleOf(s, a.params, h);
 
-  // small_grid: the checkpoint slice this block reads in its last phase,
-  // into L2 now, while the window and ring phases run (a line per thread
-  // per step). At larger grids it cost more than it hid (N = 256: DRAM 28%
-  // of peak against 23%, prefetched lines evicted before use).
-  if (small_grid) {
-    const char* slice = reinterpret_cast<const char*>(
-        static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
-        int64_t{hv} * K * K);
+  const VerifySmem layout{K, Q, R};
+  const StagedSmem<Act, State> staged{K, R, rows, gdn};
+  Act* ring_k = static_cast<Act*>(a.rings.k);
+  const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s);
+  const int64_t u_width = RingUWidth(s);
+  // The staged copies (StagedSmem), after the floats rounded to 16 bytes.
+  char* staged_base = reinterpret_cast<char*>(smem + (layout.Floats() + 3) / 4 * 4);
+  Act* ring_k_s = reinterpret_cast<Act*>(staged_base);
+  float* ring_g_s = reinterpret_cast<float*>(staged_base + staged.RingKBytes());
+  float* ring_u_s = reinterpret_cast<float*>(staged_base + staged.RingKBytes() + staged.RingGBytes());
+  State* slice_s = reinterpret_cast<State*>(staged_base + staged.RingKBytes() +
+                                            staged.RingGBytes() + staged.RingUBytes());
+  // The checkpoint's slice of this (row, value head); formed where it is
+  // used (a register held through every phase would spill unstaged).
+  const auto checkpoint_slice = [&] {
+    return static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
+           int64_t{hv} * K * K;
+  };
+  if constexpr (kStaged) {
+    // Group 1: the ring tokens 0 .. c - 1 (raw k of key head h, gammas,
+    // this block's rows of u); group 2: its rows of the checkpoint. Slots
+    // c and later, which this kernel writes, are not read.
+    constexpr int kKChunks = K * int(sizeof(Act)) / 16;
+    for (int x = tid; x < c * kKChunks; x += kThreads) {
+      const int i = x / kKChunks, e = x % kKChunks;
+      CpAsync16(ring_k_s + i * K + e * (16 / int(sizeof(Act))),
+                ring_k + RingAt(a.rings, block, i, kw_width) + int64_t{h} * K + e * (16 / int(sizeof(Act))));
+    }
+    if (gdn) {
+      for (int i = tid; i < c; i += kThreads) {
+        CpAsync4(ring_g_s + i, a.rings.log_decay + RingAt(a.rings, block, i, g_width) + hv);
+      }
+    } else {
+      for (int x = tid; x < c * (K / 4); x += kThreads) {
+        const int i = x / (K / 4), e = x % (K / 4);
+        CpAsync16(ring_g_s + i * K + 4 * e,
+                  a.rings.log_decay + RingAt(a.rings, block, i, g_width) + int64_t{h} * K + 4 * e);
+      }
+    }
+    for (int x = tid; x < c * (rows / 4); x += kThreads) {
+      const int i = x / (rows / 4), e = x % (rows / 4);
+      CpAsync16(ring_u_s + i * rows + 4 * e,
+                a.rings.u + RingAt(a.rings, block, i, u_width) + int64_t{hv} * K + v_lo + 4 * e);
+    }
+    CpAsyncCommit();
+    constexpr int kRowChunks = K * int(sizeof(State)) / 16, kPerChunk = 16 / int(sizeof(State));
+    const State* s0 = checkpoint_slice();
+    for (int x = tid; x < rows * kRowChunks; x += kThreads) {
+      const int r = x / kRowChunks, e = x % kRowChunks;
+      CpAsync16(slice_s + r * StagedSmem<Act, State>::template RowStride<K>() + e * kPerChunk,
+                s0 + int64_t{v_lo + r} * K + e * kPerChunk);
+    }
+    CpAsyncCommit();
+  } else if (small_grid) {
+    // small_grid: the checkpoint slice this block reads in its last phase,
+    // into L2 now, while the window and ring phases run (a line per thread
+    // per step). At larger grids it cost more than it hid (N = 256: DRAM 28%
+    // of peak against 23%, prefetched lines evicted before use).
+    const char* slice = reinterpret_cast<const char*>(checkpoint_slice());
     constexpr int kSliceBytes = K * K * int(sizeof(State));
     for (int off = tid * 128; off < kSliceBytes; off += kThreads * 128) {
       PrefetchL2(slice + off);
     }
   }
 
-  const VerifySmem layout{K, Q, R};
   float* qn = smem;
   float* kn = qn + layout.Window();
   float* gam = kn + layout.Window();
@@ -391,8 +502,6 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
   float* gc = beta + kMaxWindow;
 
   // 1. The window (a warp per token), and its candidates' k and gamma.
-  Act* ring_k = static_cast<Act*>(a.rings.k);
-  const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s);
   constexpr int kLaneCols = K / 32;
   for (int t = warp; t < T; t += kWarps) {
     const int64_t tok = bos + t;
@@ -438,7 +547,7 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
     }
     if (lane == 0) beta[t] = rule.Beta(beta_raw);
     // Candidates: raw k and (KDA) gammas once per key head; GDN's gamma per value head.
-    if (first_of_group) {
+    if (first_of_group && lead) {
       Act* dst = ring_k + RingAt(a.rings, block, c + t, kw_width) + int64_t{h} * K;
 #pragma unroll
       for (int e = 0; e < kLaneCols; ++e) dst[lane + 32 * e] = k_act[e];
@@ -448,7 +557,9 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
         for (int e = 0; e < kLaneCols; ++e) gd[lane + 32 * e] = gv[e];
       }
     }
-    if (gdn && lane == 0) a.rings.log_decay[RingAt(a.rings, block, c + t, g_width) + hv] = g0;
+    if (gdn && lead && lane == 0) {
+      a.rings.log_decay[RingAt(a.rings, block, c + t, g_width) + hv] = g0;
+    }
   }
   __syncthreads();
 
@@ -489,6 +600,7 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
   // 2. The ring, newest chunk first: kr_i, then A_r, B_r.
   float col_acc[K / kThreads > 0 ? K / kThreads : 1];
   for (int x = 0; x < (K + kThreads - 1) / kThreads; ++x) col_acc[x] = 0.0f;
+  if constexpr (kStaged) CpAsyncWait<1>();  // the ring's copies (the loop's barrier shares them)
   for (int i1 = c; i1 > 0; i1 -= kRingChunk) {
     const int i0 = max(0, i1 - kRingChunk);
     __syncthreads();  // kr free; kx, qx ready
@@ -500,7 +612,9 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
 #pragma unroll
       for (int m = 0; m < kPerWarp; ++m) {
         const int i = i0 + warp + m * kWarps;
-        const Act* raw = ring_k + RingAt(a.rings, block, min(i, i1 - 1), kw_width) + int64_t{h} * K;
+        const Act* raw = kStaged ? ring_k_s + min(i, i1 - 1) * K
+                                 : ring_k + RingAt(a.rings, block, min(i, i1 - 1), kw_width) +
+                                       int64_t{h} * K;
 #pragma unroll
         for (int e = 0; e < kLaneCols; ++e) x[m][e] = i < i1 ? ToFloat(raw[lane + 32 * e]) : 0.0f;
       }
@@ -525,8 +639,15 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
       // batch, not a token), then summed in the same order.
       for (int i = i1 - 1; i >= i0; i -= kLoadBatch) {
         float gi[kLoadBatch];
-        LoadLogDecays(a.rings, block, i, i0, gdn, g_width, gdn ? int64_t{hv} : int64_t{h} * K + j,
-                      gi);
+        if constexpr (kStaged) {
+#pragma unroll
+          for (int e = 0; e < kLoadBatch; ++e) {
+            gi[e] = i - e >= i0 ? ring_g_s[gdn ? i - e : (i - e) * K + j] : 0.0f;
+          }
+        } else {
+          LoadLogDecays(a.rings, block, i, i0, gdn, g_width,
+                        gdn ? int64_t{hv} : int64_t{h} * K + j, gi);
+        }
 #pragma unroll
         for (int e = 0; e < kLoadBatch; ++e) {
           if (i - e < i0) break;
@@ -566,15 +687,21 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
       qx[t * K + j] = ::specstate::fast::Decayed(qn[t * K + j], e);
     }
   }
-  __syncthreads();  // kc, qc ready; qn, kn free
+  if constexpr (kStaged) CpAsyncWait<0>();  // the checkpoint's rows
+  __syncthreads();  // kc, qc ready; qn, kn free (staged: the rows too)
 
   // The checkpoint: S0[v] . kc_t into kn[t][v], S0[v] . qc_t into qn[t][v]
   // (CheckpointPass: kc, qc in registers, several rows in flight per warp).
-  const State* s0 = static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
-                    int64_t{hv} * K * K;
-  if constexpr (kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3) {
+  const State* s0 = checkpoint_slice();
+  if constexpr (kMma) {
     constexpr bool kSplit = kPass == CheckpointPassKind::kMmaTf32x3;
-    MmaCheckpointPass<State, K, kSplit>(s0, T, kx, qx, kn, qn, lane, warp);
+    if constexpr (kStaged) {
+      constexpr int kStride = StagedSmem<Act, State>::template RowStride<K>();
+      MmaCheckpointPass<State, K, kSplit, true, kStride>(slice_s, v_lo, rows, T, kx, qx, kn, qn,
+                                                         lane, warp);
+    } else {
+      MmaCheckpointPass<State, K, kSplit, false, K>(s0, 0, K, T, kx, qx, kn, qn, lane, warp);
+    }
   } else if constexpr (kPass == CheckpointPassKind::kRowBatch) {
     if (T <= 2) {
       CheckpointPass<State, K, 2>(s0, 0, T, kx, qx, kn, qn, lane, warp);
@@ -652,17 +779,22 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
   // The ring's values: a thread per state row, oldest token first (after
   // the checkpoint pass, so that rk, rq hold no registers during it).
   float rk[kMaxWindow], rq[kMaxWindow];
-  const int v_own = tid;
-  if (v_own < K) {
+  const int v_own = v_lo + tid;
+  const bool owns_row = tid < rows;
+  if (owns_row) {
 #pragma unroll
     for (int t = 0; t < kMaxWindow; ++t) rk[t] = rq[t] = 0.0f;
-    const int64_t u_width = RingUWidth(s);
     for (int i0 = 0; i0 < c; i0 += kLoadBatch) {
       float ui[kLoadBatch];  // loaded together, summed oldest first
 #pragma unroll
       for (int e = 0; e < kLoadBatch; ++e) {
-        ui[e] = i0 + e < c ? a.rings.u[RingAt(a.rings, block, i0 + e, u_width) + int64_t{hv} * K + v_own]
-                           : 0.0f;
+        if (i0 + e >= c) {
+          ui[e] = 0.0f;
+        } else if constexpr (kStaged) {
+          ui[e] = ring_u_s[(i0 + e) * rows + tid];
+        } else {
+          ui[e] = a.rings.u[RingAt(a.rings, block, i0 + e, u_width) + int64_t{hv} * K + v_own];
+        }
       }
 #pragma unroll
       for (int e = 0; e < kLoadBatch; ++e) {
@@ -678,7 +810,7 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
     }
   }
   // 4. The forward substitution per state row: outputs and u.
-  if (v_own < K) {
+  if (owns_row) {
     // Loops unrolled to kMaxWindow (T a predicate): the arrays stay in registers.
     float sk[kMaxWindow], sq[kMaxWindow], vr[kMaxWindow], u[kMaxWindow], o[kMaxWindow];
 #pragma unroll
@@ -689,7 +821,6 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
     }
     SolveWindowRow(T, sk, sq, rk, rq, aw, bw, vr, beta, u, o);
     Act* out = static_cast<Act*>(a.out);
-    const int64_t u_width = RingUWidth(s);
 #pragma unroll
     for (int t = 0; t < kMaxWindow; ++t) {
       if (t < T) {
@@ -698,11 +829,81 @@ __global__ void __launch_bounds__(kThreads, K <= 128 ? 4 : 1)
       }
     }
   }
-  if (hv == 0 && tid == 0) cursor->candidates = T;
+  if (hv == 0 && lead && tid == 0) cursor->candidates = T;
+}
+
+// A schedule the launcher runs: staged or not, and blocks per (row, value
+// head).
+struct VerifyLaunchPlan {
+  bool staged = false;
+  int splits = 1;
+  size_t smem = 0;  // bytes a block
+};
+
+// FastVerifySchedule (fast_cuda.h) made concrete for a launch of `blocks`
+// (row, value head) pairs on `sms` SMs: kAuto stages a grid of at most one
+// block an SM, split as far as the SMs take (at least 16 rows a block: one
+// tensor-core tile); forced schedules are checked.
+template <typename Act, typename State, int K>
+absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
+                                                const FastVerifySchedule& schedule, bool mma,
+                                                int64_t blocks, int sms, int smem_optin) {
+  using Staging = FastVerifySchedule::Staging;
+  constexpr const char* op = "FastVerify";
+  const size_t base =
+      (VerifySmem{K, a.spec_query_len, a.rings.capacity}.Floats() + 3) / 4 * 4 * sizeof(float);
+  const bool gdn = a.shape.kind == LayerKind::kGdn;
+  const auto staged_bytes = [&](int splits) {
+    return base + StagedSmem<Act, State>{K, a.rings.capacity, K / splits, gdn}.Bytes();
+  };
+  const int s = schedule.value_splits;
+  if (s != 0 && s != 1 && s != 2 && s != 4 && s != 8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "In ", op, ": schedule.value_splits ", s, " is not 0 (chosen), 1, 2, 4 or 8"));
+  }
+  if (s > 1 && K / s < 16) {
+    return absl::InvalidArgumentError(absl::StrCat("In ", op, ": schedule.value_splits ", s,
+                                                   " leaves ", K / s, " state rows a block; head "
+                                                   "dim ", K, " takes at most ", K / 16));
+  }
+  if (schedule.staging == Staging::kOff || (schedule.staging == Staging::kAuto && !mma)) {
+    if (s > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "In ", op, ": schedule.value_splits ", s, " needs the staged schedule (staging kOn)",
+          mma ? "" : ", which needs the checkpoint's products on tensor cores"));
+    }
+    return VerifyLaunchPlan{false, 1, base};
+  }
+  if (!mma) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "In ", op, ": schedule.staging kOn needs the checkpoint's products on tensor cores "
+        "(FastNumerics::checkpoint kTf32 or kTf32Split)"));
+  }
+  if (schedule.staging == Staging::kOn) {
+    const int splits = s == 0 ? 1 : s;
+    if (staged_bytes(splits) > size_t(smem_optin)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "In ", op, ": the staged schedule with value_splits ", splits, " needs ",
+          staged_bytes(splits), " bytes of shared memory a block; the device allows ", smem_optin));
+    }
+    return VerifyLaunchPlan{true, splits, staged_bytes(splits)};
+  }
+  // kAuto with tensor cores.
+  if (blocks > sms) return VerifyLaunchPlan{false, 1, base};
+  int splits = s != 0 ? s : 1;
+  if (s == 0) {
+    while (splits < 8 && K / (2 * splits) >= 16 && blocks * 2 * splits <= sms) splits *= 2;
+  }
+  while (staged_bytes(splits) > size_t(smem_optin) && splits < 8 && K / (2 * splits) >= 16) {
+    splits *= 2;
+  }
+  if (staged_bytes(splits) > size_t(smem_optin)) return VerifyLaunchPlan{false, 1, base};
+  return VerifyLaunchPlan{true, splits, staged_bytes(splits)};
 }
 
 absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
-                              FastNumerics::Operands checkpoint) {
+                              FastNumerics::Operands checkpoint,
+                              const FastVerifySchedule& schedule) {
   constexpr const char* op = "FastVerify";
   using O = FastNumerics::Operands;
   if (checkpoint != O::kFp32 && checkpoint != O::kTf32 && checkpoint != O::kTf32Split) {
@@ -710,33 +911,48 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
   }
   if (a.num_rows == 0) return absl::OkStatus();
   cudaError_t err = cudaSuccess;
+  absl::Status plan_status;
   DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
     using Act = typename decltype(act)::type;
     using State = typename decltype(state)::type;
     constexpr int K = decltype(head_dim)::value;
-    const size_t smem = VerifySmem{K, a.spec_query_len, a.rings.capacity}.Floats() * sizeof(float);
-    const dim3 grid(a.num_rows, ValueHeads(a.shape));
-    int device = 0, sms = 0;
+    int device = 0, sms = 0, smem_optin = 0;
     err = cudaGetDevice(&device);
     if (err == cudaSuccess) {
       err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
     }
+    if (err == cudaSuccess) {
+      err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    }
     if (err != cudaSuccess) return;
-    const bool small_grid = int64_t{grid.x} * grid.y <= sms;
+    const int64_t blocks = int64_t{a.num_rows} * ValueHeads(a.shape);
+    const bool mma = checkpoint != O::kFp32;
+    absl::StatusOr<VerifyLaunchPlan> plan =
+        PlanFastVerify<Act, State, K>(a, schedule, mma, blocks, sms, smem_optin);
+    if (!plan.ok()) {
+      plan_status = plan.status();
+      return;
+    }
+    const bool small_grid = blocks <= sms;
     using P = CheckpointPassKind;
-    auto kernel = checkpoint == FastNumerics::Operands::kTf32Split
-                      ? FastVerifyKernel<Act, State, K, P::kMmaTf32x3>
-                  : checkpoint == FastNumerics::Operands::kTf32
-                      ? FastVerifyKernel<Act, State, K, P::kMmaTf32>
-                  : small_grid ? FastVerifyKernel<Act, State, K, P::kRowBatch>
-                               : FastVerifyKernel<Act, State, K, P::kRowOwner>;
-    if (smem > 48 * 1024) {
-      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    auto kernel = checkpoint == O::kTf32Split
+                      ? (plan->staged ? FastVerifyKernel<Act, State, K, P::kMmaTf32x3, true>
+                                      : FastVerifyKernel<Act, State, K, P::kMmaTf32x3, false>)
+                  : checkpoint == O::kTf32
+                      ? (plan->staged ? FastVerifyKernel<Act, State, K, P::kMmaTf32, true>
+                                      : FastVerifyKernel<Act, State, K, P::kMmaTf32, false>)
+                  : small_grid ? FastVerifyKernel<Act, State, K, P::kRowBatch, false>
+                               : FastVerifyKernel<Act, State, K, P::kRowOwner, false>;
+    if (plan->smem > 48 * 1024) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 int(plan->smem));
       if (err != cudaSuccess) return;
     }
-    err = LaunchDependent(kernel, grid, kThreads, smem, stream, a, small_grid);
+    const dim3 grid(a.num_rows, ValueHeads(a.shape), plan->splits);
+    err = LaunchDependent(kernel, grid, kThreads, plan->smem, stream, a, small_grid);
     if (err == cudaSuccess) err = cudaGetLastError();
   });
+  if (!plan_status.ok()) return plan_status;
   if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
   return absl::OkStatus();
 }
