@@ -90,6 +90,11 @@ struct FastVerifyArgs {
   // kernels do nothing when it says they failed. Null: no gate. (The CPU
   // calls check before they run and ignore it.)
   const DeviceStatus* gate = nullptr;
+  // The row metadata (query_start_loc, state_indices) and the cursors were
+  // in place before the gate's checks began (the service's own expected
+  // values: a step's later Verify): a staged Verify may read and compute
+  // while the checks run, and waits for them before its first write.
+  bool rows_before_checks = false;
 };
 
 // One layer of a FAST Commit or Materialize.

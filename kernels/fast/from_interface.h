@@ -43,6 +43,8 @@ inline FastVerifyArgs FastVerifyArgsOf(const VerifyArgs& a) {
   f.num_rows = a.num_rows;
   f.query_start_loc = internal::VerifiedQueryStartLoc(a);
   f.state_indices = internal::VerifiedStateIndices(a);
+  f.rows_before_checks =
+      a.expected_query_start_loc != nullptr && a.expected_state_indices != nullptr;
   return f;
 }
 

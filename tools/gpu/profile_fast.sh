@@ -12,6 +12,9 @@
 #     phase the time goes to; OUTDIR/fast_verify_regions.md,
 #     OUTDIR/fast_fold_regions.md: those samples summed between barriers
 #     (tools/gpu/stall_regions.py).
+# VERIFY_REGEX picks the Verify kernel (mangled name; default any, the first
+# launched after VERIFY_SKIP = 4; "FastVerifyKernel.*Lb1E" the staged
+# schedule's, which kda_bench's schedule rows launch).
 # Clocks are left as they run (--clock-control none).
 set -uo pipefail
 bundle=$(cd "$1" && pwd)
@@ -43,5 +46,5 @@ profile() {
   python3 "$(dirname "$0")/stall_regions.py" "$out/${stem}_source.csv" "$stem, N = $n" \
     > "$out/${stem}_regions.md"
 }
-profile "FastVerifyKernel" 4 fast_verify
+profile "${VERIFY_REGEX:-FastVerifyKernel}" "${VERIFY_SKIP:-4}" fast_verify
 profile "FastFoldKernel.*FoldModeE0" 4 fast_fold

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -160,13 +161,15 @@ std::string NameOf(const FastVerifySchedule& s) {
 }
 
 // The schedules Verify can run for case c, the unstaged one first: staged
-// with every split that leaves a block 16 rows or more (tensor cores only).
-std::vector<FastVerifySchedule> SchedulesToCompare(const Case& c) {
+// with every split that leaves a block 16 rows or more (tensor cores only),
+// each with and without rows_before_checks (its reads before its wait).
+std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& c) {
   using Staging = FastVerifySchedule::Staging;
-  std::vector<FastVerifySchedule> out = {{Staging::kOff, 1}};
+  std::vector<std::pair<FastVerifySchedule, bool>> out = {{{Staging::kOff, 1}, false}};
   if (c.checkpoint == FastNumerics::Operands::kFp32) return out;
   for (int splits : {1, 2, 4, 8}) {
-    if (c.K / splits >= 16) out.push_back({Staging::kOn, splits});
+    if (c.K / splits < 16) continue;
+    for (bool early : {false, true}) out.push_back({{Staging::kOn, splits}, early});
   }
   return out;
 }
@@ -351,9 +354,17 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
           // window's candidates overwritten with the same values), then
           // the launcher's own choice, compared with the CPU below.
           std::vector<std::vector<uint8_t>> first;
-          for (const FastVerifySchedule& schedule : SchedulesToCompare(c)) {
-            const absl::Status st = FastVerifyCuda(a, verify_numerics, nullptr, schedule);
+          int compared = 0;
+          for (const auto& [schedule, early] : SchedulesToCompare(c)) {
+            FastVerifyArgs b = a;
+            b.rows_before_checks = early;
+            const absl::Status st = FastVerifyCuda(b, verify_numerics, nullptr, schedule);
+            if (st.code() == absl::StatusCode::kInvalidArgument &&
+                absl::StrContains(st.message(), "bytes of shared memory a block")) {
+              continue;  // this split's copies do not fit (K = 256 unsplit)
+            }
             ASSERT_TRUE(st.ok()) << st;
+            ++compared;
             ASSERT_CUDA(cudaDeviceSynchronize());
             std::vector<std::vector<uint8_t>> now = {L.out.Download(), L.ring_u.Download(),
                                                      L.ring_k.Download(), L.ring_g.Download(),
@@ -366,9 +377,12 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
             for (int x = 0; x < 5; ++x) {
               EXPECT_TRUE(now[x] == first[x])
                   << c.name << " step " << step << " layer " << l << ": " << names[x]
-                  << " under " << NameOf(schedule) << " differ from the unstaged schedule's";
+                  << " under " << NameOf(schedule) << (early ? ", rows before checks" : "")
+                  << " differ from the unstaged schedule's";
             }
           }
+          // Unstaged, and staged at two splits at least (both ways).
+          if (c.checkpoint != FastNumerics::Operands::kFp32) EXPECT_GE(compared, 5) << c.name;
           if (step == 0 && l == 0) ExpectSchedulesRefused(c, a, verify_numerics);
         }
         const absl::Status st = dev ? FastVerifyCuda(a, verify_numerics, nullptr)
@@ -706,6 +720,38 @@ TEST(FastCudaInterfaceTest, ChecksAndRefusalsAreTheCpuBackends) {
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
   EXPECT_NE(st.message().find("rings.cursors[2]"), std::string::npos) << st;
   EXPECT_EQ(device_bytes(), before) << "a refused Verify wrote";
+  reinterpret_cast<FastCursor*>(cursors.host.data())[2] = FastCursor{0, 0};
+  cursors.Upload();
+  // 1 and 2 again from a step's later Verify (the service's own row
+  // metadata, `expected_*`): the staged Verify reads and computes while the
+  // checks run, and must still write nothing once they fail.
+  auto verify_later = [&](const KdaKernels& kk, bool dev) {
+    VerifyArgs a = verify_args(dev);
+    a.expected_query_start_loc = a.snapshot_query_start_loc;
+    a.expected_state_indices = a.snapshot_state_indices;
+    a.snapshot_query_start_loc = nullptr;
+    a.snapshot_state_indices = nullptr;
+    return kk.Verify(a, nullptr);
+  };
+  auto expect_rows = [&](int32_t b0, int32_t b1) {
+    set_rows(b0, b1);
+    std::memcpy(snap_qsl.host.data(), qsl.host.data(), qsl.host.size());
+    std::memcpy(snap_indices.host.data(), indices.host.data(), indices.host.size());
+    snap_qsl.Upload();
+    snap_indices.Upload();
+  };
+  expect_rows(1, 1);
+  before = device_bytes();
+  st = both(verify_later, "Verify");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_EQ(device_bytes(), before) << "a refused later Verify wrote";
+  reinterpret_cast<FastCursor*>(cursors.host.data())[2] = FastCursor{R + 5, 0};
+  expect_rows(1, 2);
+  before = device_bytes();
+  before[5] = cursors.host;
+  st = both(verify_later, "Verify");
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_EQ(device_bytes(), before) << "a refused later Verify wrote";
   reinterpret_cast<FastCursor*>(cursors.host.data())[2] = FastCursor{0, 0};
   cursors.Upload();
   // 3. A Commit of more tokens than the blocks' last Verify left (none).

@@ -401,8 +401,15 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   // Launched as the check kernel's programmatic dependent (through the
   // kernel interface): resident while the checks run, it waits for them
   // before it reads their gate and snapshot. (A plain launch: no wait.)
-  WaitForPrerequisiteGrid();
-  if (GateFailed(a.gate)) return;
+  // Staged with the service's own row metadata (rows_before_checks), it
+  // reads and computes first and waits before its first write: the checks'
+  // time is spent copying the ring and the checkpoint. Every read is
+  // bounded by the guards below whatever the checks find.
+  const bool early = kStaged && a.rows_before_checks;
+  if (!early) {
+    WaitForPrerequisiteGrid();
+    if (GateFailed(a.gate)) return;
+  }
   const KdaShape& s = a.shape;
   const int32_t block = a.state_indices[n];
   if (!IsBlock(block) || block >= a.state.num_blocks || block >= a.rings.num_blocks) return;
@@ -413,6 +420,10 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   const int c = cursor->tokens;
   if (T < 0 || T > Q || bos < 0 || bos + T > a.num_tokens || c < 0 || c + T > R) return;
   if (T == 0) {
+    if (early) {
+      WaitForPrerequisiteGrid();
+      if (GateFailed(a.gate)) return;
+    }
     if (hv == 0 && lead && tid == 0) cursor->candidates = 0;
     return;
   }
@@ -547,7 +558,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
     }
     if (lane == 0) beta[t] = rule.Beta(beta_raw);
     // Candidates: raw k and (KDA) gammas once per key head; GDN's gamma per value head.
-    if (first_of_group && lead) {
+    if (first_of_group && lead && !early) {
       Act* dst = ring_k + RingAt(a.rings, block, c + t, kw_width) + int64_t{h} * K;
 #pragma unroll
       for (int e = 0; e < kLaneCols; ++e) dst[lane + 32 * e] = k_act[e];
@@ -557,8 +568,31 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
         for (int e = 0; e < kLaneCols; ++e) gd[lane + 32 * e] = gv[e];
       }
     }
-    if (gdn && lead && lane == 0) {
+    if (gdn && lead && !early && lane == 0) {
       a.rings.log_decay[RingAt(a.rings, block, c + t, g_width) + hv] = g0;
+    }
+  }
+  if (early) {
+    // The checks' end, then the candidates' k (raw, read again: L2) and
+    // gammas (this warp's own row of gam) as above.
+    WaitForPrerequisiteGrid();
+    if (GateFailed(a.gate)) {  // every thread alike
+      CpAsyncWait<0>();        // no copy may land after the block ends
+      return;
+    }
+    for (int t = warp; t < T && lead; t += kWarps) {
+      const int64_t tok = bos + t;
+      if (first_of_group) {
+        const Act* k_raw =
+            static_cast<const Act*>(a.k.data) + tok * a.k.token_stride + int64_t{h} * K;
+        Act* dst = ring_k + RingAt(a.rings, block, c + t, kw_width) + int64_t{h} * K;
+        for (int j = lane; j < K; j += 32) dst[j] = k_raw[j];
+        if (!gdn) {
+          float* gd = a.rings.log_decay + RingAt(a.rings, block, c + t, g_width) + int64_t{h} * K;
+          for (int j = lane; j < K; j += 32) gd[j] = gam[t * K + j];
+        }
+      }
+      if (gdn && lane == 0) a.rings.log_decay[RingAt(a.rings, block, c + t, g_width) + hv] = gam[t * K];
     }
   }
   __syncthreads();
