@@ -291,10 +291,13 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
     kernels::fast::FastNumerics num;
     num.checkpoint = kernels::fast::FastNumerics::Operands::kTf32Split;
     std::vector<std::pair<kernels::fast::FastVerifySchedule, std::string>> schedules = {
-        {{Staging::kAuto, 0}, "launcher's choice"}, {{Staging::kOff, 1}, "unstaged"}};
+        {{Staging::kAuto, 0, true}, "launcher's choice"},
+        {{Staging::kOff, 1, false}, "unstaged"},
+        {{Staging::kOff, 1, true}, "unstaged, early-start kernel"}};
     for (int splits : {1, 2, 4, 8}) {
       if (b.shape.K / splits >= 16) {
-        schedules.push_back({{Staging::kOn, splits}, absl::StrCat("staged, ", splits, " a head")});
+        schedules.push_back(
+            {{Staging::kOn, splits, true}, absl::StrCat("staged, ", splits, " a head")});
       }
     }
     for (const auto& [schedule, name] : schedules) {

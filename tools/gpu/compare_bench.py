@@ -2,7 +2,10 @@
 """Two kda_bench outputs side by side: every row both have, cold-L2 CUDA-graph
 time before and after and their ratio, as a markdown table.
 
-    tools/gpu/compare_bench.py BEFORE.md AFTER.md
+    tools/gpu/compare_bench.py BEFORE.md AFTER.md [BEFORE2.md AFTER2.md ...]
+
+With several pairs (runs alternated on one machine), each side's times are
+the mean over its runs.
 """
 import re
 import sys
@@ -32,11 +35,18 @@ def cold_graph_times(path):
     return times
 
 
+def mean_times(paths):
+    """{(kernel, N): mean us} over the rows every file has."""
+    runs = [cold_graph_times(p) for p in paths]
+    keys = [k for k in runs[0] if all(k in r for r in runs)]
+    return {k: sum(r[k] for r in runs) / len(runs) for k in keys}
+
+
 def main(argv):
-    if len(argv) != 3:
+    if len(argv) < 3 or len(argv) % 2 != 1:
         print(__doc__, file=sys.stderr)
         return 2
-    before, after = cold_graph_times(argv[1]), cold_graph_times(argv[2])
+    before, after = mean_times(argv[1::2]), mean_times(argv[2::2])
     print("| kernel | N | before (us) | after (us) | after / before |")
     print("|---|---:|---:|---:|---:|")
     ratios = []

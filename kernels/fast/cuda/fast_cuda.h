@@ -57,6 +57,12 @@ struct FastVerifySchedule {
   // rows (at least 16): 1, 2, 4 or 8 with staging; 0 lets the launcher
   // choose. Small batches split so that N = 1 fills the GPU.
   int value_splits = 0;
+  // Unstaged with tensor cores at a grid of at most four (row, value head)s
+  // an SM: the kernel that, where the arguments allow it
+  // (FastVerifyArgs::rows_before_checks), reads and computes while its
+  // checks run (the staged one always may). false: the kernel of larger
+  // grids, which waits for its checks first.
+  bool early_start = true;
 };
 
 // FAST Verify of one layer (fast_args.h): outputs, and the window's

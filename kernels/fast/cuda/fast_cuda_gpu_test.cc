@@ -157,19 +157,21 @@ std::string NameOf(const FastVerifySchedule& s) {
   return absl::StrCat(s.staging == Staging::kOn    ? "staged"
                       : s.staging == Staging::kOff ? "unstaged"
                                                    : "auto",
-                      ", value_splits ", s.value_splits);
+                      ", value_splits ", s.value_splits, s.early_start ? ", early start" : "");
 }
 
-// The schedules Verify can run for case c, the unstaged one first: staged
-// with every split that leaves a block 16 rows or more (tensor cores only),
-// each with and without rows_before_checks (its reads before its wait).
+// The schedules Verify can run for case c, the kernel of large grids first;
+// with tensor cores, the unstaged kernel that may start early and the
+// staged one at every split that leaves a block 16 rows or more, each with
+// and without rows_before_checks (its reads before its wait).
 std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& c) {
   using Staging = FastVerifySchedule::Staging;
-  std::vector<std::pair<FastVerifySchedule, bool>> out = {{{Staging::kOff, 1}, false}};
+  std::vector<std::pair<FastVerifySchedule, bool>> out = {{{Staging::kOff, 1, false}, false}};
   if (c.checkpoint == FastNumerics::Operands::kFp32) return out;
+  for (bool early : {false, true}) out.push_back({{Staging::kOff, 1, true}, early});
   for (int splits : {1, 2, 4, 8}) {
     if (c.K / splits < 16) continue;
-    for (bool early : {false, true}) out.push_back({{Staging::kOn, splits}, early});
+    for (bool early : {false, true}) out.push_back({{Staging::kOn, splits, true}, early});
   }
   return out;
 }
@@ -183,13 +185,15 @@ void ExpectSchedulesRefused(const Case& c, const FastVerifyArgs& a, const FastNu
     std::string says;
   };
   std::vector<Refusal> refusals = {
-      {{Staging::kOn, 3}, "value_splits 3 is not 0 (chosen), 1, 2, 4 or 8"},
-      {{Staging::kOff, 2}, "value_splits 2 needs the staged schedule"}};
+      {{Staging::kOn, 3, true}, "value_splits 3 is not 0 (chosen), 1, 2, 4 or 8"},
+      {{Staging::kOff, 2, true}, "value_splits 2 needs the staged schedule"}};
   if (c.K / 8 < 16) {
-    refusals.push_back({{Staging::kOn, 8}, absl::StrCat("leaves ", c.K / 8, " state rows a block")});
+    refusals.push_back(
+        {{Staging::kOn, 8, true}, absl::StrCat("leaves ", c.K / 8, " state rows a block")});
   }
   if (c.checkpoint == FastNumerics::Operands::kFp32) {
-    refusals.push_back({{Staging::kOn, 1}, "staging kOn needs the checkpoint's products on tensor cores"});
+    refusals.push_back(
+        {{Staging::kOn, 1, true}, "staging kOn needs the checkpoint's products on tensor cores"});
   }
   for (const Refusal& r : refusals) {
     const absl::Status st = FastVerifyCuda(a, numerics, nullptr, r.schedule);
@@ -381,8 +385,8 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
                   << " differ from the unstaged schedule's";
             }
           }
-          // Unstaged, and staged at two splits at least (both ways).
-          if (c.checkpoint != FastNumerics::Operands::kFp32) EXPECT_GE(compared, 5) << c.name;
+          // Both unstaged kernels, and staged at two splits at least.
+          if (c.checkpoint != FastNumerics::Operands::kFp32) EXPECT_GE(compared, 7) << c.name;
           if (step == 0 && l == 0) ExpectSchedulesRefused(c, a, verify_numerics);
         }
         const absl::Status st = dev ? FastVerifyCuda(a, verify_numerics, nullptr)

@@ -24,6 +24,12 @@
 //     values sum_i A_r[t][i] u_i[v] (a thread per state row, oldest first);
 //  4. the forward substitution (SolveWindowRow, its arrays in registers)
 //     per state row: outputs and the candidates' u.
+// Schedules (FastVerifySchedule, chosen by the launcher): at a grid of at
+// most one (row, value head) an SM the kernel is staged (the ring and its
+// checkpoint rows copied to shared memory up front) and a head's rows split
+// over up to eight blocks; up to four an SM it may start early (every phase
+// while its check kernel runs, the writes after); larger grids run the one
+// kernel that waits for its checks first. All write the same bits.
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
 #define SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
 
@@ -317,12 +323,13 @@ __device__ __forceinline__ void MmaCheckpointPass(const State* slice, int v_lo, 
 // capacity R.
 struct VerifySmem {
   int k, q, r;
+  bool early = false;  // a kEarly kernel: the window's gammas kept [Q][K]
   __host__ __device__ int Window() const { return q * k; }
   // qn, kn, gam (then W), v, kx (kw then kc), qx (qw then qc), kr chunk
   // (also RowOwnerCheckpointPass's parts' sums), ar, br [Q][R], a, b [8][8],
-  // beta [8], gc [K].
+  // beta [8], gc [K], then (early) the kept gammas.
   __host__ __device__ size_t Floats() const {
-    return size_t(6) * Window() + size_t(kRingChunk) * k + size_t(2) * q * r +
+    return size_t(early ? 7 : 6) * Window() + size_t(kRingChunk) * k + size_t(2) * q * r +
            2 * kMaxWindow * kMaxWindow + kMaxWindow + k;
   }
 };
@@ -384,12 +391,19 @@ enum class CheckpointPassKind {
 // coefficients, which do not depend on the rows; block z = 0 writes the
 // candidates' k and gammas and the cursor. Each state row's arithmetic is
 // the same under every schedule, so are its bits.
-template <typename Act, typename State, int K, CheckpointPassKind kPass, bool kStaged>
+//
+// kEarly: may start before its checks end (rows_before_checks, below); the
+// staged kernel always may. An instantiation of its own unstaged, served at
+// mid-sized grids only: at large ones the same code in the one kernel cost
+// 3-5% (docs/results/fast_verify_late_writes_h100_20261206.md).
+template <typename Act, typename State, int K, CheckpointPassKind kPass, bool kStaged,
+          bool kEarly>
 __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <= 128 ? 4 : 1))
     FastVerifyKernel(FastVerifyArgs a, bool small_grid) {
   constexpr bool kMma =
       kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3;
   static_assert(kMma || !kStaged, "the staged schedule runs the tensor-core checkpoint pass");
+  static_assert(kEarly || !kStaged, "the staged kernel may start early");
   extern __shared__ float smem[];
   const int n = blockIdx.x, hv = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -405,7 +419,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   // reads and computes first and waits before its first write: the checks'
   // time is spent copying the ring and the checkpoint. Every read is
   // bounded by the guards below whatever the checks find.
-  const bool early = kStaged && a.rows_before_checks;
+  const bool early = kEarly && a.rows_before_checks;
   if (!early) {
     WaitForPrerequisiteGrid();
     if (GateFailed(a.gate)) return;
@@ -433,7 +447,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   const bool first_of_group = hv % (HV / H) == 0;
   const kda::GateRule rule = RuleOf(s, a.params, h);
 
-  const VerifySmem layout{K, Q, R};
+  const VerifySmem layout{K, Q, R, kEarly};
   const StagedSmem<Act, State> staged{K, R, rows, gdn};
   Act* ring_k = static_cast<Act*>(a.rings.k);
   const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s);
@@ -511,6 +525,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   float* bw = aw + kMaxWindow * kMaxWindow;
   float* beta = bw + kMaxWindow * kMaxWindow;
   float* gc = beta + kMaxWindow;
+  float* kept_gammas = gc + K;  // kEarly: the candidates' gammas until the checks end
 
   // 1. The window (a warp per token), and its candidates' k and gamma.
   constexpr int kLaneCols = K / 32;
@@ -554,6 +569,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
       kn[t * K + j] = kda::Normalize(kv[e], k_norm, 1.0f);
       gv[e] = gdn ? g0 : rule.LogDecay(gv[e], bias[e]);
       gam[t * K + j] = gv[e];
+      if (early) kept_gammas[t * K + j] = gv[e];
       vw[t * K + j] = vv[e];
     }
     if (lane == 0) beta[t] = rule.Beta(beta_raw);
@@ -570,29 +586,6 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
     }
     if (gdn && lead && !early && lane == 0) {
       a.rings.log_decay[RingAt(a.rings, block, c + t, g_width) + hv] = g0;
-    }
-  }
-  if (early) {
-    // The checks' end, then the candidates' k (raw, read again: L2) and
-    // gammas (this warp's own row of gam) as above.
-    WaitForPrerequisiteGrid();
-    if (GateFailed(a.gate)) {  // every thread alike
-      CpAsyncWait<0>();        // no copy may land after the block ends
-      return;
-    }
-    for (int t = warp; t < T && lead; t += kWarps) {
-      const int64_t tok = bos + t;
-      if (first_of_group) {
-        const Act* k_raw =
-            static_cast<const Act*>(a.k.data) + tok * a.k.token_stride + int64_t{h} * K;
-        Act* dst = ring_k + RingAt(a.rings, block, c + t, kw_width) + int64_t{h} * K;
-        for (int j = lane; j < K; j += 32) dst[j] = k_raw[j];
-        if (!gdn) {
-          float* gd = a.rings.log_decay + RingAt(a.rings, block, c + t, g_width) + int64_t{h} * K;
-          for (int j = lane; j < K; j += 32) gd[j] = gam[t * K + j];
-        }
-      }
-      if (gdn && lane == 0) a.rings.log_decay[RingAt(a.rings, block, c + t, g_width) + hv] = gam[t * K];
     }
   }
   __syncthreads();
@@ -843,6 +836,32 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
       }
     }
   }
+  if (early) {
+    // Every phase but the writes is done: the checks' end, then the
+    // candidates' k (raw, read again: L2) and gammas (kept) as phase 1
+    // writes them otherwise.
+    WaitForPrerequisiteGrid();
+    if (GateFailed(a.gate)) {  // every thread alike
+      CpAsyncWait<0>();        // no copy may land after the block ends
+      return;
+    }
+    for (int t = warp; t < T && lead; t += kWarps) {
+      const int64_t tok = bos + t;
+      if (first_of_group) {
+        const Act* k_raw =
+            static_cast<const Act*>(a.k.data) + tok * a.k.token_stride + int64_t{h} * K;
+        Act* dst = ring_k + RingAt(a.rings, block, c + t, kw_width) + int64_t{h} * K;
+        for (int j = lane; j < K; j += 32) dst[j] = k_raw[j];
+        if (!gdn) {
+          float* gd = a.rings.log_decay + RingAt(a.rings, block, c + t, g_width) + int64_t{h} * K;
+          for (int j = lane; j < K; j += 32) gd[j] = kept_gammas[t * K + j];
+        }
+      }
+      if (gdn && lane == 0) {
+        a.rings.log_decay[RingAt(a.rings, block, c + t, g_width) + hv] = kept_gammas[t * K];
+      }
+    }
+  }
   // 4. The forward substitution per state row: outputs and u.
   if (owns_row) {
     // Loops unrolled to kMaxWindow (T a predicate): the arrays stay in registers.
@@ -871,24 +890,29 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
 struct VerifyLaunchPlan {
   bool staged = false;
   int splits = 1;
-  size_t smem = 0;  // bytes a block
+  size_t smem = 0;     // bytes a block
+  bool early = false;  // the kEarly instantiation (staged: always)
 };
 
 // FastVerifySchedule (fast_cuda.h) made concrete for a launch of `blocks`
 // (row, value head) pairs on `sms` SMs: kAuto stages a grid of at most one
 // block an SM, split as far as the SMs take (at least 16 rows a block: one
-// tensor-core tile); forced schedules are checked.
+// tensor-core tile); unstaged, a grid of at most four blocks an SM runs the
+// kEarly kernel (schedule.early_start); forced schedules are checked.
 template <typename Act, typename State, int K>
 absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
                                                 const FastVerifySchedule& schedule, bool mma,
                                                 int64_t blocks, int sms, int smem_optin) {
   using Staging = FastVerifySchedule::Staging;
   constexpr const char* op = "FastVerify";
-  const size_t base =
-      (VerifySmem{K, a.spec_query_len, a.rings.capacity}.Floats() + 3) / 4 * 4 * sizeof(float);
+  const auto base_bytes = [&](bool early) {
+    return (VerifySmem{K, a.spec_query_len, a.rings.capacity, early}.Floats() + 3) / 4 * 4 *
+           sizeof(float);
+  };
+  const size_t base = base_bytes(false);
   const bool gdn = a.shape.kind == LayerKind::kGdn;
   const auto staged_bytes = [&](int splits) {
-    return base + StagedSmem<Act, State>{K, a.rings.capacity, K / splits, gdn}.Bytes();
+    return base_bytes(true) + StagedSmem<Act, State>{K, a.rings.capacity, K / splits, gdn}.Bytes();
   };
   const int s = schedule.value_splits;
   if (s != 0 && s != 1 && s != 2 && s != 4 && s != 8) {
@@ -906,7 +930,8 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
           "In ", op, ": schedule.value_splits ", s, " needs the staged schedule (staging kOn)",
           mma ? "" : ", which needs the checkpoint's products on tensor cores"));
     }
-    return VerifyLaunchPlan{false, 1, base};
+    const bool early = mma && schedule.early_start && blocks <= 4 * sms;
+    return VerifyLaunchPlan{false, 1, base_bytes(early), early};
   }
   if (!mma) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -920,10 +945,12 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
           "In ", op, ": the staged schedule with value_splits ", splits, " needs ",
           staged_bytes(splits), " bytes of shared memory a block; the device allows ", smem_optin));
     }
-    return VerifyLaunchPlan{true, splits, staged_bytes(splits)};
+    return VerifyLaunchPlan{true, splits, staged_bytes(splits), true};
   }
   // kAuto with tensor cores.
-  if (blocks > sms) return VerifyLaunchPlan{false, 1, base};
+  const bool mid_grid_early = schedule.early_start && blocks <= 4 * sms;
+  const VerifyLaunchPlan unstaged{false, 1, base_bytes(mid_grid_early), mid_grid_early};
+  if (blocks > sms) return unstaged;
   int splits = s != 0 ? s : 1;
   if (s == 0) {
     while (splits < 8 && K / (2 * splits) >= 16 && blocks * 2 * splits <= sms) splits *= 2;
@@ -931,8 +958,8 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
   while (staged_bytes(splits) > size_t(smem_optin) && splits < 8 && K / (2 * splits) >= 16) {
     splits *= 2;
   }
-  if (staged_bytes(splits) > size_t(smem_optin)) return VerifyLaunchPlan{false, 1, base};
-  return VerifyLaunchPlan{true, splits, staged_bytes(splits)};
+  if (staged_bytes(splits) > size_t(smem_optin)) return unstaged;
+  return VerifyLaunchPlan{true, splits, staged_bytes(splits), true};
 }
 
 absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
@@ -969,14 +996,19 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
     }
     const bool small_grid = blocks <= sms;
     using P = CheckpointPassKind;
+    // Staged (always early), unstaged early, or the one kernel of large grids.
+    const auto mma_kernel = [&](auto pass) {
+      constexpr P kPass = decltype(pass)::value;
+      return plan->staged  ? FastVerifyKernel<Act, State, K, kPass, true, true>
+             : plan->early ? FastVerifyKernel<Act, State, K, kPass, false, true>
+                           : FastVerifyKernel<Act, State, K, kPass, false, false>;
+    };
     auto kernel = checkpoint == O::kTf32Split
-                      ? (plan->staged ? FastVerifyKernel<Act, State, K, P::kMmaTf32x3, true>
-                                      : FastVerifyKernel<Act, State, K, P::kMmaTf32x3, false>)
+                      ? mma_kernel(std::integral_constant<P, P::kMmaTf32x3>{})
                   : checkpoint == O::kTf32
-                      ? (plan->staged ? FastVerifyKernel<Act, State, K, P::kMmaTf32, true>
-                                      : FastVerifyKernel<Act, State, K, P::kMmaTf32, false>)
-                  : small_grid ? FastVerifyKernel<Act, State, K, P::kRowBatch, false>
-                               : FastVerifyKernel<Act, State, K, P::kRowOwner, false>;
+                      ? mma_kernel(std::integral_constant<P, P::kMmaTf32>{})
+                  : small_grid ? FastVerifyKernel<Act, State, K, P::kRowBatch, false, false>
+                               : FastVerifyKernel<Act, State, K, P::kRowOwner, false, false>;
     if (plan->smem > 48 * 1024) {
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  int(plan->smem));
