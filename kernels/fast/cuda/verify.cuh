@@ -415,10 +415,10 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   // Launched as the check kernel's programmatic dependent (through the
   // kernel interface): resident while the checks run, it waits for them
   // before it reads their gate and snapshot. (A plain launch: no wait.)
-  // Staged with the service's own row metadata (rows_before_checks), it
-  // reads and computes first and waits before its first write: the checks'
-  // time is spent copying the ring and the checkpoint. Every read is
-  // bounded by the guards below whatever the checks find.
+  // A kEarly kernel given the service's own row metadata
+  // (rows_before_checks) reads and computes first and waits before its
+  // first write: the checks' time is spent on every phase but the writes.
+  // Every read is bounded by the guards below whatever the checks find.
   const bool early = kEarly && a.rows_before_checks;
   if (!early) {
     WaitForPrerequisiteGrid();
