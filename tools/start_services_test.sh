@@ -75,7 +75,10 @@ for r in 0 1; do
   [ ! -e "$dir/run/specstate-$r.sock" ] || fail "socket of rank $r left behind"
 done
 
-# A rank that dies takes the others down.
+# A rank that dies takes the others down. (The first group's out file goes
+# first: the background start truncates it only when it runs, and
+# wait_ready must not read the old servers= line.)
+rm -f "$dir/out"
 "$script" 2 --backend=cpu --heads=2 --conv_dim=384 --layers=2 >"$dir/out" 2>"$dir/err" &
 group=$!
 wait_ready

@@ -19,6 +19,7 @@
 #include "kernels/fast/fast_args.h"
 #include "kernels/fast/fast_kernels.h"
 #include "kernels/fast/fast_math.h"
+#include "kernels/fast/verify_plan.h"
 #include "kernels/internal/dispatch.h"
 #include "kernels/kda_math.h"
 #include "kernels/numeric.h"
@@ -35,8 +36,6 @@ using internal::IsBlock;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-// Ring tokens per chunk of Verify's and the fold's shared memory.
-constexpr int kRingChunk = 32;
 // Ring tokens whose log-decays or values a thread loads together (Verify's
 // ring loops: a memory round trip a batch instead of a token).
 constexpr int kLoadBatch = 8;

@@ -31,39 +31,11 @@
 #include "absl/status/status.h"
 #include "kernels/fast/fast_args.h"
 #include "kernels/fast/fast_kernels.h"
+#include "kernels/fast/verify_plan.h"  // FastVerifySchedule
 
 namespace specstate {
 namespace kernels {
 namespace fast {
-
-// How FAST's Verify is laid out on the GPU, never what it computes: every
-// schedule writes the same bits (fast_cuda_gpu_test checks it).
-struct FastVerifySchedule {
-  enum class Staging {
-    // Staged where the grid has at most one (row, value head) an SM and
-    // the copies fit in shared memory, split as far as the SMs take.
-    kAuto,
-    // Each phase loads the ring and the checkpoint from global memory; a
-    // block per (row, value head).
-    kOff,
-    // The ring tokens a block reads and its rows of the checkpoint are
-    // copied to shared memory as soon as it starts, in flight while the
-    // window's phase runs (needs the checkpoint's products on tensor
-    // cores).
-    kOn,
-  };
-  Staging staging = Staging::kAuto;
-  // Blocks per (row, value head), each taking K / value_splits of the state
-  // rows (at least 16): 1, 2, 4 or 8 with staging; 0 lets the launcher
-  // choose. Small batches split so that N = 1 fills the GPU.
-  int value_splits = 0;
-  // Unstaged with tensor cores at a grid of at most four (row, value head)s
-  // an SM: the kernel that, where the arguments allow it
-  // (FastVerifyArgs::rows_before_checks), reads and computes while its
-  // checks run (the staged one always may). false: the kernel of larger
-  // grids, which waits for its checks first.
-  bool early_start = true;
-};
 
 // FAST Verify of one layer (fast_args.h): outputs, and the window's
 // candidates in ring slots [tokens, tokens + T).

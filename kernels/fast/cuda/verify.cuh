@@ -319,50 +319,6 @@ __device__ __forceinline__ void MmaCheckpointPass(const State* slice, int v_lo, 
 // ---------------------------------------------------------------------------
 // Verify.
 
-// Shared memory of one Verify block (floats), Q window tokens at most, ring
-// capacity R.
-struct VerifySmem {
-  int k, q, r;
-  bool early = false;  // a kEarly kernel: the window's gammas kept [Q][K]
-  __host__ __device__ int Window() const { return q * k; }
-  // qn, kn, gam (then W), v, kx (kw then kc), qx (qw then qc), kr chunk
-  // (also RowOwnerCheckpointPass's parts' sums), ar, br [Q][R], a, b [8][8],
-  // beta [8], gc [K], then (early) the kept gammas.
-  __host__ __device__ size_t Floats() const {
-    return size_t(early ? 7 : 6) * Window() + size_t(kRingChunk) * k + size_t(2) * q * r +
-           2 * kMaxWindow * kMaxWindow + kMaxWindow + k;
-  }
-};
-
-// The staged schedule's copies (FastVerifySchedule), after VerifySmem's
-// floats: the ring's raw k [R][K] (activation dtype), log-decays [R][K]
-// (GDN: [R]), the block's rows of u [R][rows], and its rows of the
-// checkpoint [rows][RowStride()] (state dtype), each 16-byte aligned.
-// RowStride pads a row so that MmaCheckpointPass's 16-byte loads (lanes g
-// = 0, 1 and 8t4 columns apart) fall in distinct banks: fp32 rows 4 words
-// past a multiple of 32, bf16 rows 16.
-template <typename Act, typename State>
-struct StagedSmem {
-  int k, r, rows;
-  bool gdn;
-  static __host__ __device__ size_t Align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
-  template <int K>
-  static __host__ __device__ constexpr int RowStride() {
-    return sizeof(State) == 4 ? K + 4 : K + 32;
-  }
-  __host__ __device__ size_t RingKBytes() const { return Align16(size_t(r) * k * sizeof(Act)); }
-  __host__ __device__ size_t RingGBytes() const {
-    return Align16(size_t(r) * (gdn ? 1 : k) * sizeof(float));
-  }
-  __host__ __device__ size_t RingUBytes() const { return Align16(size_t(r) * rows * sizeof(float)); }
-  __host__ __device__ size_t SliceBytes() const {
-    return Align16(size_t(rows) * (sizeof(State) == 4 ? k + 4 : k + 32) * sizeof(State));
-  }
-  __host__ __device__ size_t Bytes() const {
-    return RingKBytes() + RingGBytes() + RingUBytes() + SliceBytes();
-  }
-};
-
 // How Verify forms the checkpoint's products S0 . kc_t, S0 . qc_t.
 enum class CheckpointPassKind {
   kRowBatch,   // CUDA cores, CheckpointPass (at most one block per SM)
@@ -448,12 +404,12 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   const kda::GateRule rule = RuleOf(s, a.params, h);
 
   const VerifySmem layout{K, Q, R, kEarly};
-  const StagedSmem<Act, State> staged{K, R, rows, gdn};
+  const StagedSmem staged{K, R, rows, int(sizeof(Act)), int(sizeof(State)), gdn};
   Act* ring_k = static_cast<Act*>(a.rings.k);
   const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s);
   const int64_t u_width = RingUWidth(s);
   // The staged copies (StagedSmem), after the floats rounded to 16 bytes.
-  char* staged_base = reinterpret_cast<char*>(smem + (layout.Floats() + 3) / 4 * 4);
+  char* staged_base = reinterpret_cast<char*>(smem) + layout.Bytes();
   Act* ring_k_s = reinterpret_cast<Act*>(staged_base);
   float* ring_g_s = reinterpret_cast<float*>(staged_base + staged.RingKBytes());
   float* ring_u_s = reinterpret_cast<float*>(staged_base + staged.RingKBytes() + staged.RingGBytes());
@@ -496,7 +452,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
     const State* s0 = checkpoint_slice();
     for (int x = tid; x < rows * kRowChunks; x += kThreads) {
       const int r = x / kRowChunks, e = x % kRowChunks;
-      CpAsync16(slice_s + r * StagedSmem<Act, State>::template RowStride<K>() + e * kPerChunk,
+      CpAsync16(slice_s + r * StagedSmem::RowStride(K, int(sizeof(State))) + e * kPerChunk,
                 s0 + int64_t{v_lo + r} * K + e * kPerChunk);
     }
     CpAsyncCommit();
@@ -723,7 +679,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   if constexpr (kMma) {
     constexpr bool kSplit = kPass == CheckpointPassKind::kMmaTf32x3;
     if constexpr (kStaged) {
-      constexpr int kStride = StagedSmem<Act, State>::template RowStride<K>();
+      constexpr int kStride = StagedSmem::RowStride(K, int(sizeof(State)));
       MmaCheckpointPass<State, K, kSplit, true, kStride>(slice_s, v_lo, rows, T, kx, qx, kn, qn,
                                                          lane, warp);
     } else {
@@ -885,83 +841,6 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   if (hv == 0 && lead && tid == 0) cursor->candidates = T;
 }
 
-// A schedule the launcher runs: staged or not, and blocks per (row, value
-// head).
-struct VerifyLaunchPlan {
-  bool staged = false;
-  int splits = 1;
-  size_t smem = 0;     // bytes a block
-  bool early = false;  // the kEarly instantiation (staged: always)
-};
-
-// FastVerifySchedule (fast_cuda.h) made concrete for a launch of `blocks`
-// (row, value head) pairs on `sms` SMs: kAuto stages a grid of at most one
-// block an SM, split as far as the SMs take (at least 16 rows a block: one
-// tensor-core tile); unstaged, a grid of at most four blocks an SM runs the
-// kEarly kernel (schedule.early_start); forced schedules are checked.
-template <typename Act, typename State, int K>
-absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
-                                                const FastVerifySchedule& schedule, bool mma,
-                                                int64_t blocks, int sms, int smem_optin) {
-  using Staging = FastVerifySchedule::Staging;
-  constexpr const char* op = "FastVerify";
-  const auto base_bytes = [&](bool early) {
-    return (VerifySmem{K, a.spec_query_len, a.rings.capacity, early}.Floats() + 3) / 4 * 4 *
-           sizeof(float);
-  };
-  const size_t base = base_bytes(false);
-  const bool gdn = a.shape.kind == LayerKind::kGdn;
-  const auto staged_bytes = [&](int splits) {
-    return base_bytes(true) + StagedSmem<Act, State>{K, a.rings.capacity, K / splits, gdn}.Bytes();
-  };
-  const int s = schedule.value_splits;
-  if (s != 0 && s != 1 && s != 2 && s != 4 && s != 8) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "In ", op, ": schedule.value_splits ", s, " is not 0 (chosen), 1, 2, 4 or 8"));
-  }
-  if (s > 1 && K / s < 16) {
-    return absl::InvalidArgumentError(absl::StrCat("In ", op, ": schedule.value_splits ", s,
-                                                   " leaves ", K / s, " state rows a block; head "
-                                                   "dim ", K, " takes at most ", K / 16));
-  }
-  if (schedule.staging == Staging::kOff || (schedule.staging == Staging::kAuto && !mma)) {
-    if (s > 1) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "In ", op, ": schedule.value_splits ", s, " needs the staged schedule (staging kOn)",
-          mma ? "" : ", which needs the checkpoint's products on tensor cores"));
-    }
-    const bool early = mma && schedule.early_start && blocks <= 4 * sms;
-    return VerifyLaunchPlan{false, 1, base_bytes(early), early};
-  }
-  if (!mma) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "In ", op, ": schedule.staging kOn needs the checkpoint's products on tensor cores "
-        "(FastNumerics::checkpoint kTf32 or kTf32Split)"));
-  }
-  if (schedule.staging == Staging::kOn) {
-    const int splits = s == 0 ? 1 : s;
-    if (staged_bytes(splits) > size_t(smem_optin)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "In ", op, ": the staged schedule with value_splits ", splits, " needs ",
-          staged_bytes(splits), " bytes of shared memory a block; the device allows ", smem_optin));
-    }
-    return VerifyLaunchPlan{true, splits, staged_bytes(splits), true};
-  }
-  // kAuto with tensor cores.
-  const bool mid_grid_early = schedule.early_start && blocks <= 4 * sms;
-  const VerifyLaunchPlan unstaged{false, 1, base_bytes(mid_grid_early), mid_grid_early};
-  if (blocks > sms) return unstaged;
-  int splits = s != 0 ? s : 1;
-  if (s == 0) {
-    while (splits < 8 && K / (2 * splits) >= 16 && blocks * 2 * splits <= sms) splits *= 2;
-  }
-  while (staged_bytes(splits) > size_t(smem_optin) && splits < 8 && K / (2 * splits) >= 16) {
-    splits *= 2;
-  }
-  if (staged_bytes(splits) > size_t(smem_optin)) return unstaged;
-  return VerifyLaunchPlan{true, splits, staged_bytes(splits), true};
-}
-
 absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
                               FastNumerics::Operands checkpoint,
                               const FastVerifySchedule& schedule) {
@@ -971,30 +850,22 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
     return NumericsUnimplemented(op);
   }
   if (a.num_rows == 0) return absl::OkStatus();
-  cudaError_t err = cudaSuccess;
-  absl::Status plan_status;
+  int device = 0, sms = 0, smem_optin = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  }
+  if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA device query"));
+  const int64_t blocks = int64_t{a.num_rows} * ValueHeads(a.shape);
+  const absl::StatusOr<VerifyLaunchPlan> plan =
+      PlanFastVerify(a, schedule, /*tensor_cores=*/checkpoint != O::kFp32, blocks, sms, smem_optin);
+  if (!plan.ok()) return plan.status();
+  const bool small_grid = blocks <= sms;
   DispatchKda(a.shape, [&](auto act, auto state, auto head_dim) {
     using Act = typename decltype(act)::type;
     using State = typename decltype(state)::type;
     constexpr int K = decltype(head_dim)::value;
-    int device = 0, sms = 0, smem_optin = 0;
-    err = cudaGetDevice(&device);
-    if (err == cudaSuccess) {
-      err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    }
-    if (err == cudaSuccess) {
-      err = cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    }
-    if (err != cudaSuccess) return;
-    const int64_t blocks = int64_t{a.num_rows} * ValueHeads(a.shape);
-    const bool mma = checkpoint != O::kFp32;
-    absl::StatusOr<VerifyLaunchPlan> plan =
-        PlanFastVerify<Act, State, K>(a, schedule, mma, blocks, sms, smem_optin);
-    if (!plan.ok()) {
-      plan_status = plan.status();
-      return;
-    }
-    const bool small_grid = blocks <= sms;
     using P = CheckpointPassKind;
     // Staged (always early), unstaged early, or the one kernel of large grids.
     const auto mma_kernel = [&](auto pass) {
@@ -1018,7 +889,6 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
     err = LaunchDependent(kernel, grid, kThreads, plan->smem, stream, a, small_grid);
     if (err == cudaSuccess) err = cudaGetLastError();
   });
-  if (!plan_status.ok()) return plan_status;
   if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
   return absl::OkStatus();
 }

@@ -1,0 +1,78 @@
+#include "kernels/fast/verify_plan.h"
+
+#include "absl/strings/str_cat.h"
+#include "kernels/dtype.h"
+
+namespace specstate {
+namespace kernels {
+namespace fast {
+
+absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
+                                                const FastVerifySchedule& schedule,
+                                                bool tensor_cores, int64_t blocks, int sms,
+                                                int smem_optin) {
+  using Staging = FastVerifySchedule::Staging;
+  constexpr const char* op = "FastVerify";
+  const int K = a.shape.head_dim;
+  const auto base_bytes = [&](bool early) {
+    return VerifySmem{K, a.spec_query_len, a.rings.capacity, early}.Bytes();
+  };
+  const auto staged_bytes = [&](int splits) {
+    const StagedSmem staged{K,
+                            a.rings.capacity,
+                            K / splits,
+                            int(DTypeSize(a.shape.act_dtype)),
+                            int(DTypeSize(a.shape.state_dtype)),
+                            a.shape.kind == LayerKind::kGdn};
+    return base_bytes(true) + staged.Bytes();
+  };
+  const int s = schedule.value_splits;
+  if (s != 0 && s != 1 && s != 2 && s != 4 && s != 8) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "In ", op, ": schedule.value_splits ", s, " is not 0 (chosen), 1, 2, 4 or 8"));
+  }
+  if (s > 1 && K / s < 16) {
+    return absl::InvalidArgumentError(absl::StrCat("In ", op, ": schedule.value_splits ", s,
+                                                   " leaves ", K / s, " state rows a block; head "
+                                                   "dim ", K, " takes at most ", K / 16));
+  }
+  const bool early = tensor_cores && schedule.early_start && blocks <= 4 * int64_t{sms};
+  const VerifyLaunchPlan unstaged{false, 1, base_bytes(early), early};
+  if (schedule.staging == Staging::kOff || (schedule.staging == Staging::kAuto && !tensor_cores)) {
+    if (s > 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "In ", op, ": schedule.value_splits ", s, " needs the staged schedule (staging kOn)",
+          tensor_cores ? "" : ", which needs the checkpoint's products on tensor cores"));
+    }
+    return unstaged;
+  }
+  if (!tensor_cores) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "In ", op, ": schedule.staging kOn needs the checkpoint's products on tensor cores "
+        "(FastNumerics::checkpoint kTf32 or kTf32Split)"));
+  }
+  if (schedule.staging == Staging::kOn) {
+    const int splits = s == 0 ? 1 : s;
+    if (staged_bytes(splits) > size_t(smem_optin)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "In ", op, ": the staged schedule with value_splits ", splits, " needs ",
+          staged_bytes(splits), " bytes of shared memory a block; the device allows ", smem_optin));
+    }
+    return VerifyLaunchPlan{true, splits, staged_bytes(splits), true};
+  }
+  // kAuto with tensor cores.
+  if (blocks > sms) return unstaged;
+  int splits = s != 0 ? s : 1;
+  if (s == 0) {
+    while (splits < 8 && K / (2 * splits) >= 16 && blocks * 2 * splits <= sms) splits *= 2;
+  }
+  while (staged_bytes(splits) > size_t(smem_optin) && splits < 8 && K / (2 * splits) >= 16) {
+    splits *= 2;
+  }
+  if (staged_bytes(splits) > size_t(smem_optin)) return unstaged;
+  return VerifyLaunchPlan{true, splits, staged_bytes(splits), true};
+}
+
+}  // namespace fast
+}  // namespace kernels
+}  // namespace specstate

@@ -1,0 +1,129 @@
+// How FAST's CUDA Verify lays a launch out (FastVerifySchedule) and the
+// shared memory each layout takes. Plain C++: the launcher's rules are
+// tested without a GPU (verify_plan_test), and the kernel
+// (cuda/verify.cuh) carves its shared memory from the same structs.
+//
+//   absl::StatusOr<VerifyLaunchPlan> plan =
+//       PlanFastVerify(args, FastVerifySchedule{}, /*tensor_cores=*/true,
+//                      args.num_rows * ValueHeads(args.shape), sms, smem_optin);
+#ifndef SPECSTATE_KERNELS_FAST_VERIFY_PLAN_H_
+#define SPECSTATE_KERNELS_FAST_VERIFY_PLAN_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/statusor.h"
+#include "kernels/fast/fast_args.h"
+#include "kernels/kda_args.h"
+#include "kernels/numeric.h"
+
+namespace specstate {
+namespace kernels {
+namespace fast {
+
+// How FAST's Verify is laid out on the GPU, never what it computes: every
+// schedule writes the same bits (fast_cuda_gpu_test checks it).
+struct FastVerifySchedule {
+  enum class Staging {
+    // Staged where the grid has at most one (row, value head) an SM and
+    // the copies fit in shared memory, split as far as the SMs take.
+    kAuto,
+    // Each phase loads the ring and the checkpoint from global memory; a
+    // block per (row, value head).
+    kOff,
+    // The ring tokens a block reads and its rows of the checkpoint are
+    // copied to shared memory as soon as it starts, in flight while the
+    // window's phase runs (needs the checkpoint's products on tensor
+    // cores).
+    kOn,
+  };
+  Staging staging = Staging::kAuto;
+  // Blocks per (row, value head), each taking K / value_splits of the state
+  // rows (at least 16): 1, 2, 4 or 8 with staging; 0 lets the launcher
+  // choose. Small batches split so that N = 1 fills the GPU.
+  int value_splits = 0;
+  // Unstaged with tensor cores at a grid of at most four (row, value head)s
+  // an SM: the kernel that, where the arguments allow it
+  // (FastVerifyArgs::rows_before_checks), reads and computes while its
+  // checks run (the staged one always may). false: the kernel of larger
+  // grids, which waits for its checks first.
+  bool early_start = true;
+};
+
+// Ring tokens per chunk of Verify's and the fold's shared memory.
+inline constexpr int kRingChunk = 32;
+
+// Shared memory of one Verify block (floats), Q window tokens at most, ring
+// capacity R.
+struct VerifySmem {
+  int k, q, r;
+  bool early = false;  // a kEarly kernel: the window's gammas kept [Q][K]
+  SPECSTATE_HD int Window() const { return q * k; }
+  // qn, kn, gam (then W), v, kx (kw then kc), qx (qw then qc), kr chunk
+  // (also RowOwnerCheckpointPass's parts' sums), ar, br [Q][R], a, b [8][8],
+  // beta [8], gc [K], then (early) the kept gammas.
+  SPECSTATE_HD size_t Floats() const {
+    return size_t(early ? 7 : 6) * Window() + size_t(kRingChunk) * k + size_t(2) * q * r +
+           2 * kMaxFastQueryLen * kMaxFastQueryLen + kMaxFastQueryLen + k;
+  }
+  // Floats() in bytes, rounded up to 16 (the staged copies follow).
+  SPECSTATE_HD size_t Bytes() const { return (Floats() + 3) / 4 * 4 * sizeof(float); }
+};
+
+// The staged schedule's copies (FastVerifySchedule), after VerifySmem's
+// bytes: the ring's raw k [R][K] (activation dtype), log-decays [R][K]
+// (GDN: [R]), the block's rows of u [R][rows], and its rows of the
+// checkpoint [rows][RowStride] (state dtype), each 16-byte aligned.
+// RowStride pads a row so that MmaCheckpointPass's 16-byte loads (lanes g
+// = 0, 1 and 8t4 columns apart) fall in distinct banks: fp32 rows 4 words
+// past a multiple of 32, bf16 rows 16.
+struct StagedSmem {
+  int k, r, rows;
+  int act_bytes, state_bytes;  // element sizes
+  bool gdn;
+  static SPECSTATE_HD constexpr int RowStride(int k, int state_bytes) {
+    return state_bytes == 4 ? k + 4 : k + 32;
+  }
+  static SPECSTATE_HD size_t Align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+  SPECSTATE_HD size_t RingKBytes() const { return Align16(size_t(r) * k * act_bytes); }
+  SPECSTATE_HD size_t RingGBytes() const {
+    return Align16(size_t(r) * (gdn ? 1 : k) * sizeof(float));
+  }
+  SPECSTATE_HD size_t RingUBytes() const { return Align16(size_t(r) * rows * sizeof(float)); }
+  SPECSTATE_HD size_t SliceBytes() const {
+    return Align16(size_t(rows) * RowStride(k, state_bytes) * state_bytes);
+  }
+  SPECSTATE_HD size_t Bytes() const {
+    return RingKBytes() + RingGBytes() + RingUBytes() + SliceBytes();
+  }
+};
+
+// A schedule the launcher runs: staged or not, blocks per (row, value
+// head), the kernel that may start early or not.
+struct VerifyLaunchPlan {
+  bool staged = false;
+  int splits = 1;
+  size_t smem = 0;     // bytes a block
+  bool early = false;  // the kEarly instantiation (staged: always)
+};
+
+// `schedule` made concrete for a launch of `blocks` (row, value head) pairs
+// on `sms` SMs whose blocks take at most `smem_optin` bytes of shared
+// memory: kAuto stages a grid of at most one block an SM, split as far as
+// the SMs take (at least 16 rows a block: one tensor-core tile; further
+// where the copies would not fit); unstaged, a grid of at most four blocks
+// an SM runs the kernel that may start early (schedule.early_start).
+// Staging and splits need the checkpoint's products on tensor cores
+// (`tensor_cores`).
+// \returns INVALID_ARGUMENT naming the field and its bound for a schedule
+//   the launch cannot run.
+absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& args,
+                                                const FastVerifySchedule& schedule,
+                                                bool tensor_cores, int64_t blocks, int sms,
+                                                int smem_optin);
+
+}  // namespace fast
+}  // namespace kernels
+}  // namespace specstate
+
+#endif  // SPECSTATE_KERNELS_FAST_VERIFY_PLAN_H_

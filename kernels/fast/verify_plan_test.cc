@@ -1,0 +1,171 @@
+// The CUDA Verify's launch rules (verify_plan.h), without a GPU: which
+// schedule each grid gets, the shared memory it takes, and the schedules
+// refused. (That every schedule writes the same bits needs a GPU:
+// cuda/fast_cuda_gpu_test.cc.)
+#include "kernels/fast/verify_plan.h"
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace specstate {
+namespace kernels {
+namespace fast {
+namespace {
+
+using ::testing::HasSubstr;
+using Staging = FastVerifySchedule::Staging;
+
+constexpr int kSms = 132;              // an H100 or H200
+constexpr int kSmemOptin = 227 * 1024;  // their largest block
+
+// A layer of `heads` KDA heads of head dim k, bf16 activations, Q = 4, a ring
+// of F = 4 windows.
+FastVerifyArgs Layer(int heads, int k, DType state = DType::kFloat32, int q = 4) {
+  FastVerifyArgs a;
+  a.shape.num_heads = heads;
+  a.shape.head_dim = k;
+  a.shape.act_dtype = DType::kBFloat16;
+  a.shape.state_dtype = state;
+  a.spec_query_len = q;
+  a.rings.capacity = 4 * q;
+  return a;
+}
+
+size_t StagedBytes(const FastVerifyArgs& a, int splits) {
+  const int k = a.shape.head_dim;
+  return VerifySmem{k, a.spec_query_len, a.rings.capacity, true}.Bytes() +
+         StagedSmem{k, a.rings.capacity, k / splits, 2, a.shape.state_dtype == DType::kFloat32 ? 4 : 2,
+                    false}
+             .Bytes();
+}
+
+VerifyLaunchPlan Plan(const FastVerifyArgs& a, int64_t blocks, FastVerifySchedule s = {},
+                      bool tensor_cores = true) {
+  absl::StatusOr<VerifyLaunchPlan> plan = PlanFastVerify(a, s, tensor_cores, blocks, kSms, kSmemOptin);
+  EXPECT_TRUE(plan.ok()) << plan.status();
+  return plan.ok() ? *plan : VerifyLaunchPlan{};
+}
+
+TEST(VerifyPlanTest, SmallGridsAreStagedAndSplitAsFarAsTheSmsTake) {
+  const FastVerifyArgs kimi_linear = Layer(32, 128);
+  // N = 1: 32 heads, four blocks a head fill 128 of 132 SMs.
+  VerifyLaunchPlan p = Plan(kimi_linear, 32);
+  EXPECT_TRUE(p.staged);
+  EXPECT_TRUE(p.early);
+  EXPECT_EQ(p.splits, 4);
+  EXPECT_EQ(p.smem, StagedBytes(kimi_linear, 4));
+  // N = 4: 128 blocks already.
+  p = Plan(kimi_linear, 128);
+  EXPECT_TRUE(p.staged);
+  EXPECT_EQ(p.splits, 1);
+  // Kimi-K3 at TP8, N = 1: 12 heads, eight blocks a head (the most: 16 rows each).
+  p = Plan(Layer(12, 128, DType::kFloat32, 8), 12);
+  EXPECT_TRUE(p.staged);
+  EXPECT_EQ(p.splits, 8);
+  // K = 64: at most four (16 rows a block).
+  EXPECT_EQ(Plan(Layer(2, 64), 2).splits, 4);
+}
+
+TEST(VerifyPlanTest, MidGridsRunTheKernelThatStartsEarly) {
+  const FastVerifyArgs a = Layer(32, 128);
+  const size_t early_bytes = VerifySmem{128, 4, 16, true}.Bytes();
+  const size_t plain_bytes = VerifySmem{128, 4, 16, false}.Bytes();
+  EXPECT_EQ(early_bytes, plain_bytes + 4 * 128 * sizeof(float));  // the kept gammas
+  // N = 16: 512 blocks, at most four an SM.
+  VerifyLaunchPlan p = Plan(a, 512);
+  EXPECT_FALSE(p.staged);
+  EXPECT_TRUE(p.early);
+  EXPECT_EQ(p.splits, 1);
+  EXPECT_EQ(p.smem, early_bytes);
+  // One more than four an SM: the kernel of large grids.
+  p = Plan(a, 4 * kSms + 1);
+  EXPECT_FALSE(p.staged);
+  EXPECT_FALSE(p.early);
+  EXPECT_EQ(p.smem, plain_bytes);
+  // early_start false keeps it everywhere.
+  FastVerifySchedule no_early;
+  no_early.early_start = false;
+  EXPECT_FALSE(Plan(a, 512, no_early).early);
+  p = Plan(a, 32, FastVerifySchedule{Staging::kOff, 1, false});
+  EXPECT_FALSE(p.staged || p.early);
+}
+
+TEST(VerifyPlanTest, CudaCoresNeitherStageNorStartEarly) {
+  for (int64_t blocks : {1, 32, 512, 4096}) {
+    const VerifyLaunchPlan p = Plan(Layer(32, 128), blocks, {}, /*tensor_cores=*/false);
+    EXPECT_FALSE(p.staged || p.early) << blocks;
+    EXPECT_EQ(p.splits, 1);
+  }
+}
+
+TEST(VerifyPlanTest, CopiesThatDoNotFitSplitFurther) {
+  // K = 256, fp32 state: unsplit, a head's 256 KiB of rows cannot be staged.
+  const FastVerifyArgs a = Layer(1, 256);
+  ASSERT_GT(StagedBytes(a, 1), size_t(kSmemOptin));
+  // 100 blocks: the SMs take no split, the shared memory needs one.
+  const VerifyLaunchPlan p = Plan(a, 100);
+  EXPECT_TRUE(p.staged);
+  EXPECT_GT(p.splits, 1);
+  EXPECT_LE(p.smem, size_t(kSmemOptin));
+  EXPECT_GT(StagedBytes(a, p.splits / 2), size_t(kSmemOptin));
+  // Forced unsplit: refused, with the bytes.
+  const absl::StatusOr<VerifyLaunchPlan> forced =
+      PlanFastVerify(a, {Staging::kOn, 1, true}, true, 100, kSms, kSmemOptin);
+  EXPECT_EQ(forced.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(forced.status().message()),
+              HasSubstr("the staged schedule with value_splits 1 needs " +
+                        std::to_string(StagedBytes(a, 1)) +
+                        " bytes of shared memory a block; the device allows 232448"));
+}
+
+TEST(VerifyPlanTest, SchedulesItCannotRunAreRefusedByName) {
+  struct Refusal {
+    FastVerifyArgs args;
+    FastVerifySchedule schedule;
+    bool tensor_cores;
+    std::string says;
+  };
+  const Refusal refusals[] = {
+      {Layer(32, 128), {Staging::kOn, 3, true}, true,
+       "In FastVerify: schedule.value_splits 3 is not 0 (chosen), 1, 2, 4 or 8"},
+      {Layer(32, 128), {Staging::kAuto, 16, true}, true, "value_splits 16 is not 0"},
+      {Layer(2, 64), {Staging::kOn, 8, true}, true,
+       "value_splits 8 leaves 8 state rows a block; head dim 64 takes at most 4"},
+      {Layer(32, 128), {Staging::kOff, 2, true}, true,
+       "value_splits 2 needs the staged schedule (staging kOn)"},
+      {Layer(32, 128), {Staging::kAuto, 2, true}, false,
+       "value_splits 2 needs the staged schedule (staging kOn), which needs the checkpoint's "
+       "products on tensor cores"},
+      {Layer(32, 128), {Staging::kOn, 1, true}, false,
+       "staging kOn needs the checkpoint's products on tensor cores"},
+  };
+  for (const Refusal& r : refusals) {
+    const absl::StatusOr<VerifyLaunchPlan> plan =
+        PlanFastVerify(r.args, r.schedule, r.tensor_cores, 32, kSms, kSmemOptin);
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << r.says;
+    EXPECT_THAT(std::string(plan.status().message()), HasSubstr(r.says));
+  }
+}
+
+TEST(VerifyPlanTest, StagedRowsFallInDistinctBanks) {
+  // MmaCheckpointPass's lanes g = 0, 1 read 16 bytes at columns 8 t4 of two
+  // consecutive rows: the second row must start 16 banks (bf16) or 4 banks
+  // (fp32, two 16-byte loads a lane) past a multiple of 32.
+  for (int k : {64, 128, 256}) {
+    EXPECT_EQ(StagedSmem::RowStride(k, 4) % 32, 4) << k;
+    EXPECT_EQ((StagedSmem::RowStride(k, 2) / 2) % 32, 16) << k;
+  }
+  // Every region starts on 16 bytes.
+  const StagedSmem s{128, 12, 32, 2, 2, true};
+  for (size_t bytes : {s.RingKBytes(), s.RingGBytes(), s.RingUBytes(), s.SliceBytes(),
+                       VerifySmem{128, 3, 12, false}.Bytes()}) {
+    EXPECT_EQ(bytes % 16, 0u);
+  }
+}
+
+}  // namespace
+}  // namespace fast
+}  // namespace kernels
+}  // namespace specstate
