@@ -92,8 +92,9 @@ struct FastVerifyArgs {
   const DeviceStatus* gate = nullptr;
   // The row metadata (query_start_loc, state_indices) and the cursors were
   // in place before the gate's checks began (the service's own expected
-  // values: a step's later Verify): a staged Verify may read and compute
-  // while the checks run, and waits for them before its first write.
+  // values: a step's later Verify): the CUDA Verify kernels that may start
+  // early (verify_plan.h) read and compute while the checks run, and wait
+  // for them before their first write.
   bool rows_before_checks = false;
 };
 
