@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -19,6 +18,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
                                 "client", "python"))
 import specstate  # noqa: E402
+from transfer_time import start  # noqa: E402
 
 
 def cpu_seconds(pid: int) -> float:
@@ -33,17 +33,11 @@ def main() -> int:
     args = ap.parse_args()
     d = tempfile.mkdtemp(prefix="ss", dir="/tmp")
     socks = [os.path.join(d, "a.sock"), os.path.join(d, "b.sock")]
-    servers = [subprocess.Popen([args.specstated, "--backend=cpu", f"--listen=unix://{s}",
-                                 "--layers=2", "--heads=2", "--blocks=8",
-                                 "--host_tier_bytes=64MiB"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-               for s in socks]
+    small = ["--layers=2", "--heads=2", "--blocks=8", "--host_tier_bytes=64MiB"]
+    servers = []
     try:
         for s in socks:
-            for _ in range(300):
-                if os.path.exists(s):
-                    break
-                time.sleep(0.1)
+            servers.append(start(args.specstated, s, small))
         a, b = specstate.Client("unix://" + socks[0]), specstate.Client("unix://" + socks[1])
         session = a.session("idle-cpu", drive=True)
         session.save_blocks({"k": 1})

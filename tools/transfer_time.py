@@ -25,11 +25,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import specstate  # noqa: E402
 
 
-def start(binary: str, sock: str) -> subprocess.Popen:
-    p = subprocess.Popen([binary, "--backend=cpu", f"--listen=unix://{sock}",
-                          "--model=kimi-linear-48b-a3b", "--blocks=8", "--max_rows=4",
-                          "--host_tier_bytes=1GiB"], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+KIMI_LINEAR = ["--model=kimi-linear-48b-a3b", "--blocks=8", "--max_rows=4",
+               "--host_tier_bytes=1GiB"]
+
+
+def start(binary: str, sock: str, flags=KIMI_LINEAR) -> subprocess.Popen:
+    """A CPU-backend specstated on `sock` with `flags`, once its socket exists
+    (also tools/transfer_idle_cpu.py's)."""
+    p = subprocess.Popen([binary, "--backend=cpu", f"--listen=unix://{sock}"] + list(flags),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(300):
         if os.path.exists(sock):
             return p

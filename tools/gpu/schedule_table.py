@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""FAST's Verify under each FastVerifySchedule, side by side, from kda_bench
+outputs (its `FAST verify 3xTF32, <schedule>` rows, cold-L2 CUDA-graph time):
+one row per shape, state dtype and N in --ns, the stock kernel beside, and
+optionally the served Verify of an earlier run.
+
+    tools/gpu/schedule_table.py RUN.md [--earlier=EARLIER.md] [--ns=1,16]
+"""
+import argparse
+import re
+import sys
+
+ROW = re.compile(r"\| (.+?) \| (\d+) \| [\d.]+ \| [\d.]+ \| ([\d.]+) \|")
+COLUMNS = ["unstaged", "staged, 1 a head", "staged, 2 a head", "staged, 4 a head",
+           "staged, 8 a head", "launcher's choice", "served"]
+
+
+def parse(path):
+    """{((shape, state), N): {column: us}}."""
+    out, section = {}, None
+    for line in open(path):
+        if line.startswith("### "):
+            shape = line[4:].split(":")[0].split(" (")[0]
+            shape = shape.replace("-48B-A3B", "").replace("-80B-A3B", "")
+            section = (shape, "bf16" if "bf16 state" in line else "fp32")
+            continue
+        m = ROW.match(line)
+        if not m or section is None:
+            continue
+        name, n, us = m.group(1), int(m.group(2)), float(m.group(3))
+        if name.startswith("FAST verify (F"):
+            column = "served"
+        elif name.startswith("FAST verify 3xTF32, "):
+            column = name[len("FAST verify 3xTF32, "):].replace(" (F=4), 1 layer", "")
+        elif name.startswith("stock spec path"):
+            column = "stock"
+        else:
+            continue
+        out.setdefault((section, n), {})[column] = us
+    return out
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("run")
+    ap.add_argument("--earlier", help="a run whose served Verify is the last column")
+    ap.add_argument("--ns", default="1,16")
+    args = ap.parse_args(argv[1:])
+    ns = {int(n) for n in args.ns.split(",")}
+    run = parse(args.run)
+    earlier = parse(args.earlier) if args.earlier else {}
+    head = ["shape", "state", "N", "stock"] + COLUMNS + (["served, earlier run"] if earlier else [])
+    print("| " + " | ".join(head) + " |")
+    print("|---|---|" + "---:|" * (len(head) - 2))
+    order = {"fp32": 0, "bf16": 1}
+    for (section, n) in sorted(run, key=lambda k: (order[k[0][1]], k[1] not in ns, k[0][0], k[1])):
+        if n not in ns:
+            continue
+        cells = run[(section, n)]
+        row = [section[0], section[1], str(n), str(cells.get("stock", ""))]
+        row += [str(cells.get(c, "")) for c in COLUMNS]
+        if earlier:
+            row.append(str(earlier.get((section, n), {}).get("served", "")))
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
