@@ -37,7 +37,10 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
                                                    "dim ", K, " takes at most ", K / 16));
   }
   const bool early = tensor_cores && schedule.early_start && blocks <= 4 * int64_t{sms};
-  const VerifyLaunchPlan unstaged{false, 1, base_bytes(early), early};
+  const bool piped = tensor_cores && schedule.piped_checkpoint && K == PipedSmem::kHeadDim;
+  const VerifyLaunchPlan unstaged{false, 1,
+                                  base_bytes(early) + (piped ? PipedSmem::Bytes(kVerifyWarps) : 0),
+                                  early, piped};
   if (schedule.staging == Staging::kOff || (schedule.staging == Staging::kAuto && !tensor_cores)) {
     if (s > 1) {
       return absl::InvalidArgumentError(absl::StrCat(

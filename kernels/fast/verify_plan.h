@@ -48,10 +48,19 @@ struct FastVerifySchedule {
   // checks run (the staged one always may). false: the kernel of larger
   // grids, which waits for its checks first.
   bool early_start = true;
+  // Unstaged at head dim 128 with tensor cores: each warp's tile of the
+  // checkpoint copied to shared memory (cp.async) ahead of the pass, its
+  // first column group at the block's start (in flight through the window
+  // and ring phases), the next ones into the ring's freed buffer and as the
+  // pass frees them (PipedSmem). false: the pass loads each column group
+  // from global memory when it needs it.
+  bool piped_checkpoint = true;
 };
 
 // Ring tokens per chunk of Verify's and the fold's shared memory.
 inline constexpr int kRingChunk = 32;
+// Warps of a Verify block (256 threads: cuda/device_math.cuh's kThreads).
+inline constexpr int kVerifyWarps = 8;
 
 // Shared memory of one Verify block (floats), Q window tokens at most, ring
 // capacity R.
@@ -98,13 +107,29 @@ struct StagedSmem {
   }
 };
 
+// The piped checkpoint pass's buffers (FastVerifySchedule::
+// piped_checkpoint, head dim 128 only), after VerifySmem's bytes: per warp
+// kBytesPerWarp, one column group of its 16-row tile in fp32 (16 rows x 32
+// columns) or two in bf16. The pass also uses the ring chunk buffer (kr,
+// VerifySmem: 32 x 128 floats, kBytesPerWarp a warp), free once the ring's
+// phase ends. A lane copies and reads only its own 16-byte pieces (piece p
+// of every lane together, 512 bytes: no bank conflicts), so no barrier
+// stands between a copy and its use.
+struct PipedSmem {
+  static constexpr int kHeadDim = 128;
+  static constexpr size_t kBytesPerWarp = 2048;
+  static SPECSTATE_HD size_t Bytes(int warps) { return kBytesPerWarp * size_t(warps); }
+};
+
 // A schedule the launcher runs: staged or not, blocks per (row, value
-// head), the kernel that may start early or not.
+// head), the kernel that may start early or not, the piped checkpoint pass
+// or not.
 struct VerifyLaunchPlan {
   bool staged = false;
   int splits = 1;
   size_t smem = 0;     // bytes a block
   bool early = false;  // the kEarly instantiation (staged: always)
+  bool piped = false;  // unstaged only: PipedSmem, the piped checkpoint pass
 };
 
 // `schedule` made concrete for a launch of `blocks` (row, value head) pairs

@@ -73,23 +73,47 @@ TEST(VerifyPlanTest, MidGridsRunTheKernelThatStartsEarly) {
   const size_t early_bytes = VerifySmem{128, 4, 16, true}.Bytes();
   const size_t plain_bytes = VerifySmem{128, 4, 16, false}.Bytes();
   EXPECT_EQ(early_bytes, plain_bytes + 4 * 128 * sizeof(float));  // the kept gammas
+  const size_t piped_bytes = PipedSmem::Bytes(kVerifyWarps);
+  EXPECT_EQ(piped_bytes, 16u * 1024);  // a warp's fp32 column group: 16 rows x 32 columns
   // N = 16: 512 blocks, at most four an SM.
   VerifyLaunchPlan p = Plan(a, 512);
   EXPECT_FALSE(p.staged);
   EXPECT_TRUE(p.early);
+  EXPECT_TRUE(p.piped);
   EXPECT_EQ(p.splits, 1);
-  EXPECT_EQ(p.smem, early_bytes);
+  EXPECT_EQ(p.smem, early_bytes + piped_bytes);
   // One more than four an SM: the kernel of large grids.
   p = Plan(a, 4 * kSms + 1);
   EXPECT_FALSE(p.staged);
   EXPECT_FALSE(p.early);
-  EXPECT_EQ(p.smem, plain_bytes);
+  EXPECT_TRUE(p.piped);
+  EXPECT_EQ(p.smem, plain_bytes + piped_bytes);
+  // Four blocks an SM still fit (227 KiB an SM, 1 KiB reserved a block).
+  EXPECT_LE(4 * (p.smem + 1024), 228u * 1024);
   // early_start false keeps it everywhere.
   FastVerifySchedule no_early;
   no_early.early_start = false;
   EXPECT_FALSE(Plan(a, 512, no_early).early);
   p = Plan(a, 32, FastVerifySchedule{Staging::kOff, 1, false});
   EXPECT_FALSE(p.staged || p.early);
+}
+
+TEST(VerifyPlanTest, ThePipedPassIsUnstagedTensorCoresAtHeadDim128) {
+  const FastVerifyArgs a = Layer(32, 128);
+  FastVerifySchedule unpiped;
+  unpiped.piped_checkpoint = false;
+  VerifyLaunchPlan p = Plan(a, 4096, unpiped);
+  EXPECT_FALSE(p.piped);
+  EXPECT_EQ(p.smem, (VerifySmem{128, 4, 16, false}.Bytes()));
+  // bf16 state rows: the same buffers (two column groups a warp).
+  EXPECT_TRUE(Plan(Layer(32, 128, DType::kBFloat16), 4096).piped);
+  // Not on CUDA cores, nor at other head dims, nor staged.
+  EXPECT_FALSE(Plan(a, 4096, {}, /*tensor_cores=*/false).piped);
+  EXPECT_FALSE(Plan(Layer(32, 64), 4096).piped);
+  EXPECT_FALSE(Plan(Layer(32, 256), 4096).piped);
+  p = Plan(a, 32);
+  EXPECT_TRUE(p.staged);
+  EXPECT_FALSE(p.piped);
 }
 
 TEST(VerifyPlanTest, CudaCoresNeitherStageNorStartEarly) {

@@ -6,6 +6,7 @@
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_CHECKPOINT_PASS_CUH_
 #define SPECSTATE_KERNELS_FAST_CUDA_CHECKPOINT_PASS_CUH_
 
+#include "kernels/common/cuda/cp_async.cuh"
 #include "kernels/fast/cuda/device_math.cuh"
 
 namespace specstate {
@@ -201,6 +202,86 @@ __device__ __forceinline__ void SplitTf32(const float (&x)[M], uint32_t (&hi)[M]
 // `slice` points at row v_lo, rows kRowStride elements apart, in global
 // memory or (kShared, Verify's staged schedule) in shared memory. Which rows
 // and where they are read from change nothing in a row's sums.
+// One column group (32 columns) of a 16-row tile into the accumulators:
+// a0, a1 hold lane (g, t4)'s columns grp * 32 + 8 t4 .. + 7 of rows g and
+// g + 8. Each accumulator takes its column groups in order, whichever pass
+// loads them, so every pass writes the same bits.
+template <int K, bool kSplit, bool kStateLo>
+__device__ __forceinline__ void MmaColumnGroup(float (&acc)[2][4], const float (&a0)[8],
+                                               const float (&a1)[8], int grp, int T,
+                                               const float* kc_s, const float* qc_s, int lane) {
+  const int g = lane >> 2, t4 = lane & 3;
+  const int per_kind = T <= 4 ? 4 : 8;  // vectors of each kind, padded
+  const int n_tiles = per_kind / 4;
+  const int col = grp * 32 + 8 * t4;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    if (nt >= n_tiles) break;
+    const int idx = nt * 8 + g, tok = idx % per_kind;
+    float b[8];
+    if (tok < T) {
+      const float* src = (idx < per_kind ? kc_s : qc_s) + tok * K + col;
+      const float4 lo4 = *reinterpret_cast<const float4*>(src);
+      const float4 hi4 = *reinterpret_cast<const float4*>(src + 4);
+      b[0] = lo4.x, b[1] = lo4.y, b[2] = lo4.z, b[3] = lo4.w;
+      b[4] = hi4.x, b[5] = hi4.y, b[6] = hi4.z, b[7] = hi4.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) b[e] = 0.0f;
+    }
+    // Split at use, a k-step at a time (few registers live).
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const float af[4] = {a0[2 * s], a1[2 * s], a0[2 * s + 1], a1[2 * s + 1]};
+      const float bf[2] = {b[2 * s], b[2 * s + 1]};
+      uint32_t ah[4], al[4], bh[2], bl[2];
+      SplitTf32<4>(af, ah, al);
+      SplitTf32<2>(bf, bh, bl);
+      if constexpr (kSplit) {  // the small products first
+        MmaTf32(acc[nt], ah, bl);
+        if constexpr (kStateLo) MmaTf32(acc[nt], al, bh);
+      }
+      MmaTf32(acc[nt], ah, bh);
+    }
+  }
+}
+
+// A tile's accumulators into kn[t][v] (kc) and qn[t][v] (qc), v from
+// v_lo + tile * 16.
+__device__ __forceinline__ void StoreTileSums(const float (&acc)[2][4], int v_lo, int tile, int T,
+                                              float* kn, float* qn, int K, int lane) {
+  const int g = lane >> 2, t4 = lane & 3;
+  const int per_kind = T <= 4 ? 4 : 8;
+  const int n_tiles = per_kind / 4;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    if (nt >= n_tiles) break;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int v = v_lo + tile * 16 + g + (e >= 2 ? 8 : 0);
+      const int idx = nt * 8 + 2 * t4 + (e & 1), tok = idx % per_kind;
+      if (tok < T) (idx < per_kind ? kn : qn)[tok * K + v] = acc[nt][e];
+    }
+  }
+}
+
+// Verify's checkpoint pass on tensor cores (FastNumerics::Operands kTf32, or
+// kTf32Split = 3xTF32 with kSplit): S0[v] . kc_t into kn[t][v], S0[v] . qc_t
+// into qn[t][v]. A warp owns 16-row tiles of the slice (K / 16 of them, warp
+// w tiles w, w + 8, ...); the B operand's 8 columns are the vectors kc_0 ..
+// kc_{P-1}, qc_0 .. qc_{P-1} (P = 4 for T <= 4, else 8 and two n-tiles;
+// columns t >= T zero). The dot products run over the columns in a
+// permuted order, the same for both operands: in each 32-column group lane
+// (g, t) loads 8 consecutive columns 8t .. 8t + 7 of rows g and g + 8 (two
+// 16-byte loads a row for fp32), and k-step s takes columns 8t + 2s,
+// 8t + 2s + 1 as its k indices t, t + 4. 3xTF32: each k-step's hi*lo and
+// lo*hi, then hi*hi, into one fp32 accumulator; a bf16 state is exact in
+// tf32, so its lo*hi is skipped.
+//
+// The pass covers state rows v_lo .. v_lo + rows - 1 (a multiple of 16):
+// `slice` points at row v_lo, rows kRowStride elements apart, in global
+// memory or (kShared, Verify's staged schedule) in shared memory. Which rows
+// and where they are read from change nothing in a row's sums.
 template <typename State, int K, bool kSplit, bool kShared, int kRowStride>
 __device__ __forceinline__ void MmaCheckpointPass(const State* slice, int v_lo, int rows, int T,
                                                   const float* kc_s,
@@ -213,8 +294,6 @@ __device__ __forceinline__ void MmaCheckpointPass(const State* slice, int v_lo, 
   constexpr int kBatch = kStateLo ? 1 : 2;
   static_assert(kGroups % kBatch == 0, "whole batches of column groups");
   const int g = lane >> 2, t4 = lane & 3;
-  const int per_kind = T <= 4 ? 4 : 8;  // vectors of each kind, padded
-  const int n_tiles = per_kind / 4;
   for (int tile = warp; tile < rows / 16; tile += kWarps) {
     float acc[2][4];
 #pragma unroll
@@ -239,50 +318,146 @@ __device__ __forceinline__ void MmaCheckpointPass(const State* slice, int v_lo, 
       }
 #pragma unroll
       for (int x = 0; x < kBatch; ++x) {
-        const int col = (grp0 + x) * 32 + 8 * t4;
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          if (nt >= n_tiles) break;
-          const int idx = nt * 8 + g, tok = idx % per_kind;
-          float b[8];
-          if (tok < T) {
-            const float* src = (idx < per_kind ? kc_s : qc_s) + tok * K + col;
-            const float4 lo4 = *reinterpret_cast<const float4*>(src);
-            const float4 hi4 = *reinterpret_cast<const float4*>(src + 4);
-            b[0] = lo4.x, b[1] = lo4.y, b[2] = lo4.z, b[3] = lo4.w;
-            b[4] = hi4.x, b[5] = hi4.y, b[6] = hi4.z, b[7] = hi4.w;
-          } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) b[e] = 0.0f;
-          }
-          // Split at use, a k-step at a time (few registers live).
-#pragma unroll
-          for (int s = 0; s < 4; ++s) {
-            const float af[4] = {a0[x][2 * s], a1[x][2 * s], a0[x][2 * s + 1], a1[x][2 * s + 1]};
-            const float bf[2] = {b[2 * s], b[2 * s + 1]};
-            uint32_t ah[4], al[4], bh[2], bl[2];
-            SplitTf32<4>(af, ah, al);
-            SplitTf32<2>(bf, bh, bl);
-            if constexpr (kSplit) {  // the small products first
-              MmaTf32(acc[nt], ah, bl);
-              if constexpr (kStateLo) MmaTf32(acc[nt], al, bh);
-            }
-            MmaTf32(acc[nt], ah, bh);
-          }
-        }
+        MmaColumnGroup<K, kSplit, kStateLo>(acc, a0[x], a1[x], grp0 + x, T, kc_s, qc_s, lane);
       }
     }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      if (nt >= n_tiles) break;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int v = v_lo + tile * 16 + g + (e >= 2 ? 8 : 0);
-        const int idx = nt * 8 + 2 * t4 + (e & 1), tok = idx % per_kind;
-        if (tok < T) (idx < per_kind ? kn : qn)[tok * K + v] = acc[nt][e];
-      }
-    }
+    StoreTileSums(acc, v_lo, tile, T, kn, qn, K, lane);
   }
+}
+
+// ---------------------------------------------------------------------------
+// The piped checkpoint pass (FastVerifySchedule::piped_checkpoint; head dim
+// 128, unstaged: warp w's tile is rows 16 w .. 16 w + 15 of the head's
+// slice, four column groups). PipedSmem in verify_plan.h: a lane's pieces of
+// a column group (fp32: 4 x 16 bytes, rows g and g + 8, columns 8 t4 .. + 7;
+// bf16: 2) sit at piece * 512 + lane * 16 of the group's buffer.
+
+template <typename State>
+struct PipedGroup {
+  static constexpr int kPieces = 2 * 8 * int(sizeof(State)) / 16;  // 16-byte pieces a lane
+  static constexpr int kBytes = 32 * 16 * kPieces;                 // a warp's group
+};
+
+// Lane (g, t4)'s pieces of column group `grp` of warp `warp`'s tile, from
+// the head's slice (row-major [128][128]) into `buffer` (cp.async; the
+// caller commits).
+template <typename State>
+__device__ __forceinline__ void PipedCopyGroup(char* buffer, const State* slice, int warp,
+                                               int grp, int lane) {
+  constexpr int K = PipedSmem::kHeadDim;
+  constexpr int kPerPiece = 16 / int(sizeof(State));
+  const int g = lane >> 2, t4 = lane & 3;
+  const State* row0 = slice + int64_t{warp * 16 + g} * K + grp * 32 + 8 * t4;
+#pragma unroll
+  for (int p = 0; p < PipedGroup<State>::kPieces; ++p) {
+    const int row = p / (PipedGroup<State>::kPieces / 2), part = p % (PipedGroup<State>::kPieces / 2);
+    CpAsync16(buffer + p * 512 + lane * 16, row0 + int64_t{row} * 8 * K + part * kPerPiece);
+  }
+}
+
+// The lane's columns of a group from its buffer, as LoadCols<8> of rows g
+// and g + 8 would give them.
+template <typename State>
+__device__ __forceinline__ void PipedReadGroup(const char* buffer, int lane, float (&a0)[8],
+                                               float (&a1)[8]) {
+  if constexpr (sizeof(State) == 4) {
+    float4 x[4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) x[p] = *reinterpret_cast<const float4*>(buffer + p * 512 + lane * 16);
+    const float4 r0a = x[0], r0b = x[1], r1a = x[2], r1b = x[3];
+    a0[0] = r0a.x, a0[1] = r0a.y, a0[2] = r0a.z, a0[3] = r0a.w;
+    a0[4] = r0b.x, a0[5] = r0b.y, a0[6] = r0b.z, a0[7] = r0b.w;
+    a1[0] = r1a.x, a1[1] = r1a.y, a1[2] = r1a.z, a1[3] = r1a.w;
+    a1[4] = r1b.x, a1[5] = r1b.y, a1[6] = r1b.z, a1[7] = r1b.w;
+  } else {
+    SharedStateCols<8>(reinterpret_cast<const State*>(buffer + 0 * 512 + lane * 16), a0);
+    SharedStateCols<8>(reinterpret_cast<const State*>(buffer + 1 * 512 + lane * 16), a1);
+  }
+}
+
+// Where warp `warp`'s groups go: fp32 (2 KB a group) group 0 and 2 in
+// `own` (PipedSmem), 1 and 3 in `freed` (the ring chunk buffer); bf16 (1 KB)
+// groups 0, 1 in `own`, 2, 3 in `freed`.
+template <typename State>
+__device__ __forceinline__ char* PipedBuffer(char* own, char* freed, int warp, int grp) {
+  constexpr size_t kWarp = PipedSmem::kBytesPerWarp;
+  if constexpr (sizeof(State) == 4) {
+    return ((grp & 1) ? freed : own) + warp * kWarp;
+  } else {
+    return ((grp & 2) ? freed : own) + warp * kWarp + (grp & 1) * PipedGroup<State>::kBytes;
+  }
+}
+
+// At the block's start: the groups `own` holds first (fp32: 0; bf16: 0, 1),
+// one commit group.
+template <typename State>
+__device__ __forceinline__ void PipedCopyFirst(char* own, const State* slice, int warp, int lane) {
+  PipedCopyGroup<State>(PipedBuffer<State>(own, nullptr, warp, 0), slice, warp, 0, lane);
+  if constexpr (sizeof(State) == 2) {
+    PipedCopyGroup<State>(PipedBuffer<State>(own, nullptr, warp, 1), slice, warp, 1, lane);
+  }
+  CpAsyncCommit();
+}
+
+// Once the ring's phase has freed `freed`: fp32 group 1; bf16 groups 2, 3;
+// one commit group.
+template <typename State>
+__device__ __forceinline__ void PipedCopySecond(char* own, char* freed, const State* slice,
+                                                int warp, int lane) {
+  if constexpr (sizeof(State) == 4) {
+    PipedCopyGroup<State>(PipedBuffer<State>(own, freed, warp, 1), slice, warp, 1, lane);
+  } else {
+    PipedCopyGroup<State>(PipedBuffer<State>(own, freed, warp, 2), slice, warp, 2, lane);
+    PipedCopyGroup<State>(PipedBuffer<State>(own, freed, warp, 3), slice, warp, 3, lane);
+  }
+  CpAsyncCommit();
+}
+
+// The pass, after PipedCopyFirst and PipedCopySecond: fp32 refills each
+// buffer with the group two ahead once its group is in registers (the
+// mma's use of them orders the refill after the lane's reads). The same
+// sums, in the same order, as MmaCheckpointPass over the whole slice.
+template <typename State, bool kSplit>
+__device__ __forceinline__ void PipedMmaCheckpointPass(char* own, char* freed, const State* slice,
+                                                       int T, const float* kc_s,
+                                                       const float* qc_s, float* kn, float* qn,
+                                                       int lane, int warp) {
+  constexpr int K = PipedSmem::kHeadDim;
+  constexpr bool kStateLo = kSplit && std::is_same<State, float>::value;
+  static_assert(K / 16 == kWarps, "a tile a warp");
+  float acc[2][4];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.0f;
+  }
+  const auto group = [&](int grp) {
+    float a0[8], a1[8];
+    PipedReadGroup<State>(PipedBuffer<State>(own, freed, warp, grp), lane, a0, a1);
+    MmaColumnGroup<K, kSplit, kStateLo>(acc, a0, a1, grp, T, kc_s, qc_s, lane);
+  };
+  if constexpr (sizeof(State) == 4) {
+    CpAsyncWait<1>();  // group 0
+    group(0);
+    PipedCopyGroup<State>(PipedBuffer<State>(own, freed, warp, 2), slice, warp, 2, lane);
+    CpAsyncCommit();
+    CpAsyncWait<1>();  // group 1
+    group(1);
+    PipedCopyGroup<State>(PipedBuffer<State>(own, freed, warp, 3), slice, warp, 3, lane);
+    CpAsyncCommit();
+    CpAsyncWait<1>();  // group 2
+    group(2);
+    CpAsyncWait<0>();  // group 3
+    group(3);
+  } else {
+    CpAsyncWait<1>();  // groups 0, 1
+    group(0);
+    group(1);
+    CpAsyncWait<0>();  // groups 2, 3
+    group(2);
+    group(3);
+  }
+  StoreTileSums(acc, 0, warp, T, kn, qn, K, lane);
 }
 
 }  // namespace

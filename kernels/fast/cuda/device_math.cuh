@@ -36,6 +36,7 @@ using internal::IsBlock;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+static_assert(kWarps == kVerifyWarps, "verify_plan.h sizes Verify's shared memory for these warps");
 // Ring tokens whose log-decays or values a thread loads together (Verify's
 // ring loops: a memory round trip a batch instead of a token).
 constexpr int kLoadBatch = 8;

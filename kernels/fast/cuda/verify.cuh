@@ -83,14 +83,21 @@ enum class CheckpointPassKind {
 // staged kernel always may. An instantiation of its own unstaged, served at
 // mid-sized grids only: at large ones the same code in the one kernel cost
 // 3-5% (docs/results/fast_verify_late_writes_h100_20261206.md).
+//
+// kPiped (unstaged, K = 128, tensor cores): the checkpoint pass reads each
+// warp's tile from shared memory, copied ahead (PipedSmem): its first column
+// group at the block's start, the next once the ring's phase frees its
+// buffer, the rest as the pass frees theirs (PipedMmaCheckpointPass).
 template <typename Act, typename State, int K, CheckpointPassKind kPass, bool kStaged,
-          bool kEarly>
+          bool kEarly, bool kPiped = false>
 __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <= 128 ? 4 : 1))
     FastVerifyKernel(FastVerifyArgs a, bool small_grid) {
   constexpr bool kMma =
       kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3;
   static_assert(kMma || !kStaged, "the staged schedule runs the tensor-core checkpoint pass");
   static_assert(kEarly || !kStaged, "the staged kernel may start early");
+  static_assert(!kPiped || (kMma && !kStaged && K == PipedSmem::kHeadDim),
+                "the piped pass: unstaged, tensor cores, head dim 128");
   extern __shared__ float smem[];
   const int n = blockIdx.x, hv = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -140,6 +147,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s);
   const int64_t u_width = RingUWidth(s);
   // The staged copies (StagedSmem), after the floats rounded to 16 bytes.
+  // (The piped pass's buffers, PipedSmem, start there too.)
   char* staged_base = reinterpret_cast<char*>(smem) + layout.Bytes();
   Act* ring_k_s = reinterpret_cast<Act*>(staged_base);
   float* ring_g_s = reinterpret_cast<float*>(staged_base + staged.RingKBytes());
@@ -187,6 +195,8 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
                 s0 + int64_t{v_lo + r} * K + e * kPerChunk);
     }
     CpAsyncCommit();
+  } else if constexpr (kPiped) {
+    PipedCopyFirst<State>(staged_base, checkpoint_slice(), warp, lane);
   } else if (small_grid) {
     // small_grid: the checkpoint slice this block reads in its last phase,
     // into L2 now, while the window and ring phases run (a line per thread
@@ -392,6 +402,11 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   }
   for (int j = tid, x = 0; j < K; j += kThreads, ++x) gc[j] = col_acc[x];
   __syncthreads();
+  // kr is free: the piped pass's next column groups, in flight through kc, qc.
+  if constexpr (kPiped) {
+    PipedCopySecond<State>(staged_base, reinterpret_cast<char*>(kr), checkpoint_slice(), warp,
+                           lane);
+  }
 
   // 3. kc_t, qc_t (in place of kw, qw).
   for (int j = tid; j < K; j += kThreads) {
@@ -409,7 +424,10 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   const State* s0 = checkpoint_slice();
   if constexpr (kMma) {
     constexpr bool kSplit = kPass == CheckpointPassKind::kMmaTf32x3;
-    if constexpr (kStaged) {
+    if constexpr (kPiped) {
+      PipedMmaCheckpointPass<State, kSplit>(staged_base, reinterpret_cast<char*>(kr),
+                                            checkpoint_slice(), T, kx, qx, kn, qn, lane, warp);
+    } else if constexpr (kStaged) {
       constexpr int kStride = StagedSmem::RowStride(K, int(sizeof(State)));
       MmaCheckpointPass<State, K, kSplit, true, kStride>(slice_s, v_lo, rows, T, kx, qx, kn, qn,
                                                          lane, warp);
@@ -623,12 +641,18 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
     using State = typename decltype(state)::type;
     constexpr int K = decltype(head_dim)::value;
     using P = CheckpointPassKind;
-    // Staged (always early), unstaged early, or the one kernel of large grids.
+    // Staged (always early), unstaged early, or the one kernel of large
+    // grids; unstaged at K = 128 piped or not.
     const auto mma_kernel = [&](auto pass) {
       constexpr P kPass = decltype(pass)::value;
-      return plan->staged  ? FastVerifyKernel<Act, State, K, kPass, true, true>
-             : plan->early ? FastVerifyKernel<Act, State, K, kPass, false, true>
-                           : FastVerifyKernel<Act, State, K, kPass, false, false>;
+      constexpr bool kCanPipe = K == PipedSmem::kHeadDim;
+      const bool piped = kCanPipe && plan->piped;
+      return plan->staged ? FastVerifyKernel<Act, State, K, kPass, true, true>
+             : plan->early
+                 ? (piped ? FastVerifyKernel<Act, State, K, kPass, false, true, kCanPipe>
+                          : FastVerifyKernel<Act, State, K, kPass, false, true>)
+                 : (piped ? FastVerifyKernel<Act, State, K, kPass, false, false, kCanPipe>
+                          : FastVerifyKernel<Act, State, K, kPass, false, false>);
     };
     auto kernel = checkpoint == O::kTf32Split
                       ? mma_kernel(std::integral_constant<P, P::kMmaTf32x3>{})
