@@ -4,7 +4,10 @@ outputs (its `FAST verify 3xTF32, <schedule>` rows, cold-L2 CUDA-graph time):
 one row per shape, state dtype and N in --ns, the stock kernel beside, and
 optionally the served Verify of an earlier run.
 
-    tools/gpu/schedule_table.py RUN.md [--earlier=EARLIER.md] [--ns=1,16]
+    tools/gpu/schedule_table.py RUN.md [--earlier=EARLIER.md] [--ns=1,16] [--set=piped]
+
+--set=piped: the unstaged kernels with the piped checkpoint pass (the
+default) beside the same kernels loading the checkpoint in the pass.
 """
 import argparse
 import re
@@ -13,6 +16,11 @@ import sys
 ROW = re.compile(r"\| (.+?) \| (\d+) \| [\d.]+ \| [\d.]+ \| ([\d.]+) \|")
 COLUMNS = ["unstaged", "staged, 1 a head", "staged, 2 a head", "staged, 4 a head",
            "staged, 8 a head", "launcher's choice", "served"]
+SETS = {
+    "schedules": COLUMNS,
+    "piped": ["unstaged", "unstaged, checkpoint loaded in the pass", "unstaged, early-start kernel",
+              "unstaged, early-start kernel, checkpoint loaded in the pass", "served"],
+}
 
 
 def parse(path):
@@ -45,11 +53,13 @@ def main(argv):
     ap.add_argument("run")
     ap.add_argument("--earlier", help="a run whose served Verify is the last column")
     ap.add_argument("--ns", default="1,16")
+    ap.add_argument("--set", default="schedules", choices=sorted(SETS))
     args = ap.parse_args(argv[1:])
     ns = {int(n) for n in args.ns.split(",")}
     run = parse(args.run)
     earlier = parse(args.earlier) if args.earlier else {}
-    head = ["shape", "state", "N", "stock"] + COLUMNS + (["served, earlier run"] if earlier else [])
+    columns = SETS[args.set]
+    head = ["shape", "state", "N", "stock"] + columns + (["served, earlier run"] if earlier else [])
     print("| " + " | ".join(head) + " |")
     print("|---|---|" + "---:|" * (len(head) - 2))
     order = {"fp32": 0, "bf16": 1}
@@ -58,7 +68,7 @@ def main(argv):
             continue
         cells = run[(section, n)]
         row = [section[0], section[1], str(n), str(cells.get("stock", ""))]
-        row += [str(cells.get(c, "")) for c in COLUMNS]
+        row += [str(cells.get(c, "")) for c in columns]
         if earlier:
             row.append(str(earlier.get((section, n), {}).get("served", "")))
         print("| " + " | ".join(row) + " |")

@@ -29,7 +29,9 @@
 // checkpoint rows copied to shared memory up front) and a head's rows split
 // over up to eight blocks; up to four an SM it may start early (every phase
 // while its check kernel runs, the writes after); larger grids run the one
-// kernel that waits for its checks first. All write the same bits.
+// kernel that waits for its checks first; unstaged at K = 128, the
+// checkpoint pass is piped (its tiles copied to shared memory ahead of it).
+// All write the same bits.
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
 #define SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
 
