@@ -37,7 +37,8 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
                                                    "dim ", K, " takes at most ", K / 16));
   }
   const bool early = tensor_cores && schedule.early_start && blocks <= 4 * int64_t{sms};
-  const bool piped = tensor_cores && schedule.piped_checkpoint && K == PipedSmem::kHeadDim;
+  const bool piped =
+      tensor_cores && schedule.piped_checkpoint && K == PipedSmem::kHeadDim && !early;
   const VerifyLaunchPlan unstaged{false, 1,
                                   base_bytes(early) + (piped ? PipedSmem::Bytes(kVerifyWarps) : 0),
                                   early, piped};

@@ -48,12 +48,14 @@ struct FastVerifySchedule {
   // checks run (the staged one always may). false: the kernel of larger
   // grids, which waits for its checks first.
   bool early_start = true;
-  // Unstaged at head dim 128 with tensor cores: each warp's tile of the
-  // checkpoint copied to shared memory (cp.async) ahead of the pass, its
-  // first column group at the block's start (in flight through the window
-  // and ring phases), the next ones into the ring's freed buffer and as the
-  // pass frees them (PipedSmem). false: the pass loads each column group
-  // from global memory when it needs it.
+  // The kernel of large grids (unstaged, not the early-start one) at head
+  // dim 128 with tensor cores: each warp's tile of the checkpoint copied to
+  // shared memory (cp.async) ahead of the pass, its first column group at
+  // the block's start (in flight through the window and ring phases), the
+  // next ones into the ring's freed buffer and as the pass frees them
+  // (PipedSmem). Not in the early-start kernel: at one wave of blocks the
+  // copy at the start slowed N = 16 (bf16 state, H100, 2026-12-06). false:
+  // the pass loads each column group from global memory when it needs it.
   bool piped_checkpoint = true;
 };
 

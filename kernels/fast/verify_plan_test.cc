@@ -79,9 +79,9 @@ TEST(VerifyPlanTest, MidGridsRunTheKernelThatStartsEarly) {
   VerifyLaunchPlan p = Plan(a, 512);
   EXPECT_FALSE(p.staged);
   EXPECT_TRUE(p.early);
-  EXPECT_TRUE(p.piped);
+  EXPECT_FALSE(p.piped);  // one wave: no copy at the start
   EXPECT_EQ(p.splits, 1);
-  EXPECT_EQ(p.smem, early_bytes + piped_bytes);
+  EXPECT_EQ(p.smem, early_bytes);
   // One more than four an SM: the kernel of large grids.
   p = Plan(a, 4 * kSms + 1);
   EXPECT_FALSE(p.staged);
@@ -98,7 +98,7 @@ TEST(VerifyPlanTest, MidGridsRunTheKernelThatStartsEarly) {
   EXPECT_FALSE(p.staged || p.early);
 }
 
-TEST(VerifyPlanTest, ThePipedPassIsUnstagedTensorCoresAtHeadDim128) {
+TEST(VerifyPlanTest, ThePipedPassIsTheLargeGridKernelsAtHeadDim128) {
   const FastVerifyArgs a = Layer(32, 128);
   FastVerifySchedule unpiped;
   unpiped.piped_checkpoint = false;
@@ -107,7 +107,7 @@ TEST(VerifyPlanTest, ThePipedPassIsUnstagedTensorCoresAtHeadDim128) {
   EXPECT_EQ(p.smem, (VerifySmem{128, 4, 16, false}.Bytes()));
   // bf16 state rows: the same buffers (two column groups a warp).
   EXPECT_TRUE(Plan(Layer(32, 128, DType::kBFloat16), 4096).piped);
-  // Not on CUDA cores, nor at other head dims, nor staged.
+  // Not on CUDA cores, nor at other head dims, nor staged, nor (above) early.
   EXPECT_FALSE(Plan(a, 4096, {}, /*tensor_cores=*/false).piped);
   EXPECT_FALSE(Plan(Layer(32, 64), 4096).piped);
   EXPECT_FALSE(Plan(Layer(32, 256), 4096).piped);

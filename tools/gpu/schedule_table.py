@@ -6,8 +6,8 @@ optionally the served Verify of an earlier run.
 
     tools/gpu/schedule_table.py RUN.md [--earlier=EARLIER.md] [--ns=1,16] [--set=piped]
 
---set=piped: the unstaged kernels with the piped checkpoint pass (the
-default) beside the same kernels loading the checkpoint in the pass.
+--set=piped: the kernel of large grids with the piped checkpoint pass (the
+default) beside the same kernel loading the checkpoint in the pass.
 """
 import argparse
 import re
@@ -18,8 +18,7 @@ COLUMNS = ["unstaged", "staged, 1 a head", "staged, 2 a head", "staged, 4 a head
            "staged, 8 a head", "launcher's choice", "served"]
 SETS = {
     "schedules": COLUMNS,
-    "piped": ["unstaged", "unstaged, checkpoint loaded in the pass", "unstaged, early-start kernel",
-              "unstaged, early-start kernel, checkpoint loaded in the pass", "served"],
+    "piped": ["unstaged", "unstaged, checkpoint loaded in the pass", "served"],
 }
 
 

@@ -328,30 +328,42 @@ __device__ __forceinline__ void MmaCheckpointPass(const State* slice, int v_lo, 
 // ---------------------------------------------------------------------------
 // The piped checkpoint pass (FastVerifySchedule::piped_checkpoint; head dim
 // 128, unstaged: warp w's tile is rows 16 w .. 16 w + 15 of the head's
-// slice, four column groups). PipedSmem in verify_plan.h: a lane's pieces of
-// a column group (fp32: 4 x 16 bytes, rows g and g + 8, columns 8 t4 .. + 7;
-// bf16: 2) sit at piece * 512 + lane * 16 of the group's buffer.
+// slice, four column groups of 32 columns). PipedSmem in verify_plan.h.
+//  - fp32: a group is 16 rows of 128 bytes. The warp copies whole lines (8
+//    lanes a row: a lane copying only the 16-byte halves of the sectors it
+//    reads sent each sector to L2 twice, and ran 20% slower than the loads
+//    it replaced), so lanes read each other's copies: a __syncwarp after
+//    each wait, and before a buffer is refilled. A row's 16-byte chunk c is
+//    stored at chunk c ^ (row % 8): the readers' rows g, g + 8 and columns
+//    8 t4 then fall in distinct banks.
+//  - bf16: a lane's row g and g + 8 columns 8 t4 .. + 7 are one 16-byte
+//    piece each, four lanes a row's 64 bytes: each lane copies and reads its
+//    own pieces (piece p of every lane together, 512 bytes), no barrier.
 
 template <typename State>
 struct PipedGroup {
-  static constexpr int kPieces = 2 * 8 * int(sizeof(State)) / 16;  // 16-byte pieces a lane
-  static constexpr int kBytes = 32 * 16 * kPieces;                 // a warp's group
+  static constexpr int kBytes = 16 * 32 * int(sizeof(State));  // a warp's group
 };
 
-// Lane (g, t4)'s pieces of column group `grp` of warp `warp`'s tile, from
-// the head's slice (row-major [128][128]) into `buffer` (cp.async; the
-// caller commits).
+// Column group `grp` of warp `warp`'s tile, from the head's slice
+// (row-major [128][128]) into `buffer` (cp.async; the caller commits).
 template <typename State>
 __device__ __forceinline__ void PipedCopyGroup(char* buffer, const State* slice, int warp,
                                                int grp, int lane) {
   constexpr int K = PipedSmem::kHeadDim;
-  constexpr int kPerPiece = 16 / int(sizeof(State));
-  const int g = lane >> 2, t4 = lane & 3;
-  const State* row0 = slice + int64_t{warp * 16 + g} * K + grp * 32 + 8 * t4;
+  const State* tile = slice + int64_t{warp * 16} * K + grp * 32;
+  if constexpr (sizeof(State) == 4) {
 #pragma unroll
-  for (int p = 0; p < PipedGroup<State>::kPieces; ++p) {
-    const int row = p / (PipedGroup<State>::kPieces / 2), part = p % (PipedGroup<State>::kPieces / 2);
-    CpAsync16(buffer + p * 512 + lane * 16, row0 + int64_t{row} * 8 * K + part * kPerPiece);
+    for (int i = 0; i < 4; ++i) {
+      const int q = i * 32 + lane, row = q >> 3, chunk = q & 7;
+      CpAsync16(buffer + row * 128 + ((chunk ^ (row & 7)) << 4), tile + int64_t{row} * K + chunk * 4);
+    }
+  } else {
+    const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      CpAsync16(buffer + p * 512 + lane * 16, tile + int64_t{g + 8 * p} * K + 8 * t4);
+    }
   }
 }
 
@@ -360,22 +372,25 @@ __device__ __forceinline__ void PipedCopyGroup(char* buffer, const State* slice,
 template <typename State>
 __device__ __forceinline__ void PipedReadGroup(const char* buffer, int lane, float (&a0)[8],
                                                float (&a1)[8]) {
+  const int g = lane >> 2, t4 = lane & 3;
   if constexpr (sizeof(State) == 4) {
-    float4 x[4];
+    float4 x[4];  // row g then g + 8, columns 8 t4 .. + 3 then + 4 .. + 7
 #pragma unroll
-    for (int p = 0; p < 4; ++p) x[p] = *reinterpret_cast<const float4*>(buffer + p * 512 + lane * 16);
-    const float4 r0a = x[0], r0b = x[1], r1a = x[2], r1b = x[3];
-    a0[0] = r0a.x, a0[1] = r0a.y, a0[2] = r0a.z, a0[3] = r0a.w;
-    a0[4] = r0b.x, a0[5] = r0b.y, a0[6] = r0b.z, a0[7] = r0b.w;
-    a1[0] = r1a.x, a1[1] = r1a.y, a1[2] = r1a.z, a1[3] = r1a.w;
-    a1[4] = r1b.x, a1[5] = r1b.y, a1[6] = r1b.z, a1[7] = r1b.w;
+    for (int p = 0; p < 4; ++p) {
+      const int row = g + 8 * (p >> 1), chunk = 2 * t4 + (p & 1);
+      x[p] = *reinterpret_cast<const float4*>(buffer + row * 128 + ((chunk ^ (row & 7)) << 4));
+    }
+    a0[0] = x[0].x, a0[1] = x[0].y, a0[2] = x[0].z, a0[3] = x[0].w;
+    a0[4] = x[1].x, a0[5] = x[1].y, a0[6] = x[1].z, a0[7] = x[1].w;
+    a1[0] = x[2].x, a1[1] = x[2].y, a1[2] = x[2].z, a1[3] = x[2].w;
+    a1[4] = x[3].x, a1[5] = x[3].y, a1[6] = x[3].z, a1[7] = x[3].w;
   } else {
     SharedStateCols<8>(reinterpret_cast<const State*>(buffer + 0 * 512 + lane * 16), a0);
     SharedStateCols<8>(reinterpret_cast<const State*>(buffer + 1 * 512 + lane * 16), a1);
   }
 }
 
-// Where warp `warp`'s groups go: fp32 (2 KB a group) group 0 and 2 in
+// Where warp `warp`'s groups go: fp32 (2 KB a group) groups 0 and 2 in
 // `own` (PipedSmem), 1 and 3 in `freed` (the ring chunk buffer); bf16 (1 KB)
 // groups 0, 1 in `own`, 2, 3 in `freed`.
 template <typename State>
@@ -414,9 +429,8 @@ __device__ __forceinline__ void PipedCopySecond(char* own, char* freed, const St
 }
 
 // The pass, after PipedCopyFirst and PipedCopySecond: fp32 refills each
-// buffer with the group two ahead once its group is in registers (the
-// mma's use of them orders the refill after the lane's reads). The same
-// sums, in the same order, as MmaCheckpointPass over the whole slice.
+// buffer with the group two ahead once the warp has read it. The same sums,
+// in the same order, as MmaCheckpointPass over the whole slice.
 template <typename State, bool kSplit>
 __device__ __forceinline__ void PipedMmaCheckpointPass(char* own, char* freed, const State* slice,
                                                        int T, const float* kc_s,
@@ -437,17 +451,23 @@ __device__ __forceinline__ void PipedMmaCheckpointPass(char* own, char* freed, c
     MmaColumnGroup<K, kSplit, kStateLo>(acc, a0, a1, grp, T, kc_s, qc_s, lane);
   };
   if constexpr (sizeof(State) == 4) {
-    CpAsyncWait<1>();  // group 0
+    CpAsyncWait<1>();  // group 0 (the lane's copies; the warp's after the barrier)
+    __syncwarp();
     group(0);
+    __syncwarp();      // every lane has read it before the refill lands
     PipedCopyGroup<State>(PipedBuffer<State>(own, freed, warp, 2), slice, warp, 2, lane);
     CpAsyncCommit();
     CpAsyncWait<1>();  // group 1
+    __syncwarp();
     group(1);
+    __syncwarp();
     PipedCopyGroup<State>(PipedBuffer<State>(own, freed, warp, 3), slice, warp, 3, lane);
     CpAsyncCommit();
     CpAsyncWait<1>();  // group 2
+    __syncwarp();
     group(2);
     CpAsyncWait<0>();  // group 3
+    __syncwarp();
     group(3);
   } else {
     CpAsyncWait<1>();  // groups 0, 1

@@ -164,16 +164,14 @@ std::string NameOf(const FastVerifySchedule& s) {
 // The schedules Verify can run for case c, the kernel of large grids first;
 // with tensor cores, the unstaged kernel that may start early and the
 // staged one at every split that leaves a block 16 rows or more, each with
-// and without rows_before_checks (its reads before its wait); the unstaged
-// kernels with the piped checkpoint pass (head dim 128) and without.
+// and without rows_before_checks (its reads before its wait); the kernel
+// of large grids with the piped checkpoint pass (head dim 128) and without.
 std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& c) {
   using Staging = FastVerifySchedule::Staging;
   std::vector<std::pair<FastVerifySchedule, bool>> out = {{{Staging::kOff, 1, false}, false}};
   if (c.checkpoint == FastNumerics::Operands::kFp32) return out;
   out.push_back({{Staging::kOff, 1, false, false}, false});
-  for (bool early : {false, true}) {
-    for (bool piped : {true, false}) out.push_back({{Staging::kOff, 1, true, piped}, early});
-  }
+  for (bool early : {false, true}) out.push_back({{Staging::kOff, 1, true}, early});
   for (int splits : {1, 2, 4, 8}) {
     if (c.K / splits < 16) continue;
     for (bool early : {false, true}) out.push_back({{Staging::kOn, splits, true}, early});
@@ -390,9 +388,9 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
                   << " differ from the unstaged schedule's";
             }
           }
-          // Both unstaged kernels, each piped and not, and staged at two
-          // splits at least.
-          if (c.checkpoint != FastNumerics::Operands::kFp32) EXPECT_GE(compared, 10) << c.name;
+          // Both unstaged kernels (that of large grids piped and not), and
+          // staged at two splits at least.
+          if (c.checkpoint != FastNumerics::Operands::kFp32) EXPECT_GE(compared, 8) << c.name;
           if (step == 0 && l == 0) ExpectSchedulesRefused(c, a, verify_numerics);
         }
         const absl::Status st = dev ? FastVerifyCuda(a, verify_numerics, nullptr)

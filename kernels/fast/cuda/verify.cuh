@@ -29,9 +29,9 @@
 // checkpoint rows copied to shared memory up front) and a head's rows split
 // over up to eight blocks; up to four an SM it may start early (every phase
 // while its check kernel runs, the writes after); larger grids run the one
-// kernel that waits for its checks first; unstaged at K = 128, the
-// checkpoint pass is piped (its tiles copied to shared memory ahead of it).
-// All write the same bits.
+// kernel that waits for its checks first, at K = 128 with its checkpoint
+// pass piped (its tiles copied to shared memory ahead of it). All write the
+// same bits.
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
 #define SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
 
@@ -86,7 +86,7 @@ enum class CheckpointPassKind {
 // mid-sized grids only: at large ones the same code in the one kernel cost
 // 3-5% (docs/results/fast_verify_late_writes_h100_20261206.md).
 //
-// kPiped (unstaged, K = 128, tensor cores): the checkpoint pass reads each
+// kPiped (the kernel of large grids, K = 128, tensor cores): the checkpoint pass reads each
 // warp's tile from shared memory, copied ahead (PipedSmem): its first column
 // group at the block's start, the next once the ring's phase frees its
 // buffer, the rest as the pass frees theirs (PipedMmaCheckpointPass).
@@ -98,8 +98,8 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
       kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3;
   static_assert(kMma || !kStaged, "the staged schedule runs the tensor-core checkpoint pass");
   static_assert(kEarly || !kStaged, "the staged kernel may start early");
-  static_assert(!kPiped || (kMma && !kStaged && K == PipedSmem::kHeadDim),
-                "the piped pass: unstaged, tensor cores, head dim 128");
+  static_assert(!kPiped || (kMma && !kStaged && !kEarly && K == PipedSmem::kHeadDim),
+                "the piped pass: the kernel of large grids, tensor cores, head dim 128");
   extern __shared__ float smem[];
   const int n = blockIdx.x, hv = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -644,17 +644,15 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
     constexpr int K = decltype(head_dim)::value;
     using P = CheckpointPassKind;
     // Staged (always early), unstaged early, or the one kernel of large
-    // grids; unstaged at K = 128 piped or not.
+    // grids, at K = 128 piped or not.
     const auto mma_kernel = [&](auto pass) {
       constexpr P kPass = decltype(pass)::value;
       constexpr bool kCanPipe = K == PipedSmem::kHeadDim;
       const bool piped = kCanPipe && plan->piped;
-      return plan->staged ? FastVerifyKernel<Act, State, K, kPass, true, true>
-             : plan->early
-                 ? (piped ? FastVerifyKernel<Act, State, K, kPass, false, true, kCanPipe>
-                          : FastVerifyKernel<Act, State, K, kPass, false, true>)
-                 : (piped ? FastVerifyKernel<Act, State, K, kPass, false, false, kCanPipe>
-                          : FastVerifyKernel<Act, State, K, kPass, false, false>);
+      return plan->staged  ? FastVerifyKernel<Act, State, K, kPass, true, true>
+             : plan->early ? FastVerifyKernel<Act, State, K, kPass, false, true>
+             : piped       ? FastVerifyKernel<Act, State, K, kPass, false, false, kCanPipe>
+                           : FastVerifyKernel<Act, State, K, kPass, false, false>;
     };
     auto kernel = checkpoint == O::kTf32Split
                       ? mma_kernel(std::integral_constant<P, P::kMmaTf32x3>{})
