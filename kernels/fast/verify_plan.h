@@ -54,9 +54,11 @@ struct FastVerifySchedule {
   // the block's start (in flight through the window and ring phases), the
   // next ones into the ring's freed buffer and as the pass frees them
   // (PipedSmem). Not in the early-start kernel: at one wave of blocks the
-  // copy at the start slowed N = 16 (bf16 state, H100, 2026-12-06). false:
-  // the pass loads each column group from global memory when it needs it.
-  bool piped_checkpoint = true;
+  // copy at the start slowed N = 16 (bf16 state, H100, 2026-12-06). Off
+  // by default until measured (docs/benchmarks.md, "FAST's checkpoint pass
+  // piped"): the pass loads each column group from global memory when it
+  // needs it.
+  bool piped_checkpoint = false;
 };
 
 // Ring tokens per chunk of Verify's and the fold's shared memory.

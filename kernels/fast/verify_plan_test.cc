@@ -79,17 +79,24 @@ TEST(VerifyPlanTest, MidGridsRunTheKernelThatStartsEarly) {
   VerifyLaunchPlan p = Plan(a, 512);
   EXPECT_FALSE(p.staged);
   EXPECT_TRUE(p.early);
-  EXPECT_FALSE(p.piped);  // one wave: no copy at the start
+  EXPECT_FALSE(p.piped);
   EXPECT_EQ(p.splits, 1);
   EXPECT_EQ(p.smem, early_bytes);
   // One more than four an SM: the kernel of large grids.
   p = Plan(a, 4 * kSms + 1);
   EXPECT_FALSE(p.staged);
   EXPECT_FALSE(p.early);
+  EXPECT_FALSE(p.piped);  // not served (piped_checkpoint off by default)
+  EXPECT_EQ(p.smem, plain_bytes);
+  // Piped: four blocks an SM still fit (228 KiB an SM, 1 KiB reserved a block).
+  FastVerifySchedule piped;
+  piped.piped_checkpoint = true;
+  p = Plan(a, 4 * kSms + 1, piped);
   EXPECT_TRUE(p.piped);
   EXPECT_EQ(p.smem, plain_bytes + piped_bytes);
-  // Four blocks an SM still fit (227 KiB an SM, 1 KiB reserved a block).
   EXPECT_LE(4 * (p.smem + 1024), 228u * 1024);
+  // ... but not in the early-start kernel.
+  EXPECT_FALSE(Plan(a, 512, piped).piped);
   // early_start false keeps it everywhere.
   FastVerifySchedule no_early;
   no_early.early_start = false;
@@ -100,18 +107,17 @@ TEST(VerifyPlanTest, MidGridsRunTheKernelThatStartsEarly) {
 
 TEST(VerifyPlanTest, ThePipedPassIsTheLargeGridKernelsAtHeadDim128) {
   const FastVerifyArgs a = Layer(32, 128);
-  FastVerifySchedule unpiped;
-  unpiped.piped_checkpoint = false;
-  VerifyLaunchPlan p = Plan(a, 4096, unpiped);
-  EXPECT_FALSE(p.piped);
-  EXPECT_EQ(p.smem, (VerifySmem{128, 4, 16, false}.Bytes()));
+  FastVerifySchedule piped;
+  piped.piped_checkpoint = true;
+  EXPECT_FALSE(Plan(a, 4096).piped);  // off by default
+  EXPECT_TRUE(Plan(a, 4096, piped).piped);
   // bf16 state rows: the same buffers (two column groups a warp).
-  EXPECT_TRUE(Plan(Layer(32, 128, DType::kBFloat16), 4096).piped);
+  EXPECT_TRUE(Plan(Layer(32, 128, DType::kBFloat16), 4096, piped).piped);
   // Not on CUDA cores, nor at other head dims, nor staged, nor (above) early.
-  EXPECT_FALSE(Plan(a, 4096, {}, /*tensor_cores=*/false).piped);
-  EXPECT_FALSE(Plan(Layer(32, 64), 4096).piped);
-  EXPECT_FALSE(Plan(Layer(32, 256), 4096).piped);
-  p = Plan(a, 32);
+  EXPECT_FALSE(Plan(a, 4096, piped, /*tensor_cores=*/false).piped);
+  EXPECT_FALSE(Plan(Layer(32, 64), 4096, piped).piped);
+  EXPECT_FALSE(Plan(Layer(32, 256), 4096, piped).piped);
+  const VerifyLaunchPlan p = Plan(a, 32, piped);
   EXPECT_TRUE(p.staged);
   EXPECT_FALSE(p.piped);
 }
