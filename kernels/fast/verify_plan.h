@@ -116,9 +116,8 @@ struct StagedSmem {
 // kBytesPerWarp, one column group of its 16-row tile in fp32 (16 rows x 32
 // columns) or two in bf16. The pass also uses the ring chunk buffer (kr,
 // VerifySmem: 32 x 128 floats, kBytesPerWarp a warp), free once the ring's
-// phase ends. A lane copies and reads only its own 16-byte pieces (piece p
-// of every lane together, 512 bytes: no bank conflicts), so no barrier
-// stands between a copy and its use.
+// phase ends. The layouts within a group: cuda/checkpoint_pass.cuh,
+// "The piped checkpoint pass".
 struct PipedSmem {
   static constexpr int kHeadDim = 128;
   static constexpr size_t kBytesPerWarp = 2048;

@@ -185,23 +185,6 @@ __device__ __forceinline__ void SplitTf32(const float (&x)[M], uint32_t (&hi)[M]
   }
 }
 
-// Verify's checkpoint pass on tensor cores (FastNumerics::Operands kTf32, or
-// kTf32Split = 3xTF32 with kSplit): S0[v] . kc_t into kn[t][v], S0[v] . qc_t
-// into qn[t][v]. A warp owns 16-row tiles of the slice (K / 16 of them, warp
-// w tiles w, w + 8, ...); the B operand's 8 columns are the vectors kc_0 ..
-// kc_{P-1}, qc_0 .. qc_{P-1} (P = 4 for T <= 4, else 8 and two n-tiles;
-// columns t >= T zero). The dot products run over the columns in a
-// permuted order, the same for both operands: in each 32-column group lane
-// (g, t) loads 8 consecutive columns 8t .. 8t + 7 of rows g and g + 8 (two
-// 16-byte loads a row for fp32), and k-step s takes columns 8t + 2s,
-// 8t + 2s + 1 as its k indices t, t + 4. 3xTF32: each k-step's hi*lo and
-// lo*hi, then hi*hi, into one fp32 accumulator; a bf16 state is exact in
-// tf32, so its lo*hi is skipped.
-//
-// The pass covers state rows v_lo .. v_lo + rows - 1 (a multiple of 16):
-// `slice` points at row v_lo, rows kRowStride elements apart, in global
-// memory or (kShared, Verify's staged schedule) in shared memory. Which rows
-// and where they are read from change nothing in a row's sums.
 // One column group (32 columns) of a 16-row tile into the accumulators:
 // a0, a1 hold lane (g, t4)'s columns grp * 32 + 8 t4 .. + 7 of rows g and
 // g + 8. Each accumulator takes its column groups in order, whichever pass

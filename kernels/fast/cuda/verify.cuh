@@ -87,10 +87,11 @@ enum class CheckpointPassKind {
 // mid-sized grids only: at large ones the same code in the one kernel cost
 // 3-5% (docs/results/fast_verify_late_writes_h100_20261206.md).
 //
-// kPiped (the kernel of large grids, K = 128, tensor cores): the checkpoint pass reads each
-// warp's tile from shared memory, copied ahead (PipedSmem): its first column
-// group at the block's start, the next once the ring's phase frees its
-// buffer, the rest as the pass frees theirs (PipedMmaCheckpointPass).
+// kPiped (the kernel of large grids, K = 128, tensor cores): the checkpoint
+// pass reads each warp's tile from shared memory, copied ahead (PipedSmem):
+// its first column group at the block's start, the next once the ring's
+// phase frees its buffer, the rest as the pass frees theirs
+// (PipedMmaCheckpointPass).
 template <typename Act, typename State, int K, CheckpointPassKind kPass, bool kStaged,
           bool kEarly, bool kPiped = false>
 __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <= 128 ? 4 : 1))
