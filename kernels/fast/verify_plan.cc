@@ -41,7 +41,7 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
       tensor_cores && schedule.piped_checkpoint && K == PipedSmem::kHeadDim && !early;
   const VerifyLaunchPlan unstaged{false, 1,
                                   base_bytes(early) + (piped ? PipedSmem::Bytes(kVerifyWarps) : 0),
-                                  early, piped, schedule.prefetch_ring};
+                                  early, piped};
   if (schedule.staging == Staging::kOff || (schedule.staging == Staging::kAuto && !tensor_cores)) {
     if (s > 1) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -59,12 +59,6 @@ struct FastVerifySchedule {
   // piped"): the pass loads each column group from global memory when it
   // needs it.
   bool piped_checkpoint = false;
-  // Unstaged (either kernel): every line of the ring tokens the block reads
-  // later (raw k, log-decays, its rows of u) prefetched into L2 as the
-  // block starts, so that the ring phases' loads wait on L2, not DRAM. (The
-  // staged kernel copies them to shared memory instead.) Off by default
-  // until measured (docs/benchmarks.md).
-  bool prefetch_ring = false;
 };
 
 // Ring tokens per chunk of Verify's and the fold's shared memory.
@@ -132,14 +126,13 @@ struct PipedSmem {
 
 // A schedule the launcher runs: staged or not, blocks per (row, value
 // head), the kernel that may start early or not, the piped checkpoint pass
-// or not, the ring prefetched into L2 or not.
+// or not.
 struct VerifyLaunchPlan {
   bool staged = false;
   int splits = 1;
   size_t smem = 0;     // bytes a block
   bool early = false;  // the kEarly instantiation (staged: always)
   bool piped = false;  // unstaged only: PipedSmem, the piped checkpoint pass
-  bool prefetch_ring = false;  // unstaged only: the ring's lines into L2 at the start
 };
 
 // `schedule` made concrete for a launch of `blocks` (row, value head) pairs

@@ -122,25 +122,6 @@ TEST(VerifyPlanTest, ThePipedPassIsTheLargeGridKernelsAtHeadDim128) {
   EXPECT_FALSE(p.piped);
 }
 
-TEST(VerifyPlanTest, TheRingIsPrefetchedByTheUnstagedKernelsOnly) {
-  const FastVerifyArgs a = Layer(32, 128);
-  FastVerifySchedule prefetch;
-  prefetch.prefetch_ring = true;
-  EXPECT_FALSE(Plan(a, 4096).prefetch_ring);  // off by default
-  // The kernel of large grids, the early one, and on CUDA cores: the same
-  // shared memory as without.
-  for (int64_t blocks : {int64_t{512}, int64_t{4096}}) {
-    const VerifyLaunchPlan p = Plan(a, blocks, prefetch);
-    EXPECT_TRUE(p.prefetch_ring) << blocks;
-    EXPECT_EQ(p.smem, Plan(a, blocks).smem) << blocks;
-  }
-  EXPECT_TRUE(Plan(a, 4096, prefetch, /*tensor_cores=*/false).prefetch_ring);
-  // The staged kernel copies the ring to shared memory instead.
-  const VerifyLaunchPlan p = Plan(a, 32, prefetch);
-  EXPECT_TRUE(p.staged);
-  EXPECT_FALSE(p.prefetch_ring);
-}
-
 TEST(VerifyPlanTest, CudaCoresNeitherStageNorStartEarly) {
   for (int64_t blocks : {1, 32, 512, 4096}) {
     const VerifyLaunchPlan p = Plan(Layer(32, 128), blocks, {}, /*tensor_cores=*/false);

@@ -294,10 +294,7 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
         {{Staging::kAuto, 0, true}, "launcher's choice"},
         {{Staging::kOff, 1, false}, "unstaged"},
         {{Staging::kOff, 1, true}, "unstaged, early-start kernel"},
-        {{Staging::kOff, 1, false, true}, "unstaged, piped checkpoint pass"},
-        {{Staging::kOff, 1, false, false, true}, "unstaged, ring prefetched"},
-        {{Staging::kOff, 1, true, false, true}, "unstaged, early-start kernel, ring prefetched"},
-        {{Staging::kOff, 1, false, true, true}, "unstaged, piped checkpoint pass, ring prefetched"}};
+        {{Staging::kOff, 1, false, true}, "unstaged, piped checkpoint pass"}};
     for (int splits : {1, 2, 4, 8}) {
       if (b.shape.K / splits >= 16) {
         schedules.push_back(

@@ -8,8 +8,7 @@ optionally the served Verify of an earlier run.
 
 --set=piped: the kernel of large grids loading the checkpoint in the pass
 (served) beside the same kernel with the piped checkpoint pass; --set=piped_v1
-the same columns of the first piped version's run; --set=prefetch: each
-unstaged kernel with and without the ring prefetched into L2.
+the same columns of the first piped version's run.
 """
 import argparse
 import re
@@ -21,11 +20,6 @@ COLUMNS = ["unstaged", "staged, 1 a head", "staged, 2 a head", "staged, 4 a head
 SETS = {
     "schedules": COLUMNS,
     "piped": ["unstaged", "unstaged, piped checkpoint pass", "served"],
-    # FastVerifySchedule::prefetch_ring: each unstaged kernel with and
-    # without the ring's lines prefetched into L2.
-    "prefetch": ["unstaged", "unstaged, ring prefetched", "unstaged, early-start kernel",
-                 "unstaged, early-start kernel, ring prefetched", "unstaged, piped checkpoint pass",
-                 "unstaged, piped checkpoint pass, ring prefetched", "served"],
     # The first piped version's run (docs/results/fast_verify_piped_v1_*),
     # where "unstaged" was piped and the other row loaded in the pass.
     "piped_v1": ["unstaged, checkpoint loaded in the pass", "unstaged", "served"],

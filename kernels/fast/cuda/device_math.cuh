@@ -146,37 +146,6 @@ __device__ __forceinline__ void PrefetchL2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// Every 128-byte line of ring tokens 0 .. c - 1 that a Verify block of key
-// head h and value head hv reads in its later phases (raw k, log-decays,
-// its rows of u) into L2, a line a thread a step: the ring phases' loads
-// then wait on L2, not DRAM (FastVerifySchedule::prefetch_ring). Slots below
-// c only: a block never reads the slots it writes.
-template <typename Act, int K>
-__device__ __forceinline__ void PrefetchRingL2(const FastRings& r, int32_t block, int c, int h,
-                                               int hv, bool gdn, int64_t kw_width,
-                                               int64_t g_width, int64_t u_width, int tid) {
-  constexpr int kKLines = (K * int(sizeof(Act)) + 127) / 128;
-  constexpr int kRowLines = (K * int(sizeof(float)) + 127) / 128;  // fp32 rows
-  const int g_lines = gdn ? 1 : kRowLines;                          // GDN: a scalar
-  const int per_token = kKLines + g_lines + kRowLines;
-  for (int x = tid; x < c * per_token; x += kThreads) {
-    const int i = x / per_token;
-    int line = x % per_token;
-    const char* p;
-    if (line < kKLines) {
-      p = reinterpret_cast<const char*>(static_cast<const Act*>(r.k) +
-                                        RingAt(r, block, i, kw_width) + int64_t{h} * K);
-    } else if ((line -= kKLines) < g_lines) {
-      p = reinterpret_cast<const char*>(r.log_decay + RingAt(r, block, i, g_width) +
-                                        (gdn ? int64_t{hv} : int64_t{h} * K));
-    } else {
-      line -= g_lines;
-      p = reinterpret_cast<const char*>(r.u + RingAt(r, block, i, u_width) + int64_t{hv} * K);
-    }
-    PrefetchL2(p + 128 * line);
-  }
-}
-
 // C consecutive floats of shared memory (C = 1, 2, 4, 8; aligned to C).
 template <int C>
 __device__ __forceinline__ void SmemCols(const float* p, float (&out)[C]) {

@@ -158,26 +158,20 @@ std::string NameOf(const FastVerifySchedule& s) {
                       : s.staging == Staging::kOff ? "unstaged"
                                                    : "auto",
                       ", value_splits ", s.value_splits, s.early_start ? ", early start" : "",
-                      s.piped_checkpoint ? ", piped checkpoint pass" : "",
-                      s.prefetch_ring ? ", ring prefetched" : "");
+                      s.piped_checkpoint ? ", piped checkpoint pass" : "");
 }
 
 // The schedules Verify can run for case c, the kernel of large grids first;
 // with tensor cores, the unstaged kernel that may start early and the
 // staged one at every split that leaves a block 16 rows or more, each with
 // and without rows_before_checks (its reads before its wait); the kernel
-// of large grids with the piped checkpoint pass (head dim 128) and without;
-// both unstaged kernels with the ring prefetched into L2 (on CUDA cores
-// too).
+// of large grids with the piped checkpoint pass (head dim 128) and without.
 std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& c) {
   using Staging = FastVerifySchedule::Staging;
-  std::vector<std::pair<FastVerifySchedule, bool>> out = {{{Staging::kOff, 1, false}, false},
-                                                          {{Staging::kOff, 1, false, false, true}, false}};
+  std::vector<std::pair<FastVerifySchedule, bool>> out = {{{Staging::kOff, 1, false}, false}};
   if (c.checkpoint == FastNumerics::Operands::kFp32) return out;
   out.push_back({{Staging::kOff, 1, false, true}, false});
-  out.push_back({{Staging::kOff, 1, false, true, true}, false});
   for (bool early : {false, true}) out.push_back({{Staging::kOff, 1, true}, early});
-  out.push_back({{Staging::kOff, 1, true, false, true}, true});
   for (int splits : {1, 2, 4, 8}) {
     if (c.K / splits < 16) continue;
     for (bool early : {false, true}) out.push_back({{Staging::kOn, splits, true}, early});

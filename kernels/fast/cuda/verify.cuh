@@ -95,7 +95,7 @@ enum class CheckpointPassKind {
 template <typename Act, typename State, int K, CheckpointPassKind kPass, bool kStaged,
           bool kEarly, bool kPiped = false>
 __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <= 128 ? 4 : 1))
-    FastVerifyKernel(FastVerifyArgs a, bool small_grid, bool prefetch_ring) {
+    FastVerifyKernel(FastVerifyArgs a, bool small_grid) {
   constexpr bool kMma =
       kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3;
   static_assert(kMma || !kStaged, "the staged schedule runs the tensor-core checkpoint pass");
@@ -211,9 +211,6 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
     for (int off = tid * 128; off < kSliceBytes; off += kThreads * 128) {
       PrefetchL2(slice + off);
     }
-  }
-  if (!kStaged && prefetch_ring) {
-    PrefetchRingL2<Act, K>(a.rings, block, c, h, hv, gdn, kw_width, g_width, u_width, tid);
   }
 
   float* qn = smem;
@@ -671,8 +668,7 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
       if (err != cudaSuccess) return;
     }
     const dim3 grid(a.num_rows, ValueHeads(a.shape), plan->splits);
-    err = LaunchDependent(kernel, grid, kThreads, plan->smem, stream, a, small_grid,
-                          plan->prefetch_ring);
+    err = LaunchDependent(kernel, grid, kThreads, plan->smem, stream, a, small_grid);
     if (err == cudaSuccess) err = cudaGetLastError();
   });
   if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
