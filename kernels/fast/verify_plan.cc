@@ -37,11 +37,19 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
                                                    "dim ", K, " takes at most ", K / 16));
   }
   const bool early = tensor_cores && schedule.early_start && blocks <= 4 * int64_t{sms};
+  using Piping = FastVerifySchedule::Piping;
+  const size_t piped_bytes = base_bytes(false) + PipedSmem::Bytes(kVerifyWarps);
+  // An SM's shared memory is its largest block's plus the 1 KiB the runtime
+  // reserves a block (Hopper: 227 + 1 KiB; Ampere: 163 + 1).
+  constexpr size_t kReservedPerBlock = 1024;
+  const bool four_fit_piped =
+      4 * (piped_bytes + kReservedPerBlock) <= size_t(smem_optin) + kReservedPerBlock;
   const bool piped =
-      tensor_cores && schedule.piped_checkpoint && K == PipedSmem::kHeadDim && !early;
-  const VerifyLaunchPlan unstaged{false, 1,
-                                  base_bytes(early) + (piped ? PipedSmem::Bytes(kVerifyWarps) : 0),
-                                  early, piped};
+      tensor_cores && K == PipedSmem::kHeadDim && !early &&
+      (schedule.piped_checkpoint == Piping::kOn ||
+       (schedule.piped_checkpoint == Piping::kAuto && a.shape.state_dtype == DType::kBFloat16 &&
+        four_fit_piped));
+  const VerifyLaunchPlan unstaged{false, 1, piped ? piped_bytes : base_bytes(early), early, piped};
   if (schedule.staging == Staging::kOff || (schedule.staging == Staging::kAuto && !tensor_cores)) {
     if (s > 1) {
       return absl::InvalidArgumentError(absl::StrCat(

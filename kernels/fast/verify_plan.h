@@ -49,16 +49,25 @@ struct FastVerifySchedule {
   // grids, which waits for its checks first.
   bool early_start = true;
   // The kernel of large grids (unstaged, not the early-start one) at head
-  // dim 128 with tensor cores: each warp's tile of the checkpoint copied to
-  // shared memory (cp.async) ahead of the pass, its first column group at
-  // the block's start (in flight through the window and ring phases), the
-  // next ones into the ring's freed buffer and as the pass frees them
-  // (PipedSmem). Not in the early-start kernel: at one wave of blocks the
-  // copy at the start slowed N = 16 (bf16 state, H100, 2026-12-06). Off
-  // by default until measured (docs/benchmarks.md, "FAST's checkpoint pass
-  // piped"): the pass loads each column group from global memory when it
-  // needs it.
-  bool piped_checkpoint = false;
+  // dim 128 with tensor cores may pipe its checkpoint pass: each warp's
+  // tile of the checkpoint copied to shared memory (cp.async) ahead of the
+  // pass, its first column group at the block's start (in flight through
+  // the window and ring phases), the next ones into the ring's freed buffer
+  // and as the pass frees them (PipedSmem). Otherwise the pass loads each
+  // column group from global memory when it needs it. Not in the
+  // early-start kernel: at one wave of blocks the copy at the start slowed
+  // N = 16 (bf16 state, H100, 2026-12-06).
+  enum class Piping {
+    // Piped for bf16 state rows where four blocks an SM still fit with the
+    // buffers: measured on an H100 (docs/benchmarks.md, "FAST's checkpoint
+    // pass piped"), 5-6% faster at N = 256 for Kimi-Linear and Qwen3-Next;
+    // slower with fp32 state rows (+9-12%) and where the buffers cost a
+    // block an SM (Kimi-K3's Q = 8: +5%).
+    kAuto,
+    kOff,
+    kOn,  // wherever the kernel of large grids runs at head dim 128
+  };
+  Piping piped_checkpoint = Piping::kAuto;
 };
 
 // Ring tokens per chunk of Verify's and the fold's shared memory.
@@ -140,7 +149,9 @@ struct VerifyLaunchPlan {
 // memory: kAuto stages a grid of at most one block an SM, split as far as
 // the SMs take (at least 16 rows a block: one tensor-core tile; further
 // where the copies would not fit); unstaged, a grid of at most four blocks
-// an SM runs the kernel that may start early (schedule.early_start).
+// an SM runs the kernel that may start early (schedule.early_start), a
+// larger one the kernel of large grids, piped as schedule.piped_checkpoint
+// says (kAuto: bf16 state rows, four blocks an SM fitting).
 // Staging and splits need the checkpoint's products on tensor cores
 // (`tensor_cores`).
 // \returns INVALID_ARGUMENT naming the field and its bound for a schedule

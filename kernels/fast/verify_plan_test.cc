@@ -16,6 +16,7 @@ namespace {
 
 using ::testing::HasSubstr;
 using Staging = FastVerifySchedule::Staging;
+using Piping = FastVerifySchedule::Piping;
 
 constexpr int kSms = 132;              // an H100 or H200
 constexpr int kSmemOptin = 227 * 1024;  // their largest block
@@ -86,11 +87,11 @@ TEST(VerifyPlanTest, MidGridsRunTheKernelThatStartsEarly) {
   p = Plan(a, 4 * kSms + 1);
   EXPECT_FALSE(p.staged);
   EXPECT_FALSE(p.early);
-  EXPECT_FALSE(p.piped);  // not served (piped_checkpoint off by default)
+  EXPECT_FALSE(p.piped);  // fp32 state rows: not piped unless asked
   EXPECT_EQ(p.smem, plain_bytes);
   // Piped: four blocks an SM still fit (228 KiB an SM, 1 KiB reserved a block).
   FastVerifySchedule piped;
-  piped.piped_checkpoint = true;
+  piped.piped_checkpoint = Piping::kOn;
   p = Plan(a, 4 * kSms + 1, piped);
   EXPECT_TRUE(p.piped);
   EXPECT_EQ(p.smem, plain_bytes + piped_bytes);
@@ -108,8 +109,8 @@ TEST(VerifyPlanTest, MidGridsRunTheKernelThatStartsEarly) {
 TEST(VerifyPlanTest, ThePipedPassIsTheLargeGridKernelsAtHeadDim128) {
   const FastVerifyArgs a = Layer(32, 128);
   FastVerifySchedule piped;
-  piped.piped_checkpoint = true;
-  EXPECT_FALSE(Plan(a, 4096).piped);  // off by default
+  piped.piped_checkpoint = Piping::kOn;
+  EXPECT_FALSE(Plan(a, 4096).piped);  // fp32 state rows: not by default
   EXPECT_TRUE(Plan(a, 4096, piped).piped);
   // bf16 state rows: the same buffers (two column groups a warp).
   EXPECT_TRUE(Plan(Layer(32, 128, DType::kBFloat16), 4096, piped).piped);
@@ -120,6 +121,32 @@ TEST(VerifyPlanTest, ThePipedPassIsTheLargeGridKernelsAtHeadDim128) {
   const VerifyLaunchPlan p = Plan(a, 32, piped);
   EXPECT_TRUE(p.staged);
   EXPECT_FALSE(p.piped);
+}
+
+TEST(VerifyPlanTest, ByDefaultBf16StateRowsArePipedWhereFourBlocksAnSmFit) {
+  // Kimi-Linear and Qwen3-Next (Q = 4): piped with bf16 state rows, not fp32.
+  const FastVerifyArgs bf16 = Layer(32, 128, DType::kBFloat16);
+  VerifyLaunchPlan p = Plan(bf16, 4096);
+  EXPECT_TRUE(p.piped);
+  const size_t plain_bytes = VerifySmem{128, 4, 16, false}.Bytes();
+  EXPECT_EQ(p.smem, plain_bytes + PipedSmem::Bytes(kVerifyWarps));
+  EXPECT_LE(4 * (p.smem + 1024), size_t(kSmemOptin) + 1024);
+  EXPECT_FALSE(Plan(Layer(32, 128), 4096).piped);
+  // Kimi-K3 at TP8 (Q = 8, a ring of 32): the buffers would leave three blocks an SM.
+  const FastVerifyArgs k3 = Layer(12, 128, DType::kBFloat16, 8);
+  p = Plan(k3, 4096);
+  EXPECT_FALSE(p.piped);
+  const size_t k3_piped_bytes = VerifySmem{128, 8, 32, false}.Bytes() + PipedSmem::Bytes(kVerifyWarps);
+  EXPECT_GT(4 * (k3_piped_bytes + 1024), size_t(kSmemOptin) + 1024);
+  FastVerifySchedule on;
+  on.piped_checkpoint = Piping::kOn;
+  EXPECT_TRUE(Plan(k3, 4096, on).piped);  // asked for: piped at three blocks an SM
+  // Piping::kOff: never; nor the early-start kernel, nor on CUDA cores.
+  FastVerifySchedule off;
+  off.piped_checkpoint = Piping::kOff;
+  EXPECT_FALSE(Plan(bf16, 4096, off).piped);
+  EXPECT_FALSE(Plan(bf16, 512).piped);
+  EXPECT_FALSE(Plan(bf16, 4096, {}, /*tensor_cores=*/false).piped);
 }
 
 TEST(VerifyPlanTest, CudaCoresNeitherStageNorStartEarly) {

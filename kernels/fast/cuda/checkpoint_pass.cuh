@@ -315,8 +315,9 @@ __device__ __forceinline__ void MmaCheckpointPass(const State* slice, int v_lo, 
 //  - fp32: a group is 16 rows of 128 bytes. The warp copies whole lines (8
 //    lanes a row: a lane copying only the 16-byte halves of the sectors it
 //    reads, which likely sends each sector to L2 twice, ran 20% slower than
-//    the loads it replaced), so lanes read each other's copies: a __syncwarp after
-//    each wait, and before a buffer is refilled. A row's 16-byte chunk c is
+//    the loads it replaced; whole lines still run 9-12% slower, so fp32 is
+//    not piped by default), so lanes read each other's copies: a __syncwarp
+//    after each wait, and before a buffer is refilled. A row's 16-byte chunk c is
 //    stored at chunk c ^ (row % 8): the readers' rows g, g + 8 and columns
 //    8 t4 then fall in distinct banks.
 //  - bf16: a lane's row g and g + 8 columns 8 t4 .. + 7 are one 16-byte

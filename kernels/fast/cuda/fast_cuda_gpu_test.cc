@@ -158,7 +158,9 @@ std::string NameOf(const FastVerifySchedule& s) {
                       : s.staging == Staging::kOff ? "unstaged"
                                                    : "auto",
                       ", value_splits ", s.value_splits, s.early_start ? ", early start" : "",
-                      s.piped_checkpoint ? ", piped checkpoint pass" : "");
+                      s.piped_checkpoint == FastVerifySchedule::Piping::kOn    ? ", piped"
+                      : s.piped_checkpoint == FastVerifySchedule::Piping::kOff ? ", not piped"
+                                                                               : "");
 }
 
 // The schedules Verify can run for case c, the kernel of large grids first;
@@ -168,9 +170,11 @@ std::string NameOf(const FastVerifySchedule& s) {
 // of large grids with the piped checkpoint pass (head dim 128) and without.
 std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& c) {
   using Staging = FastVerifySchedule::Staging;
-  std::vector<std::pair<FastVerifySchedule, bool>> out = {{{Staging::kOff, 1, false}, false}};
+  using Piping = FastVerifySchedule::Piping;
+  std::vector<std::pair<FastVerifySchedule, bool>> out = {
+      {{Staging::kOff, 1, false, Piping::kOff}, false}};
   if (c.checkpoint == FastNumerics::Operands::kFp32) return out;
-  out.push_back({{Staging::kOff, 1, false, true}, false});
+  out.push_back({{Staging::kOff, 1, false, Piping::kOn}, false});
   for (bool early : {false, true}) out.push_back({{Staging::kOff, 1, true}, early});
   for (int splits : {1, 2, 4, 8}) {
     if (c.K / splits < 16) continue;
