@@ -898,6 +898,19 @@ std::vector<Case> Cases() {
               4, 64, 8, 4, DType::kBFloat16, DType::kBFloat16};
   x3_gdn.checkpoint = Operands::kTf32Split;
   add(x3_gdn);
+  // bf16 state rows at head dim 128: the piped pass's bf16 layout against
+  // the loaded one (SchedulesToCompare), and at 4 x 140 = 560 blocks (more
+  // than four an SM) the launcher's own choice, piped, against the CPU.
+  Case x3_bf16{"KDA_safe_bf16act_bf16state_K128_Q4_F4_3xtf32", LayerKind::kKda, KdaGate::kSafe, 2,
+               0, 128, 4, 4, DType::kBFloat16, DType::kBFloat16};
+  x3_bf16.checkpoint = Operands::kTf32Split;
+  add(x3_bf16);
+  Case x3_bf16_large = x3_bf16;
+  x3_bf16_large.name = "KDA_safe_bf16act_bf16state_K128_Q4_F4_large_grid_3xtf32";
+  x3_bf16_large.H = 4;
+  x3_bf16_large.rows = 140;
+  x3_bf16_large.steps = 8;
+  add(x3_bf16_large);
   Case x3_drift{"KDA_plain_f32act_f32state_K128_Q8_F2_3xtf32_drift", LayerKind::kKda,
                 KdaGate::kPlain, 2, 0, 128, 8, 2, DType::kFloat32};
   x3_drift.checkpoint = Operands::kTf32Split;
