@@ -68,6 +68,16 @@ struct FastVerifySchedule {
     kOn,  // wherever the kernel of large grids runs at head dim 128
   };
   Piping piped_checkpoint = Piping::kAuto;
+  // The kernel of large grids not piped: its checkpoint slice prefetched
+  // into L2 part way through the block's chain, so that the pass's loads
+  // wait on L2, not DRAM. (At the block's start it cost more than it hid at
+  // N = 256: lines evicted before use.) Not served until measured.
+  enum class CheckpointPrefetch {
+    kNone,
+    kAfterWindow,  // once the window's phase ends
+    kAfterRing,    // once the ring's phase ends, as kc and qc are formed
+  };
+  CheckpointPrefetch checkpoint_prefetch = CheckpointPrefetch::kNone;
 };
 
 // Ring tokens per chunk of Verify's and the fold's shared memory.
@@ -142,6 +152,10 @@ struct VerifyLaunchPlan {
   size_t smem = 0;     // bytes a block
   bool early = false;  // the kEarly instantiation (staged: always)
   bool piped = false;  // unstaged only: PipedSmem, the piped checkpoint pass
+  // The kernel of large grids, not piped: where its checkpoint slice is
+  // prefetched into L2.
+  FastVerifySchedule::CheckpointPrefetch checkpoint_prefetch =
+      FastVerifySchedule::CheckpointPrefetch::kNone;
 };
 
 // `schedule` made concrete for a launch of `blocks` (row, value head) pairs

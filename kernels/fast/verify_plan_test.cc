@@ -149,6 +149,24 @@ TEST(VerifyPlanTest, ByDefaultBf16StateRowsArePipedWhereFourBlocksAnSmFit) {
   EXPECT_FALSE(Plan(bf16, 4096, {}, /*tensor_cores=*/false).piped);
 }
 
+TEST(VerifyPlanTest, TheCheckpointPrefetchIsTheUnpipedLargeGridKernels) {
+  using Prefetch = FastVerifySchedule::CheckpointPrefetch;
+  const FastVerifyArgs a = Layer(32, 128);
+  EXPECT_EQ(Plan(a, 4096).checkpoint_prefetch, Prefetch::kNone);  // not served
+  FastVerifySchedule s;
+  s.checkpoint_prefetch = Prefetch::kAfterRing;
+  VerifyLaunchPlan p = Plan(a, 4096, s);
+  EXPECT_EQ(p.checkpoint_prefetch, Prefetch::kAfterRing);
+  EXPECT_EQ(p.smem, Plan(a, 4096).smem);  // no shared memory of its own
+  EXPECT_EQ(Plan(a, 4096, s, /*tensor_cores=*/false).checkpoint_prefetch, Prefetch::kAfterRing);
+  // Not where the pass is piped, nor in the early-start or staged kernels.
+  s.piped_checkpoint = FastVerifySchedule::Piping::kOn;
+  EXPECT_EQ(Plan(a, 4096, s).checkpoint_prefetch, Prefetch::kNone);
+  s.piped_checkpoint = FastVerifySchedule::Piping::kOff;
+  EXPECT_EQ(Plan(a, 512, s).checkpoint_prefetch, Prefetch::kNone);
+  EXPECT_EQ(Plan(a, 32, s).checkpoint_prefetch, Prefetch::kNone);
+}
+
 TEST(VerifyPlanTest, CudaCoresNeitherStageNorStartEarly) {
   for (int64_t blocks : {1, 32, 512, 4096}) {
     const VerifyLaunchPlan p = Plan(Layer(32, 128), blocks, {}, /*tensor_cores=*/false);

@@ -288,6 +288,7 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
     // (FastVerifySchedule: the same bits, laid out differently).
     using Staging = kernels::fast::FastVerifySchedule::Staging;
     using Piping = kernels::fast::FastVerifySchedule::Piping;
+    using Prefetch = kernels::fast::FastVerifySchedule::CheckpointPrefetch;
     const kernels::fast::FastVerifyArgs direct = kernels::fast::FastVerifyArgsOf(verify);
     kernels::fast::FastNumerics num;
     num.checkpoint = kernels::fast::FastNumerics::Operands::kTf32Split;
@@ -295,7 +296,11 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
         {{Staging::kAuto, 0, true}, "launcher's choice"},
         {{Staging::kOff, 1, false, Piping::kOff}, "unstaged"},
         {{Staging::kOff, 1, true}, "unstaged, early-start kernel"},
-        {{Staging::kOff, 1, false, Piping::kOn}, "unstaged, piped checkpoint pass"}};
+        {{Staging::kOff, 1, false, Piping::kOn}, "unstaged, piped checkpoint pass"},
+        {{Staging::kOff, 1, false, Piping::kOff, Prefetch::kAfterWindow},
+         "unstaged, checkpoint prefetched after the window"},
+        {{Staging::kOff, 1, false, Piping::kOff, Prefetch::kAfterRing},
+         "unstaged, checkpoint prefetched after the ring"}};
     for (int splits : {1, 2, 4, 8}) {
       if (b.shape.K / splits >= 16) {
         schedules.push_back(

@@ -160,19 +160,25 @@ std::string NameOf(const FastVerifySchedule& s) {
                       ", value_splits ", s.value_splits, s.early_start ? ", early start" : "",
                       s.piped_checkpoint == FastVerifySchedule::Piping::kOn    ? ", piped"
                       : s.piped_checkpoint == FastVerifySchedule::Piping::kOff ? ", not piped"
-                                                                               : "");
+                                                                               : "",
+                      s.checkpoint_prefetch == FastVerifySchedule::CheckpointPrefetch::kAfterRing
+                          ? ", checkpoint prefetched after the ring"
+                          : "");
 }
 
 // The schedules Verify can run for case c, the kernel of large grids first;
 // with tensor cores, the unstaged kernel that may start early and the
 // staged one at every split that leaves a block 16 rows or more, each with
 // and without rows_before_checks (its reads before its wait); the kernel
-// of large grids with the piped checkpoint pass (head dim 128) and without.
+// of large grids with the piped checkpoint pass (head dim 128) and without,
+// and (on CUDA cores too) with its checkpoint prefetched into L2.
 std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& c) {
   using Staging = FastVerifySchedule::Staging;
   using Piping = FastVerifySchedule::Piping;
+  using Prefetch = FastVerifySchedule::CheckpointPrefetch;
   std::vector<std::pair<FastVerifySchedule, bool>> out = {
-      {{Staging::kOff, 1, false, Piping::kOff}, false}};
+      {{Staging::kOff, 1, false, Piping::kOff}, false},
+      {{Staging::kOff, 1, false, Piping::kOff, Prefetch::kAfterRing}, false}};
   if (c.checkpoint == FastNumerics::Operands::kFp32) return out;
   out.push_back({{Staging::kOff, 1, false, Piping::kOn}, false});
   for (bool early : {false, true}) out.push_back({{Staging::kOff, 1, true}, early});

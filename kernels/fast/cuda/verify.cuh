@@ -95,7 +95,8 @@ enum class CheckpointPassKind {
 template <typename Act, typename State, int K, CheckpointPassKind kPass, bool kStaged,
           bool kEarly, bool kPiped = false>
 __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <= 128 ? 4 : 1))
-    FastVerifyKernel(FastVerifyArgs a, bool small_grid) {
+    FastVerifyKernel(FastVerifyArgs a, bool small_grid, FastVerifySchedule::CheckpointPrefetch
+                                                            checkpoint_prefetch) {
   constexpr bool kMma =
       kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3;
   static_assert(kMma || !kStaged, "the staged schedule runs the tensor-core checkpoint pass");
@@ -164,6 +165,13 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
     return static_cast<const State*>(a.state.data) + int64_t{block} * a.state.block_stride +
            int64_t{hv} * K * K;
   };
+  // The checkpoint slice into L2, a line a thread a step.
+  const auto prefetch_checkpoint = [&] {
+    const char* slice = reinterpret_cast<const char*>(checkpoint_slice());
+    constexpr int kSliceBytes = K * K * int(sizeof(State));
+    for (int off = tid * 128; off < kSliceBytes; off += kThreads * 128) PrefetchL2(slice + off);
+  };
+  using Prefetch = FastVerifySchedule::CheckpointPrefetch;
   if constexpr (kStaged) {
     // Group 1: the ring tokens 0 .. c - 1 (raw k of key head h, gammas,
     // this block's rows of u); group 2: its rows of the checkpoint. Slots
@@ -206,11 +214,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
     // into L2 now, while the window and ring phases run (a line per thread
     // per step). At larger grids it cost more than it hid (N = 256: DRAM 28%
     // of peak against 23%, prefetched lines evicted before use).
-    const char* slice = reinterpret_cast<const char*>(checkpoint_slice());
-    constexpr int kSliceBytes = K * K * int(sizeof(State));
-    for (int off = tid * 128; off < kSliceBytes; off += kThreads * 128) {
-      PrefetchL2(slice + off);
-    }
+    prefetch_checkpoint();
   }
 
   float* qn = smem;
@@ -290,6 +294,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
     }
   }
   __syncthreads();
+  if (!kStaged && !kPiped && checkpoint_prefetch == Prefetch::kAfterWindow) prefetch_checkpoint();
 
   // The window's pairs (t, s), s <= t: a warp per pair.
   const int pairs = T * (T + 1) / 2;
@@ -406,6 +411,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   }
   for (int j = tid, x = 0; j < K; j += kThreads, ++x) gc[j] = col_acc[x];
   __syncthreads();
+  if (!kStaged && !kPiped && checkpoint_prefetch == Prefetch::kAfterRing) prefetch_checkpoint();
   // kr is free: the piped pass's next column groups, in flight through kc, qc.
   if constexpr (kPiped) {
     PipedCopySecond<State>(staged_base, reinterpret_cast<char*>(kr), checkpoint_slice(), warp,
@@ -668,7 +674,8 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
       if (err != cudaSuccess) return;
     }
     const dim3 grid(a.num_rows, ValueHeads(a.shape), plan->splits);
-    err = LaunchDependent(kernel, grid, kThreads, plan->smem, stream, a, small_grid);
+    err = LaunchDependent(kernel, grid, kThreads, plan->smem, stream, a, small_grid,
+                          plan->checkpoint_prefetch);
     if (err == cudaSuccess) err = cudaGetLastError();
   });
   if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
