@@ -67,7 +67,10 @@ struct FastVerifySchedule {
     kOff,
     kOn,  // wherever the kernel of large grids runs at head dim 128
   };
-  Piping piped_checkpoint = Piping::kAuto;
+  // kOff by default until fast_cuda_gpu_test's bf16 state cases at head dim
+  // 128 (added after the measurement) have compared the piped pass's bf16
+  // layout with the loaded pass on a GPU; then kAuto.
+  Piping piped_checkpoint = Piping::kOff;
   // The kernel of large grids not piped: its checkpoint slice prefetched
   // into L2 part way through the block's chain, so that the pass's loads
   // wait on L2, not DRAM. (At the block's start it cost more than it hid at

@@ -123,30 +123,32 @@ TEST(VerifyPlanTest, ThePipedPassIsTheLargeGridKernelsAtHeadDim128) {
   EXPECT_FALSE(p.piped);
 }
 
-TEST(VerifyPlanTest, ByDefaultBf16StateRowsArePipedWhereFourBlocksAnSmFit) {
+TEST(VerifyPlanTest, AutoPipesBf16StateRowsWhereFourBlocksAnSmFit) {
+  // Off by default until the bf16 layout has been compared on a GPU.
+  EXPECT_EQ(FastVerifySchedule{}.piped_checkpoint, Piping::kOff);
+  EXPECT_FALSE(Plan(Layer(32, 128, DType::kBFloat16), 4096).piped);
+  FastVerifySchedule automatic;
+  automatic.piped_checkpoint = Piping::kAuto;
   // Kimi-Linear and Qwen3-Next (Q = 4): piped with bf16 state rows, not fp32.
   const FastVerifyArgs bf16 = Layer(32, 128, DType::kBFloat16);
-  VerifyLaunchPlan p = Plan(bf16, 4096);
+  VerifyLaunchPlan p = Plan(bf16, 4096, automatic);
   EXPECT_TRUE(p.piped);
   const size_t plain_bytes = VerifySmem{128, 4, 16, false}.Bytes();
   EXPECT_EQ(p.smem, plain_bytes + PipedSmem::Bytes(kVerifyWarps));
   EXPECT_LE(4 * (p.smem + 1024), size_t(kSmemOptin) + 1024);
-  EXPECT_FALSE(Plan(Layer(32, 128), 4096).piped);
+  EXPECT_FALSE(Plan(Layer(32, 128), 4096, automatic).piped);
   // Kimi-K3 at TP8 (Q = 8, a ring of 32): the buffers would leave three blocks an SM.
   const FastVerifyArgs k3 = Layer(12, 128, DType::kBFloat16, 8);
-  p = Plan(k3, 4096);
+  p = Plan(k3, 4096, automatic);
   EXPECT_FALSE(p.piped);
   const size_t k3_piped_bytes = VerifySmem{128, 8, 32, false}.Bytes() + PipedSmem::Bytes(kVerifyWarps);
   EXPECT_GT(4 * (k3_piped_bytes + 1024), size_t(kSmemOptin) + 1024);
   FastVerifySchedule on;
   on.piped_checkpoint = Piping::kOn;
   EXPECT_TRUE(Plan(k3, 4096, on).piped);  // asked for: piped at three blocks an SM
-  // Piping::kOff: never; nor the early-start kernel, nor on CUDA cores.
-  FastVerifySchedule off;
-  off.piped_checkpoint = Piping::kOff;
-  EXPECT_FALSE(Plan(bf16, 4096, off).piped);
-  EXPECT_FALSE(Plan(bf16, 512).piped);
-  EXPECT_FALSE(Plan(bf16, 4096, {}, /*tensor_cores=*/false).piped);
+  // Not the early-start kernel, nor on CUDA cores.
+  EXPECT_FALSE(Plan(bf16, 512, automatic).piped);
+  EXPECT_FALSE(Plan(bf16, 4096, automatic, /*tensor_cores=*/false).piped);
 }
 
 TEST(VerifyPlanTest, TheCheckpointPrefetchIsTheUnpipedLargeGridKernels) {

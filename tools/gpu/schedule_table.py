@@ -8,7 +8,9 @@ optionally the served Verify of an earlier run.
 
 --set=piped: the kernel of large grids loading the checkpoint in the pass
 (served) beside the same kernel with the piped checkpoint pass; --set=piped_v1
-the same columns of the first piped version's run.
+the same columns of the first piped version's run; --set=prefetch_checkpoint:
+the unpiped kernel with its checkpoint prefetched into L2 after the window or
+the ring, beside the unpiped and piped kernels.
 """
 import argparse
 import re
@@ -20,6 +22,11 @@ COLUMNS = ["unstaged", "staged, 1 a head", "staged, 2 a head", "staged, 4 a head
 SETS = {
     "schedules": COLUMNS,
     "piped": ["unstaged", "unstaged, piped checkpoint pass", "served"],
+    # FastVerifySchedule::checkpoint_prefetch beside the unpiped kernel and
+    # the piped one.
+    "prefetch_checkpoint": ["unstaged", "unstaged, checkpoint prefetched after the window",
+                            "unstaged, checkpoint prefetched after the ring",
+                            "unstaged, piped checkpoint pass", "served"],
     # The first piped version's run (docs/results/fast_verify_piped_v1_*),
     # where "unstaged" was piped and the other row loaded in the pass.
     "piped_v1": ["unstaged, checkpoint loaded in the pass", "unstaged", "served"],

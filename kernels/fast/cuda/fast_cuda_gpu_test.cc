@@ -905,8 +905,9 @@ std::vector<Case> Cases() {
   x3_gdn.checkpoint = Operands::kTf32Split;
   add(x3_gdn);
   // bf16 state rows at head dim 128: the piped pass's bf16 layout against
-  // the loaded one (SchedulesToCompare), and at 4 x 140 = 560 blocks (more
-  // than four an SM) the launcher's own choice, piped, against the CPU.
+  // the loaded one (SchedulesToCompare), at a small grid and at 4 x 140 =
+  // 560 blocks (more than four an SM: the launcher's own choice is the
+  // kernel of large grids, piped under Piping::kAuto).
   Case x3_bf16{"KDA_safe_bf16act_bf16state_K128_Q4_F4_3xtf32", LayerKind::kKda, KdaGate::kSafe, 2,
                0, 128, 4, 4, DType::kBFloat16, DType::kBFloat16};
   x3_bf16.checkpoint = Operands::kTf32Split;
