@@ -5,8 +5,9 @@ each mode with its ratio to the stock kernel, the fastest mode in bold.
 
     tools/gpu/summary_table.py RUN.md
 
-Rows come out in the run's order (kda_bench prints fp32 for every shape,
-then bf16); a shape's name is printed on its first row only.
+Shapes come in the run's order, each with its fp32 rows, then its bf16
+rows (kda_bench prints every shape's fp32 before any bf16); a shape's name
+is printed on its first row only.
 """
 import re
 import sys
