@@ -49,9 +49,9 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
       (schedule.piped_checkpoint == Piping::kOn ||
        (schedule.piped_checkpoint == Piping::kAuto && a.shape.state_dtype == DType::kBFloat16 &&
         four_fit_piped));
-  const VerifyLaunchPlan unstaged{
-      false, 1, piped ? piped_bytes : base_bytes(early), early, piped,
-      early || piped ? FastVerifySchedule::CheckpointPrefetch::kNone : schedule.checkpoint_prefetch};
+  using Prefetch = FastVerifySchedule::CheckpointPrefetch;
+  const VerifyLaunchPlan unstaged{false, 1, piped ? piped_bytes : base_bytes(early), early, piped,
+                                  early || piped ? Prefetch::kNone : schedule.checkpoint_prefetch};
   if (schedule.staging == Staging::kOff || (schedule.staging == Staging::kAuto && !tensor_cores)) {
     if (s > 1) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -141,7 +141,8 @@ TEST(VerifyPlanTest, AutoPipesBf16StateRowsWhereFourBlocksAnSmFit) {
   const FastVerifyArgs k3 = Layer(12, 128, DType::kBFloat16, 8);
   p = Plan(k3, 4096, automatic);
   EXPECT_FALSE(p.piped);
-  const size_t k3_piped_bytes = VerifySmem{128, 8, 32, false}.Bytes() + PipedSmem::Bytes(kVerifyWarps);
+  const size_t k3_piped_bytes =
+      VerifySmem{128, 8, 32, false}.Bytes() + PipedSmem::Bytes(kVerifyWarps);
   EXPECT_GT(4 * (k3_piped_bytes + 1024), size_t(kSmemOptin) + 1024);
   FastVerifySchedule on;
   on.piped_checkpoint = Piping::kOn;

@@ -317,9 +317,9 @@ __device__ __forceinline__ void MmaCheckpointPass(const State* slice, int v_lo, 
 //    reads, which likely sends each sector to L2 twice, ran 20% slower than
 //    the loads it replaced; whole lines still run 9-12% slower, so fp32 is
 //    not piped by default), so lanes read each other's copies: a __syncwarp
-//    after each wait, and before a buffer is refilled. A row's 16-byte chunk c is
-//    stored at chunk c ^ (row % 8): the readers' rows g, g + 8 and columns
-//    8 t4 then fall in distinct banks.
+//    after each wait, and before a buffer is refilled. A row's 16-byte
+//    chunk c is stored at chunk c ^ (row % 8): the readers' rows g, g + 8
+//    and columns 8 t4 then fall in distinct banks.
 //  - bf16: a lane's row g and g + 8 columns 8 t4 .. + 7 are one 16-byte
 //    piece each, four lanes a row's 64 bytes: each lane copies and reads its
 //    own pieces (piece p of every lane together, 512 bytes), no barrier.
