@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The one device call that decides FAST's Verify schedules (issue 34): which
+# FastVerifySchedule the launcher serves by default. Run from a checkout on a
+# GPU machine, with the extracted tools/gpu/bundle.sh bundle built with
+#   BUNDLE_TARGETS="//server:specstated //client/cli:specstatectl \
+#     //keeper:specstate-keeper //kernels/fast:fast_cuda_gpu_test \
+#     //tests/bench:kda_bench" tools/gpu/bundle.sh .gpu
+# (about 42 MB: under the device tool's 64 MiB carry):
+#   tools/gpu/fast_schedules_run.sh BUNDLE OUTDIR [DEADLINE_S=540]
+# Steps in the order of what they decide, each under its own time limit, so
+# that a call cut short still returns the first ones; at most 8 files (what
+# the device tool brings back):
+#  1. gpu_test.txt: fast_cuda_gpu_test (every schedule's cases bit for bit
+#     against the loaded pass: the piped pass with bf16 state rows, the
+#     checkpoint's L2 prefetch), then the same under memcheck on 3-step
+#     loops. Its last line says whether the piped bf16 cases passed: they
+#     decide whether Piping::kAuto may become the default (verify_plan.h).
+#  2. kda_bench.md: every shape, N = 1, 16, 64, 256, both state dtypes,
+#     every mode and every schedule row (cold L2, CUDA graph);
+#     tables.md: its summary table (summary_table.py, docs/benchmarks.md's
+#     lead table) and the schedules side by side at N = 64 and 256
+#     (schedule_table.py --set=piped, --set=prefetch_checkpoint).
+#  3. ncu_piped_fp32_n256.txt, piped_fp32_n256_regions.md: Nsight Compute
+#     of the piped pass with fp32 state rows at N = 256 (why it loses there).
+#  4. n1_kernels.csv: every kernel's duration in Kimi-Linear's N = 1 step
+#     (ncu, one metric; launches serialized), what the N = 1 step is made of.
+#  5. Time left before DEADLINE_S: ncu_staged_n1.txt, staged_n1_regions.md,
+#     the staged Verify served at N = 1.
+set -uo pipefail
+bundle=$(cd "$1" && pwd)
+out=$2
+deadline=${3:-540}
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$out"
+export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export TEST_SRCDIR="$bundle/runfiles"
+bin="$bundle/bin"
+ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+t0=$(date +%s)
+elapsed() { echo $(($(date +%s) - t0)); }
+
+# 1. The bit-identity cases, then memcheck.
+{
+  nvidia-smi -L
+  timeout 120 "$bin/fast_cuda_gpu_test"
+  echo "fast_cuda_gpu_test: exit $?"
+  echo "=== memcheck (FAST_CUDA_TEST_STEPS=3)"
+  FAST_CUDA_TEST_STEPS=3 timeout 90 "$cs" --tool memcheck --leak-check no "$bin/fast_cuda_gpu_test"
+  echo "memcheck: exit $?"
+} > "$out/gpu_test.txt" 2>&1
+bf16_ok=$(grep -c -E '^\[ +OK \] .*KDA_safe_bf16act_bf16state_K128_Q4_F4_(large_grid_)?3xtf32' \
+  "$out/gpu_test.txt")
+# Two cases, each run twice (plain, then under memcheck).
+echo "piped pass, bf16 state rows: $bf16_ok of 4 runs passed" >> "$out/gpu_test.txt"
+echo "1. tests: $(elapsed) s"
+grep -E '^\[  (PASSED|FAILED) |exit [0-9]+|ERROR SUMMARY|of 4 runs' "$out/gpu_test.txt"
+
+# 2. The benchmark and its tables.
+timeout 300 "$bin/kda_bench" --iters=15 --fast_checkpoint_numerics=false > "$out/kda_bench.md" 2>&1
+echo "2. kda_bench: exit $?, $(elapsed) s"
+{
+  echo "## Summary (summary_table.py)"
+  python3 "$here/summary_table.py" "$out/kda_bench.md"
+  for set in piped prefetch_checkpoint; do
+    echo
+    echo "## Schedules: --set=$set (schedule_table.py, N = 64, 256)"
+    python3 "$here/schedule_table.py" "$out/kda_bench.md" --set="$set" --ns=64,256
+  done
+} > "$out/tables.md" 2>&1
+
+# 3. The piped pass with fp32 state rows at N = 256: its kernel of large
+# grids (template flags ...Lb0ELb0ELb1E), first launched by kda_bench's rows.
+VERIFY_REGEX='FastVerifyKernelIN.*fLi128E.*E3ELb0ELb0ELb1E' VERIFY_SKIP=0 \
+  timeout 110 bash "$here/profile_fast.sh" "$bundle" "$out/.p256" 256 > /dev/null 2>&1
+cp "$out/.p256/ncu_fast_verify.txt" "$out/ncu_piped_fp32_n256.txt" 2>/dev/null
+cp "$out/.p256/fast_verify_regions.md" "$out/piped_fp32_n256_regions.md" 2>/dev/null
+rm -rf "$out/.p256"
+echo "3. piped fp32 profile: $(elapsed) s"
+
+# 4. Kimi-Linear's N = 1 step, kernel by kernel.
+timeout 75 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv "$bin/kda_bench" \
+  --shapes=kimi_linear --ns=1 --iters=1 --cold=false --fast_checkpoint_numerics=false \
+  --fast_snapshots=2 --state_dtypes=fp32 --fast_verify_schedules=false \
+  > "$out/n1_kernels.csv" 2>&1
+echo "4. N = 1 kernels: exit $?, $(elapsed) s"
+
+# 5. The staged Verify at N = 1, time left.
+left=$((deadline - $(elapsed)))
+if [ "$left" -gt 60 ]; then
+  VERIFY_REGEX='FastVerifyKernel.*Lb1ELb1E' VERIFY_SKIP=4 \
+    timeout "$left" bash "$here/profile_fast.sh" "$bundle" "$out/.p1" 1 > /dev/null 2>&1
+  cp "$out/.p1/ncu_fast_verify.txt" "$out/ncu_staged_n1.txt" 2>/dev/null
+  cp "$out/.p1/fast_verify_regions.md" "$out/staged_n1_regions.md" 2>/dev/null
+  rm -rf "$out/.p1"
+  echo "5. staged N = 1 profile: $(elapsed) s"
+fi
