@@ -37,6 +37,9 @@ export TEST_SRCDIR="$bundle/runfiles"
 bin="$bundle/bin"
 ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+# The profiles' scratch (reports, SASS tables) stays out of OUTDIR.
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
 t0=$(date +%s)
 elapsed() { echo $(($(date +%s) - t0)); }
 
@@ -72,10 +75,9 @@ echo "2. kda_bench: exit $?, $(elapsed) s"
 # 3. The piped pass with fp32 state rows at N = 256: its kernel of large
 # grids (template flags ...Lb0ELb0ELb1E), first launched by kda_bench's rows.
 VERIFY_REGEX='FastVerifyKernelIN.*fLi128E.*E3ELb0ELb0ELb1E' VERIFY_SKIP=0 \
-  timeout 110 bash "$here/profile_fast.sh" "$bundle" "$out/.p256" 256 > /dev/null 2>&1
-cp "$out/.p256/ncu_fast_verify.txt" "$out/ncu_piped_fp32_n256.txt" 2>/dev/null
-cp "$out/.p256/fast_verify_regions.md" "$out/piped_fp32_n256_regions.md" 2>/dev/null
-rm -rf "$out/.p256"
+  timeout 110 bash "$here/profile_fast.sh" "$bundle" "$scratch/p256" 256 > /dev/null 2>&1
+cp "$scratch/p256/ncu_fast_verify.txt" "$out/ncu_piped_fp32_n256.txt" 2>/dev/null
+cp "$scratch/p256/fast_verify_regions.md" "$out/piped_fp32_n256_regions.md" 2>/dev/null
 echo "3. piped fp32 profile: $(elapsed) s"
 
 # 4. Kimi-Linear's N = 1 step, kernel by kernel.
@@ -89,9 +91,8 @@ echo "4. N = 1 kernels: exit $?, $(elapsed) s"
 left=$((deadline - $(elapsed)))
 if [ "$left" -gt 60 ]; then
   VERIFY_REGEX='FastVerifyKernel.*Lb1ELb1E' VERIFY_SKIP=4 \
-    timeout "$left" bash "$here/profile_fast.sh" "$bundle" "$out/.p1" 1 > /dev/null 2>&1
-  cp "$out/.p1/ncu_fast_verify.txt" "$out/ncu_staged_n1.txt" 2>/dev/null
-  cp "$out/.p1/fast_verify_regions.md" "$out/staged_n1_regions.md" 2>/dev/null
-  rm -rf "$out/.p1"
+    timeout "$left" bash "$here/profile_fast.sh" "$bundle" "$scratch/p1" 1 > /dev/null 2>&1
+  cp "$scratch/p1/ncu_fast_verify.txt" "$out/ncu_staged_n1.txt" 2>/dev/null
+  cp "$scratch/p1/fast_verify_regions.md" "$out/staged_n1_regions.md" 2>/dev/null
   echo "5. staged N = 1 profile: $(elapsed) s"
 fi
