@@ -38,7 +38,8 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
   }
   const bool early = tensor_cores && schedule.early_start && blocks <= 4 * int64_t{sms};
   using Piping = FastVerifySchedule::Piping;
-  const size_t piped_bytes = base_bytes(false) + PipedSmem::Bytes(kVerifyWarps);
+  const bool bulk = schedule.pipe_copies == FastVerifySchedule::PipeCopies::kBulk;
+  const size_t piped_bytes = base_bytes(false) + PipedSmem::Bytes(kVerifyWarps, bulk);
   // An SM's shared memory is its largest block's plus the 1 KiB the runtime
   // reserves a block (Hopper: 227 + 1 KiB; Ampere: 163 + 1).
   constexpr size_t kReservedPerBlock = 1024;
@@ -50,8 +51,13 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
        (schedule.piped_checkpoint == Piping::kAuto && a.shape.state_dtype == DType::kBFloat16 &&
         four_fit_piped));
   using Prefetch = FastVerifySchedule::CheckpointPrefetch;
-  const VerifyLaunchPlan unstaged{false, 1, piped ? piped_bytes : base_bytes(early), early, piped,
-                                  early || piped ? Prefetch::kNone : schedule.checkpoint_prefetch};
+  const VerifyLaunchPlan unstaged{false,
+                                  1,
+                                  piped ? piped_bytes : base_bytes(early),
+                                  early,
+                                  piped,
+                                  early || piped ? Prefetch::kNone : schedule.checkpoint_prefetch,
+                                  piped && bulk};
   if (schedule.staging == Staging::kOff || (schedule.staging == Staging::kAuto && !tensor_cores)) {
     if (s > 1) {
       return absl::InvalidArgumentError(absl::StrCat(

@@ -81,6 +81,13 @@ struct FastVerifySchedule {
     kAfterRing,    // once the ring's phase ends, as kc and qc are formed
   };
   CheckpointPrefetch checkpoint_prefetch = CheckpointPrefetch::kNone;
+  // How the piped pass copies its tiles: each lane its 16-byte pieces
+  // (cp.async, kLanes), or the TMA's bulk copies, a tile row of a column
+  // group each, completing on two mbarriers a warp (kBulk, sm_90; fp32
+  // rows stored unswizzled). The same sums either way. Not served until
+  // measured.
+  enum class PipeCopies { kLanes, kBulk };
+  PipeCopies pipe_copies = PipeCopies::kLanes;
 };
 
 // Ring tokens per chunk of Verify's and the fold's shared memory.
@@ -143,7 +150,12 @@ struct StagedSmem {
 struct PipedSmem {
   static constexpr int kHeadDim = 128;
   static constexpr size_t kBytesPerWarp = 2048;
+  // PipeCopies::kBulk: two mbarriers a warp, after every warp's buffers.
+  static constexpr size_t kBarrierBytesPerWarp = 16;
   static SPECSTATE_HD size_t Bytes(int warps) { return kBytesPerWarp * size_t(warps); }
+  static SPECSTATE_HD size_t Bytes(int warps, bool bulk) {
+    return Bytes(warps) + (bulk ? kBarrierBytesPerWarp * size_t(warps) : 0);
+  }
 };
 
 // A schedule the launcher runs: staged or not, blocks per (row, value
@@ -159,6 +171,7 @@ struct VerifyLaunchPlan {
   // prefetched into L2.
   FastVerifySchedule::CheckpointPrefetch checkpoint_prefetch =
       FastVerifySchedule::CheckpointPrefetch::kNone;
+  bool bulk_copies = false;  // piped: the TMA's bulk copies (PipeCopies::kBulk)
 };
 
 // `schedule` made concrete for a launch of `blocks` (row, value head) pairs

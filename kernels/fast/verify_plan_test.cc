@@ -152,6 +152,35 @@ TEST(VerifyPlanTest, AutoPipesBf16StateRowsWhereFourBlocksAnSmFit) {
   EXPECT_FALSE(Plan(bf16, 4096, automatic, /*tensor_cores=*/false).piped);
 }
 
+TEST(VerifyPlanTest, BulkCopiesArePipedPassesWithTheirBarriers) {
+  using Copies = FastVerifySchedule::PipeCopies;
+  EXPECT_EQ(FastVerifySchedule{}.pipe_copies, Copies::kLanes);  // not served
+  for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+    const FastVerifyArgs a = Layer(32, 128, state);
+    FastVerifySchedule bulk;
+    bulk.piped_checkpoint = Piping::kOn;
+    bulk.pipe_copies = Copies::kBulk;
+    const VerifyLaunchPlan p = Plan(a, 4096, bulk);
+    EXPECT_TRUE(p.piped && p.bulk_copies);
+    // Two 8-byte mbarriers a warp after the lanes' buffers.
+    const size_t lanes_bytes =
+        VerifySmem{128, 4, 16, false}.Bytes() + PipedSmem::Bytes(kVerifyWarps);
+    EXPECT_EQ(p.smem, lanes_bytes + 2 * 8 * kVerifyWarps);
+    EXPECT_EQ(PipedSmem::Bytes(kVerifyWarps, true) % 8, 0u);
+    // Only where the pass is piped: not unpiped, early, staged, nor at head dim 64.
+    bulk.piped_checkpoint = Piping::kOff;
+    EXPECT_FALSE(Plan(a, 4096, bulk).bulk_copies);
+    bulk.piped_checkpoint = Piping::kOn;
+    EXPECT_FALSE(Plan(a, 512, bulk).bulk_copies);
+    EXPECT_FALSE(Plan(a, 32, bulk).bulk_copies);
+    EXPECT_FALSE(Plan(Layer(32, 64, state), 4096, bulk).bulk_copies);
+    // The lanes' copies take no barriers.
+    bulk.pipe_copies = Copies::kLanes;
+    EXPECT_FALSE(Plan(a, 4096, bulk).bulk_copies);
+    EXPECT_EQ(Plan(a, 4096, bulk).smem + 2 * 8 * kVerifyWarps, p.smem);
+  }
+}
+
 TEST(VerifyPlanTest, TheCheckpointPrefetchIsTheUnpipedLargeGridKernels) {
   using Prefetch = FastVerifySchedule::CheckpointPrefetch;
   const FastVerifyArgs a = Layer(32, 128);

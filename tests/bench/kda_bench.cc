@@ -65,6 +65,8 @@ ABSL_FLAG(bool, fast_checkpoint_numerics, true,
           "cores (3xTF32, tf32), through the kernel launcher (no device checks)");
 ABSL_FLAG(bool, fast_verify_schedules, true,
           "FAST's verify (3xTF32) under each FastVerifySchedule beside the served one");
+ABSL_FLAG(bool, fast_bulk_copies, true,
+          "with --fast_verify_schedules: also the piped pass with the TMA's bulk copies");
 ABSL_FLAG(bool, eager, true,
           "time EAGER's verify and commit (with --eager=false only the stock kernel and DEFERRED's "
           "rows run: what profile_kernels.sh profiles)");
@@ -289,6 +291,7 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
     using Staging = kernels::fast::FastVerifySchedule::Staging;
     using Piping = kernels::fast::FastVerifySchedule::Piping;
     using Prefetch = kernels::fast::FastVerifySchedule::CheckpointPrefetch;
+    using Copies = kernels::fast::FastVerifySchedule::PipeCopies;
     const kernels::fast::FastVerifyArgs direct = kernels::fast::FastVerifyArgsOf(verify);
     kernels::fast::FastNumerics num;
     num.checkpoint = kernels::fast::FastNumerics::Operands::kTf32Split;
@@ -301,6 +304,10 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
          "unstaged, checkpoint prefetched after the window"},
         {{Staging::kOff, 1, false, Piping::kOff, Prefetch::kAfterRing},
          "unstaged, checkpoint prefetched after the ring"}};
+    if (absl::GetFlag(FLAGS_fast_bulk_copies)) {
+      schedules.push_back({{Staging::kOff, 1, false, Piping::kOn, Prefetch::kNone, Copies::kBulk},
+                           "unstaged, piped checkpoint pass, TMA bulk copies"});
+    }
     for (int splits : {1, 2, 4, 8}) {
       if (b.shape.K / splits >= 16) {
         schedules.push_back(

@@ -7,7 +7,8 @@ optionally the served Verify of an earlier run.
     tools/gpu/schedule_table.py RUN.md [--earlier=EARLIER.md] [--ns=1,16] [--set=piped]
 
 --set=piped: the kernel of large grids loading the checkpoint in the pass
-(served) beside the same kernel with the piped checkpoint pass; --set=piped_v1
+(served) beside the same kernel with the piped checkpoint pass, its copies
+made by the lanes (cp.async) and by the TMA (bulk copies); --set=piped_v1
 the same columns of the first piped version's run; --set=prefetch_checkpoint:
 the unpiped kernel with its checkpoint prefetched into L2 after the window or
 the ring, beside the unpiped and piped kernels.
@@ -21,7 +22,8 @@ COLUMNS = ["unstaged", "staged, 1 a head", "staged, 2 a head", "staged, 4 a head
            "staged, 8 a head", "launcher's choice", "served"]
 SETS = {
     "schedules": COLUMNS,
-    "piped": ["unstaged", "unstaged, piped checkpoint pass", "served"],
+    "piped": ["unstaged", "unstaged, piped checkpoint pass",
+              "unstaged, piped checkpoint pass, TMA bulk copies", "served"],
     # FastVerifySchedule::checkpoint_prefetch beside the unpiped kernel and
     # the piped one.
     "prefetch_checkpoint": ["unstaged", "unstaged, checkpoint prefetched after the window",

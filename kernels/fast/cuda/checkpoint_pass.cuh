@@ -6,6 +6,7 @@
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_CHECKPOINT_PASS_CUH_
 #define SPECSTATE_KERNELS_FAST_CUDA_CHECKPOINT_PASS_CUH_
 
+#include "kernels/common/cuda/bulk_copy.cuh"
 #include "kernels/common/cuda/cp_async.cuh"
 #include "kernels/fast/cuda/device_math.cuh"
 
@@ -323,6 +324,17 @@ __device__ __forceinline__ void MmaCheckpointPass(const State* slice, int v_lo, 
 //  - bf16: a lane's row g and g + 8 columns 8 t4 .. + 7 are one 16-byte
 //    piece each, four lanes a row's 64 bytes: each lane copies and reads its
 //    own pieces (piece p of every lane together, 512 bytes), no barrier.
+// Those are PipeCopy::kLanes (FastVerifySchedule::PipeCopies). kBulk copies
+// through the TMA instead: a row of a group (fp32 128 bytes, bf16 64) is one
+// cp.async.bulk, a lane a row, completing on one of the warp's two
+// mbarriers (`own`'s buffer, `freed`'s; PipedSmem::kBarrierBytesPerWarp),
+// which the warp waits on. Rows are stored in order (a 1D bulk copy cannot
+// swizzle): bf16's layout above is that already; fp32 readers take their
+// row's two chunks in opposite orders for even and odd g, which keeps the
+// 8 lanes of each 16-byte load phase (rows g, g + 1) in distinct banks.
+
+// How the piped pass copies (kNone: the pass is not piped).
+enum class PipeCopy { kNone, kLanes, kBulk };
 
 template <typename State>
 struct PipedGroup {
@@ -387,35 +399,102 @@ __device__ __forceinline__ char* PipedBuffer(char* own, char* freed, int warp, i
   }
 }
 
-// At the block's start: the groups `own` holds first (fp32: 0; bf16: 0, 1),
-// one commit group.
+// kBulk: the lane's columns of a group, as PipedReadGroup gives them from
+// the rows-in-order layout.
 template <typename State>
-__device__ __forceinline__ void PipedCopyFirst(char* own, const State* slice, int warp, int lane) {
-  PipedCopyGroup<State>(PipedBuffer<State>(own, nullptr, warp, 0), slice, warp, 0, lane);
-  if constexpr (sizeof(State) == 2) {
-    PipedCopyGroup<State>(PipedBuffer<State>(own, nullptr, warp, 1), slice, warp, 1, lane);
+__device__ __forceinline__ void PipedBulkReadGroup(const char* buffer, int lane, float (&a0)[8],
+                                                   float (&a1)[8]) {
+  if constexpr (sizeof(State) == 4) {
+    const int g = lane >> 2, t4 = lane & 3;
+    const bool odd = g & 1;
+    // Rows g, g + 8: the chunk 2 t4 + odd first, then the other.
+    float4 x[4];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const char* row = buffer + (g + 8 * half) * 128;
+      x[2 * half] = *reinterpret_cast<const float4*>(row + (2 * t4 + odd) * 16);
+      x[2 * half + 1] = *reinterpret_cast<const float4*>(row + (2 * t4 + !odd) * 16);
+    }
+    const float4 r0lo = odd ? x[1] : x[0], r0hi = odd ? x[0] : x[1];
+    const float4 r1lo = odd ? x[3] : x[2], r1hi = odd ? x[2] : x[3];
+    a0[0] = r0lo.x, a0[1] = r0lo.y, a0[2] = r0lo.z, a0[3] = r0lo.w;
+    a0[4] = r0hi.x, a0[5] = r0hi.y, a0[6] = r0hi.z, a0[7] = r0hi.w;
+    a1[0] = r1lo.x, a1[1] = r1lo.y, a1[2] = r1lo.z, a1[3] = r1lo.w;
+    a1[4] = r1hi.x, a1[5] = r1hi.y, a1[6] = r1hi.z, a1[7] = r1hi.w;
+  } else {
+    PipedReadGroup<State>(buffer, lane, a0, a1);
   }
-  CpAsyncCommit();
+}
+
+// kBulk: warp `warp`'s barrier for `own`'s buffer (which 0) or `freed`'s
+// (which 1), after every warp's buffers.
+__device__ __forceinline__ uint64_t* PipedBarrier(char* own, int warp, int which) {
+  return reinterpret_cast<uint64_t*>(own + PipedSmem::Bytes(kWarps)) + 2 * warp + which;
+}
+
+// kBulk: column groups grp .. grp + groups - 1 of the warp's tile into
+// their buffers, a row a lane, on `bar`, armed here for their bytes. The
+// buffers' earlier readers and writers are done (the caller's barrier).
+template <typename State>
+__device__ __forceinline__ void PipedBulkCopyGroups(char* own, char* freed, const State* slice,
+                                                    int warp, int grp, int groups, uint64_t* bar,
+                                                    int lane) {
+  constexpr int K = PipedSmem::kHeadDim;
+  constexpr int kRowBytes = 32 * int(sizeof(State));
+  if (lane == 0) MbarArriveExpectTx(bar, uint32_t(groups * PipedGroup<State>::kBytes));
+  __syncwarp();
+  if (lane < 16 * groups) {
+    const int g = grp + lane / 16, row = lane % 16;
+    FenceProxyAsyncShared();
+    BulkCopyToShared(PipedBuffer<State>(own, freed, warp, g) + row * kRowBytes,
+                     slice + int64_t{warp * 16 + row} * K + g * 32, kRowBytes, bar);
+  }
+}
+
+// At the block's start: the groups `own` holds first (fp32: 0; bf16: 0, 1);
+// kLanes: one commit group; kBulk: the warp's barriers set up, then the
+// copies on `own`'s.
+template <typename State, PipeCopy kCopy>
+__device__ __forceinline__ void PipedCopyFirst(char* own, const State* slice, int warp, int lane) {
+  constexpr int kGroups = sizeof(State) == 4 ? 1 : 2;
+  if constexpr (kCopy == PipeCopy::kBulk) {
+    uint64_t* bars = PipedBarrier(own, warp, 0);
+    if (lane == 0) {
+      MbarInit(bars, 1);
+      MbarInit(bars + 1, 1);
+      FenceMbarInit();
+    }
+    __syncwarp();
+    PipedBulkCopyGroups<State>(own, nullptr, slice, warp, 0, kGroups, bars, lane);
+  } else {
+    for (int grp = 0; grp < kGroups; ++grp) {
+      PipedCopyGroup<State>(PipedBuffer<State>(own, nullptr, warp, grp), slice, warp, grp, lane);
+    }
+    CpAsyncCommit();
+  }
 }
 
 // Once the ring's phase has freed `freed`: fp32 group 1; bf16 groups 2, 3;
-// one commit group.
-template <typename State>
+// kLanes: one commit group; kBulk: on `freed`'s barrier.
+template <typename State, PipeCopy kCopy>
 __device__ __forceinline__ void PipedCopySecond(char* own, char* freed, const State* slice,
                                                 int warp, int lane) {
-  if constexpr (sizeof(State) == 4) {
-    PipedCopyGroup<State>(PipedBuffer<State>(own, freed, warp, 1), slice, warp, 1, lane);
+  constexpr int kGroups = sizeof(State) == 4 ? 1 : 2;
+  if constexpr (kCopy == PipeCopy::kBulk) {
+    PipedBulkCopyGroups<State>(own, freed, slice, warp, kGroups, kGroups,
+                               PipedBarrier(own, warp, 1), lane);
   } else {
-    PipedCopyGroup<State>(PipedBuffer<State>(own, freed, warp, 2), slice, warp, 2, lane);
-    PipedCopyGroup<State>(PipedBuffer<State>(own, freed, warp, 3), slice, warp, 3, lane);
+    for (int grp = kGroups; grp < 2 * kGroups; ++grp) {
+      PipedCopyGroup<State>(PipedBuffer<State>(own, freed, warp, grp), slice, warp, grp, lane);
+    }
+    CpAsyncCommit();
   }
-  CpAsyncCommit();
 }
 
 // The pass, after PipedCopyFirst and PipedCopySecond: fp32 refills each
 // buffer with the group two ahead once the warp has read it. The same sums,
 // in the same order, as MmaCheckpointPass over the whole slice.
-template <typename State, bool kSplit>
+template <typename State, bool kSplit, PipeCopy kCopy>
 __device__ __forceinline__ void PipedMmaCheckpointPass(char* own, char* freed, const State* slice,
                                                        int T, const float* kc_s,
                                                        const float* qc_s, float* kn, float* qn,
@@ -431,10 +510,40 @@ __device__ __forceinline__ void PipedMmaCheckpointPass(char* own, char* freed, c
   }
   const auto group = [&](int grp) {
     float a0[8], a1[8];
-    PipedReadGroup<State>(PipedBuffer<State>(own, freed, warp, grp), lane, a0, a1);
+    if constexpr (kCopy == PipeCopy::kBulk) {
+      PipedBulkReadGroup<State>(PipedBuffer<State>(own, freed, warp, grp), lane, a0, a1);
+    } else {
+      PipedReadGroup<State>(PipedBuffer<State>(own, freed, warp, grp), lane, a0, a1);
+    }
     MmaColumnGroup<K, kSplit, kStateLo>(acc, a0, a1, grp, T, kc_s, qc_s, lane);
   };
-  if constexpr (sizeof(State) == 4) {
+  if constexpr (kCopy == PipeCopy::kBulk) {
+    // Each barrier's phase 0 holds its first copies, fp32's phase 1 the
+    // refill (after every lane has read the buffer).
+    uint64_t* own_bar = PipedBarrier(own, warp, 0);
+    uint64_t* freed_bar = own_bar + 1;
+    if constexpr (sizeof(State) == 4) {
+      MbarWait(own_bar, 0);
+      group(0);
+      __syncwarp();
+      PipedBulkCopyGroups<State>(own, freed, slice, warp, 2, 1, own_bar, lane);
+      MbarWait(freed_bar, 0);
+      group(1);
+      __syncwarp();
+      PipedBulkCopyGroups<State>(own, freed, slice, warp, 3, 1, freed_bar, lane);
+      MbarWait(own_bar, 1);
+      group(2);
+      MbarWait(freed_bar, 1);
+      group(3);
+    } else {
+      MbarWait(own_bar, 0);
+      group(0);
+      group(1);
+      MbarWait(freed_bar, 0);
+      group(2);
+      group(3);
+    }
+  } else if constexpr (sizeof(State) == 4) {
     CpAsyncWait<1>();  // group 0 (the lane's copies; the warp's after the barrier)
     __syncwarp();
     group(0);

@@ -163,24 +163,35 @@ std::string NameOf(const FastVerifySchedule& s) {
                                                                                : "",
                       s.checkpoint_prefetch == FastVerifySchedule::CheckpointPrefetch::kAfterRing
                           ? ", checkpoint prefetched after the ring"
-                          : "");
+                          : "",
+                      s.pipe_copies == FastVerifySchedule::PipeCopies::kBulk ? ", bulk copies"
+                                                                             : "");
 }
 
 // The schedules Verify can run for case c, the kernel of large grids first;
 // with tensor cores, the unstaged kernel that may start early and the
 // staged one at every split that leaves a block 16 rows or more, each with
 // and without rows_before_checks (its reads before its wait); the kernel
-// of large grids with the piped checkpoint pass (head dim 128) and without,
-// and (on CUDA cores too) with its checkpoint prefetched into L2.
+// of large grids with the piped checkpoint pass (head dim 128; its copies
+// by the lanes and by the TMA) and without, and (on CUDA cores too) with
+// its checkpoint prefetched into L2.
 std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& c) {
   using Staging = FastVerifySchedule::Staging;
   using Piping = FastVerifySchedule::Piping;
   using Prefetch = FastVerifySchedule::CheckpointPrefetch;
+  using Copies = FastVerifySchedule::PipeCopies;
   std::vector<std::pair<FastVerifySchedule, bool>> out = {
       {{Staging::kOff, 1, false, Piping::kOff}, false},
       {{Staging::kOff, 1, false, Piping::kOff, Prefetch::kAfterRing}, false}};
   if (c.checkpoint == FastNumerics::Operands::kFp32) return out;
   out.push_back({{Staging::kOff, 1, false, Piping::kOn}, false});
+  // FAST_CUDA_TEST_BULK_COPIES=0 leaves the TMA's copies out (so that a
+  // failure of theirs cannot hide the other schedules' verdicts).
+  const char* bulk = std::getenv("FAST_CUDA_TEST_BULK_COPIES");
+  if (bulk == nullptr || std::string(bulk) != "0") {
+    out.push_back(
+        {{Staging::kOff, 1, false, Piping::kOn, Prefetch::kNone, Copies::kBulk}, false});
+  }
   for (bool early : {false, true}) out.push_back({{Staging::kOff, 1, true}, early});
   for (int splits : {1, 2, 4, 8}) {
     if (c.K / splits < 16) continue;

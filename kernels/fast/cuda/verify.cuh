@@ -87,18 +87,19 @@ enum class CheckpointPassKind {
 // mid-sized grids only: at large ones the same code in the one kernel cost
 // 3-5% (docs/results/fast_verify_late_writes_h100_20261206.md).
 //
-// kPiped (the kernel of large grids, K = 128, tensor cores): the checkpoint
-// pass reads each warp's tile from shared memory, copied ahead (PipedSmem):
-// its first column group at the block's start, the next once the ring's
-// phase frees its buffer, the rest as the pass frees theirs
-// (PipedMmaCheckpointPass).
+// kPipe (the kernel of large grids, K = 128, tensor cores): the checkpoint
+// pass reads each warp's tile from shared memory, copied ahead (PipedSmem)
+// by its lanes (kLanes) or the TMA (kBulk): its first column group at the
+// block's start, the next once the ring's phase frees its buffer, the rest
+// as the pass frees theirs (PipedMmaCheckpointPass).
 template <typename Act, typename State, int K, CheckpointPassKind kPass, bool kStaged,
-          bool kEarly, bool kPiped = false>
+          bool kEarly, PipeCopy kPipe = PipeCopy::kNone>
 __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <= 128 ? 4 : 1))
     FastVerifyKernel(FastVerifyArgs a, bool small_grid, FastVerifySchedule::CheckpointPrefetch
                                                             checkpoint_prefetch) {
   constexpr bool kMma =
       kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3;
+  constexpr bool kPiped = kPipe != PipeCopy::kNone;
   static_assert(kMma || !kStaged, "the staged schedule runs the tensor-core checkpoint pass");
   static_assert(kEarly || !kStaged, "the staged kernel may start early");
   static_assert(!kPiped || (kMma && !kStaged && !kEarly && K == PipedSmem::kHeadDim),
@@ -208,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
     }
     CpAsyncCommit();
   } else if constexpr (kPiped) {
-    PipedCopyFirst<State>(staged_base, checkpoint_slice(), warp, lane);
+    PipedCopyFirst<State, kPipe>(staged_base, checkpoint_slice(), warp, lane);
   } else if (small_grid) {
     // small_grid: the checkpoint slice this block reads in its last phase,
     // into L2 now, while the window and ring phases run (a line per thread
@@ -414,8 +415,8 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   if (!kStaged && !kPiped && checkpoint_prefetch == Prefetch::kAfterRing) prefetch_checkpoint();
   // kr is free: the piped pass's next column groups, in flight through kc, qc.
   if constexpr (kPiped) {
-    PipedCopySecond<State>(staged_base, reinterpret_cast<char*>(kr), checkpoint_slice(), warp,
-                           lane);
+    PipedCopySecond<State, kPipe>(staged_base, reinterpret_cast<char*>(kr), checkpoint_slice(),
+                                  warp, lane);
   }
 
   // 3. kc_t, qc_t (in place of kw, qw).
@@ -435,8 +436,9 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   if constexpr (kMma) {
     constexpr bool kSplit = kPass == CheckpointPassKind::kMmaTf32x3;
     if constexpr (kPiped) {
-      PipedMmaCheckpointPass<State, kSplit>(staged_base, reinterpret_cast<char*>(kr),
-                                            checkpoint_slice(), T, kx, qx, kn, qn, lane, warp);
+      PipedMmaCheckpointPass<State, kSplit, kPipe>(staged_base, reinterpret_cast<char*>(kr),
+                                                   checkpoint_slice(), T, kx, qx, kn, qn, lane,
+                                                   warp);
     } else if constexpr (kStaged) {
       constexpr int kStride = StagedSmem::RowStride(K, int(sizeof(State)));
       MmaCheckpointPass<State, K, kSplit, true, kStride>(slice_s, v_lo, rows, T, kx, qx, kn, qn,
@@ -656,11 +658,15 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
     const auto mma_kernel = [&](auto pass) {
       constexpr P kPass = decltype(pass)::value;
       constexpr bool kCanPipe = K == PipedSmem::kHeadDim;
+      constexpr PipeCopy kLanes = kCanPipe ? PipeCopy::kLanes : PipeCopy::kNone;
+      constexpr PipeCopy kBulk = kCanPipe ? PipeCopy::kBulk : PipeCopy::kNone;
       const bool piped = kCanPipe && plan->piped;
       return plan->staged  ? FastVerifyKernel<Act, State, K, kPass, true, true>
              : plan->early ? FastVerifyKernel<Act, State, K, kPass, false, true>
-             : piped       ? FastVerifyKernel<Act, State, K, kPass, false, false, kCanPipe>
-                           : FastVerifyKernel<Act, State, K, kPass, false, false>;
+             : piped && plan->bulk_copies
+                 ? FastVerifyKernel<Act, State, K, kPass, false, false, kBulk>
+             : piped ? FastVerifyKernel<Act, State, K, kPass, false, false, kLanes>
+                     : FastVerifyKernel<Act, State, K, kPass, false, false>;
     };
     auto kernel = checkpoint == O::kTf32Split
                       ? mma_kernel(std::integral_constant<P, P::kMmaTf32x3>{})
