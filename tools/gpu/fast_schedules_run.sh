@@ -82,7 +82,7 @@ grep -E '^\[  (PASSED|FAILED) |exit [0-9]+|ERROR SUMMARY|of [0-9]+ runs|bulk cop
 
 # 2. The benchmark and its tables.
 bulk_flag=--fast_bulk_copies=$([ "$bulk" = 1 ] && echo true || echo false)
-timeout 300 "$bin/kda_bench" --iters=15 --fast_checkpoint_numerics=false "$bulk_flag" \
+timeout 360 "$bin/kda_bench" --iters=15 --fast_checkpoint_numerics=false "$bulk_flag" \
   > "$out/kda_bench.md" 2>&1
 echo "2. kda_bench: exit $?, $(elapsed) s"
 {
