@@ -60,21 +60,23 @@ struct FastVerifySchedule {
   enum class Piping {
     // Piped for bf16 state rows where four blocks an SM still fit with the
     // buffers: measured on an H100 (docs/benchmarks.md, "FAST's checkpoint
-    // pass piped"), 5-6% faster at N = 256 for Kimi-Linear and Qwen3-Next;
-    // slower with fp32 state rows (+9-12%) and where the buffers cost a
-    // block an SM (Kimi-K3's Q = 8: +5%).
+    // pass piped"), 4-6% faster at N = 256 for Kimi-Linear and Qwen3-Next;
+    // slower with fp32 state rows (+8-12%) and where the buffers cost a
+    // block an SM (Kimi-K3's Q = 8: +5-8%).
     kAuto,
     kOff,
     kOn,  // wherever the kernel of large grids runs at head dim 128
   };
-  // kOff by default until fast_cuda_gpu_test's bf16 state cases at head dim
-  // 128 (added after the measurement) have compared the piped pass's bf16
-  // layout with the loaded pass on a GPU; then kAuto.
-  Piping piped_checkpoint = Piping::kOff;
+  // (fast_cuda_gpu_test's bf16 state cases at head dim 128 compare the
+  // piped pass's bf16 layout with the loaded pass: passed on an H100,
+  // 2026-12-07.)
+  Piping piped_checkpoint = Piping::kAuto;
   // The kernel of large grids not piped: its checkpoint slice prefetched
   // into L2 part way through the block's chain, so that the pass's loads
   // wait on L2, not DRAM. (At the block's start it cost more than it hid at
-  // N = 256: lines evicted before use.) Not served until measured.
+  // N = 256: lines evicted before use.) Not served: after the ring, -2.4% to
+  // +1.1% at N = 64 and 256 on an H100 (2026-12-07), fp32 within -1.3% to
+  // +1.1%: no gain beyond the runs' spread.
   enum class CheckpointPrefetch {
     kNone,
     kAfterWindow,  // once the window's phase ends
@@ -84,8 +86,8 @@ struct FastVerifySchedule {
   // How the piped pass copies its tiles: each lane its 16-byte pieces
   // (cp.async, kLanes), or the TMA's bulk copies, a tile row of a column
   // group each, completing on two mbarriers a warp (kBulk, sm_90; fp32
-  // rows stored unswizzled). The same sums either way. Not served until
-  // measured.
+  // rows stored unswizzled). The same sums either way. kBulk is not
+  // served: 6-14% slower than the lanes' copies on an H100 (2026-12-07).
   enum class PipeCopies { kLanes, kBulk };
   PipeCopies pipe_copies = PipeCopies::kLanes;
 };

@@ -124,9 +124,9 @@ TEST(VerifyPlanTest, ThePipedPassIsTheLargeGridKernelsAtHeadDim128) {
 }
 
 TEST(VerifyPlanTest, AutoPipesBf16StateRowsWhereFourBlocksAnSmFit) {
-  // Off by default until the bf16 layout has been compared on a GPU.
-  EXPECT_EQ(FastVerifySchedule{}.piped_checkpoint, Piping::kOff);
-  EXPECT_FALSE(Plan(Layer(32, 128, DType::kBFloat16), 4096).piped);
+  // The default.
+  EXPECT_EQ(FastVerifySchedule{}.piped_checkpoint, Piping::kAuto);
+  EXPECT_TRUE(Plan(Layer(32, 128, DType::kBFloat16), 4096).piped);
   FastVerifySchedule automatic;
   automatic.piped_checkpoint = Piping::kAuto;
   // Kimi-Linear and Qwen3-Next (Q = 4): piped with bf16 state rows, not fp32.

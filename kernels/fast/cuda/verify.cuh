@@ -31,8 +31,8 @@
 // while its check kernel runs, the writes after); larger grids run the one
 // kernel that waits for its checks first, at K = 128 with its checkpoint
 // pass piped (its tiles copied to shared memory ahead of it) where the
-// schedule says (FastVerifySchedule::Piping: off by default; kAuto, bf16
-// state rows where four blocks an SM still fit). All write the same bits.
+// schedule says (FastVerifySchedule::Piping, by default kAuto: bf16 state
+// rows where four blocks an SM still fit). All write the same bits.
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
 #define SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
 
