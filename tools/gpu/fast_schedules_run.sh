@@ -14,8 +14,8 @@
 #     against the loaded pass: the piped pass with bf16 state rows and
 #     with the TMA's bulk copies, the checkpoint's L2 prefetch), then the
 #     same under memcheck on 3-step loops. Its last line says whether the
-#     piped bf16 cases passed: they decide whether Piping::kAuto may become
-#     the default (verify_plan.h).
+#     piped bf16 cases passed: Piping::kAuto, the default since they first
+#     did (verify_plan.h), pipes bf16 state rows.
 #  2. kda_bench.md: every shape, N = 1, 16, 64, 256, both state dtypes,
 #     every mode and every schedule row (cold L2, CUDA graph);
 #     tables.md: its summary table (summary_table.py, docs/benchmarks.md's
