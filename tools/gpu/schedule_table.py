@@ -7,7 +7,8 @@ optionally the served Verify of an earlier run.
     tools/gpu/schedule_table.py RUN.md [--earlier=EARLIER.md] [--ns=1,16] [--set=piped]
 
 --set=piped: the kernel of large grids loading the checkpoint in the pass
-(served) beside the same kernel with the piped checkpoint pass, its copies
+(served for fp32 state rows) beside the same kernel with the piped
+checkpoint pass (served for bf16 ones where four blocks an SM fit), its copies
 made by the lanes (cp.async) and by the TMA (bulk copies); --set=piped_v1
 the same columns of the first piped version's run; --set=prefetch_checkpoint:
 the unpiped kernel with its checkpoint prefetched into L2 after the window or
