@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Registers and spills of each kernel in a .cu file, as ptxas reports them
+for sm_90 with the build's nvcc flags (read from bazel/cuda.bzl), one row a
+kernel whose demangled name matches REGEX. Runs here, no GPU needed
+(a few minutes for kernels/fast/cuda/fast_cuda.cu).
+
+    tools/ptxas_usage.py kernels/fast/cuda/fast_cuda.cu 'FastVerifyKernel<.*128, 3, false, false'
+"""
+import ast
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build_flags():
+    """NVCC_FLAGS of bazel/cuda.bzl, each split as the genrule's shell would."""
+    text = open(os.path.join(ROOT, "bazel", "cuda.bzl")).read()
+    literal = re.search(r"NVCC_FLAGS = (\[.*?\])", text, re.S).group(1)
+    literal = re.sub(r"#[^\n]*", "", literal)
+    return [part for flag in ast.literal_eval(literal) for part in flag.split()]
+
+
+def main(argv):
+    if len(argv) not in (2, 3):
+        print(__doc__, file=sys.stderr)
+        return 2
+    src, pattern = argv[1], re.compile(argv[2] if len(argv) == 3 else ".")
+    nvcc = os.environ.get("NVCC", "/usr/local/cuda/bin/nvcc")
+    gendir = os.path.join(ROOT, "bazel-bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        run = subprocess.run([nvcc] + build_flags() + ["-Xptxas", "-v", "-I" + ROOT, "-I" + gendir,
+                              "-c", src, "-o", os.path.join(tmp, "out.o")],
+                             cwd=ROOT, capture_output=True, text=True)
+    if run.returncode != 0:
+        print(run.stderr, file=sys.stderr)
+        return run.returncode
+    kernel, spills, rows = None, "", []
+    for line in run.stderr.splitlines():
+        m = re.search(r"Compiling entry function '(\S+)'", line)
+        if m:
+            kernel = m.group(1)
+            continue
+        if kernel and "spill stores" in line:
+            spills = line.strip()
+        m = re.search(r"Used (\d+) registers", line)
+        if kernel and m:
+            name = subprocess.run(["c++filt", kernel], capture_output=True, text=True).stdout.strip()
+            name = name.replace("(anonymous namespace)::", "")
+            name = re.sub(r"\b[A-Za-z_]\w*::", "", name)
+            name = re.sub(r"\((PipeCopy|CheckpointPassKind)\)", "", name)  # enum casts
+            name = re.sub(r"^void ", "", name.split("(")[0])
+            if pattern.search(name):
+                stores = re.search(r"(\d+) bytes spill stores", spills).group(1)
+                loads = re.search(r"(\d+) bytes spill loads", spills).group(1)
+                rows.append((name, m.group(1), stores, loads))
+            kernel = None
+    print("| kernel | registers | spill stores (bytes) | spill loads (bytes) |")
+    print("|---|---:|---:|---:|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
