@@ -15,8 +15,10 @@
 // commit of every layer, through the kernel interface as the service calls
 // them (device checks included), averaged over --fast_snapshots steps of the
 // steady state of rings under accepted counts uniform in [1, Q] (so folds
-// come at their measured rate); and the per-layer step of each mode against
-// the stock kernel.
+// come at their measured rate), its folds alone under each fold schedule
+// (--fast_fold_schedules) with what a folded row costs against its state's
+// write at copy bandwidth; and the per-layer step of each mode against the
+// stock kernel.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -67,6 +69,9 @@ ABSL_FLAG(bool, fast_verify_schedules, true,
           "FAST's verify (3xTF32) under each FastVerifySchedule beside the served one");
 ABSL_FLAG(bool, fast_bulk_copies, true,
           "with --fast_verify_schedules: also the piped pass with the TMA's bulk copies");
+ABSL_FLAG(bool, fast_fold_schedules, true,
+          "FAST's folds and cursors alone (the direct call) under each FastFoldSchedule, and "
+          "what a folded row costs against its state's write at copy bandwidth");
 ABSL_FLAG(bool, eager, true,
           "time EAGER's verify and commit (with --eager=false only the stock kernel and DEFERRED's "
           "rows run: what profile_kernels.sh profiles)");
@@ -212,12 +217,24 @@ Row MeanOf(const std::string& what, const std::vector<Row>& rows) {
   return m;
 }
 
+// What a fold costs under one FastFoldSchedule at one N: the direct call's
+// folds and cursors per layer (cold L2, CUDA graph), the rows that fold a
+// layer a step, and one state's bytes.
+struct FoldCost {
+  int N;
+  std::string schedule;
+  double us_per_layer;
+  double folded_rows;
+  double state_bytes;
+};
+
 // Commit mode FAST on bench `b`: verify (layer 0) and commit (every layer)
 // at each steady-state step, through the kernel interface, cursors restored
 // before every run; the rows are the means over the steps. (The fold ahead
 // schedule this once compared is gone: docs/benchmarks.md, "Fold ahead".)
 void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream_t stream,
-                 double stock_us, std::mt19937& rng, std::vector<Row>* rows) {
+                 double stock_us, std::mt19937& rng, std::vector<Row>* rows,
+                 std::vector<FoldCost>* fold_costs) {
   const Shape& s = b.shape;
   const int steps = absl::GetFlag(FLAGS_fast_snapshots);
   FreeFast(b);
@@ -331,6 +348,37 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
       rows->back().stock_us = stock_us;
     }
   }
+  if (absl::GetFlag(FLAGS_fast_fold_schedules)) {
+    // The folds alone (and the cursors' kernel): the direct call, which
+    // plans each row itself, under each fold schedule (the same bits, laid
+    // out differently), the cursors restored before every run.
+    using Staging = kernels::fast::FastFoldSchedule::Staging;
+    const std::vector<kernels::fast::FastLayer> layers =
+        kernels::fast::FastLayersOf(commit.layers, commit.num_layers);
+    const kernels::fast::FastCommitArgs direct =
+        kernels::fast::FastCommitArgsOf(commit, layers.data());
+    for (const auto& [staging, name] :
+         {std::make_pair(Staging::kOff, "unstaged"), std::make_pair(Staging::kOn, "staged")}) {
+      std::vector<Row> runs;
+      for (int x = 0; x < steps; ++x) {
+        runs.push_back(Measure(
+            "", b.N, FastFoldBytes(b, b.fold_tokens[x]), iters, stream,
+            [&](const KdaKernels&) {
+              CheckOk(kernels::fast::FastCommitCuda(direct, {}, stream, {staging}),
+                      "FAST Commit (direct)");
+            },
+            [&] { RestoreCursors(b, x, true, stream); }));
+      }
+      rows->push_back(MeanOf(absl::StrFormat("FAST folds and cursors, %s, direct call, %d layers "
+                                             "(F=%d, %.3f folds a row a step)",
+                                             name, s.L, fold_every, folds),
+                             runs));
+      rows->back().per_layer_of = s.L;
+      rows->back().stock_us = stock_us;
+      fold_costs->push_back({b.N, name, rows->back().cold.graph_us / s.L, folds * b.N,
+                             double(b.state_bytes)});
+    }
+  }
   rows->push_back(MeanOf(absl::StrFormat("%scommit, %d layers (F=%d, %s, %.3f folds a row a "
                                          "step)",
                                          prefix, s.L, fold_every, schedule, folds),
@@ -351,6 +399,7 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
               s.name.c_str(), s.gdn() ? "Gated DeltaNet" : "KDA", s.H, s.value_heads(), s.K, s.Q,
               s.bf16_state() ? "bf16" : "fp32", s.conv_dim, s.conv_kernel, s.L);
   std::vector<Row> rows;
+  std::vector<FoldCost> fold_costs;
   std::mt19937 rng(7);
   for (int N : ns) {
     Bench b = Make(s, N, rng);
@@ -440,7 +489,8 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
     }
     const int fold_every = absl::GetFlag(FLAGS_fold_every);
     if (fold_every > 0 && s.Q <= kernels::kMaxFastQueryLen) {
-      MeasureFast(b, fold_every, N == ns.back(), iters, stream, stock_us, rng, &rows);
+      MeasureFast(b, fold_every, N == ns.back(), iters, stream, stock_us, rng, &rows,
+                  &fold_costs);
     }
     CHECK_CUDA(cudaStreamSynchronize(stream));
     Free(b);
@@ -491,6 +541,22 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
         "(us) | ratio | FAST step/layer (us) | ratio |\n",
         [](const Row& r) { return r.cold.graph_us; }, true);
   PrintTargets(s, rows, copy_bps);
+  // What a folded row costs (issue 34: at most 1.5x its state's write at
+  // copy bandwidth): the folds and cursors a layer over the rows that fold
+  // a layer a step (the cursors' kernel and the plan reads included, so an
+  // upper bound).
+  if (!fold_costs.empty()) {
+    std::printf("\n| fold schedule | N | folds and cursors a layer (us, cold L2) | rows folding "
+                "a layer a step | us a folded row | its state's write at copy (us) | ratio |\n"
+                "|---|---:|---:|---:|---:|---:|---:|\n");
+    for (const FoldCost& f : fold_costs) {
+      if (f.folded_rows <= 0) continue;
+      const double per_row = f.us_per_layer / f.folded_rows;
+      const double write_us = f.state_bytes / copy_bps * 1e6;
+      std::printf("| %s | %d | %.1f | %.1f | %.2f | %.2f | %.2fx |\n", f.schedule.c_str(), f.N,
+                  f.us_per_layer, f.folded_rows, per_row, write_us, per_row / write_us);
+    }
+  }
   // FAST's step targets (issue 23), cold L2, CUDA graph.
   if (s.name == KimiLinear().name && !fast_cold.empty()) {
     std::printf("\n| FAST step per layer (cold L2) | N | wanted | measured | |\n"

@@ -452,12 +452,16 @@ double FastVerifyBytes(const Bench& b, double ring_tokens) {
 
 // FAST commit: the conv windows (as DEFERRED's) and each fold's state read
 // and written and ring read, every layer.
-double FastCommitBytes(const Bench& b, const std::vector<int>& fold_tokens) {
+double FastFoldBytes(const Bench& b, const std::vector<int>& fold_tokens) {
   double folds = 0;
   for (int n : fold_tokens) {
     if (n > 0) folds += 2.0 * b.state_bytes + n * RingTokenBytes(b);
   }
-  return DeferredCommitBytes(b) + folds * b.shape.L;
+  return folds * b.shape.L;
+}
+
+double FastCommitBytes(const Bench& b, const std::vector<int>& fold_tokens) {
+  return DeferredCommitBytes(b) + FastFoldBytes(b, fold_tokens);
 }
 
 double StockBytes(const Bench& b) {

@@ -155,6 +155,9 @@ double FastVerifyBytes(const Bench& b, double ring_tokens);
 // FAST commit: the conv windows (as DEFERRED's) and each fold's state read
 // and written and ring read, every layer.
 double FastCommitBytes(const Bench& b, const std::vector<int>& fold_tokens);
+// FAST's folds alone over every layer (each folding row's state read and
+// written, its ring tokens read): FastCommitBytes less the conv windows.
+double FastFoldBytes(const Bench& b, const std::vector<int>& fold_tokens);
 
 double StockBytes(const Bench& b);
 

@@ -10,24 +10,25 @@
 # Steps in the order of what they decide, each under its own time limit, so
 # that a call cut short still returns the first ones; at most 8 files (what
 # the device tool brings back):
-#  1. gpu_test.txt: fast_cuda_gpu_test (every schedule's cases bit for bit
-#     against the loaded pass: the piped pass with bf16 state rows and
-#     with the TMA's bulk copies, the checkpoint's L2 prefetch), then the
-#     same under memcheck on 3-step loops. Its last line says whether the
-#     piped bf16 cases passed: Piping::kAuto, the default since they first
-#     did (verify_plan.h), pipes bf16 state rows.
+#  1. gpu_test.txt: fast_cuda_gpu_test (every Verify schedule's cases bit
+#     for bit against the loaded pass: the piped pass with bf16 state rows
+#     and with the TMA's bulk copies, the checkpoint's L2 prefetch; every
+#     Commit and Materialize under both fold schedules, staged and not,
+#     bit for bit), then the same under memcheck on 3-step loops. Its last
+#     line says whether the piped bf16 cases passed: Piping::kAuto, the
+#     default since they first did (verify_plan.h), pipes bf16 state rows.
 #  2. kda_bench.md: every shape, N = 1, 16, 64, 256, both state dtypes,
-#     every mode and every schedule row (cold L2, CUDA graph);
+#     every mode and every schedule row (cold L2, CUDA graph), the folds
+#     alone under each FastFoldSchedule and what a folded row costs;
 #     tables.md: its summary table (summary_table.py, docs/benchmarks.md's
 #     lead table) and the schedules side by side at N = 64 and 256
 #     (schedule_table.py --set=piped, --set=prefetch_checkpoint), the bulk
 #     copies' rows only where step 1 passed with them.
-#  3. ncu_piped_fp32_n256.txt, piped_fp32_n256_regions.md: Nsight Compute
-#     of the piped pass with fp32 state rows at N = 256 (why it loses there).
+#  3. ncu_fold_staged.txt, fold_staged_regions.md, ncu_fold_unstaged.txt,
+#     fold_unstaged_regions.md: Nsight Compute of Commit's fold kernel,
+#     staged and not, Kimi-Linear fp32 state at N = 256 (what bounds it).
 #  4. n1_kernels.csv: every kernel's duration in Kimi-Linear's N = 1 step
 #     (ncu, one metric; launches serialized), what the N = 1 step is made of.
-#  5. Time left before DEADLINE_S: ncu_staged_n1.txt, staged_n1_regions.md,
-#     the staged Verify served at N = 1.
 set -uo pipefail
 bundle=$(cd "$1" && pwd)
 out=$2
@@ -95,28 +96,25 @@ echo "2. kda_bench: exit $?, $(elapsed) s"
   done
 } > "$out/tables.md" 2>&1
 
-# 3. The piped pass with fp32 state rows at N = 256: its kernel of large
-# grids with the lanes' copies (template flags ...Lb0ELb0E then PipeCopy 1,
-# or a bool true in builds before PipeCopy), first launched by kda_bench's rows.
-VERIFY_REGEX='FastVerifyKernelIN.*fLi128E.*E3ELb0ELb0E(Lb1E|L.*PipeCopyE1E)' VERIFY_SKIP=0 \
-  timeout 110 bash "$here/profile_fast.sh" "$bundle" "$scratch/p256" 256 > /dev/null 2>&1
-cp "$scratch/p256/ncu_fast_verify.txt" "$out/ncu_piped_fp32_n256.txt" 2>/dev/null
-cp "$scratch/p256/fast_verify_regions.md" "$out/piped_fp32_n256_regions.md" 2>/dev/null
-echo "3. piped fp32 profile: $(elapsed) s"
+# 3. Commit's fold kernel at N = 256, staged (the served schedule) and not
+# (kda_bench's direct-call rows launch it), fp32 state rows.
+for staged in 1 0; do
+  stem=$([ "$staged" = 1 ] && echo fold_staged || echo fold_unstaged)
+  VERIFY_REGEX=none FOLD_REGEX="FastFoldKernel.*FoldModeE0ELb${staged}E" FOLD_SKIP=2 \
+    FOLD_STEM="$stem" timeout 130 bash "$here/profile_fast.sh" "$bundle" "$scratch/$stem" 256 \
+    > /dev/null 2>&1
+  cp "$scratch/$stem/ncu_$stem.txt" "$out/" 2>/dev/null
+  cp "$scratch/$stem/${stem}_regions.md" "$out/" 2>/dev/null
+  echo "3. $stem profile: $(elapsed) s"
+done
 
 # 4. Kimi-Linear's N = 1 step, kernel by kernel.
-timeout 75 "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv "$bin/kda_bench" \
-  --shapes=kimi_linear --ns=1 --iters=1 --cold=false --fast_checkpoint_numerics=false \
-  --fast_snapshots=2 --state_dtypes=fp32 --fast_verify_schedules=false \
-  > "$out/n1_kernels.csv" 2>&1
-echo "4. N = 1 kernels: exit $?, $(elapsed) s"
-
-# 5. The staged Verify at N = 1, time left.
 left=$((deadline - $(elapsed)))
-if [ "$left" -gt 60 ]; then
-  VERIFY_REGEX='FastVerifyKernel.*Lb1ELb1E' VERIFY_SKIP=4 \
-    timeout "$left" bash "$here/profile_fast.sh" "$bundle" "$scratch/p1" 1 > /dev/null 2>&1
-  cp "$scratch/p1/ncu_fast_verify.txt" "$out/ncu_staged_n1.txt" 2>/dev/null
-  cp "$scratch/p1/fast_verify_regions.md" "$out/staged_n1_regions.md" 2>/dev/null
-  echo "5. staged N = 1 profile: $(elapsed) s"
+if [ "$left" -gt 30 ]; then
+  timeout "$((left < 75 ? left : 75))" "$ncu" --clock-control none \
+    --metrics gpu__time_duration.sum --csv "$bin/kda_bench" \
+    --shapes=kimi_linear --ns=1 --iters=1 --cold=false --fast_checkpoint_numerics=false \
+    --fast_snapshots=2 --state_dtypes=fp32 --fast_verify_schedules=false \
+    --fast_fold_schedules=false > "$out/n1_kernels.csv" 2>&1
+  echo "4. N = 1 kernels: exit $?, $(elapsed) s"
 fi

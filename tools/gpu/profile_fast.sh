@@ -14,7 +14,11 @@
 #     (tools/gpu/stall_regions.py).
 # VERIFY_REGEX picks the Verify kernel (mangled name; default any, the first
 # launched after VERIFY_SKIP = 4; "FastVerifyKernel.*Lb1E" the staged
-# schedule's, which kda_bench's schedule rows launch).
+# schedule's, which kda_bench's schedule rows launch); VERIFY_REGEX=none
+# skips it. FOLD_REGEX (default any commit fold, FOLD_SKIP = 4) picks the
+# fold kernel: "FastFoldKernel.*FoldModeE0ELb1E" the staged one,
+# "...Lb0E" the unstaged one (kda_bench's fold schedule rows launch both);
+# FOLD_STEM names its outputs (default fast_fold).
 # Clocks are left as they run (--clock-control none).
 set -uo pipefail
 bundle=$(cd "$1" && pwd)
@@ -46,5 +50,7 @@ profile() {
   python3 "$(dirname "$0")/stall_regions.py" "$out/${stem}_source.csv" "$stem, N = $n" \
     > "$out/${stem}_regions.md"
 }
-profile "${VERIFY_REGEX:-FastVerifyKernel}" "${VERIFY_SKIP:-4}" fast_verify
-profile "FastFoldKernel.*FoldModeE0" 4 fast_fold
+if [ "${VERIFY_REGEX:-}" != none ]; then
+  profile "${VERIFY_REGEX:-FastVerifyKernel}" "${VERIFY_SKIP:-4}" fast_verify
+fi
+profile "${FOLD_REGEX:-FastFoldKernel.*FoldModeE0}" "${FOLD_SKIP:-4}" "${FOLD_STEM:-fast_fold}"

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -93,6 +94,18 @@ __device__ void WarpNormalize(const Act* raw, float scale, float* out, int lane)
   const float norm = kda::L2Norm(WarpSum(sum));
   __syncwarp();
   for (int j = lane; j < K; j += 32) out[j] = kda::Normalize(out[j], norm, scale);
+}
+
+// WarpNormalize's norm alone, summed in its order (a lane's columns lane,
+// lane + 32, ..., then the warp), for raw values already in shared memory.
+template <typename Act, int K>
+__device__ __forceinline__ float WarpNormOf(const Act* raw, int lane) {
+  float sum = 0.0f;
+  for (int j = lane; j < K; j += 32) {
+    const float x = ToFloat(raw[j]);
+    sum = kda::MulAdd(x, x, sum);
+  }
+  return kda::L2Norm(WarpSum(sum));
 }
 
 // Four state elements of a row as floats (16 bytes of fp32, 8 of bf16).
@@ -239,6 +252,35 @@ __device__ __forceinline__ float TransposeWarpSum(float (&x)[M], int lane) {
 
 // ---------------------------------------------------------------------------
 // The host's side: which numerics the CUDA kernels run.
+
+// The current device's SM count and the shared memory its largest block
+// may take, queried once a device (Verify and the folds launch every layer
+// of every step; the recurrent kernel's launcher caches its occupancy alike).
+inline cudaError_t CurrentDeviceLimits(int* sms, int* smem_optin) {
+  static std::atomic<int> cached_sms[16] = {}, cached_optin[16] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const bool cacheable = device >= 0 && device < 16;
+  if (cacheable) {
+    *sms = cached_sms[device].load(std::memory_order_relaxed);
+    *smem_optin = cached_optin[device].load(std::memory_order_relaxed);
+    if (*sms > 0 && *smem_optin > 0) return cudaSuccess;
+  }
+  err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  }
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // not the next launch's error
+    return err;
+  }
+  if (cacheable) {
+    cached_sms[device].store(*sms, std::memory_order_relaxed);
+    cached_optin[device].store(*smem_optin, std::memory_order_relaxed);
+  }
+  return cudaSuccess;
+}
 
 inline bool DefaultNumerics(const FastNumerics& n) {
   using O = FastNumerics::Operands;

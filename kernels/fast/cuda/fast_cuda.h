@@ -31,6 +31,7 @@
 #include "absl/status/status.h"
 #include "kernels/fast/fast_args.h"
 #include "kernels/fast/fast_kernels.h"
+#include "kernels/fast/fold_plan.h"    // FastFoldSchedule
 #include "kernels/fast/verify_plan.h"  // FastVerifySchedule
 
 namespace specstate {
@@ -53,17 +54,19 @@ absl::Status FastVerifyCuda(const FastVerifyArgs& args, const FastNumerics& nume
 // block or crossing a boundary stores real boundary and final states.
 // `args.layers` is host memory (its pools and rings device memory); the
 // launches do not grow with the number of layers up to 24.
-// \returns INVALID_ARGUMENT as ValidateFastCommitArgs, UNIMPLEMENTED for
-//   non-default numerics, a launch error.
+// `schedule`: how each fold reads its inputs (the same bits either way).
+// \returns INVALID_ARGUMENT as ValidateFastCommitArgs, or for a schedule the
+//   launch cannot run (named), UNIMPLEMENTED for non-default numerics, a
+//   launch error.
 absl::Status FastCommitCuda(const FastCommitArgs& args, const FastNumerics& numerics,
-                            cudaStream_t stream);
+                            cudaStream_t stream, const FastFoldSchedule& schedule = {});
 
 // FAST Materialize (fast_args.h): folds the given blocks in place (keeping
 // the last Verify's candidates, moved to the ring's start), writes their
 // current states to `out`, or with `discard` empties their rings.
 // `args.layers` is host memory, `args.blocks` device memory.
 absl::Status FastMaterializeCuda(const FastMaterializeArgs& args, const FastNumerics& numerics,
-                                 cudaStream_t stream);
+                                 cudaStream_t stream, const FastFoldSchedule& schedule = {});
 
 // The launches of the three calls above without their host checks (fp32
 // numerics): for the kernel interface, after its own validation; `gate` set
@@ -86,8 +89,10 @@ inline FastNumerics::Operands ServedCheckpointOperands(const KdaShape& shape) {
   return shape.act_dtype == DType::kFloat32 ? FastNumerics::Operands::kFp32
                                             : FastNumerics::Operands::kTf32Split;
 }
-absl::Status RunFastCommitCuda(const FastCommitArgs& args, cudaStream_t stream);
-absl::Status RunFastMaterializeCuda(const FastMaterializeArgs& args, cudaStream_t stream);
+absl::Status RunFastCommitCuda(const FastCommitArgs& args, cudaStream_t stream,
+                               const FastFoldSchedule& schedule = {});
+absl::Status RunFastMaterializeCuda(const FastMaterializeArgs& args, cudaStream_t stream,
+                                    const FastFoldSchedule& schedule = {});
 
 }  // namespace fast
 }  // namespace kernels

@@ -327,6 +327,34 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
   auto check_exact = [&](const Buffer& b, const std::string& what, int step) {
     EXPECT_EQ(b.Download(), b.host) << c.name << " step " << step << ": " << what;
   };
+  // Every layer's device states and cursors (what a Commit writes), to run
+  // one Commit under each fold schedule from the same bytes.
+  using FoldStaging = FastFoldSchedule::Staging;
+  auto device_states = [&] {
+    std::vector<std::vector<uint8_t>> out;
+    for (const Layer& L : layers) {
+      out.push_back(L.pool.Download());
+      out.push_back(L.cursors.Download());
+    }
+    return out;
+  };
+  auto restore_device_states = [&](const std::vector<std::vector<uint8_t>>& bytes) {
+    for (size_t l = 0; l < layers.size(); ++l) {
+      cudaMemcpy(layers[l].pool.device, bytes[2 * l].data(), bytes[2 * l].size(),
+                 cudaMemcpyHostToDevice);
+      cudaMemcpy(layers[l].cursors.device, bytes[2 * l + 1].data(), bytes[2 * l + 1].size(),
+                 cudaMemcpyHostToDevice);
+    }
+  };
+  auto expect_same_states = [&](const std::vector<std::vector<uint8_t>>& want, int step,
+                                const char* what) {
+    const std::vector<std::vector<uint8_t>> got = device_states();
+    for (size_t x = 0; x < got.size(); ++x) {
+      EXPECT_TRUE(got[x] == want[x]) << c.name << " step " << step << " layer " << x / 2 << ": "
+                                     << (x % 2 == 0 ? "states" : "cursors") << " after " << what
+                                     << " differ from the unstaged folds'";
+    }
+  };
   double worst_out = 0, worst_u = 0, worst_state = 0;
   int folds = 0;
   for (int step = 0; step < c.steps; ++step) {
@@ -450,6 +478,7 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
     for (int n = 0; n < rows; ++n) ints(accepted)[n] = integer(1, T[n]);
     accepted.Upload();
     const std::vector<uint8_t> cursors_before = layers[0].cursors.host;
+    std::vector<std::vector<uint8_t>> unstaged_commit;
     for (bool dev : {false, true}) {
       FastCommitArgs a;
       a.shape = s;
@@ -468,10 +497,29 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
             static_cast<const int32_t*>(dev ? computed.device : computed.host.data());
         a.mamba_block_size = block_size;
       }
+      if (dev) {
+        // Both fold schedules write the same bits: each from the same
+        // device bytes, then the launcher's own choice from them again,
+        // compared with the CPU below.
+        const std::vector<std::vector<uint8_t>> before = device_states();
+        for (FoldStaging staging : {FoldStaging::kOff, FoldStaging::kOn}) {
+          restore_device_states(before);
+          const absl::Status st = FastCommitCuda(a, FastNumerics{}, nullptr, {staging});
+          ASSERT_TRUE(st.ok()) << st;
+          ASSERT_CUDA(cudaDeviceSynchronize());
+          if (staging == FoldStaging::kOff) {
+            unstaged_commit = device_states();
+          } else {
+            expect_same_states(unstaged_commit, step, "Commit's staged folds");
+          }
+        }
+        restore_device_states(before);
+      }
       const absl::Status st = dev ? FastCommitCuda(a, FastNumerics{}, nullptr) : FastCommitCpu(a);
       ASSERT_TRUE(st.ok()) << st;
     }
     ASSERT_CUDA(cudaDeviceSynchronize());
+    if (!unstaged_commit.empty()) expect_same_states(unstaged_commit, step, "Commit's served folds");
     for (int n = 0; n < rows; ++n) {
       const int32_t b = ints(indices)[n];
       const auto* after = reinterpret_cast<const FastCursor*>(layers[0].cursors.host.data());
@@ -492,6 +540,7 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
     }
     // Now and then every row's current state into `out` (layer 0).
     if (step % 7 == 3) {
+      std::vector<uint8_t> unstaged_materialized;
       for (bool dev : {false, true}) {
         FastMaterializeArgs m;
         m.shape = s;
@@ -501,10 +550,20 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
         m.num_blocks_given = rows + 1;
         m.layer = 0;
         m.out = dev ? materialized.device : materialized.host.data();
+        if (dev) {  // the unstaged fold's bytes, for the served one's to match
+          const absl::Status st = FastMaterializeCuda(m, FastNumerics{}, nullptr, {FoldStaging::kOff});
+          ASSERT_TRUE(st.ok()) << st;
+          ASSERT_CUDA(cudaDeviceSynchronize());
+          unstaged_materialized = materialized.Download();
+        }
         const absl::Status st = dev ? FastMaterializeCuda(m, FastNumerics{}, nullptr)
                                     : FastMaterializeCpu(m);
         ASSERT_TRUE(st.ok()) << st;
       }
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      EXPECT_TRUE(materialized.Download() == unstaged_materialized)
+          << c.name << " step " << step << ": materialized states of the served fold differ "
+          << "from the unstaged fold's";
       ASSERT_CUDA(cudaDeviceSynchronize());
       // Entry 1 is the null block: neither writes it.
       const Diff d = Compare(materialized, tol, SIZE_MAX, 1);

@@ -8,25 +8,28 @@ namespace specstate {
 namespace kernels {
 namespace fast {
 
-absl::Status FastCommitCuda(const FastCommitArgs& a, const FastNumerics& num, cudaStream_t stream) {
+absl::Status FastCommitCuda(const FastCommitArgs& a, const FastNumerics& num, cudaStream_t stream,
+                            const FastFoldSchedule& schedule) {
   if (absl::Status st = ValidateFastCommitArgs(a); !st.ok()) return st;
   if (!DefaultNumerics(num)) return NumericsUnimplemented("FastCommit");
-  return RunFastCommitCuda(a, stream);
+  return RunFastCommitCuda(a, stream, schedule);
 }
 
-absl::Status RunFastCommitCuda(const FastCommitArgs& a, cudaStream_t stream) {
-  return LaunchFastCommit(a, stream);
+absl::Status RunFastCommitCuda(const FastCommitArgs& a, cudaStream_t stream,
+                               const FastFoldSchedule& schedule) {
+  return LaunchFastCommit(a, stream, schedule);
 }
 
 absl::Status FastMaterializeCuda(const FastMaterializeArgs& a, const FastNumerics& num,
-                                 cudaStream_t stream) {
+                                 cudaStream_t stream, const FastFoldSchedule& schedule) {
   if (absl::Status st = ValidateFastMaterializeArgs(a); !st.ok()) return st;
   if (!DefaultNumerics(num)) return NumericsUnimplemented("FastMaterialize");
-  return RunFastMaterializeCuda(a, stream);
+  return RunFastMaterializeCuda(a, stream, schedule);
 }
 
-absl::Status RunFastMaterializeCuda(const FastMaterializeArgs& a, cudaStream_t stream) {
-  return LaunchFastMaterialize(a, stream);
+absl::Status RunFastMaterializeCuda(const FastMaterializeArgs& a, cudaStream_t stream,
+                                    const FastFoldSchedule& schedule) {
+  return LaunchFastMaterialize(a, stream, schedule);
 }
 
 }  // namespace fast

@@ -1,7 +1,7 @@
 // FAST's folds on CUDA (fast_cuda.h: FastCommitCuda, FastMaterializeCuda):
 // the kernel family and its launchers.
 // Fold (Commit, Materialize): 512-thread blocks per (layer, value head,
-// tile of FoldRows<K>() state rows: the whole head at K <= 128) striding
+// tile of FoldRows(K) state rows: the whole head at K <= 128) striding
 // over the rows (Commit: 16 of them, testing their rows in parallel and
 // folding only those that fold; Materialize: one per listed block, or 16
 // over every block); the ring's log-decays, keys and values staged in shared
@@ -10,7 +10,9 @@
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_FOLD_CUH_
 #define SPECSTATE_KERNELS_FAST_CUDA_FOLD_CUH_
 
+#include "kernels/common/cuda/cp_async.cuh"
 #include "kernels/fast/cuda/device_math.cuh"
+#include "kernels/fast/fold_plan.h"
 
 namespace specstate {
 namespace kernels {
@@ -27,26 +29,9 @@ enum class FoldMode { kCommit, kMaterialize };
 // below this; 48 layers take two).
 constexpr int kLayersPerLaunch = 24;
 
-// A fold block: kFoldThreads threads own FoldRows<K>() state rows of one
-// value head (all of them at K <= 128, so that the ring's exponents and
-// decayed keys are computed once per head, not once per tile of rows), at
-// most 32 accumulators a thread.
-constexpr int kFoldThreads = 512;
-constexpr int kFoldCols = 8;  // consecutive state columns a fold thread owns
+// A fold block (fold_plan.h): kFoldThreads threads, FoldRows(K) state rows
+// of one value head, each thread a tile of kFoldCols columns of 1-4 rows.
 constexpr int kFoldWarps = kFoldThreads / 32;
-template <int K>
-__host__ __device__ constexpr int FoldRows() {
-  return K <= 128 ? K : 16 * kFoldThreads / K;
-}
-
-// Shared memory of one fold block (floats): kr chunk, u chunk, the chunk
-// boundaries' exponents [R / kRingChunk + 1][K], Gc [K], a chunk's
-// log-decays [kRingChunk][K].
-template <int K>
-__host__ __device__ inline size_t FoldSmemFloats(int r) {
-  return size_t(kRingChunk) * K + size_t(kRingChunk) * FoldRows<K>() +
-         size_t(r / kRingChunk + 1) * K + K + size_t(kRingChunk) * K;
-}
 
 struct FoldParams {
   KdaShape shape;
@@ -165,7 +150,142 @@ __device__ bool FoldJobOf(const FoldParams& f, const FastLayer& layer, int i, Fo
   }
 }
 
-// The folds of one layer's jobs, one value head, FoldRows<K>() state rows:
+// One job of the staged fold (FastFoldSchedule::kOn): the same sums as the
+// unstaged job in FastFoldKernel, in the same order, with its inputs copied
+// to shared memory (StagedFoldSmem) in one round at the start instead of a
+// chain of phases each waiting on its own loads:
+//  1. the block's checkpoint rows and every ring token's raw key, log-decays
+//     and values the job's folds read (cp.async, every thread);
+//  2. each token's key norm (a warp a token, as WarpNormalize);
+//  3. per fold (align mode: the final state first, then the boundary's, from
+//     log-decays copied again: the first fold's pass overwrote KDA's), the
+//     exponents a thread per column from the newest token back, each key
+//     normalized and decayed as it goes (KDA: in place of its log-decays),
+//     and Gc; then each thread's tile: the checkpoint decayed, plus the
+//     ring's terms oldest first, stored.
+template <typename Act, typename State, int K>
+__device__ __forceinline__ void StagedFoldJob(const FoldParams& f, const FastLayer& layer,
+                                              const FoldJob& job, int hv, int v0, int tid,
+                                              int lane, int warp) {
+  constexpr int kRows = FoldRows(K);
+  const KdaShape& s = f.shape;
+  const FastRings& rings = layer.rings;
+  const bool gdn = s.kind == LayerKind::kGdn;
+  const int h = KeyHeadOf(s, hv);
+  const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s), u_width = RingUWidth(s);
+  const StagedFoldSmem m{K, rings.capacity, int(sizeof(Act)), int(sizeof(State)), gdn};
+  extern __shared__ float smem[];
+  char* at = reinterpret_cast<char*>(smem);
+  State* s0_s = reinterpret_cast<State*>(at);
+  Act* raw_k = reinterpret_cast<Act*>(at += m.CheckpointBytes());
+  float* keys = reinterpret_cast<float*>(at += m.RawKeyBytes());
+  float* gdn_g = reinterpret_cast<float*>(at += m.KeyBytes());
+  float* u_s = reinterpret_cast<float*>(at += m.GdnLogDecayBytes());
+  float* norms = reinterpret_cast<float*>(at += m.ValueBytes());
+  float* gc = reinterpret_cast<float*>(at += m.NormBytes());
+  const int n_all = max(job.n[0], job.n[job.count - 1]);  // tokens any of its folds reads
+  const State* s0 = static_cast<const State*>(layer.state.data) +
+                    int64_t{job.block} * layer.state.block_stride + int64_t{hv} * K * K;
+  const Act* ring_k = static_cast<const Act*>(rings.k);
+  // KDA's log-decays of tokens [0, n_all), into `keys` (GDN: gdn_g).
+  const auto copy_log_decays = [&] {
+    if (gdn) {
+      for (int i = tid; i < n_all; i += kFoldThreads) {
+        CpAsync4(gdn_g + i, rings.log_decay + RingAt(rings, job.block, i, g_width) + hv);
+      }
+    } else {
+      for (int x = tid; x < n_all * (K / 4); x += kFoldThreads) {
+        const int i = x / (K / 4), e = x % (K / 4);
+        CpAsync16(keys + i * K + 4 * e,
+                  rings.log_decay + RingAt(rings, job.block, i, g_width) + int64_t{h} * K + 4 * e);
+      }
+    }
+  };
+  __syncthreads();  // the previous job's shared memory reads done
+  // 1. One round of copies.
+  constexpr int kRowChunks = K * int(sizeof(State)) / 16, kPerRowChunk = 16 / int(sizeof(State));
+  for (int x = tid; x < kRows * kRowChunks; x += kFoldThreads) {
+    const int r = x / kRowChunks, e = x % kRowChunks;
+    CpAsync16(s0_s + r * K + e * kPerRowChunk, s0 + int64_t{v0 + r} * K + e * kPerRowChunk);
+  }
+  constexpr int kKeyChunks = K * int(sizeof(Act)) / 16, kPerKeyChunk = 16 / int(sizeof(Act));
+  for (int x = tid; x < n_all * kKeyChunks; x += kFoldThreads) {
+    const int i = x / kKeyChunks, e = x % kKeyChunks;
+    CpAsync16(raw_k + i * K + e * kPerKeyChunk,
+              ring_k + RingAt(rings, job.block, i, kw_width) + int64_t{h} * K + e * kPerKeyChunk);
+  }
+  copy_log_decays();
+  for (int x = tid; x < n_all * (kRows / 4); x += kFoldThreads) {
+    const int i = x / (kRows / 4), e = x % (kRows / 4);
+    CpAsync16(u_s + i * kRows + 4 * e,
+              rings.u + RingAt(rings, job.block, i, u_width) + int64_t{hv} * K + v0 + 4 * e);
+  }
+  CpAsyncCommit();
+  CpAsyncWait<0>();
+  __syncthreads();
+  // 2. The keys' norms.
+  for (int i = warp; i < n_all; i += kFoldWarps) {
+    const float norm = WarpNormOf<Act, K>(raw_k + i * K, lane);
+    if (lane == 0) norms[i] = norm;
+  }
+  // A thread's tile, as the unstaged job's.
+  constexpr int kColGroups = K / kFoldCols;
+  constexpr int kRowGroups = kFoldThreads / kColGroups;
+  constexpr int kRowsEach = kRows / kRowGroups;
+  const int c0 = (tid % kColGroups) * kFoldCols, r0 = (tid / kColGroups) * kRowsEach;
+  for (int target = job.count - 1; target >= 0; --target) {
+    const int n = job.n[target];
+    if (target != job.count - 1) {
+      __syncthreads();  // the previous fold's reads of the keys done
+      if (!gdn) {
+        copy_log_decays();
+        CpAsyncCommit();
+        CpAsyncWait<0>();
+      }
+    }
+    __syncthreads();  // the norms (and log-decays) in place
+    // 3. Exponents from the newest token back; each key normalized and
+    // decayed by the sum over the tokens after it (KDA: over its own
+    // log-decay, read first).
+    if (tid < K) {
+      float e = 0.0f;
+      for (int i = n - 1; i >= 0; --i) {
+        const float g = gdn ? gdn_g[i] : keys[i * K + tid];
+        keys[i * K + tid] = ::specstate::fast::Decayed(
+            kda::Normalize(ToFloat(raw_k[i * K + tid]), norms[i], 1.0f), e);
+        e += g;
+      }
+      gc[tid] = e;
+    }
+    __syncthreads();
+    float acc[kRowsEach][kFoldCols];
+#pragma unroll
+    for (int r = 0; r < kRowsEach; ++r) {
+      SharedStateCols<kFoldCols>(s0_s + (r0 + r) * K + c0, acc[r]);
+#pragma unroll
+      for (int c = 0; c < kFoldCols; ++c) {
+        acc[r][c] = ::specstate::fast::Decayed(acc[r][c], gc[c0 + c]);
+      }
+    }
+    for (int i = 0; i < n; ++i) {
+      float kv[kFoldCols], uv[kRowsEach];
+      SmemCols<kFoldCols>(keys + i * K + c0, kv);
+      SmemCols<kRowsEach>(u_s + i * kRows + r0, uv);
+#pragma unroll
+      for (int r = 0; r < kRowsEach; ++r) {
+#pragma unroll
+        for (int c = 0; c < kFoldCols; ++c) acc[r][c] = kda::MulAdd(uv[r], kv[c], acc[r][c]);
+      }
+    }
+    State* dst = static_cast<State*>(job.dst[target]) + int64_t{hv} * K * K;
+#pragma unroll
+    for (int r = 0; r < kRowsEach; ++r) {
+      StoreCols<kFoldCols>(acc[r], dst + int64_t{v0 + r0 + r} * K + c0);
+    }
+  }
+}
+
+// The folds of one layer's jobs, one value head, FoldRows(K) state rows:
 // out[v][j] = S0[v][j] exp(Gc[j]) + sum_i u_i[v] kr_i[j]. Grid: x strides
 // over the jobs, y the value heads, z (layer, tile of state rows).
 // Two blocks an SM (64 registers, a few spilled). H200, kda_bench,
@@ -176,11 +296,12 @@ __device__ bool FoldJobOf(const FoldParams& f, const FastLayer& layer, int i, Fo
 // Register tiles, the log-decays staged in shared memory and staging loads
 // four in flight: 3894 -> 3340 us at N = 256, 809 -> 740 us at N = 64, cold
 // L2 (docs/results/fast_tensor_cores_h200.md).
-template <typename Act, typename State, int K, FoldMode kMode>
+// kStaged: each job StagedFoldJob (one round of copies, then the sums).
+template <typename Act, typename State, int K, FoldMode kMode, bool kStaged>
 __global__ void __launch_bounds__(kFoldThreads, 2) FastFoldKernel(const FoldParams f) {
   extern __shared__ float smem[];
   if (GateFailed(f.gate)) return;
-  constexpr int kRows = FoldRows<K>();
+  constexpr int kRows = FoldRows(K);
   constexpr int kTiles = K / kRows;
   const FastLayer& layer = f.layers[blockIdx.z / kTiles];
   const int hv = blockIdx.y, v0 = (blockIdx.z % kTiles) * kRows;
@@ -213,6 +334,10 @@ __global__ void __launch_bounds__(kFoldThreads, 2) FastFoldKernel(const FoldPara
     for (int li = 0; li < listed; ++li) {
       FoldJob job;
       FoldJobOf<kMode>(f, layer, fold_rows[li], &job, block_elems, sizeof(State));
+      if constexpr (kStaged) {
+        StagedFoldJob<Act, State, K>(f, layer, job, hv, v0, tid, lane, warp);
+        continue;
+      }
       const FastRings& rings = layer.rings;
       const bool gdn = s.kind == LayerKind::kGdn;
       const int h = KeyHeadOf(s, hv);
@@ -402,18 +527,39 @@ static_assert(sizeof(FoldParams) <= 4096, "a fold launch's layers fit in its par
 
 
 template <typename Act, typename State, int K, FoldMode kMode>
-cudaError_t LaunchFold(const FoldParams& f, int grid_x, cudaStream_t stream) {
-  const size_t smem = FoldSmemFloats<K>(f.layers[0].rings.capacity) * sizeof(float);
-  auto kernel = FastFoldKernel<Act, State, K, kMode>;
-  if (smem > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+cudaError_t LaunchFold(const FoldParams& f, const FoldLaunchPlan& plan, int grid_x,
+                       cudaStream_t stream) {
+  auto kernel = plan.staged ? FastFoldKernel<Act, State, K, kMode, true>
+                            : FastFoldKernel<Act, State, K, kMode, false>;
+  if (plan.smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem));
     if (err != cudaSuccess) return err;
   }
   const dim3 grid(std::min(grid_x, f.rows), ValueHeads(f.shape),
-                  (K / FoldRows<K>()) * f.num_layers);
-  kernel<<<grid, kFoldThreads, smem, stream>>>(f);
+                  (K / FoldRows(K)) * f.num_layers);
+  kernel<<<grid, kFoldThreads, plan.smem, stream>>>(f);
   return cudaGetLastError();
+}
+
+// The fold schedule of `layers` (rings of one capacity: the kernel interface
+// sizes every layer's alike) on the current device.
+absl::StatusOr<FoldLaunchPlan> PlanFoldLaunch(const char* op, const KdaShape& shape,
+                                              const FastLayer* layers, int num_layers,
+                                              const FastFoldSchedule& schedule) {
+  int sms = 0, smem_optin = 0;
+  const cudaError_t err = CurrentDeviceLimits(&sms, &smem_optin);
+  if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA device query"));
+  int capacity = 0;
+  for (int l = 0; l < num_layers; ++l) capacity = std::max(capacity, layers[l].rings.capacity);
+  absl::StatusOr<FoldLaunchPlan> plan = PlanFastFold(shape, capacity, schedule, smem_optin);
+  if (!plan.ok()) return plan.status();
+  if (!plan->staged) {
+    // The unstaged kernel's shared memory follows the first layer's ring
+    // (as it always has); a larger one elsewhere takes the larger size.
+    plan->smem = UnstagedFoldSmemFloats(shape.head_dim, capacity) * sizeof(float);
+  }
+  return plan;
 }
 
 // Calls launch(f) for the layers `covers` selects, kLayersPerLaunch at a time.
@@ -432,9 +578,13 @@ cudaError_t ForLayerBatches(FoldParams f, const FastLayer* layers, int num_layer
   return f.num_layers > 0 ? launch(f) : cudaSuccess;
 }
 
-absl::Status LaunchFastCommit(const FastCommitArgs& a, cudaStream_t stream) {
+absl::Status LaunchFastCommit(const FastCommitArgs& a, cudaStream_t stream,
+                              const FastFoldSchedule& schedule) {
   constexpr const char* op = "FastCommit";
   if (a.num_rows == 0) return absl::OkStatus();
+  const absl::StatusOr<FoldLaunchPlan> plan =
+      PlanFoldLaunch(op, a.shape, a.layers, a.num_layers, schedule);
+  if (!plan.ok()) return plan.status();
   FoldParams f{};
   f.shape = a.shape;
   f.spec_query_len = a.spec_query_len;
@@ -452,7 +602,7 @@ absl::Status LaunchFastCommit(const FastCommitArgs& a, cudaStream_t stream) {
           // A commit folds few rows a step (0.1-0.3 of them, fast_bench): 16
           // strided blocks per (head, tile) keep a no-fold commit at a few
           // microseconds and still fill the GPU when every row folds.
-          e = LaunchFold<Act, State, K, FoldMode::kCommit>(batch, kCommitFoldGridX, stream);
+          e = LaunchFold<Act, State, K, FoldMode::kCommit>(batch, *plan, kCommitFoldGridX, stream);
         });
         if (e != cudaSuccess) return e;
         const int threads = a.num_rows * batch.num_layers;
@@ -463,10 +613,14 @@ absl::Status LaunchFastCommit(const FastCommitArgs& a, cudaStream_t stream) {
   return absl::OkStatus();
 }
 
-absl::Status LaunchFastMaterialize(const FastMaterializeArgs& a, cudaStream_t stream) {
+absl::Status LaunchFastMaterialize(const FastMaterializeArgs& a, cudaStream_t stream,
+                                   const FastFoldSchedule& schedule) {
   constexpr const char* op = "FastMaterialize";
   const int64_t jobs = a.every_block ? a.layers[0].state.num_blocks : a.num_blocks_given;
   if (jobs == 0) return absl::OkStatus();
+  const absl::StatusOr<FoldLaunchPlan> plan =
+      PlanFoldLaunch(op, a.shape, a.layers, a.num_layers, schedule);
+  if (!plan.ok()) return plan.status();
   FoldParams f{};
   f.shape = a.shape;
   f.blocks = a.blocks;
@@ -486,7 +640,7 @@ absl::Status LaunchFastMaterialize(const FastMaterializeArgs& a, cudaStream_t st
             // Every block: strided blocks that test their share in parallel
             // (most rings are empty); a list: a block per entry.
             e = LaunchFold<Act, State, K, FoldMode::kMaterialize>(
-                batch, a.every_block ? kCommitFoldGridX : f.rows, stream);
+                batch, *plan, a.every_block ? kCommitFoldGridX : f.rows, stream);
             if (e != cudaSuccess) return;
           }
           if (a.out == nullptr) {

@@ -36,8 +36,6 @@
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
 #define SPECSTATE_KERNELS_FAST_CUDA_VERIFY_CUH_
 
-#include <atomic>
-
 #include "absl/status/statusor.h"
 #include "kernels/common/cuda/cp_async.cuh"
 #include "kernels/common/cuda/launch.cuh"
@@ -600,35 +598,6 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
     }
   }
   if (hv == 0 && lead && tid == 0) cursor->candidates = T;
-}
-
-// The current device's SM count and the shared memory its largest block
-// may take, queried once a device (Verify launches every layer of every
-// step; the recurrent kernel's launcher caches its occupancy alike).
-inline cudaError_t CurrentDeviceLimits(int* sms, int* smem_optin) {
-  static std::atomic<int> cached_sms[16] = {}, cached_optin[16] = {};
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const bool cacheable = device >= 0 && device < 16;
-  if (cacheable) {
-    *sms = cached_sms[device].load(std::memory_order_relaxed);
-    *smem_optin = cached_optin[device].load(std::memory_order_relaxed);
-    if (*sms > 0 && *smem_optin > 0) return cudaSuccess;
-  }
-  err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) {
-    err = cudaDeviceGetAttribute(smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  }
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // not the next launch's error
-    return err;
-  }
-  if (cacheable) {
-    cached_sms[device].store(*sms, std::memory_order_relaxed);
-    cached_optin[device].store(*smem_optin, std::memory_order_relaxed);
-  }
-  return cudaSuccess;
 }
 
 absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,

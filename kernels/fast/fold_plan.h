@@ -1,0 +1,110 @@
+// How FAST's CUDA fold (Commit's and Materialize's) lays a job out
+// (FastFoldSchedule) and the shared memory each layout takes. Plain C++: the
+// launcher's rule is tested without a GPU (fold_plan_test), and the kernel
+// (cuda/fold.cuh) carves its shared memory from the same structs.
+//
+//   absl::StatusOr<FoldLaunchPlan> plan =
+//       PlanFastFold(shape, rings.capacity, FastFoldSchedule{}, smem_optin);
+#ifndef SPECSTATE_KERNELS_FAST_FOLD_PLAN_H_
+#define SPECSTATE_KERNELS_FAST_FOLD_PLAN_H_
+
+#include <cstddef>
+
+#include "absl/status/statusor.h"
+#include "kernels/fast/verify_plan.h"  // kRingChunk
+#include "kernels/kda_args.h"
+#include "kernels/numeric.h"
+
+namespace specstate {
+namespace kernels {
+namespace fast {
+
+// How a fold job (one ring folded into one value head's rows of its
+// checkpoint) reads its inputs, never what it computes: both schedules
+// write the same bits (fast_cuda_gpu_test checks it).
+struct FastFoldSchedule {
+  enum class Staging {
+    // Staged where two blocks an SM still fit (every served shape).
+    kAuto,
+    // A chain of phases, each loading from global memory when it needs
+    // it: the exponent pass's log-decays, then the checkpoint's rows, then
+    // each ring chunk's keys and values.
+    kOff,
+    // One round of copies a job (cp.async): the block's checkpoint rows
+    // and every ring token's key, log-decays and values into shared memory
+    // at the job's start, every later phase reading them there.
+    kOn,
+  };
+  Staging staging = Staging::kAuto;
+};
+
+// A fold block: kFoldThreads threads own FoldRows(K) state rows of one value
+// head (all of them at K <= 128, so that the ring's exponents and decayed
+// keys are computed once per head, not once per tile of rows), each thread
+// a tile of kFoldCols consecutive columns of 1-4 rows.
+inline constexpr int kFoldThreads = 512;
+inline constexpr int kFoldCols = 8;
+SPECSTATE_HD constexpr int FoldRows(int k) { return k <= 128 ? k : 16 * kFoldThreads / k; }
+// A fold block's static shared memory (its list of rows that fold, and
+// their count): what its dynamic shared memory shares an SM with.
+inline constexpr size_t kFoldStaticSmemBytes = kFoldThreads * sizeof(int) + sizeof(int);
+
+// The unstaged fold's shared memory (floats), ring capacity r: a chunk's
+// normalized keys [kRingChunk][K] and values [kRingChunk][rows], the chunk
+// boundaries' exponents [r / kRingChunk + 1][K], Gc [K], a chunk's
+// log-decays [kRingChunk][K].
+SPECSTATE_HD size_t UnstagedFoldSmemFloats(int k, int r) {
+  return size_t(kRingChunk) * k + size_t(kRingChunk) * FoldRows(k) +
+         size_t(r / kRingChunk + 1) * k + k + size_t(kRingChunk) * k;
+}
+
+// The staged fold's shared memory, ring capacity r, each part 16-byte
+// aligned: the block's checkpoint rows [rows][K] (state dtype), every ring
+// token's raw key [r][K] (activation dtype), the keys [r][K] (floats: KDA's
+// log-decays as copied, each replaced by its token's decayed key as the
+// exponent pass goes; GDN's decayed keys), GDN's log-decays [r] (one a
+// token), the values [r][rows], the keys' norms [r] and Gc [K].
+struct StagedFoldSmem {
+  int k, r;
+  int act_bytes, state_bytes;  // element sizes
+  bool gdn;
+  static SPECSTATE_HD size_t Align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+  SPECSTATE_HD int Rows() const { return FoldRows(k); }
+  SPECSTATE_HD size_t CheckpointBytes() const {
+    return Align16(size_t(Rows()) * k * state_bytes);
+  }
+  SPECSTATE_HD size_t RawKeyBytes() const { return Align16(size_t(r) * k * act_bytes); }
+  SPECSTATE_HD size_t KeyBytes() const { return Align16(size_t(r) * k * sizeof(float)); }
+  SPECSTATE_HD size_t GdnLogDecayBytes() const {
+    return gdn ? Align16(size_t(r) * sizeof(float)) : 0;
+  }
+  SPECSTATE_HD size_t ValueBytes() const { return Align16(size_t(r) * Rows() * sizeof(float)); }
+  SPECSTATE_HD size_t NormBytes() const { return Align16(size_t(r) * sizeof(float)); }
+  SPECSTATE_HD size_t GcBytes() const { return Align16(size_t(k) * sizeof(float)); }
+  SPECSTATE_HD size_t Bytes() const {
+    return CheckpointBytes() + RawKeyBytes() + KeyBytes() + GdnLogDecayBytes() + ValueBytes() +
+           NormBytes() + GcBytes();
+  }
+};
+
+// A fold launch: staged or not, and the dynamic shared memory of a block.
+struct FoldLaunchPlan {
+  bool staged = false;
+  size_t smem = 0;
+};
+
+// `schedule` made concrete for folds of `shape` with rings of `capacity`
+// tokens, on a GPU whose blocks take at most `smem_optin` bytes of shared
+// memory (an SM: that plus the 1 KiB the runtime reserves a block): kAuto
+// stages where two blocks an SM still fit with the copies (the fold
+// kernel's occupancy, launch bounds 512 x 2), kOn wherever one does.
+// \returns INVALID_ARGUMENT naming the field and its bound for a schedule
+//   the launch cannot run.
+absl::StatusOr<FoldLaunchPlan> PlanFastFold(const KdaShape& shape, int capacity,
+                                            const FastFoldSchedule& schedule, int smem_optin);
+
+}  // namespace fast
+}  // namespace kernels
+}  // namespace specstate
+
+#endif  // SPECSTATE_KERNELS_FAST_FOLD_PLAN_H_
