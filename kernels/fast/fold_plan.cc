@@ -12,28 +12,42 @@ absl::StatusOr<FoldLaunchPlan> PlanFastFold(const KdaShape& shape, int capacity,
   using Staging = FastFoldSchedule::Staging;
   constexpr const char* op = "FastFold";
   const int K = shape.head_dim;
-  const FoldLaunchPlan unstaged{false, UnstagedFoldSmemFloats(K, capacity) * sizeof(float)};
-  if (schedule.staging == Staging::kOff) return unstaged;
-  const size_t staged_bytes = StagedFoldSmem{K, capacity, int(DTypeSize(shape.act_dtype)),
-                                             int(DTypeSize(shape.state_dtype)),
-                                             shape.kind == LayerKind::kGdn}
-                                  .Bytes();
-  // An SM's shared memory is its largest block's plus the 1 KiB the runtime
-  // reserves a block (Hopper: 227 + 1 KiB), each block's static part too.
-  constexpr size_t kReservedPerBlock = 1024;
-  const size_t per_block = staged_bytes + kFoldStaticSmemBytes + kReservedPerBlock;
-  const bool one_fits = staged_bytes + kFoldStaticSmemBytes <= size_t(smem_optin);
-  const bool two_fit = 2 * per_block <= size_t(smem_optin) + kReservedPerBlock;
-  if (schedule.staging == Staging::kAuto) {
-    return two_fit ? FoldLaunchPlan{true, staged_bytes} : unstaged;
+  if (schedule.blocks_per_head < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("In ", op, ": schedule.blocks_per_head ",
+                                                   schedule.blocks_per_head,
+                                                   " is negative (0: the launcher's choice)"));
   }
-  if (!one_fits) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "In ", op, ": schedule.staging kOn needs ", staged_bytes + kFoldStaticSmemBytes,
-        " bytes of shared memory a block (head dim ", K, ", ring capacity ", capacity,
-        "); the device gives at most ", smem_optin));
+  const StagedFoldSmem staged{K, capacity, int(DTypeSize(shape.act_dtype)),
+                              int(DTypeSize(shape.state_dtype)), shape.kind == LayerKind::kGdn};
+  const auto fits = [&](int buffers) {
+    return staged.Bytes(buffers) + kFoldStaticSmemBytes <= size_t(smem_optin);
+  };
+  const auto plan = [&](Staging staging, size_t smem) {
+    const int chosen = staging == Staging::kPipelined ? 1 : 16;
+    return FoldLaunchPlan{staging, smem,
+                          schedule.blocks_per_head > 0 ? schedule.blocks_per_head : chosen};
+  };
+  switch (schedule.staging) {
+    case Staging::kOff:
+      break;
+    case Staging::kAuto:
+      if (fits(2)) return plan(Staging::kPipelined, staged.Bytes(2));
+      break;
+    case Staging::kOn:
+    case Staging::kPipelined: {
+      const int buffers = schedule.staging == Staging::kOn ? 1 : 2;
+      if (!fits(buffers)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "In ", op, ": schedule.staging ",
+            schedule.staging == Staging::kOn ? "kOn" : "kPipelined", " needs ",
+            staged.Bytes(buffers) + kFoldStaticSmemBytes,
+            " bytes of shared memory a block (head dim ", K, ", ring capacity ", capacity,
+            "); the device gives at most ", smem_optin));
+      }
+      return plan(schedule.staging, staged.Bytes(buffers));
+    }
   }
-  return FoldLaunchPlan{true, staged_bytes};
+  return plan(Staging::kOff, UnstagedFoldSmemFloats(K, capacity) * sizeof(float));
 }
 
 }  // namespace fast

@@ -20,22 +20,31 @@ namespace kernels {
 namespace fast {
 
 // How a fold job (one ring folded into one value head's rows of its
-// checkpoint) reads its inputs, never what it computes: both schedules
-// write the same bits (fast_cuda_gpu_test checks it).
+// checkpoint) reads its inputs, never what it computes: every schedule
+// writes the same bits (fast_cuda_gpu_test checks it).
 struct FastFoldSchedule {
   enum class Staging {
-    // Staged where two blocks an SM still fit (every served shape).
+    // kPipelined where its two buffers fit a block, otherwise kOff.
     kAuto,
     // A chain of phases, each loading from global memory when it needs
     // it: the exponent pass's log-decays, then the checkpoint's rows, then
-    // each ring chunk's keys and values.
+    // each ring chunk's keys and values. Two blocks an SM.
     kOff,
     // One round of copies a job (cp.async): the block's checkpoint rows
     // and every ring token's key, log-decays and values into shared memory
-    // at the job's start, every later phase reading them there.
+    // at the job's start, every later phase reading them there. Two blocks
+    // an SM, one buffer each.
     kOn,
+    // kOn's copies double-buffered: a block's next job's copies in flight
+    // while it computes and stores the current one. One block an SM.
+    kPipelined,
   };
   Staging staging = Staging::kAuto;
+  // Commit's fold blocks per (value head, tile of rows, layer), each
+  // striding over the rows: 0 lets the launcher choose (16 unstaged or
+  // kOn: a no-fold commit stays a few microseconds; 1 pipelined: every job
+  // of a (head, layer) in one block's pipeline).
+  int blocks_per_head = 0;
 };
 
 // A fold block: kFoldThreads threads own FoldRows(K) state rows of one value
@@ -59,11 +68,12 @@ SPECSTATE_HD size_t UnstagedFoldSmemFloats(int k, int r) {
 }
 
 // The staged fold's shared memory, ring capacity r, each part 16-byte
-// aligned: the block's checkpoint rows [rows][K] (state dtype), every ring
-// token's raw key [r][K] (activation dtype), the keys [r][K] (floats: KDA's
-// log-decays as copied, each replaced by its token's decayed key as the
-// exponent pass goes; GDN's decayed keys), GDN's log-decays [r] (one a
-// token), the values [r][rows], the keys' norms [r] and Gc [K].
+// aligned. What a job's copies fill (a buffer; kPipelined has two): the
+// block's checkpoint rows [rows][K] (state dtype), every ring token's raw
+// key [r][K] (activation dtype), the keys [r][K] (floats: KDA's log-decays
+// as copied, each replaced by its token's decayed key as the exponent pass
+// goes; GDN's decayed keys), GDN's log-decays [r] (one a token), the values
+// [r][rows]; then, once, the keys' norms [r] and Gc [K] (floats).
 struct StagedFoldSmem {
   int k, r;
   int act_bytes, state_bytes;  // element sizes
@@ -81,23 +91,28 @@ struct StagedFoldSmem {
   SPECSTATE_HD size_t ValueBytes() const { return Align16(size_t(r) * Rows() * sizeof(float)); }
   SPECSTATE_HD size_t NormBytes() const { return Align16(size_t(r) * sizeof(float)); }
   SPECSTATE_HD size_t GcBytes() const { return Align16(size_t(k) * sizeof(float)); }
-  SPECSTATE_HD size_t Bytes() const {
-    return CheckpointBytes() + RawKeyBytes() + KeyBytes() + GdnLogDecayBytes() + ValueBytes() +
-           NormBytes() + GcBytes();
+  // One buffer: what a job's copies fill.
+  SPECSTATE_HD size_t BufferBytes() const {
+    return CheckpointBytes() + RawKeyBytes() + KeyBytes() + GdnLogDecayBytes() + ValueBytes();
+  }
+  SPECSTATE_HD size_t Bytes(int buffers = 1) const {
+    return buffers * BufferBytes() + NormBytes() + GcBytes();
   }
 };
 
-// A fold launch: staged or not, and the dynamic shared memory of a block.
+// A fold launch: how its jobs read (never kAuto), the dynamic shared memory
+// of a block, and Commit's blocks per (value head, tile, layer).
 struct FoldLaunchPlan {
-  bool staged = false;
+  FastFoldSchedule::Staging staging = FastFoldSchedule::Staging::kOff;
   size_t smem = 0;
+  int blocks_per_head = 16;
 };
 
 // `schedule` made concrete for folds of `shape` with rings of `capacity`
 // tokens, on a GPU whose blocks take at most `smem_optin` bytes of shared
 // memory (an SM: that plus the 1 KiB the runtime reserves a block): kAuto
-// stages where two blocks an SM still fit with the copies (the fold
-// kernel's occupancy, launch bounds 512 x 2), kOn wherever one does.
+// pipelines where the two buffers fit one block, kOn where one does (two
+// blocks an SM when two fit), kPipelined where two do.
 // \returns INVALID_ARGUMENT naming the field and its bound for a schedule
 //   the launch cannot run.
 absl::StatusOr<FoldLaunchPlan> PlanFastFold(const KdaShape& shape, int capacity,

@@ -1,6 +1,6 @@
 // The CUDA fold's launch rule (fold_plan.h), without a GPU: which shapes are
-// staged, the shared memory each layout takes, and the schedules refused.
-// (That both schedules write the same bits needs a GPU:
+// staged and pipelined, the shared memory each layout takes, and the
+// schedules refused. (That every schedule writes the same bits needs a GPU:
 // cuda/fast_cuda_gpu_test.cc.)
 #include "kernels/fast/fold_plan.h"
 
@@ -30,42 +30,52 @@ KdaShape Shape(int heads, int k, DType state = DType::kFloat32, LayerKind kind =
   return s;
 }
 
-FoldLaunchPlan Plan(const KdaShape& s, int capacity, Staging staging = Staging::kAuto) {
-  absl::StatusOr<FoldLaunchPlan> plan = PlanFastFold(s, capacity, {staging}, kSmemOptin);
+FoldLaunchPlan Plan(const KdaShape& s, int capacity, FastFoldSchedule schedule = {}) {
+  absl::StatusOr<FoldLaunchPlan> plan = PlanFastFold(s, capacity, schedule, kSmemOptin);
   EXPECT_TRUE(plan.ok()) << plan.status();
   return plan.ok() ? *plan : FoldLaunchPlan{};
 }
 
-TEST(FoldPlanTest, TheServedShapesAreStagedTwoBlocksAnSm) {
-  // Kimi-Linear (Q = 4, F = 4: 16 tokens): 64 KiB of checkpoint rows, the
-  // ring's bf16 keys 4 KiB, its log-decays (then decayed keys) and values
-  // 8 KiB each, the norms and Gc.
+TEST(FoldPlanTest, TheServedShapesArePipelined) {
+  // Kimi-Linear (Q = 4, F = 4: 16 tokens): a buffer holds 64 KiB of
+  // checkpoint rows, the ring's bf16 keys (4 KiB), its log-decays (then
+  // decayed keys) and values (8 KiB each); two of them, the norms and Gc.
+  const size_t kimi_linear_buffer = 64u * 1024 + 4 * 1024 + 2 * 8 * 1024;
   FoldLaunchPlan p = Plan(Shape(32, 128), 16);
-  EXPECT_TRUE(p.staged);
-  EXPECT_EQ(p.smem, 64u * 1024 + 4 * 1024 + 2 * 8 * 1024 + 64 + 512);
-  // Kimi-K3 at TP8 (Q = 8: 32 tokens): 64 + 8 + 2 x 16 KiB, two still fit.
+  EXPECT_EQ(p.staging, Staging::kPipelined);
+  EXPECT_EQ(p.smem, 2 * kimi_linear_buffer + 64 + 512);
+  EXPECT_EQ(p.blocks_per_head, 1);
+  // Kimi-K3 at TP8 (Q = 8: 32 tokens): two buffers of 64 + 8 + 2 x 16 KiB.
   p = Plan(Shape(12, 128), 32);
-  EXPECT_TRUE(p.staged);
-  EXPECT_EQ(p.smem, 64u * 1024 + 8 * 1024 + 2 * 16 * 1024 + 128 + 512);
-  EXPECT_LE(2 * (p.smem + kFoldStaticSmemBytes + 1024), size_t(kSmemOptin) + 1024);
+  EXPECT_EQ(p.staging, Staging::kPipelined);
+  EXPECT_EQ(p.smem, 2 * (64u * 1024 + 8 * 1024 + 2 * 16 * 1024) + 128 + 512);
+  EXPECT_LE(p.smem + kFoldStaticSmemBytes, size_t(kSmemOptin));
   // Qwen3-Next (GDN: a log-decay a token), bf16 state rows: 32 KiB of rows.
   p = Plan(Shape(16, 128, DType::kBFloat16, LayerKind::kGdn), 16);
-  EXPECT_TRUE(p.staged);
-  EXPECT_EQ(p.smem, 32u * 1024 + 4 * 1024 + 8 * 1024 + 64 + 8 * 1024 + 64 + 512);
+  EXPECT_EQ(p.staging, Staging::kPipelined);
+  EXPECT_EQ(p.smem, 2 * (32u * 1024 + 4 * 1024 + 8 * 1024 + 64 + 8 * 1024) + 64 + 512);
+  // One buffer (kOn): two blocks an SM still fit for Kimi-Linear.
+  p = Plan(Shape(32, 128), 16, {Staging::kOn});
+  EXPECT_EQ(p.staging, Staging::kOn);
+  EXPECT_EQ(p.smem, kimi_linear_buffer + 64 + 512);
+  EXPECT_EQ(p.blocks_per_head, 16);
+  EXPECT_LE(2 * (p.smem + kFoldStaticSmemBytes + 1024), size_t(kSmemOptin) + 1024);
 }
 
-TEST(FoldPlanTest, AutoFallsBackWhereTwoBlocksDoNotFit) {
-  // A ring of 64 tokens: 64 + 16 + 2 x 32 KiB = 144 KiB, one block an SM.
+TEST(FoldPlanTest, AutoFallsBackWhereTwoBuffersDoNotFit) {
+  // A ring of 64 tokens: a buffer of 64 + 16 + 2 x 32 KiB = 144 KiB; one fits.
   const KdaShape s = Shape(32, 128);
   FoldLaunchPlan p = Plan(s, 64);
-  EXPECT_FALSE(p.staged);
+  EXPECT_EQ(p.staging, Staging::kOff);
   EXPECT_EQ(p.smem, UnstagedFoldSmemFloats(128, 64) * sizeof(float));
-  p = Plan(s, 64, Staging::kOn);  // asked for: one block an SM
-  EXPECT_TRUE(p.staged);
+  EXPECT_EQ(p.blocks_per_head, 16);
+  p = Plan(s, 64, {Staging::kOn});  // asked for: one block an SM
+  EXPECT_EQ(p.staging, Staging::kOn);
   EXPECT_EQ(p.smem, StagedFoldSmem({128, 64, 2, 4, false}).Bytes());
-  EXPECT_GT(2 * (p.smem + kFoldStaticSmemBytes + 1024), size_t(kSmemOptin) + 1024);
-  // kOff: the chain of phases, whatever fits.
-  EXPECT_FALSE(Plan(Shape(32, 128), 16, Staging::kOff).staged);
+  // kOff: the chain of phases, whatever fits; blocks as asked.
+  p = Plan(Shape(32, 128), 16, {Staging::kOff, 4});
+  EXPECT_EQ(p.staging, Staging::kOff);
+  EXPECT_EQ(p.blocks_per_head, 4);
 }
 
 TEST(FoldPlanTest, HeadDim256TilesItsRows) {
@@ -74,7 +84,7 @@ TEST(FoldPlanTest, HeadDim256TilesItsRows) {
   const StagedFoldSmem layout{256, 16, 2, 4, false};
   EXPECT_EQ(layout.CheckpointBytes(), 32u * 256 * 4);
   EXPECT_EQ(layout.ValueBytes(), 16u * 32 * 4);
-  EXPECT_TRUE(Plan(Shape(8, 256), 16).staged);
+  EXPECT_EQ(Plan(Shape(8, 256), 16).staging, Staging::kPipelined);
 }
 
 TEST(FoldPlanTest, EveryPartStartsSixteenByteAligned) {
@@ -93,16 +103,26 @@ TEST(FoldPlanTest, EveryPartStartsSixteenByteAligned) {
   }
 }
 
-TEST(FoldPlanTest, StagingThatCannotFitIsRefusedNamingTheBound) {
-  // A ring of 256 tokens: 64 + 64 + 2 x 128 KiB, past any block's 227 KiB.
-  const absl::StatusOr<FoldLaunchPlan> plan =
-      PlanFastFold(Shape(32, 128), 256, {Staging::kOn}, kSmemOptin);
-  ASSERT_FALSE(plan.ok());
-  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(plan.status().message()), HasSubstr("schedule.staging kOn"));
-  EXPECT_THAT(std::string(plan.status().message()), HasSubstr("at most 232448"));
+TEST(FoldPlanTest, SchedulesThatCannotRunAreRefusedNamingTheBound) {
+  // A ring of 128 tokens: a buffer of 64 + 32 + 2 x 64 KiB, 2 bytes past
+  // one block's 227 KiB with the static part; two buffers far past.
+  for (Staging staging : {Staging::kOn, Staging::kPipelined}) {
+    const absl::StatusOr<FoldLaunchPlan> plan =
+        PlanFastFold(Shape(32, 128), 128, {staging}, kSmemOptin);
+    ASSERT_FALSE(plan.ok());
+    EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(plan.status().message()),
+                HasSubstr(staging == Staging::kOn ? "schedule.staging kOn needs 232452 bytes"
+                                                  : "schedule.staging kPipelined needs"));
+    EXPECT_THAT(std::string(plan.status().message()), HasSubstr("at most 232448"));
+  }
   // kAuto runs it unstaged.
-  EXPECT_FALSE(Plan(Shape(32, 128), 256).staged);
+  EXPECT_EQ(Plan(Shape(32, 128), 128).staging, Staging::kOff);
+  const absl::StatusOr<FoldLaunchPlan> negative =
+      PlanFastFold(Shape(32, 128), 16, {Staging::kOff, -1}, kSmemOptin);
+  ASSERT_FALSE(negative.ok());
+  EXPECT_THAT(std::string(negative.status().message()),
+              HasSubstr("schedule.blocks_per_head -1 is negative"));
 }
 
 }  // namespace

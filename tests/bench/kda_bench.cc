@@ -357,14 +357,19 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
         kernels::fast::FastLayersOf(commit.layers, commit.num_layers);
     const kernels::fast::FastCommitArgs direct =
         kernels::fast::FastCommitArgsOf(commit, layers.data());
-    for (const auto& [staging, name] :
-         {std::make_pair(Staging::kOff, "unstaged"), std::make_pair(Staging::kOn, "staged")}) {
+    const std::pair<kernels::fast::FastFoldSchedule, const char*> fold_schedules[] = {
+        {{Staging::kOff, 16}, "unstaged, 16 blocks a head"},
+        {{Staging::kOn, 16}, "staged, 16 blocks a head"},
+        {{Staging::kPipelined, 1}, "pipelined, 1 block a head"},
+        {{Staging::kPipelined, 2}, "pipelined, 2 blocks a head"},
+        {{Staging::kPipelined, 4}, "pipelined, 4 blocks a head"}};
+    for (const auto& [schedule, name] : fold_schedules) {
       std::vector<Row> runs;
       for (int x = 0; x < steps; ++x) {
         runs.push_back(Measure(
             "", b.N, FastFoldBytes(b, b.fold_tokens[x]), iters, stream,
             [&](const KdaKernels&) {
-              CheckOk(kernels::fast::FastCommitCuda(direct, {}, stream, {staging}),
+              CheckOk(kernels::fast::FastCommitCuda(direct, {}, stream, schedule),
                       "FAST Commit (direct)");
             },
             [&] { RestoreCursors(b, x, true, stream); }));

@@ -13,8 +13,9 @@
 #  1. gpu_test.txt: fast_cuda_gpu_test (every Verify schedule's cases bit
 #     for bit against the loaded pass: the piped pass with bf16 state rows
 #     and with the TMA's bulk copies, the checkpoint's L2 prefetch; every
-#     Commit and Materialize under both fold schedules, staged and not,
-#     bit for bit), then the same under memcheck on 3-step loops. Its last
+#     Commit under every fold schedule, unstaged, staged and pipelined, and
+#     Materialize's folds served and unstaged, bit for bit), then the same
+#     under memcheck on 3-step loops. Its last
 #     line says whether the piped bf16 cases passed: Piping::kAuto, the
 #     default since they first did (verify_plan.h), pipes bf16 state rows.
 #  2. kda_bench.md: every shape, N = 1, 16, 64, 256, both state dtypes,
@@ -24,9 +25,10 @@
 #     lead table) and the schedules side by side at N = 64 and 256
 #     (schedule_table.py --set=piped, --set=prefetch_checkpoint), the bulk
 #     copies' rows only where step 1 passed with them.
-#  3. ncu_fold_staged.txt, fold_staged_regions.md, ncu_fold_unstaged.txt,
-#     fold_unstaged_regions.md: Nsight Compute of Commit's fold kernel,
-#     staged and not, Kimi-Linear fp32 state at N = 256 (what bounds it).
+#  3. ncu_fold_pipelined.txt, fold_pipelined_regions.md,
+#     ncu_fold_unstaged.txt, fold_unstaged_regions.md: Nsight Compute of
+#     Commit's fold kernel, pipelined and not, Kimi-Linear fp32 state at
+#     N = 256 (what bounds it).
 #  4. n1_kernels.csv: every kernel's duration in Kimi-Linear's N = 1 step
 #     (ncu, one metric; launches serialized), what the N = 1 step is made of.
 set -uo pipefail
@@ -96,11 +98,12 @@ echo "2. kda_bench: exit $?, $(elapsed) s"
   done
 } > "$out/tables.md" 2>&1
 
-# 3. Commit's fold kernel at N = 256, staged (the served schedule) and not
-# (kda_bench's direct-call rows launch it), fp32 state rows.
-for staged in 1 0; do
-  stem=$([ "$staged" = 1 ] && echo fold_staged || echo fold_unstaged)
-  VERIFY_REGEX=none FOLD_REGEX="FastFoldKernel.*FoldModeE0ELb${staged}E" FOLD_SKIP=2 \
+# 3. Commit's fold kernel at N = 256, pipelined (the served schedule) and
+# unstaged (kda_bench's direct-call rows launch it), fp32 state rows
+# (template arguments: FastFoldSchedule::Staging 3 and 1).
+for which in pipelined:3 unstaged:1; do
+  stem=fold_${which%%:*}
+  VERIFY_REGEX=none FOLD_REGEX="FastFoldKernel.*FoldModeE0E.*StagingE${which##*:}E" FOLD_SKIP=2 \
     FOLD_STEM="$stem" timeout 130 bash "$here/profile_fast.sh" "$bundle" "$scratch/$stem" 256 \
     > /dev/null 2>&1
   cp "$scratch/$stem/ncu_$stem.txt" "$out/" 2>/dev/null
@@ -108,7 +111,7 @@ for staged in 1 0; do
   echo "3. $stem profile: $(elapsed) s"
 done
 
-# 4. Kimi-Linear's N = 1 step, kernel by kernel.
+# 4. Kimi-Linear's N = 1 step, kernel by kernel, time left.
 left=$((deadline - $(elapsed)))
 if [ "$left" -gt 30 ]; then
   timeout "$((left < 75 ? left : 75))" "$ncu" --clock-control none \

@@ -16,8 +16,8 @@
 # launched after VERIFY_SKIP = 4; "FastVerifyKernel.*Lb1E" the staged
 # schedule's, which kda_bench's schedule rows launch); VERIFY_REGEX=none
 # skips it. FOLD_REGEX (default any commit fold, FOLD_SKIP = 4) picks the
-# fold kernel: "FastFoldKernel.*FoldModeE0ELb1E" the staged one,
-# "...Lb0E" the unstaged one (kda_bench's fold schedule rows launch both);
+# fold kernel: "FastFoldKernel.*FoldModeE0E.*StagingE3E" the pipelined one,
+# "...StagingE1E" the unstaged one (kda_bench's fold schedule rows launch both);
 # FOLD_STEM names its outputs (default fast_fold).
 # Clocks are left as they run (--clock-control none).
 set -uo pipefail

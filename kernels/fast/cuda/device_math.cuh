@@ -41,7 +41,8 @@ static_assert(kWarps == kVerifyWarps, "verify_plan.h sizes Verify's shared memor
 // Ring tokens whose log-decays or values a thread loads together (Verify's
 // ring loops: a memory round trip a batch instead of a token).
 constexpr int kLoadBatch = 8;
-// Commit's fold grid: blocks per (value head, tile) striding over the rows.
+// Materialize's fold grid over every block of a pool: blocks per (value
+// head, tile) striding over the blocks (Commit's: FoldLaunchPlan).
 constexpr int kCommitFoldGridX = 16;
 
 // The kernel interface's checks failed (fast_args.h, `gate`): do nothing.

@@ -150,82 +150,113 @@ __device__ bool FoldJobOf(const FoldParams& f, const FastLayer& layer, int i, Fo
   }
 }
 
-// One job of the staged fold (FastFoldSchedule::kOn): the same sums as the
-// unstaged job in FastFoldKernel, in the same order, with its inputs copied
-// to shared memory (StagedFoldSmem) in one round at the start instead of a
-// chain of phases each waiting on its own loads:
-//  1. the block's checkpoint rows and every ring token's raw key, log-decays
-//     and values the job's folds read (cp.async, every thread);
-//  2. each token's key norm (a warp a token, as WarpNormalize);
-//  3. per fold (align mode: the final state first, then the boundary's, from
-//     log-decays copied again: the first fold's pass overwrote KDA's), the
-//     exponents a thread per column from the newest token back, each key
-//     normalized and decayed as it goes (KDA: in place of its log-decays),
-//     and Gc; then each thread's tile: the checkpoint decayed, plus the
-//     ring's terms oldest first, stored.
+// The staged folds (FastFoldSchedule kOn, kPipelined): the same sums as the
+// unstaged job in FastFoldKernel, in the same order, from inputs copied to
+// shared memory (StagedFoldSmem) in one round a job instead of a chain of
+// phases each waiting on its own loads:
+//  1. StageFoldJob: the block's checkpoint rows and every ring token's raw
+//     key, log-decays and values the job's folds read (cp.async, every
+//     thread) into a buffer;
+//  2. FoldFromShared: each token's key norm (a warp a token, as
+//     WarpNormalize); per fold (align mode: the final state first, then the
+//     boundary's, from log-decays loaded again: the first fold's pass
+//     overwrote KDA's), the exponents a thread per column from the newest
+//     token back, each key normalized and decayed as it goes (KDA: in place
+//     of its log-decays), and Gc; then each thread's tile: the checkpoint
+//     decayed, plus the ring's terms oldest first, stored.
+
+// A staged job's buffer (one of kPipelined's two) in shared memory.
+template <typename Act, typename State>
+struct FoldBuffer {
+  State* rows;   // the block's checkpoint rows [rows][K]
+  Act* raw_k;    // [R][K]
+  float* keys;   // [R][K]: KDA's log-decays, then the decayed keys
+  float* gdn_g;  // GDN: [R]
+  float* u;      // [R][rows]
+  __device__ FoldBuffer(const StagedFoldSmem& m, char* at)
+      : rows(reinterpret_cast<State*>(at)),
+        raw_k(reinterpret_cast<Act*>(at + m.CheckpointBytes())),
+        keys(reinterpret_cast<float*>(at + m.CheckpointBytes() + m.RawKeyBytes())),
+        gdn_g(reinterpret_cast<float*>(at + m.CheckpointBytes() + m.RawKeyBytes() +
+                                       m.KeyBytes())),
+        u(reinterpret_cast<float*>(at + m.CheckpointBytes() + m.RawKeyBytes() + m.KeyBytes() +
+                                   m.GdnLogDecayBytes())) {}
+};
+
 template <typename Act, typename State, int K>
-__device__ __forceinline__ void StagedFoldJob(const FoldParams& f, const FastLayer& layer,
-                                              const FoldJob& job, int hv, int v0, int tid,
-                                              int lane, int warp) {
+__device__ __forceinline__ StagedFoldSmem StagedLayout(const FoldParams& f,
+                                                       const FastRings& rings) {
+  return StagedFoldSmem{K, rings.capacity, int(sizeof(Act)), int(sizeof(State)),
+                        f.shape.kind == LayerKind::kGdn};
+}
+
+// The ring tokens any of a job's folds reads.
+__device__ __forceinline__ int TokensRead(const FoldJob& job) {
+  return max(job.n[0], job.n[job.count - 1]);
+}
+
+// 1. Issues a job's copies into `buf` (not committed: the caller commits
+// the group and waits for it).
+template <typename Act, typename State, int K>
+__device__ __forceinline__ void StageFoldJob(const FoldParams& f, const FastLayer& layer,
+                                             const FoldJob& job, FoldBuffer<Act, State> buf,
+                                             int hv, int v0, int tid) {
   constexpr int kRows = FoldRows(K);
   const KdaShape& s = f.shape;
   const FastRings& rings = layer.rings;
   const bool gdn = s.kind == LayerKind::kGdn;
   const int h = KeyHeadOf(s, hv);
   const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s), u_width = RingUWidth(s);
-  const StagedFoldSmem m{K, rings.capacity, int(sizeof(Act)), int(sizeof(State)), gdn};
-  extern __shared__ float smem[];
-  char* at = reinterpret_cast<char*>(smem);
-  State* s0_s = reinterpret_cast<State*>(at);
-  Act* raw_k = reinterpret_cast<Act*>(at += m.CheckpointBytes());
-  float* keys = reinterpret_cast<float*>(at += m.RawKeyBytes());
-  float* gdn_g = reinterpret_cast<float*>(at += m.KeyBytes());
-  float* u_s = reinterpret_cast<float*>(at += m.GdnLogDecayBytes());
-  float* norms = reinterpret_cast<float*>(at += m.ValueBytes());
-  float* gc = reinterpret_cast<float*>(at += m.NormBytes());
-  const int n_all = max(job.n[0], job.n[job.count - 1]);  // tokens any of its folds reads
+  const int n_all = TokensRead(job);
   const State* s0 = static_cast<const State*>(layer.state.data) +
                     int64_t{job.block} * layer.state.block_stride + int64_t{hv} * K * K;
   const Act* ring_k = static_cast<const Act*>(rings.k);
-  // KDA's log-decays of tokens [0, n_all), into `keys` (GDN: gdn_g).
-  const auto copy_log_decays = [&] {
-    if (gdn) {
-      for (int i = tid; i < n_all; i += kFoldThreads) {
-        CpAsync4(gdn_g + i, rings.log_decay + RingAt(rings, job.block, i, g_width) + hv);
-      }
-    } else {
-      for (int x = tid; x < n_all * (K / 4); x += kFoldThreads) {
-        const int i = x / (K / 4), e = x % (K / 4);
-        CpAsync16(keys + i * K + 4 * e,
-                  rings.log_decay + RingAt(rings, job.block, i, g_width) + int64_t{h} * K + 4 * e);
-      }
-    }
-  };
-  __syncthreads();  // the previous job's shared memory reads done
-  // 1. One round of copies.
   constexpr int kRowChunks = K * int(sizeof(State)) / 16, kPerRowChunk = 16 / int(sizeof(State));
   for (int x = tid; x < kRows * kRowChunks; x += kFoldThreads) {
     const int r = x / kRowChunks, e = x % kRowChunks;
-    CpAsync16(s0_s + r * K + e * kPerRowChunk, s0 + int64_t{v0 + r} * K + e * kPerRowChunk);
+    CpAsync16(buf.rows + r * K + e * kPerRowChunk, s0 + int64_t{v0 + r} * K + e * kPerRowChunk);
   }
   constexpr int kKeyChunks = K * int(sizeof(Act)) / 16, kPerKeyChunk = 16 / int(sizeof(Act));
   for (int x = tid; x < n_all * kKeyChunks; x += kFoldThreads) {
     const int i = x / kKeyChunks, e = x % kKeyChunks;
-    CpAsync16(raw_k + i * K + e * kPerKeyChunk,
+    CpAsync16(buf.raw_k + i * K + e * kPerKeyChunk,
               ring_k + RingAt(rings, job.block, i, kw_width) + int64_t{h} * K + e * kPerKeyChunk);
   }
-  copy_log_decays();
+  if (gdn) {
+    for (int i = tid; i < n_all; i += kFoldThreads) {
+      CpAsync4(buf.gdn_g + i, rings.log_decay + RingAt(rings, job.block, i, g_width) + hv);
+    }
+  } else {
+    for (int x = tid; x < n_all * (K / 4); x += kFoldThreads) {
+      const int i = x / (K / 4), e = x % (K / 4);
+      CpAsync16(buf.keys + i * K + 4 * e,
+                rings.log_decay + RingAt(rings, job.block, i, g_width) + int64_t{h} * K + 4 * e);
+    }
+  }
   for (int x = tid; x < n_all * (kRows / 4); x += kFoldThreads) {
     const int i = x / (kRows / 4), e = x % (kRows / 4);
-    CpAsync16(u_s + i * kRows + 4 * e,
+    CpAsync16(buf.u + i * kRows + 4 * e,
               rings.u + RingAt(rings, job.block, i, u_width) + int64_t{hv} * K + v0 + 4 * e);
   }
-  CpAsyncCommit();
-  CpAsyncWait<0>();
-  __syncthreads();
-  // 2. The keys' norms.
+}
+
+// 2. A job's folds from its staged buffer, once the copies landed and a
+// barrier made them visible. `norms` [R] and `gc` [K]: shared memory of
+// the block's own. Ends with the stores issued; the caller's barrier must
+// come before the buffer (or norms, gc) is written again.
+template <typename Act, typename State, int K>
+__device__ __forceinline__ void FoldFromShared(const FoldParams& f, const FastLayer& layer,
+                                               const FoldJob& job, FoldBuffer<Act, State> buf,
+                                               float* norms, float* gc, int hv, int v0, int tid,
+                                               int lane, int warp) {
+  constexpr int kRows = FoldRows(K);
+  const KdaShape& s = f.shape;
+  const FastRings& rings = layer.rings;
+  const bool gdn = s.kind == LayerKind::kGdn;
+  const int h = KeyHeadOf(s, hv);
+  const int n_all = TokensRead(job);
   for (int i = warp; i < n_all; i += kFoldWarps) {
-    const float norm = WarpNormOf<Act, K>(raw_k + i * K, lane);
+    const float norm = WarpNormOf<Act, K>(buf.raw_k + i * K, lane);
     if (lane == 0) norms[i] = norm;
   }
   // A thread's tile, as the unstaged job's.
@@ -237,22 +268,24 @@ __device__ __forceinline__ void StagedFoldJob(const FoldParams& f, const FastLay
     const int n = job.n[target];
     if (target != job.count - 1) {
       __syncthreads();  // the previous fold's reads of the keys done
-      if (!gdn) {
-        copy_log_decays();
-        CpAsyncCommit();
-        CpAsyncWait<0>();
+      if (!gdn) {       // its log-decays again, where its keys were (a boundary: rare)
+        const int64_t g_width = RingLogDecayWidth(s);
+        for (int x = tid; x < n * K; x += kFoldThreads) {
+          buf.keys[x] = rings.log_decay[RingAt(rings, job.block, x / K, g_width) +
+                                        int64_t{h} * K + x % K];
+        }
       }
     }
     __syncthreads();  // the norms (and log-decays) in place
-    // 3. Exponents from the newest token back; each key normalized and
+    // Exponents from the newest token back; each key normalized and
     // decayed by the sum over the tokens after it (KDA: over its own
     // log-decay, read first).
     if (tid < K) {
       float e = 0.0f;
       for (int i = n - 1; i >= 0; --i) {
-        const float g = gdn ? gdn_g[i] : keys[i * K + tid];
-        keys[i * K + tid] = ::specstate::fast::Decayed(
-            kda::Normalize(ToFloat(raw_k[i * K + tid]), norms[i], 1.0f), e);
+        const float g = gdn ? buf.gdn_g[i] : buf.keys[i * K + tid];
+        buf.keys[i * K + tid] = ::specstate::fast::Decayed(
+            kda::Normalize(ToFloat(buf.raw_k[i * K + tid]), norms[i], 1.0f), e);
         e += g;
       }
       gc[tid] = e;
@@ -261,7 +294,7 @@ __device__ __forceinline__ void StagedFoldJob(const FoldParams& f, const FastLay
     float acc[kRowsEach][kFoldCols];
 #pragma unroll
     for (int r = 0; r < kRowsEach; ++r) {
-      SharedStateCols<kFoldCols>(s0_s + (r0 + r) * K + c0, acc[r]);
+      SharedStateCols<kFoldCols>(buf.rows + (r0 + r) * K + c0, acc[r]);
 #pragma unroll
       for (int c = 0; c < kFoldCols; ++c) {
         acc[r][c] = ::specstate::fast::Decayed(acc[r][c], gc[c0 + c]);
@@ -269,8 +302,8 @@ __device__ __forceinline__ void StagedFoldJob(const FoldParams& f, const FastLay
     }
     for (int i = 0; i < n; ++i) {
       float kv[kFoldCols], uv[kRowsEach];
-      SmemCols<kFoldCols>(keys + i * K + c0, kv);
-      SmemCols<kRowsEach>(u_s + i * kRows + r0, uv);
+      SmemCols<kFoldCols>(buf.keys + i * K + c0, kv);
+      SmemCols<kRowsEach>(buf.u + i * kRows + r0, uv);
 #pragma unroll
       for (int r = 0; r < kRowsEach; ++r) {
 #pragma unroll
@@ -281,6 +314,55 @@ __device__ __forceinline__ void StagedFoldJob(const FoldParams& f, const FastLay
 #pragma unroll
     for (int r = 0; r < kRowsEach; ++r) {
       StoreCols<kFoldCols>(acc[r], dst + int64_t{v0 + r0 + r} * K + c0);
+    }
+  }
+}
+
+// The listed jobs of a block under kOn (one buffer: copy, wait, fold) or
+// kPipelined (two: job li + 1's copies in flight while job li folds).
+template <typename Act, typename State, int K, FoldMode kMode, bool kPipelined>
+__device__ __forceinline__ void StagedFoldJobs(const FoldParams& f, const FastLayer& layer,
+                                               const int* fold_rows, int listed,
+                                               int64_t block_elems, int hv, int v0, int tid,
+                                               int lane, int warp) {
+  extern __shared__ float smem[];
+  const StagedFoldSmem m = StagedLayout<Act, State, K>(f, layer.rings);
+  char* base = reinterpret_cast<char*>(smem);
+  constexpr int kBuffers = kPipelined ? 2 : 1;
+  float* norms = reinterpret_cast<float*>(base + kBuffers * m.BufferBytes());
+  float* gc = reinterpret_cast<float*>(base + kBuffers * m.BufferBytes() + m.NormBytes());
+  const auto buffer = [&](int li) {
+    return FoldBuffer<Act, State>(m, base + (kPipelined ? li & 1 : 0) * m.BufferBytes());
+  };
+  const auto job_of = [&](int li) {
+    FoldJob job;
+    FoldJobOf<kMode>(f, layer, fold_rows[li], &job, block_elems, sizeof(State));
+    return job;
+  };
+  if (listed == 0) return;
+  __syncthreads();  // the previous list's reads of the buffers done
+  FoldJob job = job_of(0);
+  StageFoldJob<Act, State, K>(f, layer, job, buffer(0), hv, v0, tid);
+  CpAsyncCommit();
+  for (int li = 0; li < listed; ++li) {
+    FoldJob next;
+    if (kPipelined && li + 1 < listed) {
+      next = job_of(li + 1);
+      StageFoldJob<Act, State, K>(f, layer, next, buffer(li + 1), hv, v0, tid);
+      CpAsyncCommit();
+      CpAsyncWait<1>();  // job li's group, not the one just issued
+    } else {
+      CpAsyncWait<0>();
+    }
+    __syncthreads();  // job li's copies visible to the block
+    FoldFromShared<Act, State, K>(f, layer, job, buffer(li), norms, gc, hv, v0, tid, lane, warp);
+    __syncthreads();  // its buffer, norms and Gc read before they are written again
+    if (kPipelined) {
+      job = next;
+    } else if (li + 1 < listed) {
+      job = job_of(li + 1);
+      StageFoldJob<Act, State, K>(f, layer, job, buffer(li + 1), hv, v0, tid);
+      CpAsyncCommit();
     }
   }
 }
@@ -296,9 +378,13 @@ __device__ __forceinline__ void StagedFoldJob(const FoldParams& f, const FastLay
 // Register tiles, the log-decays staged in shared memory and staging loads
 // four in flight: 3894 -> 3340 us at N = 256, 809 -> 740 us at N = 64, cold
 // L2 (docs/results/fast_tensor_cores_h200.md).
-// kStaged: each job StagedFoldJob (one round of copies, then the sums).
-template <typename Act, typename State, int K, FoldMode kMode, bool kStaged>
-__global__ void __launch_bounds__(kFoldThreads, 2) FastFoldKernel(const FoldParams f) {
+// kStaging kOn, kPipelined: the listed jobs StagedFoldJobs' (one round of
+// copies a job, then the sums; pipelined, one block an SM).
+template <typename Act, typename State, int K, FoldMode kMode, FastFoldSchedule::Staging kStaging>
+__global__ void __launch_bounds__(kFoldThreads,
+                                  kStaging == FastFoldSchedule::Staging::kPipelined ? 1 : 2)
+    FastFoldKernel(const FoldParams f) {
+  using Staging = FastFoldSchedule::Staging;
   extern __shared__ float smem[];
   if (GateFailed(f.gate)) return;
   constexpr int kRows = FoldRows(K);
@@ -331,119 +417,120 @@ __global__ void __launch_bounds__(kFoldThreads, 2) FastFoldKernel(const FoldPara
     }
     __syncthreads();
     const int listed = fold_count;
-    for (int li = 0; li < listed; ++li) {
-      FoldJob job;
-      FoldJobOf<kMode>(f, layer, fold_rows[li], &job, block_elems, sizeof(State));
-      if constexpr (kStaged) {
-        StagedFoldJob<Act, State, K>(f, layer, job, hv, v0, tid, lane, warp);
-        continue;
-      }
-      const FastRings& rings = layer.rings;
-      const bool gdn = s.kind == LayerKind::kGdn;
-      const int h = KeyHeadOf(s, hv);
-      const int R = rings.capacity;
-      float* kr = smem;
-      float* uc = kr + kRingChunk * K;
-      float* bound = uc + kRingChunk * kRows;
-      float* gc = bound + (R / kRingChunk + 1) * K;
-      const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s),
-                    u_width = RingUWidth(s);
-      float* gs = gc + K;
-      static_assert(K <= kFoldThreads, "a thread per column");
-      // Tokens [i0, i1)'s log-decays into gs [i - i0][column], every thread
-      // loading at once (GDN: the head's one value, repeated per column).
-      const auto stage_log_decays = [&](int i0, int i1) {
-        StageToShared(gs, (i1 - i0) * K, tid, [&](int e) {
-          const float* g = rings.log_decay + RingAt(rings, job.block, i0 + e / K, g_width);
-          return gdn ? g[hv] : g[int64_t{h} * K + e % K];
-        });
-      };
-      // A thread's tile: kRowsEach rows x kFoldCols consecutive columns (one
-      // 16-byte load of u's rows and two of kr's columns a ring token, not
-      // a shared-memory load per product).
-      constexpr int kColGroups = K / kFoldCols;
-      constexpr int kRowGroups = kFoldThreads / kColGroups;
-      constexpr int kRowsEach = kRows / kRowGroups;  // 1, 4, 2 at K = 64, 128, 256
-      static_assert(kRowsEach * kRowGroups == kRows && kRowsEach * kFoldCols <= 32 &&
-                        (kRowsEach == 1 || kRowsEach == 2 || kRowsEach == 4),
-                    "32 accumulators at most; u's rows one load");
-      const int c0 = (tid % kColGroups) * kFoldCols, r0 = (tid / kColGroups) * kRowsEach;
-      const State* s0 = static_cast<const State*>(layer.state.data) +
-                        int64_t{job.block} * layer.state.block_stride + int64_t{hv} * K * K;
-      // Align mode's two folds, the final state first: the boundary state
-      // goes to the checkpoint's own block (the block the request's state
-      // was in), which the final fold reads; the final block is never the
-      // checkpoint when there is a boundary (the plan's checks). Each
-      // thread reads only the elements it stores.
-      for (int target = job.count - 1; target >= 0; --target) {
-        const int n = job.n[target];
-        const int chunks = (n + kRingChunk - 1) / kRingChunk;
-        __syncthreads();  // the previous fold's shared memory reads done
-        // Exponents per column from the newest token back, over each chunk's
-        // log-decays staged in shared memory by every thread (the sums
-        // themselves a thread per column, in order); each chunk's starting
-        // value (the sum over the tokens after it) kept.
-        float exponent = 0.0f;
-        for (int chunk = chunks - 1; chunk >= 0; --chunk) {
-          const int i0 = chunk * kRingChunk, i1 = min(n, i0 + kRingChunk);
-          stage_log_decays(i0, i1);
-          __syncthreads();
-          if (tid < K) {
-            for (int i = i1 - 1; i >= i0; --i) {
-              if ((i + 1) % kRingChunk == 0 || i == n - 1) bound[chunk * K + tid] = exponent;
-              exponent += gs[(i - i0) * K + tid];
-            }
-          }
-          __syncthreads();  // gs read before it is staged again
-        }
-        if (tid < K) gc[tid] = exponent;
-        __syncthreads();
-        // (Loaded before the exponent pass, the accumulators spilled.)
-        float acc[kRowsEach][kFoldCols];
-#pragma unroll
-        for (int r = 0; r < kRowsEach; ++r) {
-          LoadCols<kFoldCols>(s0 + int64_t{v0 + r0 + r} * K + c0, acc[r]);
-#pragma unroll
-          for (int c = 0; c < kFoldCols; ++c) {
-            acc[r][c] = ::specstate::fast::Decayed(acc[r][c], gc[c0 + c]);
-          }
-        }
-        const Act* ring_k = static_cast<const Act*>(rings.k);
-        for (int chunk = 0; chunk < chunks; ++chunk) {
-          const int i0 = chunk * kRingChunk, i1 = min(n, i0 + kRingChunk);
-          __syncthreads();
-          for (int i = i0 + warp; i < i1; i += kFoldWarps) {
-            WarpNormalize<Act, K>(ring_k + RingAt(rings, job.block, i, kw_width) + int64_t{h} * K,
-                                  1.0f, kr + (i - i0) * K, lane);
-          }
-          StageToShared(uc, (i1 - i0) * kRows, tid, [&](int e) {
-            return rings.u[RingAt(rings, job.block, i0 + e / kRows, u_width) + int64_t{hv} * K + v0 +
-                           e % kRows];
+    if constexpr (kStaging != Staging::kOff) {
+      StagedFoldJobs<Act, State, K, kMode, kStaging == Staging::kPipelined>(
+          f, layer, fold_rows, listed, block_elems, hv, v0, tid, lane, warp);
+    } else {
+      for (int li = 0; li < listed; ++li) {
+        FoldJob job;
+        FoldJobOf<kMode>(f, layer, fold_rows[li], &job, block_elems, sizeof(State));
+        const FastRings& rings = layer.rings;
+        const bool gdn = s.kind == LayerKind::kGdn;
+        const int h = KeyHeadOf(s, hv);
+        const int R = rings.capacity;
+        float* kr = smem;
+        float* uc = kr + kRingChunk * K;
+        float* bound = uc + kRingChunk * kRows;
+        float* gc = bound + (R / kRingChunk + 1) * K;
+        const int64_t kw_width = RingKWidth(s), g_width = RingLogDecayWidth(s),
+                      u_width = RingUWidth(s);
+        float* gs = gc + K;
+        static_assert(K <= kFoldThreads, "a thread per column");
+        // Tokens [i0, i1)'s log-decays into gs [i - i0][column], every thread
+        // loading at once (GDN: the head's one value, repeated per column).
+        const auto stage_log_decays = [&](int i0, int i1) {
+          StageToShared(gs, (i1 - i0) * K, tid, [&](int e) {
+            const float* g = rings.log_decay + RingAt(rings, job.block, i0 + e / K, g_width);
+            return gdn ? g[hv] : g[int64_t{h} * K + e % K];
           });
-          if (chunks > 1) stage_log_decays(i0, i1);  // one chunk: still staged
+        };
+        // A thread's tile: kRowsEach rows x kFoldCols consecutive columns (one
+        // 16-byte load of u's rows and two of kr's columns a ring token, not
+        // a shared-memory load per product).
+        constexpr int kColGroups = K / kFoldCols;
+        constexpr int kRowGroups = kFoldThreads / kColGroups;
+        constexpr int kRowsEach = kRows / kRowGroups;  // 1, 4, 2 at K = 64, 128, 256
+        static_assert(kRowsEach * kRowGroups == kRows && kRowsEach * kFoldCols <= 32 &&
+                          (kRowsEach == 1 || kRowsEach == 2 || kRowsEach == 4),
+                      "32 accumulators at most; u's rows one load");
+        const int c0 = (tid % kColGroups) * kFoldCols, r0 = (tid / kColGroups) * kRowsEach;
+        const State* s0 = static_cast<const State*>(layer.state.data) +
+                          int64_t{job.block} * layer.state.block_stride + int64_t{hv} * K * K;
+        // Align mode's two folds, the final state first: the boundary state
+        // goes to the checkpoint's own block (the block the request's state
+        // was in), which the final fold reads; the final block is never the
+        // checkpoint when there is a boundary (the plan's checks). Each
+        // thread reads only the elements it stores.
+        for (int target = job.count - 1; target >= 0; --target) {
+          const int n = job.n[target];
+          const int chunks = (n + kRingChunk - 1) / kRingChunk;
+          __syncthreads();  // the previous fold's shared memory reads done
+          // Exponents per column from the newest token back, over each chunk's
+          // log-decays staged in shared memory by every thread (the sums
+          // themselves a thread per column, in order); each chunk's starting
+          // value (the sum over the tokens after it) kept.
+          float exponent = 0.0f;
+          for (int chunk = chunks - 1; chunk >= 0; --chunk) {
+            const int i0 = chunk * kRingChunk, i1 = min(n, i0 + kRingChunk);
+            stage_log_decays(i0, i1);
+            __syncthreads();
+            if (tid < K) {
+              for (int i = i1 - 1; i >= i0; --i) {
+                if ((i + 1) % kRingChunk == 0 || i == n - 1) bound[chunk * K + tid] = exponent;
+                exponent += gs[(i - i0) * K + tid];
+              }
+            }
+            __syncthreads();  // gs read before it is staged again
+          }
+          if (tid < K) gc[tid] = exponent;
           __syncthreads();
-          if (tid < K) {
-            float e = bound[chunk * K + tid];
-            for (int i = i1 - 1; i >= i0; --i) {
-              kr[(i - i0) * K + tid] = ::specstate::fast::Decayed(kr[(i - i0) * K + tid], e);
-              e += gs[(i - i0) * K + tid];
+          // (Loaded before the exponent pass, the accumulators spilled.)
+          float acc[kRowsEach][kFoldCols];
+#pragma unroll
+          for (int r = 0; r < kRowsEach; ++r) {
+            LoadCols<kFoldCols>(s0 + int64_t{v0 + r0 + r} * K + c0, acc[r]);
+#pragma unroll
+            for (int c = 0; c < kFoldCols; ++c) {
+              acc[r][c] = ::specstate::fast::Decayed(acc[r][c], gc[c0 + c]);
             }
           }
-          __syncthreads();
-          for (int i = i0; i < i1; ++i) {
-            float kv[kFoldCols], uv[kRowsEach];
-            SmemCols<kFoldCols>(kr + (i - i0) * K + c0, kv);
-            SmemCols<kRowsEach>(uc + (i - i0) * kRows + r0, uv);
+          const Act* ring_k = static_cast<const Act*>(rings.k);
+          for (int chunk = 0; chunk < chunks; ++chunk) {
+            const int i0 = chunk * kRingChunk, i1 = min(n, i0 + kRingChunk);
+            __syncthreads();
+            for (int i = i0 + warp; i < i1; i += kFoldWarps) {
+              WarpNormalize<Act, K>(ring_k + RingAt(rings, job.block, i, kw_width) + int64_t{h} * K,
+                                    1.0f, kr + (i - i0) * K, lane);
+            }
+            StageToShared(uc, (i1 - i0) * kRows, tid, [&](int e) {
+              return rings.u[RingAt(rings, job.block, i0 + e / kRows, u_width) + int64_t{hv} * K + v0 +
+                             e % kRows];
+            });
+            if (chunks > 1) stage_log_decays(i0, i1);  // one chunk: still staged
+            __syncthreads();
+            if (tid < K) {
+              float e = bound[chunk * K + tid];
+              for (int i = i1 - 1; i >= i0; --i) {
+                kr[(i - i0) * K + tid] = ::specstate::fast::Decayed(kr[(i - i0) * K + tid], e);
+                e += gs[(i - i0) * K + tid];
+              }
+            }
+            __syncthreads();
+            for (int i = i0; i < i1; ++i) {
+              float kv[kFoldCols], uv[kRowsEach];
+              SmemCols<kFoldCols>(kr + (i - i0) * K + c0, kv);
+              SmemCols<kRowsEach>(uc + (i - i0) * kRows + r0, uv);
 #pragma unroll
-            for (int r = 0; r < kRowsEach; ++r) {
+              for (int r = 0; r < kRowsEach; ++r) {
 #pragma unroll
-              for (int c = 0; c < kFoldCols; ++c) acc[r][c] = kda::MulAdd(uv[r], kv[c], acc[r][c]);
+                for (int c = 0; c < kFoldCols; ++c) acc[r][c] = kda::MulAdd(uv[r], kv[c], acc[r][c]);
+              }
             }
           }
+          State* dst = static_cast<State*>(job.dst[target]) + int64_t{hv} * K * K;
+#pragma unroll
+          for (int r = 0; r < kRowsEach; ++r) StoreCols<kFoldCols>(acc[r], dst + int64_t{v0 + r0 + r} * K + c0);
         }
-        State* dst = static_cast<State*>(job.dst[target]) + int64_t{hv} * K * K;
-#pragma unroll
-        for (int r = 0; r < kRowsEach; ++r) StoreCols<kFoldCols>(acc[r], dst + int64_t{v0 + r0 + r} * K + c0);
       }
     }
   }
@@ -529,8 +616,11 @@ static_assert(sizeof(FoldParams) <= 4096, "a fold launch's layers fit in its par
 template <typename Act, typename State, int K, FoldMode kMode>
 cudaError_t LaunchFold(const FoldParams& f, const FoldLaunchPlan& plan, int grid_x,
                        cudaStream_t stream) {
-  auto kernel = plan.staged ? FastFoldKernel<Act, State, K, kMode, true>
-                            : FastFoldKernel<Act, State, K, kMode, false>;
+  using Staging = FastFoldSchedule::Staging;
+  auto kernel = plan.staging == Staging::kPipelined
+                    ? FastFoldKernel<Act, State, K, kMode, Staging::kPipelined>
+                : plan.staging == Staging::kOn ? FastFoldKernel<Act, State, K, kMode, Staging::kOn>
+                                               : FastFoldKernel<Act, State, K, kMode, Staging::kOff>;
   if (plan.smem > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(plan.smem));
@@ -543,7 +633,8 @@ cudaError_t LaunchFold(const FoldParams& f, const FoldLaunchPlan& plan, int grid
 }
 
 // The fold schedule of `layers` (rings of one capacity: the kernel interface
-// sizes every layer's alike) on the current device.
+// sizes every layer's alike; the largest is planned for) on the current
+// device.
 absl::StatusOr<FoldLaunchPlan> PlanFoldLaunch(const char* op, const KdaShape& shape,
                                               const FastLayer* layers, int num_layers,
                                               const FastFoldSchedule& schedule) {
@@ -552,14 +643,7 @@ absl::StatusOr<FoldLaunchPlan> PlanFoldLaunch(const char* op, const KdaShape& sh
   if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA device query"));
   int capacity = 0;
   for (int l = 0; l < num_layers; ++l) capacity = std::max(capacity, layers[l].rings.capacity);
-  absl::StatusOr<FoldLaunchPlan> plan = PlanFastFold(shape, capacity, schedule, smem_optin);
-  if (!plan.ok()) return plan.status();
-  if (!plan->staged) {
-    // The unstaged kernel's shared memory follows the first layer's ring
-    // (as it always has); a larger one elsewhere takes the larger size.
-    plan->smem = UnstagedFoldSmemFloats(shape.head_dim, capacity) * sizeof(float);
-  }
-  return plan;
+  return PlanFastFold(shape, capacity, schedule, smem_optin);
 }
 
 // Calls launch(f) for the layers `covers` selects, kLayersPerLaunch at a time.
@@ -599,10 +683,11 @@ absl::Status LaunchFastCommit(const FastCommitArgs& a, cudaStream_t stream,
           using Act = typename decltype(act)::type;
           using State = typename decltype(state)::type;
           constexpr int K = decltype(head_dim)::value;
-          // A commit folds few rows a step (0.1-0.3 of them, fast_bench): 16
-          // strided blocks per (head, tile) keep a no-fold commit at a few
-          // microseconds and still fill the GPU when every row folds.
-          e = LaunchFold<Act, State, K, FoldMode::kCommit>(batch, *plan, kCommitFoldGridX, stream);
+          // The plan's blocks per (head, tile), striding over the rows
+          // (fold_plan.h: 16 unstaged keep a no-fold commit at a few
+          // microseconds and still fill the GPU when every row folds).
+          e = LaunchFold<Act, State, K, FoldMode::kCommit>(batch, *plan, plan->blocks_per_head,
+                                                           stream);
         });
         if (e != cudaSuccess) return e;
         const int threads = a.num_rows * batch.num_layers;
