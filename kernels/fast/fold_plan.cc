@@ -7,7 +7,7 @@ namespace specstate {
 namespace kernels {
 namespace fast {
 
-absl::StatusOr<FoldLaunchPlan> PlanFastFold(const KdaShape& shape, int capacity,
+absl::StatusOr<FoldLaunchPlan> PlanFastFold(const KdaShape& shape, int capacity, int rows,
                                             const FastFoldSchedule& schedule, int smem_optin) {
   using Staging = FastFoldSchedule::Staging;
   constexpr const char* op = "FastFold";
@@ -31,7 +31,7 @@ absl::StatusOr<FoldLaunchPlan> PlanFastFold(const KdaShape& shape, int capacity,
     case Staging::kOff:
       break;
     case Staging::kAuto:
-      if (fits(2)) return plan(Staging::kPipelined, staged.Bytes(2));
+      if (rows >= 2 && rows <= 32 && fits(2)) return plan(Staging::kPipelined, staged.Bytes(2));
       break;
     case Staging::kOn:
     case Staging::kPipelined: {

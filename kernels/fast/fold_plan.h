@@ -3,8 +3,8 @@
 // launcher's rule is tested without a GPU (fold_plan_test), and the kernel
 // (cuda/fold.cuh) carves its shared memory from the same structs.
 //
-//   absl::StatusOr<FoldLaunchPlan> plan =
-//       PlanFastFold(shape, rings.capacity, FastFoldSchedule{}, smem_optin);
+//   absl::StatusOr<FoldLaunchPlan> plan = PlanFastFold(
+//       shape, rings.capacity, num_rows, FastFoldSchedule{}, smem_optin);
 #ifndef SPECSTATE_KERNELS_FAST_FOLD_PLAN_H_
 #define SPECSTATE_KERNELS_FAST_FOLD_PLAN_H_
 
@@ -24,7 +24,12 @@ namespace fast {
 // writes the same bits (fast_cuda_gpu_test checks it).
 struct FastFoldSchedule {
   enum class Staging {
-    // kPipelined where its two buffers fit a block, otherwise kOff.
+    // kPipelined for 2 to 32 rows where its two buffers fit a block,
+    // otherwise kOff: measured on an H100 (docs/benchmarks.md, "FAST's
+    // folds staged and pipelined"), the pipeline's folds and cursors are
+    // 8-24% faster at N = 16 for every shape and state dtype, and 0-16%
+    // slower at N = 64 and 256, where the unstaged kernel's two blocks an
+    // SM hide as much.
     kAuto,
     // A chain of phases, each loading from global memory when it needs
     // it: the exponent pass's log-decays, then the checkpoint's rows, then
@@ -109,13 +114,14 @@ struct FoldLaunchPlan {
 };
 
 // `schedule` made concrete for folds of `shape` with rings of `capacity`
-// tokens, on a GPU whose blocks take at most `smem_optin` bytes of shared
-// memory (an SM: that plus the 1 KiB the runtime reserves a block): kAuto
-// pipelines where the two buffers fit one block, kOn where one does (two
+// tokens over `rows` rows (Commit) or blocks (Materialize), on a GPU whose
+// blocks take at most `smem_optin` bytes of shared memory (an SM: that plus
+// the 1 KiB the runtime reserves a block): kAuto pipelines 2 to 32 rows
+// where the two buffers fit one block; kOn runs where one buffer fits (two
 // blocks an SM when two fit), kPipelined where two do.
 // \returns INVALID_ARGUMENT naming the field and its bound for a schedule
 //   the launch cannot run.
-absl::StatusOr<FoldLaunchPlan> PlanFastFold(const KdaShape& shape, int capacity,
+absl::StatusOr<FoldLaunchPlan> PlanFastFold(const KdaShape& shape, int capacity, int rows,
                                             const FastFoldSchedule& schedule, int smem_optin);
 
 }  // namespace fast

@@ -30,13 +30,29 @@ KdaShape Shape(int heads, int k, DType state = DType::kFloat32, LayerKind kind =
   return s;
 }
 
-FoldLaunchPlan Plan(const KdaShape& s, int capacity, FastFoldSchedule schedule = {}) {
-  absl::StatusOr<FoldLaunchPlan> plan = PlanFastFold(s, capacity, schedule, kSmemOptin);
+// A commit of 16 rows unless told.
+FoldLaunchPlan Plan(const KdaShape& s, int capacity, FastFoldSchedule schedule = {},
+                    int rows = 16) {
+  absl::StatusOr<FoldLaunchPlan> plan = PlanFastFold(s, capacity, rows, schedule, kSmemOptin);
   EXPECT_TRUE(plan.ok()) << plan.status();
   return plan.ok() ? *plan : FoldLaunchPlan{};
 }
 
-TEST(FoldPlanTest, TheServedShapesArePipelined) {
+TEST(FoldPlanTest, TwoTo32RowsArePipelined) {
+  const KdaShape kimi_linear = Shape(32, 128);
+  EXPECT_EQ(Plan(kimi_linear, 16, {}, 1).staging, Staging::kOff);  // nothing to overlap
+  EXPECT_EQ(Plan(kimi_linear, 16, {}, 2).staging, Staging::kPipelined);
+  EXPECT_EQ(Plan(kimi_linear, 16, {}, 32).staging, Staging::kPipelined);
+  FoldLaunchPlan p = Plan(kimi_linear, 16, {}, 33);
+  EXPECT_EQ(p.staging, Staging::kOff);  // two blocks an SM hide as much
+  EXPECT_EQ(p.blocks_per_head, 16);
+  EXPECT_EQ(p.smem, UnstagedFoldSmemFloats(128, 16) * sizeof(float));
+  // Asked for, at any number of rows.
+  EXPECT_EQ(Plan(kimi_linear, 16, {Staging::kPipelined}, 256).staging, Staging::kPipelined);
+  EXPECT_EQ(Plan(kimi_linear, 16, {Staging::kOn}, 1).staging, Staging::kOn);
+}
+
+TEST(FoldPlanTest, TheServedShapesArePipelinedAtSixteenRows) {
   // Kimi-Linear (Q = 4, F = 4: 16 tokens): a buffer holds 64 KiB of
   // checkpoint rows, the ring's bf16 keys (4 KiB), its log-decays (then
   // decayed keys) and values (8 KiB each); two of them, the norms and Gc.
@@ -108,7 +124,7 @@ TEST(FoldPlanTest, SchedulesThatCannotRunAreRefusedNamingTheBound) {
   // one block's 227 KiB with the static part; two buffers far past.
   for (Staging staging : {Staging::kOn, Staging::kPipelined}) {
     const absl::StatusOr<FoldLaunchPlan> plan =
-        PlanFastFold(Shape(32, 128), 128, {staging}, kSmemOptin);
+        PlanFastFold(Shape(32, 128), 128, 16, {staging}, kSmemOptin);
     ASSERT_FALSE(plan.ok());
     EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(plan.status().message()),
@@ -119,7 +135,7 @@ TEST(FoldPlanTest, SchedulesThatCannotRunAreRefusedNamingTheBound) {
   // kAuto runs it unstaged.
   EXPECT_EQ(Plan(Shape(32, 128), 128).staging, Staging::kOff);
   const absl::StatusOr<FoldLaunchPlan> negative =
-      PlanFastFold(Shape(32, 128), 16, {Staging::kOff, -1}, kSmemOptin);
+      PlanFastFold(Shape(32, 128), 16, 16, {Staging::kOff, -1}, kSmemOptin);
   ASSERT_FALSE(negative.ok());
   EXPECT_THAT(std::string(negative.status().message()),
               HasSubstr("schedule.blocks_per_head -1 is negative"));

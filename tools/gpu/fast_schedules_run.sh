@@ -6,7 +6,7 @@
 #     //keeper:specstate-keeper //kernels/fast:fast_cuda_gpu_test \
 #     //tests/bench:kda_bench" tools/gpu/bundle.sh .gpu
 # (about 42 MB: under the device tool's 64 MiB carry):
-#   tools/gpu/fast_schedules_run.sh BUNDLE OUTDIR [DEADLINE_S=540]
+#   tools/gpu/fast_schedules_run.sh BUNDLE OUTDIR [DEADLINE_S=540] [LAST_STEP=4]
 # Steps in the order of what they decide, each under its own time limit, so
 # that a call cut short still returns the first ones; at most 8 files (what
 # the device tool brings back):
@@ -35,6 +35,7 @@ set -uo pipefail
 bundle=$(cd "$1" && pwd)
 out=$2
 deadline=${3:-540}
+last_step=${4:-4}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -97,6 +98,8 @@ echo "2. kda_bench: exit $?, $(elapsed) s"
     python3 "$here/schedule_table.py" "$out/kda_bench.md" --set="$set" --ns=64,256
   done
 } > "$out/tables.md" 2>&1
+
+[ "$last_step" -le 2 ] && exit 0
 
 # 3. Commit's fold kernel at N = 256, pipelined (the served schedule) and
 # unstaged (kda_bench's direct-call rows launch it), fp32 state rows

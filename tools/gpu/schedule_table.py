@@ -13,6 +13,10 @@ made by the lanes (cp.async) and by the TMA (bulk copies); --set=piped_v1
 the same columns of the first piped version's run; --set=prefetch_checkpoint:
 the unpiped kernel with its checkpoint prefetched into L2 after the window or
 the ring, beside the unpiped and piped kernels.
+
+--set=folds: Commit's folds and cursors alone (kda_bench's `FAST folds and
+cursors, <schedule>, direct call` rows) under each FastFoldSchedule, and the
+served commit (conv windows and plan included), each per layer.
 """
 import argparse
 import re
@@ -33,7 +37,13 @@ SETS = {
     # The first piped version's run (docs/results/fast_verify_piped_v1_*),
     # where "unstaged" was piped and the other row loaded in the pass.
     "piped_v1": ["unstaged, checkpoint loaded in the pass", "unstaged", "served"],
+    # FastFoldSchedule: kda_bench's direct-call fold rows, per layer.
+    "folds": ["folds: unstaged, 16 blocks a head", "folds: staged, 16 blocks a head",
+              "folds: pipelined, 1 block a head", "folds: pipelined, 2 blocks a head",
+              "folds: pipelined, 4 blocks a head", "served commit"],
 }
+FOLD_ROW = re.compile(r"FAST folds and cursors, (.+), direct call, (\d+) layers")
+COMMIT_ROW = re.compile(r"FAST commit, (\d+) layers \(F")
 
 
 def parse(path):
@@ -53,6 +63,11 @@ def parse(path):
             column = "served"
         elif name.startswith("FAST verify 3xTF32, "):
             column = name[len("FAST verify 3xTF32, "):].replace(" (F=4), 1 layer", "")
+        elif FOLD_ROW.match(name):
+            fold = FOLD_ROW.match(name)
+            column, us = "folds: " + fold.group(1), round(us / int(fold.group(2)), 1)
+        elif COMMIT_ROW.match(name):
+            column, us = "served commit", round(us / int(COMMIT_ROW.match(name).group(1)), 1)
         elif name.startswith("stock spec path"):
             column = "stock"
         else:

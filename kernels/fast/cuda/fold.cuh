@@ -93,6 +93,15 @@ __device__ __forceinline__ void StageToShared(float* dst, int count, int tid, Va
   }
 }
 
+// Fold `target`'s tokens and destination (0 or 1), read with constant
+// indices.
+__device__ __forceinline__ int TokensOf(const FoldJob& job, int target) {
+  return target == 0 ? job.n[0] : job.n[1];
+}
+__device__ __forceinline__ void* DestinationOf(const FoldJob& job, int target) {
+  return target == 0 ? job.dst[0] : job.dst[1];
+}
+
 // Commit (fast_args.h, FastCommitArgs): within the checkpoint's block the
 // ring folds only when the next window might not fit; align mode leaving
 // the block or crossing a boundary folds the boundary and final states.
@@ -121,12 +130,19 @@ __device__ bool FoldJobOf(const FoldParams& f, const FastLayer& layer, int i, Fo
       job->dst[0] = block_at(p.source);
       return true;
     }
+    // (Constant indices only, here and in the folds: a FoldJob indexed by
+    // a variable lives in local memory.)
     if (IsBlock(p.boundary_block) && p.boundary_len < p.commit_len) {
-      job->n[job->count] = cur.tokens + p.boundary_len;
-      job->dst[job->count++] = block_at(p.boundary_block);
+      job->count = 2;
+      job->n[0] = cur.tokens + p.boundary_len;
+      job->dst[0] = block_at(p.boundary_block);
+      job->n[1] = n;
+      job->dst[1] = block_at(p.final_block);
+    } else {
+      job->count = 1;
+      job->n[0] = n;
+      job->dst[0] = block_at(p.final_block);
     }
-    job->n[job->count] = n;
-    job->dst[job->count++] = block_at(p.final_block);
     return true;
   } else {
     const int32_t b = f.every_block ? i : f.blocks[i];
@@ -192,7 +208,7 @@ __device__ __forceinline__ StagedFoldSmem StagedLayout(const FoldParams& f,
 
 // The ring tokens any of a job's folds reads.
 __device__ __forceinline__ int TokensRead(const FoldJob& job) {
-  return max(job.n[0], job.n[job.count - 1]);
+  return max(job.n[0], TokensOf(job, job.count - 1));
 }
 
 // 1. Issues a job's copies into `buf` (not committed: the caller commits
@@ -265,7 +281,7 @@ __device__ __forceinline__ void FoldFromShared(const FoldParams& f, const FastLa
   constexpr int kRowsEach = kRows / kRowGroups;
   const int c0 = (tid % kColGroups) * kFoldCols, r0 = (tid / kColGroups) * kRowsEach;
   for (int target = job.count - 1; target >= 0; --target) {
-    const int n = job.n[target];
+    const int n = TokensOf(job, target);
     if (target != job.count - 1) {
       __syncthreads();  // the previous fold's reads of the keys done
       if (!gdn) {       // its log-decays again, where its keys were (a boundary: rare)
@@ -310,7 +326,7 @@ __device__ __forceinline__ void FoldFromShared(const FoldParams& f, const FastLa
         for (int c = 0; c < kFoldCols; ++c) acc[r][c] = kda::MulAdd(uv[r], kv[c], acc[r][c]);
       }
     }
-    State* dst = static_cast<State*>(job.dst[target]) + int64_t{hv} * K * K;
+    State* dst = static_cast<State*>(DestinationOf(job, target)) + int64_t{hv} * K * K;
 #pragma unroll
     for (int r = 0; r < kRowsEach; ++r) {
       StoreCols<kFoldCols>(acc[r], dst + int64_t{v0 + r0 + r} * K + c0);
@@ -462,7 +478,7 @@ __global__ void __launch_bounds__(kFoldThreads,
         // checkpoint when there is a boundary (the plan's checks). Each
         // thread reads only the elements it stores.
         for (int target = job.count - 1; target >= 0; --target) {
-          const int n = job.n[target];
+          const int n = TokensOf(job, target);
           const int chunks = (n + kRingChunk - 1) / kRingChunk;
           __syncthreads();  // the previous fold's shared memory reads done
           // Exponents per column from the newest token back, over each chunk's
@@ -527,7 +543,7 @@ __global__ void __launch_bounds__(kFoldThreads,
               }
             }
           }
-          State* dst = static_cast<State*>(job.dst[target]) + int64_t{hv} * K * K;
+          State* dst = static_cast<State*>(DestinationOf(job, target)) + int64_t{hv} * K * K;
 #pragma unroll
           for (int r = 0; r < kRowsEach; ++r) StoreCols<kFoldCols>(acc[r], dst + int64_t{v0 + r0 + r} * K + c0);
         }
@@ -636,14 +652,14 @@ cudaError_t LaunchFold(const FoldParams& f, const FoldLaunchPlan& plan, int grid
 // sizes every layer's alike; the largest is planned for) on the current
 // device.
 absl::StatusOr<FoldLaunchPlan> PlanFoldLaunch(const char* op, const KdaShape& shape,
-                                              const FastLayer* layers, int num_layers,
+                                              const FastLayer* layers, int num_layers, int rows,
                                               const FastFoldSchedule& schedule) {
   int sms = 0, smem_optin = 0;
   const cudaError_t err = CurrentDeviceLimits(&sms, &smem_optin);
   if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA device query"));
   int capacity = 0;
   for (int l = 0; l < num_layers; ++l) capacity = std::max(capacity, layers[l].rings.capacity);
-  return PlanFastFold(shape, capacity, schedule, smem_optin);
+  return PlanFastFold(shape, capacity, rows, schedule, smem_optin);
 }
 
 // Calls launch(f) for the layers `covers` selects, kLayersPerLaunch at a time.
@@ -667,7 +683,7 @@ absl::Status LaunchFastCommit(const FastCommitArgs& a, cudaStream_t stream,
   constexpr const char* op = "FastCommit";
   if (a.num_rows == 0) return absl::OkStatus();
   const absl::StatusOr<FoldLaunchPlan> plan =
-      PlanFoldLaunch(op, a.shape, a.layers, a.num_layers, schedule);
+      PlanFoldLaunch(op, a.shape, a.layers, a.num_layers, a.num_rows, schedule);
   if (!plan.ok()) return plan.status();
   FoldParams f{};
   f.shape = a.shape;
@@ -704,7 +720,7 @@ absl::Status LaunchFastMaterialize(const FastMaterializeArgs& a, cudaStream_t st
   const int64_t jobs = a.every_block ? a.layers[0].state.num_blocks : a.num_blocks_given;
   if (jobs == 0) return absl::OkStatus();
   const absl::StatusOr<FoldLaunchPlan> plan =
-      PlanFoldLaunch(op, a.shape, a.layers, a.num_layers, schedule);
+      PlanFoldLaunch(op, a.shape, a.layers, a.num_layers, int(jobs), schedule);
   if (!plan.ok()) return plan.status();
   FoldParams f{};
   f.shape = a.shape;
