@@ -24,12 +24,12 @@ namespace fast {
 // writes the same bits (fast_cuda_gpu_test checks it).
 struct FastFoldSchedule {
   enum class Staging {
-    // kPipelined for 2 to 32 rows where its two buffers fit a block,
-    // otherwise kOff: measured on an H100 (docs/benchmarks.md, "FAST's
-    // folds staged and pipelined"), the pipeline's folds and cursors are
-    // 8-24% faster at N = 16 for every shape and state dtype, and 0-16%
-    // slower at N = 64 and 256, where the unstaged kernel's two blocks an
-    // SM hide as much.
+    // kPipelined (one block a head) for 2 to 32 rows where its two
+    // buffers fit a block, otherwise kOff. Measured on an H100
+    // (docs/benchmarks.md, "FAST's folds staged and pipelined"): its folds
+    // and cursors 10-32% faster than kOff's at N = 16 for every shape and
+    // state dtype; at N = 64 and 256 from 14% faster to 12% slower (four
+    // blocks a head: 1-13% faster at N = 64, not yet served).
     kAuto,
     // A chain of phases, each loading from global memory when it needs
     // it: the exponent pass's log-decays, then the checkpoint's rows, then

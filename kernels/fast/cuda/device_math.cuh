@@ -43,7 +43,7 @@ static_assert(kWarps == kVerifyWarps, "verify_plan.h sizes Verify's shared memor
 constexpr int kLoadBatch = 8;
 // Materialize's fold grid over every block of a pool: blocks per (value
 // head, tile) striding over the blocks (Commit's: FoldLaunchPlan).
-constexpr int kCommitFoldGridX = 16;
+constexpr int kMaterializeFoldGridX = 16;
 
 // The kernel interface's checks failed (fast_args.h, `gate`): do nothing.
 __device__ __forceinline__ bool GateFailed(const DeviceStatus* gate) {
@@ -252,7 +252,7 @@ __device__ __forceinline__ float TransposeWarpSum(float (&x)[M], int lane) {
 }
 
 // ---------------------------------------------------------------------------
-// The host's side: which numerics the CUDA kernels run.
+// The host's side: the device's limits, and which numerics the CUDA kernels run.
 
 // The current device's SM count and the shared memory its largest block
 // may take, queried once a device (Verify and the folds launch every layer

@@ -448,7 +448,9 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
           }
           // Both unstaged kernels (that of large grids piped and not), and
           // staged at two splits at least.
-          if (c.checkpoint != FastNumerics::Operands::kFp32) EXPECT_GE(compared, 8) << c.name;
+          if (c.checkpoint != FastNumerics::Operands::kFp32) {
+            EXPECT_GE(compared, 8) << c.name;
+          }
           if (step == 0 && l == 0) ExpectSchedulesRefused(c, a, verify_numerics);
         }
         const absl::Status st = dev ? FastVerifyCuda(a, verify_numerics, nullptr)
@@ -587,7 +589,6 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
       EXPECT_TRUE(materialized.Download() == unstaged_materialized)
           << c.name << " step " << step << ": materialized states of the served fold differ "
           << "from the unstaged fold's";
-      ASSERT_CUDA(cudaDeviceSynchronize());
       // Entry 1 is the null block: neither writes it.
       const Diff d = Compare(materialized, tol, SIZE_MAX, 1);
       EXPECT_LE(d.worst_ratio, 1.0) << c.name << " step " << step << ": materialized states, error "

@@ -2,11 +2,15 @@
 // the kernel family and its launchers.
 // Fold (Commit, Materialize): 512-thread blocks per (layer, value head,
 // tile of FoldRows(K) state rows: the whole head at K <= 128) striding
-// over the rows (Commit: 16 of them, testing their rows in parallel and
-// folding only those that fold; Materialize: one per listed block, or 16
-// over every block); the ring's log-decays, keys and values staged in shared
-// memory by every thread; exponents a thread per column from the near end;
-// each thread's register tile of 8 columns x 1-4 rows advanced by the chain
+// over the rows (Commit: FoldLaunchPlan::blocks_per_head of them, testing
+// their rows in parallel and folding only those that fold; Materialize: one
+// per listed block, or 16 over every block); the ring's log-decays, keys and
+// values staged in shared memory by every thread; exponents a thread per
+// column from the near end; each thread's register tile of 8 columns x 1-4
+// rows advanced by the chain of ring tokens. How a job reads its inputs is
+// the FastFoldSchedule (fold_plan.h): a chain of loads (kOff), one round of
+// copies (kOn), or that round double-buffered across a block's jobs
+// (kPipelined); the same sums in the same order under each.
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_FOLD_CUH_
 #define SPECSTATE_KERNELS_FAST_CUDA_FOLD_CUH_
 
@@ -741,7 +745,7 @@ absl::Status LaunchFastMaterialize(const FastMaterializeArgs& a, cudaStream_t st
             // Every block: strided blocks that test their share in parallel
             // (most rings are empty); a list: a block per entry.
             e = LaunchFold<Act, State, K, FoldMode::kMaterialize>(
-                batch, *plan, a.every_block ? kCommitFoldGridX : f.rows, stream);
+                batch, *plan, a.every_block ? kMaterializeFoldGridX : f.rows, stream);
             if (e != cudaSuccess) return;
           }
           if (a.out == nullptr) {
