@@ -23,7 +23,7 @@ absl::StatusOr<FoldLaunchPlan> PlanFastFold(const KdaShape& shape, int capacity,
     return staged.Bytes(buffers) + kFoldStaticSmemBytes <= size_t(smem_optin);
   };
   const auto plan = [&](Staging staging, size_t smem) {
-    const int chosen = staging == Staging::kPipelined ? 1 : 16;
+    const int chosen = staging != Staging::kPipelined ? 16 : rows <= 32 ? 1 : 4;
     return FoldLaunchPlan{staging, smem,
                           schedule.blocks_per_head > 0 ? schedule.blocks_per_head : chosen};
   };
@@ -31,7 +31,7 @@ absl::StatusOr<FoldLaunchPlan> PlanFastFold(const KdaShape& shape, int capacity,
     case Staging::kOff:
       break;
     case Staging::kAuto:
-      if (rows >= 2 && rows <= 32 && fits(2)) return plan(Staging::kPipelined, staged.Bytes(2));
+      if (rows >= 2 && rows <= 64 && fits(2)) return plan(Staging::kPipelined, staged.Bytes(2));
       break;
     case Staging::kOn:
     case Staging::kPipelined: {

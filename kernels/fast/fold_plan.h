@@ -24,12 +24,12 @@ namespace fast {
 // writes the same bits (fast_cuda_gpu_test checks it).
 struct FastFoldSchedule {
   enum class Staging {
-    // kPipelined (one block a head) for 2 to 32 rows where its two
-    // buffers fit a block, otherwise kOff. Measured on an H100
+    // kPipelined where its two buffers fit a block: one block a head for 2
+    // to 32 rows, four for 33 to 64; otherwise kOff. Measured on an H100
     // (docs/benchmarks.md, "FAST's folds staged and pipelined"): its folds
-    // and cursors 10-32% faster than kOff's at N = 16 for every shape and
-    // state dtype; at N = 64 and 256 from 14% faster to 12% slower (four
-    // blocks a head: 1-13% faster at N = 64, not yet served).
+    // and cursors 10-32% faster than kOff's at N = 16 with one block a
+    // head, 1-15% faster at N = 64 with four (two runs), for every shape
+    // and state dtype; at N = 256 from 4.6% faster to 5.3% slower.
     kAuto,
     // A chain of phases, each loading from global memory when it needs
     // it: the exponent pass's log-decays, then the checkpoint's rows, then
@@ -47,8 +47,9 @@ struct FastFoldSchedule {
   Staging staging = Staging::kAuto;
   // Commit's fold blocks per (value head, tile of rows, layer), each
   // striding over the rows: 0 lets the launcher choose (16 unstaged or
-  // kOn: a no-fold commit stays a few microseconds; 1 pipelined: every job
-  // of a (head, layer) in one block's pipeline).
+  // kOn: a no-fold commit stays a few microseconds; pipelined, 1 up to 32
+  // rows, every job of a (head, layer) in one block's pipeline, and 4
+  // beyond).
   int blocks_per_head = 0;
 };
 
@@ -116,9 +117,10 @@ struct FoldLaunchPlan {
 // `schedule` made concrete for folds of `shape` with rings of `capacity`
 // tokens over `rows` rows (Commit) or blocks (Materialize), on a GPU whose
 // blocks take at most `smem_optin` bytes of shared memory (an SM: that plus
-// the 1 KiB the runtime reserves a block): kAuto pipelines 2 to 32 rows
-// where the two buffers fit one block; kOn runs where one buffer fits (two
-// blocks an SM when two fit), kPipelined where two do.
+// the 1 KiB the runtime reserves a block): kAuto pipelines 2 to 64 rows
+// where the two buffers fit one block (one block a head up to 32 rows, four
+// beyond); kOn runs where one buffer fits (two blocks an SM when two fit),
+// kPipelined where two do.
 // \returns INVALID_ARGUMENT naming the field and its bound for a schedule
 //   the launch cannot run.
 absl::StatusOr<FoldLaunchPlan> PlanFastFold(const KdaShape& shape, int capacity, int rows,

@@ -38,13 +38,19 @@ FoldLaunchPlan Plan(const KdaShape& s, int capacity, FastFoldSchedule schedule =
   return plan.ok() ? *plan : FoldLaunchPlan{};
 }
 
-TEST(FoldPlanTest, TwoTo32RowsArePipelined) {
+TEST(FoldPlanTest, TwoTo64RowsArePipelined) {
   const KdaShape kimi_linear = Shape(32, 128);
   EXPECT_EQ(Plan(kimi_linear, 16, {}, 1).staging, Staging::kOff);  // nothing to overlap
-  EXPECT_EQ(Plan(kimi_linear, 16, {}, 2).staging, Staging::kPipelined);
-  EXPECT_EQ(Plan(kimi_linear, 16, {}, 32).staging, Staging::kPipelined);
-  FoldLaunchPlan p = Plan(kimi_linear, 16, {}, 33);
-  EXPECT_EQ(p.staging, Staging::kOff);  // two blocks an SM hide as much
+  FoldLaunchPlan p = Plan(kimi_linear, 16, {}, 2);
+  EXPECT_EQ(p.staging, Staging::kPipelined);
+  EXPECT_EQ(p.blocks_per_head, 1);
+  EXPECT_EQ(Plan(kimi_linear, 16, {}, 32).blocks_per_head, 1);
+  p = Plan(kimi_linear, 16, {}, 33);  // four blocks a head from here (N = 64: 1-15% faster)
+  EXPECT_EQ(p.staging, Staging::kPipelined);
+  EXPECT_EQ(p.blocks_per_head, 4);
+  EXPECT_EQ(Plan(kimi_linear, 16, {}, 64).blocks_per_head, 4);
+  p = Plan(kimi_linear, 16, {}, 65);
+  EXPECT_EQ(p.staging, Staging::kOff);  // N = 256: within -4.6% to +5.3%
   EXPECT_EQ(p.blocks_per_head, 16);
   EXPECT_EQ(p.smem, UnstagedFoldSmemFloats(128, 16) * sizeof(float));
   // Asked for, at any number of rows.

@@ -511,15 +511,17 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
       if (dev) {
         // Every fold schedule writes the same bits: each from the same
         // device bytes (staged ones only where their copies fit, and the
-        // pipeline also at two and three blocks a head: more than one job
-        // a block), then the launcher's own choice from them again,
-        // compared with the CPU below.
+        // pipeline at one block a head and more: a block with one job or
+        // several), then the launcher's own choice from them again
+        // (pipelined for 3 rows, over four blocks a head for the 40 of the
+        // `_large_grid` cases), compared with the CPU below.
         const std::vector<std::vector<uint8_t>> before = device_states();
         const FastFoldSchedule schedules[] = {{FoldStaging::kOff},
                                               {FoldStaging::kOn},
-                                              {FoldStaging::kPipelined},
+                                              {FoldStaging::kPipelined, 1},
                                               {FoldStaging::kPipelined, 2},
-                                              {FoldStaging::kPipelined, 3}};
+                                              {FoldStaging::kPipelined, 3},
+                                              {FoldStaging::kPipelined, 4}};
         for (const FastFoldSchedule& schedule : schedules) {
           restore_device_states(before);
           const absl::Status st = FastCommitCuda(a, FastNumerics{}, nullptr, schedule);
