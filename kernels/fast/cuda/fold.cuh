@@ -170,6 +170,31 @@ __device__ bool FoldJobOf(const FoldParams& f, const FastLayer& layer, int i, Fo
   }
 }
 
+// A ring token's terms on a thread's tile, the fold's step for every
+// schedule: acc[r][c] += u_i[r0 + r] * kr_i[c0 + c], `kr` at the token's
+// decayed key's column c0 and `u` at its value's row r0 (shared memory).
+template <int kRowsEach>
+__device__ __forceinline__ void AddRingToken(const float* kr, const float* u,
+                                             float (&acc)[kRowsEach][kFoldCols]) {
+  float kv[kFoldCols], uv[kRowsEach];
+  SmemCols<kFoldCols>(kr, kv);
+  SmemCols<kRowsEach>(u, uv);
+#pragma unroll
+  for (int r = 0; r < kRowsEach; ++r) {
+#pragma unroll
+    for (int c = 0; c < kFoldCols; ++c) acc[r][c] = kda::MulAdd(uv[r], kv[c], acc[r][c]);
+  }
+}
+
+// A thread's tile stored to its rows r0.. of `dst` (a value head's rows),
+// columns c0..
+template <int K, int kRowsEach, typename State>
+__device__ __forceinline__ void StoreTile(const float (&acc)[kRowsEach][kFoldCols], State* dst,
+                                          int r0, int c0) {
+#pragma unroll
+  for (int r = 0; r < kRowsEach; ++r) StoreCols<kFoldCols>(acc[r], dst + int64_t{r0 + r} * K + c0);
+}
+
 // The staged folds (FastFoldSchedule kOn, kPipelined): the same sums as the
 // unstaged job in FastFoldKernel, in the same order, from inputs copied to
 // shared memory (StagedFoldSmem) in one round a job instead of a chain of
@@ -320,21 +345,9 @@ __device__ __forceinline__ void FoldFromShared(const FoldParams& f, const FastLa
         acc[r][c] = ::specstate::fast::Decayed(acc[r][c], gc[c0 + c]);
       }
     }
-    for (int i = 0; i < n; ++i) {
-      float kv[kFoldCols], uv[kRowsEach];
-      SmemCols<kFoldCols>(buf.keys + i * K + c0, kv);
-      SmemCols<kRowsEach>(buf.u + i * kRows + r0, uv);
-#pragma unroll
-      for (int r = 0; r < kRowsEach; ++r) {
-#pragma unroll
-        for (int c = 0; c < kFoldCols; ++c) acc[r][c] = kda::MulAdd(uv[r], kv[c], acc[r][c]);
-      }
-    }
-    State* dst = static_cast<State*>(DestinationOf(job, target)) + int64_t{hv} * K * K;
-#pragma unroll
-    for (int r = 0; r < kRowsEach; ++r) {
-      StoreCols<kFoldCols>(acc[r], dst + int64_t{v0 + r0 + r} * K + c0);
-    }
+    for (int i = 0; i < n; ++i) AddRingToken(buf.keys + i * K + c0, buf.u + i * kRows + r0, acc);
+    StoreTile<K>(acc, static_cast<State*>(DestinationOf(job, target)) + int64_t{hv} * K * K,
+                 v0 + r0, c0);
   }
 }
 
@@ -537,19 +550,11 @@ __global__ void __launch_bounds__(kFoldThreads,
             }
             __syncthreads();
             for (int i = i0; i < i1; ++i) {
-              float kv[kFoldCols], uv[kRowsEach];
-              SmemCols<kFoldCols>(kr + (i - i0) * K + c0, kv);
-              SmemCols<kRowsEach>(uc + (i - i0) * kRows + r0, uv);
-#pragma unroll
-              for (int r = 0; r < kRowsEach; ++r) {
-#pragma unroll
-                for (int c = 0; c < kFoldCols; ++c) acc[r][c] = kda::MulAdd(uv[r], kv[c], acc[r][c]);
-              }
+              AddRingToken(kr + (i - i0) * K + c0, uc + (i - i0) * kRows + r0, acc);
             }
           }
-          State* dst = static_cast<State*>(DestinationOf(job, target)) + int64_t{hv} * K * K;
-#pragma unroll
-          for (int r = 0; r < kRowsEach; ++r) StoreCols<kFoldCols>(acc[r], dst + int64_t{v0 + r0 + r} * K + c0);
+          StoreTile<K>(acc, static_cast<State*>(DestinationOf(job, target)) + int64_t{hv} * K * K,
+                       v0 + r0, c0);
         }
       }
     }
