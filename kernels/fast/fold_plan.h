@@ -29,7 +29,7 @@ struct FastFoldSchedule {
     // (docs/benchmarks.md, "FAST's folds staged and pipelined"): its folds
     // and cursors 10-32% faster than kOff's at N = 16 with one block a
     // head, 1-15% faster at N = 64 with four (two runs), for every shape
-    // and state dtype; at N = 256 from 4.6% faster to 5.3% slower.
+    // and state dtype; at N = 256 from 4.6% faster to 12.3% slower.
     kAuto,
     // A chain of phases, each loading from global memory when it needs
     // it: the exponent pass's log-decays, then the checkpoint's rows, then
