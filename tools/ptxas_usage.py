@@ -51,7 +51,7 @@ def main(argv):
             name = subprocess.run(["c++filt", kernel], capture_output=True, text=True).stdout.strip()
             name = name.replace("(anonymous namespace)::", "")
             name = re.sub(r"\b[A-Za-z_]\w*::", "", name)
-            name = re.sub(r"\((PipeCopy|CheckpointPassKind)\)", "", name)  # enum casts
+            name = re.sub(r"\((PipeCopy|CheckpointPassKind|FoldMode|Staging)\)", "", name)  # enum casts
             name = re.sub(r"^void ", "", name.split("(")[0])
             if pattern.search(name):
                 stores = re.search(r"(\d+) bytes spill stores", spills).group(1)
