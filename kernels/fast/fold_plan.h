@@ -24,8 +24,9 @@ namespace fast {
 // writes the same bits (fast_cuda_gpu_test checks it).
 struct FastFoldSchedule {
   enum class Staging {
-    // kPipelined where its two buffers fit a block: one block a head for 2
-    // to 32 rows, four for 33 to 64; otherwise kOff. Measured on an H100
+    // Commit: kPipelined where its two buffers fit a block, one block a
+    // head for 2 to 32 rows, four for 33 to 64; otherwise (and for
+    // Materialize) kOff. Measured on an H100
     // (docs/benchmarks.md, "FAST's folds staged and pipelined"): its folds
     // and cursors 10-32% faster than kOff's at N = 16 with one block a
     // head, 1-15% faster at N = 64 with four (two runs), for every shape

@@ -566,7 +566,7 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
     }
     // Now and then every row's current state into `out` (layer 0).
     if (step % 7 == 3) {
-      std::vector<uint8_t> unstaged_materialized;
+      std::vector<uint8_t> pipelined_materialized;
       for (bool dev : {false, true}) {
         FastMaterializeArgs m;
         m.shape = s;
@@ -576,21 +576,26 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
         m.num_blocks_given = rows + 1;
         m.layer = 0;
         m.out = dev ? materialized.device : materialized.host.data();
-        if (dev) {  // the unstaged fold's bytes, for the served one's to match
+        if (dev) {  // the pipelined fold's bytes (where it fits), for the served one's to match
           const absl::Status st =
-              FastMaterializeCuda(m, FastNumerics{}, nullptr, {FoldStaging::kOff});
-          ASSERT_TRUE(st.ok()) << st;
-          ASSERT_CUDA(cudaDeviceSynchronize());
-          unstaged_materialized = materialized.Download();
+              FastMaterializeCuda(m, FastNumerics{}, nullptr, {FoldStaging::kPipelined});
+          if (st.ok()) {
+            ASSERT_CUDA(cudaDeviceSynchronize());
+            pipelined_materialized = materialized.Download();
+          } else {
+            EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("bytes of shared memory"));
+          }
         }
         const absl::Status st = dev ? FastMaterializeCuda(m, FastNumerics{}, nullptr)
                                     : FastMaterializeCpu(m);
         ASSERT_TRUE(st.ok()) << st;
       }
       ASSERT_CUDA(cudaDeviceSynchronize());
-      EXPECT_TRUE(materialized.Download() == unstaged_materialized)
-          << c.name << " step " << step << ": materialized states of the served fold differ "
-          << "from the unstaged fold's";
+      if (!pipelined_materialized.empty()) {
+        EXPECT_TRUE(materialized.Download() == pipelined_materialized)
+            << c.name << " step " << step << ": materialized states of the served (unstaged) "
+            << "fold differ from the pipelined fold's";
+      }
       // Entry 1 is the null block: neither writes it.
       const Diff d = Compare(materialized, tol, SIZE_MAX, 1);
       EXPECT_LE(d.worst_ratio, 1.0) << c.name << " step " << step << ": materialized states, error "

@@ -728,8 +728,15 @@ absl::Status LaunchFastMaterialize(const FastMaterializeArgs& a, cudaStream_t st
   constexpr const char* op = "FastMaterialize";
   const int64_t jobs = a.every_block ? a.layers[0].state.num_blocks : a.num_blocks_given;
   if (jobs == 0) return absl::OkStatus();
+  // kAuto's pipeline was measured on Commit's folds; a Materialize list
+  // runs a block an entry (one job each: nothing to pipeline), so it stays
+  // unstaged unless asked.
+  FastFoldSchedule chosen = schedule;
+  if (chosen.staging == FastFoldSchedule::Staging::kAuto) {
+    chosen.staging = FastFoldSchedule::Staging::kOff;
+  }
   const absl::StatusOr<FoldLaunchPlan> plan =
-      PlanFoldLaunch(op, a.shape, a.layers, a.num_layers, int(jobs), schedule);
+      PlanFoldLaunch(op, a.shape, a.layers, a.num_layers, int(jobs), chosen);
   if (!plan.ok()) return plan.status();
   FoldParams f{};
   f.shape = a.shape;
