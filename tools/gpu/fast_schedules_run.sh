@@ -14,7 +14,7 @@
 #     for bit against the loaded pass: the piped pass with bf16 state rows
 #     and with the TMA's bulk copies, the checkpoint's L2 prefetch; every
 #     Commit under every fold schedule, unstaged, staged and pipelined, and
-#     Materialize's folds served and unstaged, bit for bit), then the same
+#     Materialize's served (unstaged) folds and pipelined ones, bit for bit), then the same
 #     under memcheck on 3-step loops. Its last
 #     line says whether the piped bf16 cases passed: Piping::kAuto, the
 #     default since they first did (verify_plan.h), pipes bf16 state rows.
