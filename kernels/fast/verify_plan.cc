@@ -58,6 +58,17 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
                                   piped,
                                   early || piped ? Prefetch::kNone : schedule.checkpoint_prefetch,
                                   piped && bulk};
+  const bool spread = schedule.ring_values == FastVerifySchedule::RingValues::kSpread;
+  if (spread && schedule.staging == Staging::kOff) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "In ", op, ": schedule.ring_values kSpread needs the staged schedule (staging kOn or "
+        "kAuto); the unstaged kernels sum the ring's values per state row"));
+  }
+  const auto staged_plan = [&](int splits) {
+    VerifyLaunchPlan plan{true, splits, staged_bytes(splits), true};
+    plan.spread_ring_values = spread;
+    return plan;
+  };
   if (schedule.staging == Staging::kOff || (schedule.staging == Staging::kAuto && !tensor_cores)) {
     if (s > 1) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -78,7 +89,7 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
           "In ", op, ": the staged schedule with value_splits ", splits, " needs ",
           staged_bytes(splits), " bytes of shared memory a block; the device allows ", smem_optin));
     }
-    return VerifyLaunchPlan{true, splits, staged_bytes(splits), true};
+    return staged_plan(splits);
   }
   // kAuto with tensor cores.
   if (blocks > sms) return unstaged;
@@ -90,7 +101,7 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
     splits *= 2;
   }
   if (staged_bytes(splits) > size_t(smem_optin)) return unstaged;
-  return VerifyLaunchPlan{true, splits, staged_bytes(splits), true};
+  return staged_plan(splits);
 }
 
 }  // namespace fast

@@ -90,6 +90,16 @@ struct FastVerifySchedule {
   // served: 6-14% slower than the lanes' copies on an H100 (2026-12-07).
   enum class PipeCopies { kLanes, kBulk };
   PipeCopies pipe_copies = PipeCopies::kLanes;
+  // The staged kernel's ring values, sum_i A_r[t][i] u_i[v] (the forward
+  // substitution's rk and rq), summed by each state row's own thread, its
+  // loop unrolled over the tokens and the window (kPerRow: at a split of
+  // four, one warp of the block's eight, through a long stretch of cold
+  // code), or spread over every thread of the block, one a (k or q side,
+  // window token, state row), into shared memory (kSpread). The same sums
+  // in the same order. The unstaged kernels always sum per row; kSpread
+  // with staging kOff is refused. kAuto: kPerRow.
+  enum class RingValues { kAuto, kPerRow, kSpread };
+  RingValues ring_values = RingValues::kAuto;
 };
 
 // Ring tokens per chunk of Verify's and the fold's shared memory.
@@ -174,6 +184,7 @@ struct VerifyLaunchPlan {
   FastVerifySchedule::CheckpointPrefetch checkpoint_prefetch =
       FastVerifySchedule::CheckpointPrefetch::kNone;
   bool bulk_copies = false;  // piped: the TMA's bulk copies (PipeCopies::kBulk)
+  bool spread_ring_values = false;  // staged: RingValues::kSpread
 };
 
 // `schedule` made concrete for a launch of `blocks` (row, value head) pairs

@@ -42,6 +42,11 @@ size_t StagedBytes(const FastVerifyArgs& a, int splits) {
              .Bytes();
 }
 
+FastVerifySchedule SpreadRingValues(FastVerifySchedule s) {
+  s.ring_values = FastVerifySchedule::RingValues::kSpread;
+  return s;
+}
+
 VerifyLaunchPlan Plan(const FastVerifyArgs& a, int64_t blocks, FastVerifySchedule s = {},
                       bool tensor_cores = true) {
   absl::StatusOr<VerifyLaunchPlan> plan = PlanFastVerify(a, s, tensor_cores, blocks, kSms, kSmemOptin);
@@ -229,6 +234,23 @@ TEST(VerifyPlanTest, CopiesThatDoNotFitSplitFurther) {
                         " bytes of shared memory a block; the device allows 232448"));
 }
 
+TEST(VerifyPlanTest, RingValuesAreSpreadOnlyWhereAsked) {
+  const FastVerifyArgs a = Layer(32, 128);
+  // kAuto: per row, staged or not.
+  EXPECT_FALSE(Plan(a, 32).spread_ring_values);
+  EXPECT_FALSE(Plan(a, 32, {Staging::kOn, 2, true}).spread_ring_values);
+  // kSpread: the staged kernel, at any split, and kAuto's staged grids.
+  VerifyLaunchPlan p = Plan(a, 32, SpreadRingValues({Staging::kOn, 4, true}));
+  EXPECT_TRUE(p.staged);
+  EXPECT_TRUE(p.spread_ring_values);
+  EXPECT_EQ(p.smem, StagedBytes(a, 4));  // the sums reuse the ring chunk's buffer
+  EXPECT_TRUE(Plan(a, 32, SpreadRingValues({})).spread_ring_values);
+  // kAuto's grids that run unstaged sum per row.
+  p = Plan(a, 32 * 64, SpreadRingValues({}));
+  EXPECT_FALSE(p.staged);
+  EXPECT_FALSE(p.spread_ring_values);
+}
+
 TEST(VerifyPlanTest, SchedulesItCannotRunAreRefusedByName) {
   struct Refusal {
     FastVerifyArgs args;
@@ -249,6 +271,8 @@ TEST(VerifyPlanTest, SchedulesItCannotRunAreRefusedByName) {
        "products on tensor cores"},
       {Layer(32, 128), {Staging::kOn, 1, true}, false,
        "staging kOn needs the checkpoint's products on tensor cores"},
+      {Layer(32, 128), SpreadRingValues({Staging::kOff, 1, true}), true,
+       "schedule.ring_values kSpread needs the staged schedule (staging kOn or kAuto)"},
   };
   for (const Refusal& r : refusals) {
     const absl::StatusOr<VerifyLaunchPlan> plan =

@@ -331,6 +331,17 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
             {{Staging::kOn, splits, true}, absl::StrCat("staged, ", splits, " a head")});
       }
     }
+    // The ring's values spread over the block (RingValues::kSpread) at
+    // N = 1, a grid the launcher stages: its choice of split, two and four.
+    kernels::fast::FastVerifySchedule spread;
+    spread.ring_values = kernels::fast::FastVerifySchedule::RingValues::kSpread;
+    if (b.N == 1) schedules.push_back({spread, "launcher's choice, ring values spread"});
+    for (int splits : {2, 4}) {
+      if (b.N != 1 || b.shape.K / splits < 16) continue;
+      spread.staging = Staging::kOn;
+      spread.value_splits = splits;
+      schedules.push_back({spread, absl::StrCat("staged, ", splits, " a head, ring values spread")});
+    }
     for (const auto& [schedule, name] : schedules) {
       std::vector<Row> runs;
       for (int x = 0; x < steps; ++x) {

@@ -18,7 +18,7 @@
 # skips it. FOLD_REGEX (default any commit fold, FOLD_SKIP = 4) picks the
 # fold kernel: "FastFoldKernel.*FoldModeE0E.*StagingE3E" the pipelined one,
 # "...StagingE1E" the unstaged one (kda_bench's fold schedule rows launch both);
-# FOLD_STEM names its outputs (default fast_fold).
+# FOLD_STEM names its outputs (default fast_fold); FOLD_REGEX=none skips it.
 # Clocks are left as they run (--clock-control none).
 set -uo pipefail
 bundle=$(cd "$1" && pwd)
@@ -53,4 +53,6 @@ profile() {
 if [ "${VERIFY_REGEX:-}" != none ]; then
   profile "${VERIFY_REGEX:-FastVerifyKernel}" "${VERIFY_SKIP:-4}" fast_verify
 fi
-profile "${FOLD_REGEX:-FastFoldKernel.*FoldModeE0}" "${FOLD_SKIP:-4}" "${FOLD_STEM:-fast_fold}"
+if [ "${FOLD_REGEX:-}" != none ]; then
+  profile "${FOLD_REGEX:-FastFoldKernel.*FoldModeE0}" "${FOLD_SKIP:-4}" "${FOLD_STEM:-fast_fold}"
+fi

@@ -174,7 +174,10 @@ std::string NameOf(const FastVerifySchedule& s) {
                           ? ", checkpoint prefetched after the ring"
                           : "",
                       s.pipe_copies == FastVerifySchedule::PipeCopies::kBulk ? ", bulk copies"
-                                                                             : "");
+                                                                             : "",
+                      s.ring_values == FastVerifySchedule::RingValues::kSpread
+                          ? ", ring values spread"
+                          : "");
 }
 
 // The schedules Verify can run for case c, the kernel of large grids first;
@@ -204,7 +207,12 @@ std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& 
   for (bool early : {false, true}) out.push_back({{Staging::kOff, 1, true}, early});
   for (int splits : {1, 2, 4, 8}) {
     if (c.K / splits < 16) continue;
-    for (bool early : {false, true}) out.push_back({{Staging::kOn, splits, true}, early});
+    for (bool early : {false, true}) {
+      out.push_back({{Staging::kOn, splits, true}, early});
+      FastVerifySchedule spread{Staging::kOn, splits, true};
+      spread.ring_values = FastVerifySchedule::RingValues::kSpread;
+      out.push_back({spread, early});
+    }
   }
   return out;
 }
@@ -220,6 +228,9 @@ void ExpectSchedulesRefused(const Case& c, const FastVerifyArgs& a, const FastNu
   std::vector<Refusal> refusals = {
       {{Staging::kOn, 3, true}, "value_splits 3 is not 0 (chosen), 1, 2, 4 or 8"},
       {{Staging::kOff, 2, true}, "value_splits 2 needs the staged schedule"}};
+  FastVerifySchedule spread_unstaged{Staging::kOff, 1, true};
+  spread_unstaged.ring_values = FastVerifySchedule::RingValues::kSpread;
+  refusals.push_back({spread_unstaged, "ring_values kSpread needs the staged schedule"});
   if (c.K / 8 < 16) {
     refusals.push_back(
         {{Staging::kOn, 8, true}, absl::StrCat("leaves ", c.K / 8, " state rows a block")});

@@ -93,8 +93,9 @@ enum class CheckpointPassKind {
 template <typename Act, typename State, int K, CheckpointPassKind kPass, bool kStaged,
           bool kEarly, PipeCopy kPipe = PipeCopy::kNone>
 __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <= 128 ? 4 : 1))
-    FastVerifyKernel(FastVerifyArgs a, bool small_grid, FastVerifySchedule::CheckpointPrefetch
-                                                            checkpoint_prefetch) {
+    FastVerifyKernel(FastVerifyArgs a, bool small_grid,
+                     FastVerifySchedule::CheckpointPrefetch checkpoint_prefetch,
+                     bool spread_ring_values) {
   constexpr bool kMma =
       kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3;
   constexpr bool kPiped = kPipe != PipeCopy::kNone;
@@ -523,7 +524,27 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   float rk[kMaxWindow], rq[kMaxWindow];
   const int v_own = v_lo + tid;
   const bool owns_row = tid < rows;
-  if (owns_row) {
+  if (kStaged && spread_ring_values) {
+    // RingValues::kSpread: a thread a (side, window token, state row), its
+    // sum oldest first as the row's owner would (the same MulAdds in the
+    // same order), into kr (free since the checkpoint pass): [2][T][rows].
+    for (int x = tid; x < 2 * T * rows; x += kThreads) {
+      const int r = x % rows, t = (x / rows) % T;
+      const float* coefficient = (x < T * rows ? ar : br) + t * R;
+      float sum = 0.0f;
+#pragma unroll 4
+      for (int i = 0; i < c; ++i) sum = kda::MulAdd(coefficient[i], ring_u_s[i * rows + r], sum);
+      kr[x] = sum;
+    }
+    __syncthreads();
+    if (owns_row) {
+#pragma unroll
+      for (int t = 0; t < kMaxWindow; ++t) {
+        rk[t] = t < T ? kr[t * rows + tid] : 0.0f;
+        rq[t] = t < T ? kr[(T + t) * rows + tid] : 0.0f;
+      }
+    }
+  } else if (owns_row) {
 #pragma unroll
     for (int t = 0; t < kMaxWindow; ++t) rk[t] = rq[t] = 0.0f;
     for (int i0 = 0; i0 < c; i0 += kLoadBatch) {
@@ -650,7 +671,7 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
     }
     const dim3 grid(a.num_rows, ValueHeads(a.shape), plan->splits);
     err = LaunchDependent(kernel, grid, kThreads, plan->smem, stream, a, small_grid,
-                          plan->checkpoint_prefetch);
+                          plan->checkpoint_prefetch, plan->spread_ring_values);
     if (err == cudaSuccess) err = cudaGetLastError();
   });
   if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
