@@ -14,6 +14,11 @@ the same columns of the first piped version's run; --set=prefetch_checkpoint:
 the unpiped kernel with its checkpoint prefetched into L2 after the window or
 the ring, beside the unpiped and piped kernels.
 
+--set=ring_values: the staged kernel's ring values summed per state row
+(served) and spread over the block (FastVerifySchedule::RingValues::kSpread),
+at two and four blocks a head and the launcher's choice of split (kda_bench
+times the spread at N = 1 only: pass --ns=1).
+
 --set=folds: Commit's folds and cursors alone (kda_bench's `FAST folds and
 cursors, <schedule>, direct call` rows) under each FastFoldSchedule, and the
 served commit (conv windows and plan included), each per layer.
@@ -37,6 +42,10 @@ SETS = {
     # The first piped version's run (docs/results/fast_verify_piped_v1_*),
     # where "unstaged" was piped and the other row loaded in the pass.
     "piped_v1": ["unstaged, checkpoint loaded in the pass", "unstaged", "served"],
+    # FastVerifySchedule::ring_values (N = 1).
+    "ring_values": ["staged, 2 a head", "staged, 2 a head, ring values spread",
+                    "staged, 4 a head", "staged, 4 a head, ring values spread",
+                    "launcher's choice", "launcher's choice, ring values spread", "served"],
     # FastFoldSchedule: kda_bench's direct-call fold rows, per layer.
     "folds": ["folds: unstaged, 16 blocks a head", "folds: staged, 16 blocks a head",
               "folds: pipelined, 1 block a head", "folds: pipelined, 2 blocks a head",
