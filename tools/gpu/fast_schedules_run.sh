@@ -84,6 +84,8 @@ echo "1. tests: $(elapsed) s"
 grep -E '^\[  (PASSED|FAILED) |exit [0-9]+|ERROR SUMMARY|of [0-9]+ runs|bulk copies tested' \
   "$out/gpu_test.txt"
 
+[ "$last_step" -le 1 ] && exit 0
+
 # 2. The benchmark and its tables.
 bulk_flag=--fast_bulk_copies=$([ "$bulk" = 1 ] && echo true || echo false)
 timeout 360 "$bin/kda_bench" --iters=15 --fast_checkpoint_numerics=false "$bulk_flag" \
