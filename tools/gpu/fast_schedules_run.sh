@@ -7,19 +7,23 @@
 #     //tests/bench:kda_bench" tools/gpu/bundle.sh .gpu
 # (about 42 MB: under the device tool's 64 MiB carry):
 #   tools/gpu/fast_schedules_run.sh BUNDLE OUTDIR [DEADLINE_S=540] [LAST_STEP=4]
+# (LAST_STEP=1: the tests alone, for a call short of device time.)
 # Steps in the order of what they decide, each under its own time limit, so
 # that a call cut short still returns the first ones; at most 8 files (what
 # the device tool brings back):
 #  1. gpu_test.txt: fast_cuda_gpu_test (every Verify schedule's cases bit
 #     for bit against the loaded pass: the piped pass with bf16 state rows
-#     and with the TMA's bulk copies, the checkpoint's L2 prefetch; every
+#     and with the TMA's bulk copies, the checkpoint's L2 prefetch, the
+#     staged kernel's ring values spread at every split; every
 #     Commit under every fold schedule, unstaged, staged and pipelined, and
 #     Materialize's served (unstaged) folds and pipelined ones, bit for bit), then the same
 #     under memcheck on 3-step loops. Its last
 #     line says whether the piped bf16 cases passed: Piping::kAuto, the
 #     default since they first did (verify_plan.h), pipes bf16 state rows.
 #  2. kda_bench.md: every shape, N = 1, 16, 64, 256, both state dtypes,
-#     every mode and every schedule row (cold L2, CUDA graph), the folds
+#     every mode and every schedule row (cold L2, CUDA graph; at N = 1 the
+#     staged Verify's ring values spread, schedule_table.py
+#     --set=ring_values --ns=1), the folds
 #     alone under each FastFoldSchedule and what a folded row costs;
 #     tables.md: its summary table (summary_table.py, docs/benchmarks.md's
 #     lead table) and the schedules side by side at N = 64 and 256
