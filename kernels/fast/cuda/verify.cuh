@@ -78,7 +78,9 @@ enum class CheckpointPassKind {
 // * z onward). Every block of a split recomputes the window's and ring's
 // coefficients, which do not depend on the rows; block z = 0 writes the
 // candidates' k and gammas and the cursor. Each state row's arithmetic is
-// the same under every schedule, so are its bits.
+// the same under every schedule, so are its bits. spread_ring_values
+// (RingValues::kSpread, staged only): the ring's values summed by every
+// thread, one a (side, window token, state row), not by each row's owner.
 //
 // kEarly: may start before its checks end (rows_before_checks, below); the
 // staged kernel always may. An instantiation of its own unstaged, served at
