@@ -100,6 +100,24 @@ TEST(FoldPlanTest, AutoFallsBackWhereTwoBuffersDoNotFit) {
   EXPECT_EQ(p.blocks_per_head, 4);
 }
 
+// fast_cuda_gpu_test compares the pipelined folds (Commit's and
+// Materialize's) with the served ones wherever they fit, and expects them
+// to fit its rings of 32 tokens or fewer: they must, at every head dim and
+// state dtype it runs.
+TEST(FoldPlanTest, RingsOf32TokensFitThePipeline) {
+  for (int k : {64, 128, 256}) {
+    for (DType state : {DType::kFloat32, DType::kBFloat16}) {
+      for (LayerKind kind : {LayerKind::kKda, LayerKind::kGdn}) {
+        for (int capacity : {16, 32}) {
+          const absl::StatusOr<FoldLaunchPlan> plan = PlanFastFold(
+              Shape(2, k, state, kind), capacity, 3, {Staging::kPipelined, 1}, kSmemOptin);
+          EXPECT_TRUE(plan.ok()) << "K " << k << ", ring " << capacity << ": " << plan.status();
+        }
+      }
+    }
+  }
+}
+
 TEST(FoldPlanTest, HeadDim256TilesItsRows) {
   // K = 256: 32 rows a block (16 accumulators a thread's 512), 32 KiB of rows.
   EXPECT_EQ(FoldRows(256), 32);

@@ -377,6 +377,11 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
   };
   double worst_out = 0, worst_u = 0, worst_state = 0;
   int folds = 0;
+  // The pipelined folds are compared with the served ones wherever they
+  // fit; a ring of 32 tokens or fewer must (fold_plan_test), so there the
+  // comparisons must have run (counted below).
+  const bool pipeline_must_fit = R <= 32;
+  int pipelined_commits = 0, materialize_rounds = 0, pipelined_materializes = 0;
   for (int step = 0; step < c.steps; ++step) {
     // Windows: T in [1, Q] a row.
     std::vector<int> T(rows);
@@ -543,6 +548,7 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
           }
           ASSERT_TRUE(st.ok()) << st;
           ASSERT_CUDA(cudaDeviceSynchronize());
+          if (schedule.staging == FoldStaging::kPipelined) ++pipelined_commits;
           if (schedule.staging == FoldStaging::kOff) {
             unstaged_commit = device_states();
           } else {
@@ -590,9 +596,11 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
         if (dev) {  // the pipelined fold's bytes (where it fits), for the served one's to match
           const absl::Status st =
               FastMaterializeCuda(m, FastNumerics{}, nullptr, {FoldStaging::kPipelined});
+          ++materialize_rounds;
           if (st.ok()) {
             ASSERT_CUDA(cudaDeviceSynchronize());
             pipelined_materialized = materialized.Download();
+            ++pipelined_materializes;
           } else {
             EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("bytes of shared memory"));
           }
@@ -623,6 +631,12 @@ TEST_P(FastCudaTest, AgreesWithCpu) {
   // After a failure the device buffers were not resynced: the final
   // comparisons would only repeat it.
   if (::testing::Test::HasFailure()) return;
+  if (pipeline_must_fit) {
+    EXPECT_EQ(pipelined_commits, 4 * c.steps)
+        << c.name << ": every step's Commit under the pipeline at 1-4 blocks a head";
+    EXPECT_EQ(pipelined_materializes, materialize_rounds)
+        << c.name << ": every Materialize compared with the pipelined folds";
+  }
   // The end: every ring folded in place (both layers), then discarded.
   for (bool discard : {false, true}) {
     std::vector<FastLayer> host_layers, dev_layers;
