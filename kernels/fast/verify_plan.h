@@ -97,9 +97,21 @@ struct FastVerifySchedule {
   // code), or spread over every thread of the block, one a (k or q side,
   // window token, state row), into shared memory (kSpread). The same sums
   // in the same order. The unstaged kernels always sum per row; kSpread
-  // with staging kOff is refused. kAuto: kPerRow.
+  // with staging kOff is refused. kAuto: kSpread wherever the kernel is
+  // staged (an H100 at N = 1, 2026-12-07, launcher's split: 0.2-2.3 us a
+  // layer faster for every shape and state dtype, up to 10% for Kimi-K3;
+  // docs/results/kda_bench_h100_20261207_ring_values.md).
   enum class RingValues { kAuto, kPerRow, kSpread };
   RingValues ring_values = RingValues::kAuto;
+  // The kernels that start early (the staged one, the unstaged early one)
+  // write the window's candidates (raw k, gammas) once their checks end,
+  // a warp a window token: warp t (kWindowWarps: warp 0 also owns state rows
+  // and solves them after its token's writes), or warp kVerifyWarps - 1 - t
+  // (kLastWarps: at a window of four tokens or fewer, warps that own no
+  // state row at any split, so the owners go straight to the solve). The
+  // same bytes either way. kAuto: kLastWarps.
+  enum class CandidateWriters { kAuto, kWindowWarps, kLastWarps };
+  CandidateWriters candidate_writers = CandidateWriters::kAuto;
 };
 
 // Ring tokens per chunk of Verify's and the fold's shared memory.
@@ -185,6 +197,8 @@ struct VerifyLaunchPlan {
       FastVerifySchedule::CheckpointPrefetch::kNone;
   bool bulk_copies = false;  // piped: the TMA's bulk copies (PipeCopies::kBulk)
   bool spread_ring_values = false;  // staged: RingValues::kSpread
+  // early: warp kVerifyWarps - 1 - t writes candidate t (CandidateWriters::kLastWarps)
+  bool candidates_by_last_warps = false;
 };
 
 // `schedule` made concrete for a launch of `blocks` (row, value head) pairs

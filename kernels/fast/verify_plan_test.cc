@@ -234,21 +234,56 @@ TEST(VerifyPlanTest, CopiesThatDoNotFitSplitFurther) {
                         " bytes of shared memory a block; the device allows 232448"));
 }
 
-TEST(VerifyPlanTest, RingValuesAreSpreadOnlyWhereAsked) {
+TEST(VerifyPlanTest, StagedKernelsSpreadTheRingValuesUnlessAskedPerRow) {
   const FastVerifyArgs a = Layer(32, 128);
-  // kAuto: per row, staged or not.
-  EXPECT_FALSE(Plan(a, 32).spread_ring_values);
-  EXPECT_FALSE(Plan(a, 32, {Staging::kOn, 2, true}).spread_ring_values);
+  // kAuto: spread wherever the kernel is staged, its choice or forced.
+  VerifyLaunchPlan p = Plan(a, 32);
+  EXPECT_TRUE(p.staged);
+  EXPECT_TRUE(p.spread_ring_values);
+  EXPECT_TRUE(Plan(a, 32, {Staging::kOn, 2, true}).spread_ring_values);
   // kSpread: the staged kernel, at any split, and kAuto's staged grids.
-  VerifyLaunchPlan p = Plan(a, 32, SpreadRingValues({Staging::kOn, 4, true}));
+  p = Plan(a, 32, SpreadRingValues({Staging::kOn, 4, true}));
   EXPECT_TRUE(p.staged);
   EXPECT_TRUE(p.spread_ring_values);
   EXPECT_EQ(p.smem, StagedBytes(a, 4));  // the sums reuse the ring chunk's buffer
   EXPECT_TRUE(Plan(a, 32, SpreadRingValues({})).spread_ring_values);
-  // kAuto's grids that run unstaged sum per row.
+  // kPerRow: each state row's owner sums its own, at any split.
+  for (int splits : {1, 2, 4, 8}) {
+    FastVerifySchedule per_row{Staging::kOn, splits, true};
+    per_row.ring_values = FastVerifySchedule::RingValues::kPerRow;
+    p = Plan(a, 32, per_row);
+    EXPECT_TRUE(p.staged);
+    EXPECT_FALSE(p.spread_ring_values) << splits;
+  }
+  // The grids kAuto runs unstaged sum per row, whatever was asked.
   p = Plan(a, 32 * 64, SpreadRingValues({}));
   EXPECT_FALSE(p.staged);
   EXPECT_FALSE(p.spread_ring_values);
+  EXPECT_FALSE(Plan(a, 32 * 64).spread_ring_values);
+}
+
+TEST(VerifyPlanTest, LastWarpsWriteTheCandidatesWhereTheKernelStartsEarly) {
+  const FastVerifyArgs a = Layer(32, 128);
+  FastVerifySchedule window_warps;
+  window_warps.candidate_writers = FastVerifySchedule::CandidateWriters::kWindowWarps;
+  // kAuto: the staged kernel (N = 1) and the unstaged early one.
+  VerifyLaunchPlan p = Plan(a, 32);
+  EXPECT_TRUE(p.staged);
+  EXPECT_TRUE(p.candidates_by_last_warps);
+  p = Plan(a, 32, {Staging::kOff, 1, true});
+  EXPECT_TRUE(p.early);
+  EXPECT_TRUE(p.candidates_by_last_warps);
+  // The kernel of large grids writes them in its window's phase.
+  p = Plan(a, 32 * 64);
+  EXPECT_FALSE(p.early);
+  EXPECT_FALSE(p.candidates_by_last_warps);
+  // kWindowWarps: nowhere.
+  EXPECT_FALSE(Plan(a, 32, window_warps).candidates_by_last_warps);
+  window_warps.staging = Staging::kOff;
+  window_warps.value_splits = 1;
+  p = Plan(a, 32, window_warps);
+  EXPECT_TRUE(p.early);
+  EXPECT_FALSE(p.candidates_by_last_warps);
 }
 
 TEST(VerifyPlanTest, SchedulesItCannotRunAreRefusedByName) {

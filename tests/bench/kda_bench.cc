@@ -331,16 +331,30 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
             {{Staging::kOn, splits, true}, absl::StrCat("staged, ", splits, " a head")});
       }
     }
-    // The ring's values spread over the block (RingValues::kSpread) at
-    // N = 1, a grid the launcher stages: its choice of split, two and four.
-    kernels::fast::FastVerifySchedule spread;
-    spread.ring_values = kernels::fast::FastVerifySchedule::RingValues::kSpread;
-    if (b.N == 1) schedules.push_back({spread, "launcher's choice, ring values spread"});
+    // The ring's values summed per state row (RingValues::kPerRow; the
+    // launcher spreads them over the block wherever it stages) at N = 1, a
+    // grid the launcher stages: its choice of split, two and four.
+    kernels::fast::FastVerifySchedule per_row;
+    per_row.ring_values = kernels::fast::FastVerifySchedule::RingValues::kPerRow;
+    if (b.N == 1) schedules.push_back({per_row, "launcher's choice, ring values per row"});
     for (int splits : {2, 4}) {
       if (b.N != 1 || b.shape.K / splits < 16) continue;
-      spread.staging = Staging::kOn;
-      spread.value_splits = splits;
-      schedules.push_back({spread, absl::StrCat("staged, ", splits, " a head, ring values spread")});
+      per_row.staging = Staging::kOn;
+      per_row.value_splits = splits;
+      schedules.push_back(
+          {per_row, absl::StrCat("staged, ", splits, " a head, ring values per row")});
+    }
+    // The candidates written by the window's warps (CandidateWriters::
+    // kWindowWarps; served: the last warps) at N = 1 and 16, grids that
+    // start early: the launcher's split and the unstaged early kernel.
+    if (b.N <= 16) {
+      kernels::fast::FastVerifySchedule window_warps;
+      window_warps.candidate_writers =
+          kernels::fast::FastVerifySchedule::CandidateWriters::kWindowWarps;
+      schedules.push_back({window_warps, "launcher's choice, candidates by the window's warps"});
+      window_warps.staging = Staging::kOff;
+      window_warps.value_splits = 1;
+      schedules.push_back({window_warps, "unstaged, early-start kernel, candidates by the window's warps"});
     }
     for (const auto& [schedule, name] : schedules) {
       std::vector<Row> runs;

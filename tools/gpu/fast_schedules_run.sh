@@ -22,8 +22,8 @@
 #     default since they first did (verify_plan.h), pipes bf16 state rows.
 #  2. kda_bench.md: every shape, N = 1, 16, 64, 256, both state dtypes,
 #     every mode and every schedule row (cold L2, CUDA graph; at N = 1 the
-#     staged Verify's ring values spread, schedule_table.py
-#     --set=ring_values --ns=1), the folds
+#     staged Verify's ring values summed per row beside the served spread,
+#     schedule_table.py --set=ring_values --ns=1), the folds
 #     alone under each FastFoldSchedule and what a folded row costs;
 #     tables.md: its summary table (summary_table.py, docs/benchmarks.md's
 #     lead table) and the schedules side by side at N = 64 and 256
@@ -103,6 +103,9 @@ echo "2. kda_bench: exit $?, $(elapsed) s"
     echo "## Schedules: --set=$set (schedule_table.py, N = 64, 256)"
     python3 "$here/schedule_table.py" "$out/kda_bench.md" --set="$set" --ns=64,256
   done
+  echo
+  echo "## Schedules: --set=ring_values (schedule_table.py, N = 1)"
+  python3 "$here/schedule_table.py" "$out/kda_bench.md" --set=ring_values --ns=1
 } > "$out/tables.md" 2>&1
 
 [ "$last_step" -le 2 ] && exit 0

@@ -15,9 +15,11 @@ the unpiped kernel with its checkpoint prefetched into L2 after the window or
 the ring, beside the unpiped and piped kernels.
 
 --set=ring_values: the staged kernel's ring values summed per state row
-(served) and spread over the block (FastVerifySchedule::RingValues::kSpread),
+(FastVerifySchedule::RingValues::kPerRow) and spread over the block (served),
 at two and four blocks a head and the launcher's choice of split (kda_bench
-times the spread at N = 1 only: pass --ns=1).
+times the per-row sums at N = 1 only: pass --ns=1). --set=ring_values_v1
+reads the runs from before the spread was served (kda_bench's rows then
+named the spread, not the per-row sums).
 
 --set=folds: Commit's folds and cursors alone (kda_bench's `FAST folds and
 cursors, <schedule>, direct call` rows) under each FastFoldSchedule, and the
@@ -43,9 +45,12 @@ SETS = {
     # where "unstaged" was piped and the other row loaded in the pass.
     "piped_v1": ["unstaged, checkpoint loaded in the pass", "unstaged", "served"],
     # FastVerifySchedule::ring_values (N = 1).
-    "ring_values": ["staged, 2 a head", "staged, 2 a head, ring values spread",
-                    "staged, 4 a head", "staged, 4 a head, ring values spread",
-                    "launcher's choice", "launcher's choice, ring values spread", "served"],
+    "ring_values": ["staged, 2 a head, ring values per row", "staged, 2 a head",
+                    "staged, 4 a head, ring values per row", "staged, 4 a head",
+                    "launcher's choice, ring values per row", "launcher's choice", "served"],
+    "ring_values_v1": ["staged, 2 a head", "staged, 2 a head, ring values spread",
+                       "staged, 4 a head", "staged, 4 a head, ring values spread",
+                       "launcher's choice", "launcher's choice, ring values spread", "served"],
     # FastFoldSchedule: kda_bench's direct-call fold rows, per layer.
     "folds": ["folds: unstaged, 16 blocks a head", "folds: staged, 16 blocks a head",
               "folds: pipelined, 1 block a head", "folds: pipelined, 2 blocks a head",
