@@ -51,16 +51,13 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
        (schedule.piped_checkpoint == Piping::kAuto && a.shape.state_dtype == DType::kBFloat16 &&
         four_fit_piped));
   using Prefetch = FastVerifySchedule::CheckpointPrefetch;
-  const bool last_warps =
-      schedule.candidate_writers != FastVerifySchedule::CandidateWriters::kWindowWarps;
-  VerifyLaunchPlan unstaged{false,
-                            1,
-                            piped ? piped_bytes : base_bytes(early),
-                            early,
-                            piped,
-                            early || piped ? Prefetch::kNone : schedule.checkpoint_prefetch,
-                            piped && bulk};
-  unstaged.candidates_by_last_warps = early && last_warps;
+  const VerifyLaunchPlan unstaged{false,
+                                  1,
+                                  piped ? piped_bytes : base_bytes(early),
+                                  early,
+                                  piped,
+                                  early || piped ? Prefetch::kNone : schedule.checkpoint_prefetch,
+                                  piped && bulk};
   using RingValues = FastVerifySchedule::RingValues;
   if (schedule.ring_values == RingValues::kSpread && schedule.staging == Staging::kOff) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -70,7 +67,6 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
   const auto staged_plan = [&](int splits) {
     VerifyLaunchPlan plan{true, splits, staged_bytes(splits), true};
     plan.spread_ring_values = schedule.ring_values != RingValues::kPerRow;
-    plan.candidates_by_last_warps = last_warps;
     return plan;
   };
   if (schedule.staging == Staging::kOff || (schedule.staging == Staging::kAuto && !tensor_cores)) {

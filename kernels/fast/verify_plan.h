@@ -103,15 +103,6 @@ struct FastVerifySchedule {
   // docs/results/kda_bench_h100_20261207_ring_values.md).
   enum class RingValues { kAuto, kPerRow, kSpread };
   RingValues ring_values = RingValues::kAuto;
-  // The kernels that start early (the staged one, the unstaged early one)
-  // write the window's candidates (raw k, gammas) once their checks end,
-  // a warp a window token: warp t (kWindowWarps: warp 0 also owns state rows
-  // and solves them after its token's writes), or warp kVerifyWarps - 1 - t
-  // (kLastWarps: at a window of four tokens or fewer, warps that own no
-  // state row at any split, so the owners go straight to the solve). The
-  // same bytes either way. kAuto: kLastWarps.
-  enum class CandidateWriters { kAuto, kWindowWarps, kLastWarps };
-  CandidateWriters candidate_writers = CandidateWriters::kAuto;
 };
 
 // Ring tokens per chunk of Verify's and the fold's shared memory.
@@ -197,8 +188,6 @@ struct VerifyLaunchPlan {
       FastVerifySchedule::CheckpointPrefetch::kNone;
   bool bulk_copies = false;  // piped: the TMA's bulk copies (PipeCopies::kBulk)
   bool spread_ring_values = false;  // staged: RingValues::kSpread
-  // early: warp kVerifyWarps - 1 - t writes candidate t (CandidateWriters::kLastWarps)
-  bool candidates_by_last_warps = false;
 };
 
 // `schedule` made concrete for a launch of `blocks` (row, value head) pairs

@@ -262,30 +262,6 @@ TEST(VerifyPlanTest, StagedKernelsSpreadTheRingValuesUnlessAskedPerRow) {
   EXPECT_FALSE(Plan(a, 32 * 64).spread_ring_values);
 }
 
-TEST(VerifyPlanTest, LastWarpsWriteTheCandidatesWhereTheKernelStartsEarly) {
-  const FastVerifyArgs a = Layer(32, 128);
-  FastVerifySchedule window_warps;
-  window_warps.candidate_writers = FastVerifySchedule::CandidateWriters::kWindowWarps;
-  // kAuto: the staged kernel (N = 1) and the unstaged early one.
-  VerifyLaunchPlan p = Plan(a, 32);
-  EXPECT_TRUE(p.staged);
-  EXPECT_TRUE(p.candidates_by_last_warps);
-  p = Plan(a, 32, {Staging::kOff, 1, true});
-  EXPECT_TRUE(p.early);
-  EXPECT_TRUE(p.candidates_by_last_warps);
-  // The kernel of large grids writes them in its window's phase.
-  p = Plan(a, 32 * 64);
-  EXPECT_FALSE(p.early);
-  EXPECT_FALSE(p.candidates_by_last_warps);
-  // kWindowWarps: nowhere.
-  EXPECT_FALSE(Plan(a, 32, window_warps).candidates_by_last_warps);
-  window_warps.staging = Staging::kOff;
-  window_warps.value_splits = 1;
-  p = Plan(a, 32, window_warps);
-  EXPECT_TRUE(p.early);
-  EXPECT_FALSE(p.candidates_by_last_warps);
-}
-
 TEST(VerifyPlanTest, SchedulesItCannotRunAreRefusedByName) {
   struct Refusal {
     FastVerifyArgs args;

@@ -344,18 +344,6 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
       schedules.push_back(
           {per_row, absl::StrCat("staged, ", splits, " a head, ring values per row")});
     }
-    // The candidates written by the window's warps (CandidateWriters::
-    // kWindowWarps; served: the last warps) at N = 1 and 16, grids that
-    // start early: the launcher's split and the unstaged early kernel.
-    if (b.N <= 16) {
-      kernels::fast::FastVerifySchedule window_warps;
-      window_warps.candidate_writers =
-          kernels::fast::FastVerifySchedule::CandidateWriters::kWindowWarps;
-      schedules.push_back({window_warps, "launcher's choice, candidates by the window's warps"});
-      window_warps.staging = Staging::kOff;
-      window_warps.value_splits = 1;
-      schedules.push_back({window_warps, "unstaged, early-start kernel, candidates by the window's warps"});
-    }
     for (const auto& [schedule, name] : schedules) {
       std::vector<Row> runs;
       for (int x = 0; x < steps; ++x) {

@@ -175,11 +175,9 @@ std::string NameOf(const FastVerifySchedule& s) {
                           : "",
                       s.pipe_copies == FastVerifySchedule::PipeCopies::kBulk ? ", bulk copies"
                                                                              : "",
-                      s.ring_values == FastVerifySchedule::RingValues::kSpread   ? ", ring values spread"
-                      : s.ring_values == FastVerifySchedule::RingValues::kPerRow ? ", ring values per row"
-                                                                                 : "",
-                      s.candidate_writers == FastVerifySchedule::CandidateWriters::kWindowWarps
-                          ? ", candidates by the window's warps"
+                      s.ring_values == FastVerifySchedule::RingValues::kSpread ? ", ring values spread"
+                      : s.ring_values == FastVerifySchedule::RingValues::kPerRow
+                          ? ", ring values per row"
                           : "");
 }
 
@@ -207,14 +205,7 @@ std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& 
     out.push_back(
         {{Staging::kOff, 1, false, Piping::kOn, Prefetch::kNone, Copies::kBulk}, false});
   }
-  // The kernels that start early, with the candidates written by the
-  // last warps (served) and by the window's.
-  const auto both_writers = [&out](FastVerifySchedule s, bool early) {
-    out.push_back({s, early});
-    s.candidate_writers = FastVerifySchedule::CandidateWriters::kWindowWarps;
-    out.push_back({s, early});
-  };
-  for (bool early : {false, true}) both_writers({Staging::kOff, 1, true}, early);
+  for (bool early : {false, true}) out.push_back({{Staging::kOff, 1, true}, early});
   for (int splits : {1, 2, 4, 8}) {
     if (c.K / splits < 16) continue;
     for (bool early : {false, true}) {
@@ -222,7 +213,7 @@ std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& 
       staged.ring_values = FastVerifySchedule::RingValues::kPerRow;
       out.push_back({staged, early});
       staged.ring_values = FastVerifySchedule::RingValues::kSpread;
-      both_writers(staged, early);
+      out.push_back({staged, early});
     }
   }
   return out;

@@ -81,8 +81,6 @@ enum class CheckpointPassKind {
 // the same under every schedule, so are its bits. spread_ring_values
 // (RingValues::kSpread, staged only): the ring's values summed by every
 // thread, one a (side, window token, state row), not by each row's owner.
-// candidates_by_last_warps (CandidateWriters::kLastWarps, early only): the
-// last warps write the candidates once the checks end.
 //
 // kEarly: may start before its checks end (rows_before_checks, below); the
 // staged kernel always may. An instantiation of its own unstaged, served at
@@ -99,7 +97,7 @@ template <typename Act, typename State, int K, CheckpointPassKind kPass, bool kS
 __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <= 128 ? 4 : 1))
     FastVerifyKernel(FastVerifyArgs a, bool small_grid,
                      FastVerifySchedule::CheckpointPrefetch checkpoint_prefetch,
-                     bool spread_ring_values, bool candidates_by_last_warps) {
+                     bool spread_ring_values) {
   constexpr bool kMma =
       kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3;
   constexpr bool kPiped = kPipe != PipeCopy::kNone;
@@ -585,10 +583,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
       CpAsyncWait<0>();        // no copy may land after the block ends
       return;
     }
-    // CandidateWriters::kLastWarps: the last warps, which own no state row
-    // at T <= 4, so that the owners go straight to the solve.
-    const int first_token = candidates_by_last_warps ? kWarps - 1 - warp : warp;
-    for (int t = first_token; t < T && lead; t += kWarps) {
+    for (int t = warp; t < T && lead; t += kWarps) {
       const int64_t tok = bos + t;
       if (first_of_group) {
         const Act* k_raw =
@@ -678,8 +673,7 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
     }
     const dim3 grid(a.num_rows, ValueHeads(a.shape), plan->splits);
     err = LaunchDependent(kernel, grid, kThreads, plan->smem, stream, a, small_grid,
-                          plan->checkpoint_prefetch, plan->spread_ring_values,
-                          plan->candidates_by_last_warps);
+                          plan->checkpoint_prefetch, plan->spread_ring_values);
     if (err == cudaSuccess) err = cudaGetLastError();
   });
   if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
