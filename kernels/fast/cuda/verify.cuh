@@ -126,10 +126,16 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
     if (GateFailed(a.gate)) return;
   }
   const KdaShape& s = a.shape;
+  const int h = KeyHeadOf(s, hv);
+  // The loads that need no other one, issued together before any check:
+  // the row's block and tokens and the head's gate (one memory round trip
+  // before the cursor's, where they took three in a row: Nsight Compute,
+  // docs/results/ncu_fast_verify_staged_n1_spread_h100_20261207.md).
   const int32_t block = a.state_indices[n];
-  if (!IsBlock(block) || block >= a.state.num_blocks || block >= a.rings.num_blocks) return;
   const int64_t bos = a.query_start_loc[n];
-  const int T = a.query_start_loc[n + 1] - a.query_start_loc[n];
+  const int T = a.query_start_loc[n + 1] - bos;
+  const kda::GateRule rule = RuleOf(s, a.params, h);
+  if (!IsBlock(block) || block >= a.state.num_blocks || block >= a.rings.num_blocks) return;
   const int Q = a.spec_query_len, R = a.rings.capacity;
   FastCursor* cursor = a.rings.cursors + block;
   const int c = cursor->tokens;
@@ -144,9 +150,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   }
   const bool gdn = s.kind == LayerKind::kGdn;
   const int HV = ValueHeads(s), H = s.num_heads;
-  const int h = KeyHeadOf(s, hv);
   const bool first_of_group = hv % (HV / H) == 0;
-  const kda::GateRule rule = RuleOf(s, a.params, h);
 
   const VerifySmem layout{K, Q, R, kEarly};
   const StagedSmem staged{K, R, rows, int(sizeof(Act)), int(sizeof(State)), gdn};
