@@ -128,9 +128,11 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   const KdaShape& s = a.shape;
   const int h = KeyHeadOf(s, hv);
   // The loads that need no other one, issued together before any check:
-  // the row's block and tokens and the head's gate (one memory round trip
-  // before the cursor's, where they took three in a row: Nsight Compute,
-  // docs/results/ncu_fast_verify_staged_n1_spread_h100_20261207.md).
+  // the row's block and tokens and the head's gate. Two memory round trips
+  // to the cursor's value where there were three (the block; its tokens
+  // and cursor; the gate: Nsight Compute,
+  // docs/results/ncu_fast_verify_staged_n1_spread_h100_20261207.md); 1.3-3.5%
+  // off the served Verify at N = 1 (docs/results/fast_verify_hoist_ab_h100_20261207.md).
   const int32_t block = a.state_indices[n];
   const int64_t bos = a.query_start_loc[n];
   const int T = a.query_start_loc[n + 1] - bos;
