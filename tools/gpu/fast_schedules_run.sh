@@ -14,7 +14,7 @@
 #  1. gpu_test.txt: fast_cuda_gpu_test (every Verify schedule's cases bit
 #     for bit against the loaded pass: the piped pass with bf16 state rows
 #     and with the TMA's bulk copies, the checkpoint's L2 prefetch, the
-#     staged kernel's ring values spread at every split; every
+#     staged kernel's ring values per row and spread at every split; every
 #     Commit under every fold schedule, unstaged, staged and pipelined, and
 #     Materialize's served (unstaged) folds and pipelined ones, bit for bit), then the same
 #     under memcheck on 3-step loops. Its last
