@@ -103,6 +103,16 @@ struct FastVerifySchedule {
   // docs/results/kda_bench_h100_20261207_ring_values.md).
   enum class RingValues { kAuto, kPerRow, kSpread };
   RingValues ring_values = RingValues::kAuto;
+  // The staged kernel's stores after the forward substitution (each state
+  // row's outputs and candidates' u for the window's tokens): by the row's
+  // own thread (kPerRow: at a split of four one warp of eight, 2T
+  // predicated stores each through the kernel's last stretch of code), or
+  // put in shared memory by the row's thread and stored by every thread of
+  // the block, one a (output or u, window token, state row) (kSpread). The
+  // same values to the same places. The unstaged kernels always store per
+  // row; kSpread with staging kOff is refused. kAuto: kPerRow.
+  enum class SolveWrites { kAuto, kPerRow, kSpread };
+  SolveWrites solve_writes = SolveWrites::kAuto;
 };
 
 // Ring tokens per chunk of Verify's and the fold's shared memory.
@@ -188,6 +198,7 @@ struct VerifyLaunchPlan {
       FastVerifySchedule::CheckpointPrefetch::kNone;
   bool bulk_copies = false;  // piped: the TMA's bulk copies (PipeCopies::kBulk)
   bool spread_ring_values = false;  // staged: RingValues::kSpread
+  bool spread_solve_writes = false;  // staged: SolveWrites::kSpread
 };
 
 // `schedule` made concrete for a launch of `blocks` (row, value head) pairs

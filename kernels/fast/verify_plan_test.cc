@@ -47,6 +47,11 @@ FastVerifySchedule SpreadRingValues(FastVerifySchedule s) {
   return s;
 }
 
+FastVerifySchedule SpreadSolveWrites(FastVerifySchedule s) {
+  s.solve_writes = FastVerifySchedule::SolveWrites::kSpread;
+  return s;
+}
+
 VerifyLaunchPlan Plan(const FastVerifyArgs& a, int64_t blocks, FastVerifySchedule s = {},
                       bool tensor_cores = true) {
   absl::StatusOr<VerifyLaunchPlan> plan = PlanFastVerify(a, s, tensor_cores, blocks, kSms, kSmemOptin);
@@ -262,6 +267,32 @@ TEST(VerifyPlanTest, StagedKernelsSpreadTheRingValuesUnlessAskedPerRow) {
   EXPECT_FALSE(Plan(a, 32 * 64).spread_ring_values);
 }
 
+TEST(VerifyPlanTest, StagedKernelsStoreTheSolvesOutputsPerRowUnlessAskedToSpread) {
+  const FastVerifyArgs a = Layer(32, 128);
+  // kAuto: each state row's own thread, staged or not.
+  VerifyLaunchPlan p = Plan(a, 32);
+  EXPECT_TRUE(p.staged);
+  EXPECT_FALSE(p.spread_solve_writes);
+  // kSpread: the staged kernel at any split, forced or kAuto's choice, with
+  // either ring values, in the buffer the ring chunk had (no more bytes).
+  for (int splits : {1, 2, 4, 8}) {
+    for (auto values : {FastVerifySchedule::RingValues::kPerRow,
+                        FastVerifySchedule::RingValues::kSpread}) {
+      FastVerifySchedule spread = SpreadSolveWrites({Staging::kOn, splits, true});
+      spread.ring_values = values;
+      p = Plan(a, 32, spread);
+      EXPECT_TRUE(p.staged);
+      EXPECT_TRUE(p.spread_solve_writes) << splits;
+      EXPECT_EQ(p.smem, StagedBytes(a, splits));
+    }
+  }
+  EXPECT_TRUE(Plan(a, 32, SpreadSolveWrites({})).spread_solve_writes);
+  // The grids kAuto runs unstaged store per row, whatever was asked.
+  p = Plan(a, 32 * 64, SpreadSolveWrites({}));
+  EXPECT_FALSE(p.staged);
+  EXPECT_FALSE(p.spread_solve_writes);
+}
+
 TEST(VerifyPlanTest, SchedulesItCannotRunAreRefusedByName) {
   struct Refusal {
     FastVerifyArgs args;
@@ -284,6 +315,8 @@ TEST(VerifyPlanTest, SchedulesItCannotRunAreRefusedByName) {
        "staging kOn needs the checkpoint's products on tensor cores"},
       {Layer(32, 128), SpreadRingValues({Staging::kOff, 1, true}), true,
        "schedule.ring_values kSpread needs the staged schedule (staging kOn or kAuto)"},
+      {Layer(32, 128), SpreadSolveWrites({Staging::kOff, 1, true}), true,
+       "schedule.solve_writes kSpread needs the staged schedule (staging kOn or kAuto)"},
   };
   for (const Refusal& r : refusals) {
     const absl::StatusOr<VerifyLaunchPlan> plan =

@@ -44,6 +44,7 @@
 #include "kernels/kda_kernels.h"
 #include "kernels/numeric.h"
 #include "tests/bench/cuda_check.h"
+#include "tests/bench/floor_kernels.h"
 #include "tests/bench/kda_bench_setup.h"
 #include "tests/bench/timing.h"
 
@@ -72,6 +73,9 @@ ABSL_FLAG(bool, fast_bulk_copies, true,
 ABSL_FLAG(bool, fast_fold_schedules, true,
           "FAST's folds and cursors alone (the direct call) under each FastFoldSchedule, and "
           "what a folded row costs against its state's write at copy bandwidth");
+ABSL_FLAG(bool, floors, true,
+          "time the floors: an empty kernel, and each shape's checkpoint read once with no math "
+          "(tests/bench/floor_kernels.h)");
 ABSL_FLAG(bool, eager, true,
           "time EAGER's verify and commit (with --eager=false only the stock kernel and DEFERRED's "
           "rows run: what profile_kernels.sh profiles)");
@@ -81,6 +85,8 @@ namespace {
 
 using bench::CheckOk;
 using bench::CopyBandwidth;
+using bench::LaunchCheckpointReadFloor;
+using bench::LaunchEmptyKernel;
 using bench::Time;
 using bench::Timing;
 using ::specstate::DType;
@@ -344,6 +350,18 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
       schedules.push_back(
           {per_row, absl::StrCat("staged, ", splits, " a head, ring values per row")});
     }
+    // The solve's outputs and u stored by the whole block
+    // (SolveWrites::kSpread) at N = 1: the launcher's split, and four.
+    kernels::fast::FastVerifySchedule spread_writes;
+    spread_writes.solve_writes = kernels::fast::FastVerifySchedule::SolveWrites::kSpread;
+    if (b.N == 1) {
+      schedules.push_back({spread_writes, "launcher's choice, solve's writes spread"});
+      if (b.shape.K / 4 >= 16) {
+        spread_writes.staging = Staging::kOn;
+        spread_writes.value_splits = 4;
+        schedules.push_back({spread_writes, "staged, 4 a head, solve's writes spread"});
+      }
+    }
     for (const auto& [schedule, name] : schedules) {
       std::vector<Row> runs;
       for (int x = 0; x < steps; ++x) {
@@ -410,6 +428,48 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
   }
 }
 
+// The checkpoint-read floors at b's N (floor_kernels.h): each row's slice of
+// layer 0 read once, no math, after one dependent load (its block) and after
+// two (its block, then a word of that block, as a Verify reads its cursor).
+// The grid is split as the staged Verify splits one wave: (row, value head)
+// blocks times the most splits (8, 4, 2) that stay within one block an SM.
+void MeasureFloors(const Bench& b, int iters, cudaStream_t stream, double stock_us,
+                   std::vector<Row>* rows) {
+  const Shape& s = b.shape;
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int64_t heads = int64_t{b.N} * s.value_heads();
+  int splits = 1;
+  for (int x : {8, 4, 2}) {
+    if (heads * x <= sms) {
+      splits = x;
+      break;
+    }
+  }
+  int32_t* hops = nullptr;
+  float* out = nullptr;
+  CHECK_CUDA(cudaMalloc(&hops, sizeof(int32_t) * b.num_blocks));
+  CHECK_CUDA(cudaMemset(hops, 0, sizeof(int32_t) * b.num_blocks));
+  CHECK_CUDA(cudaMalloc(&out, sizeof(float) * heads * s.K));
+  const double bytes = double(heads) * s.K * s.K * s.state_size() + double(heads) * s.K * 4;
+  const kernels::StatePool& state = b.layers[0].state;
+  for (int loads : {1, 2}) {
+    rows->push_back(Measure(
+        absl::StrFormat("floor: the checkpoint read once after %d dependent load%s, no math, "
+                        "1 layer",
+                        loads, loads > 1 ? "s" : ""),
+        b.N, bytes, iters, stream, [&](const KdaKernels&) {
+          CHECK_CUDA(LaunchCheckpointReadFloor(state.data, s.bf16_state(), state.block_stride,
+                                               s.K, b.checkpoints, hops, loads, b.N,
+                                               s.value_heads(), splits, out, stream));
+        }));
+    rows->back().stock_us = stock_us;
+  }
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  CHECK_CUDA(cudaFree(hops));
+  CHECK_CUDA(cudaFree(out));
+}
+
 void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_t stream,
               double copy_bps) {
   std::printf("\n### %s: %s, H=%d, HV=%d, K=V=%d, Q=%d, %s state, bf16 activations, conv "
@@ -431,6 +491,7 @@ void RunShape(const Shape& s, const std::vector<int>& ns, int iters, cudaStream_
     const double stock_us = stock_row.t.best();
     stock_row.stock_us = stock_us;
     rows.push_back(stock_row);
+    if (absl::GetFlag(FLAGS_floors)) MeasureFloors(b, iters, stream, stock_us, &rows);
     const bool eager = absl::GetFlag(FLAGS_eager);
     if (eager) {
       rows.push_back(Measure("verify, 1 layer", N, VerifyBytes(b), iters, stream,
@@ -608,6 +669,14 @@ int Main() {
               prop.name, prop.multiProcessorCount, prop.totalGlobalMem / double(1 << 30), iters);
   std::printf("Device-to-device copy, measured in this run: %.0f GB/s (bytes read + written)\n",
               copy_bps / 1e9);
+  if (absl::GetFlag(FLAGS_floors)) {
+    // What any kernel costs here: the harness's floor under every row.
+    const Timing empty =
+        Time(stream, iters, [&] { CHECK_CUDA(LaunchEmptyKernel(stream)); }, /*cold=*/true);
+    std::printf("\nAn empty kernel (one warp), measured in this run: %.1f us replayed from a "
+                "CUDA graph after the cold-L2 write, %.1f us launched\n",
+                empty.graph_us, empty.launched_us);
+  }
   if (absl::GetFlag(FLAGS_sweep) || absl::GetFlag(FLAGS_before)) {
     std::printf("\n(--sweep and --before are ignored: the recurrent kernel's other thread layouts "
                 "and the kernel before the pipelined one are no longer built; their last "

@@ -178,13 +178,17 @@ std::string NameOf(const FastVerifySchedule& s) {
                       s.ring_values == FastVerifySchedule::RingValues::kSpread ? ", ring values spread"
                       : s.ring_values == FastVerifySchedule::RingValues::kPerRow
                           ? ", ring values per row"
+                          : "",
+                      s.solve_writes == FastVerifySchedule::SolveWrites::kSpread
+                          ? ", solve's writes spread"
                           : "");
 }
 
 // The schedules Verify can run for case c, the kernel of large grids first;
 // with tensor cores, the unstaged kernel that may start early and the
-// staged one at every split that leaves a block 16 rows or more, each with
-// and without rows_before_checks (its reads before its wait); the kernel
+// staged one at every split that leaves a block 16 rows or more (its ring
+// values and its solve's writes per row and spread), each with and without
+// rows_before_checks (its reads before its wait); the kernel
 // of large grids with the piped checkpoint pass (head dim 128; its copies
 // by the lanes and by the TMA) and without, and (on CUDA cores too) with
 // its checkpoint prefetched into L2.
@@ -214,6 +218,10 @@ std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& 
       out.push_back({staged, early});
       staged.ring_values = FastVerifySchedule::RingValues::kSpread;
       out.push_back({staged, early});
+      staged.solve_writes = FastVerifySchedule::SolveWrites::kSpread;
+      out.push_back({staged, early});
+      staged.ring_values = FastVerifySchedule::RingValues::kPerRow;
+      out.push_back({staged, early});
     }
   }
   return out;
@@ -233,6 +241,9 @@ void ExpectSchedulesRefused(const Case& c, const FastVerifyArgs& a, const FastNu
   FastVerifySchedule spread_unstaged{Staging::kOff, 1, true};
   spread_unstaged.ring_values = FastVerifySchedule::RingValues::kSpread;
   refusals.push_back({spread_unstaged, "ring_values kSpread needs the staged schedule"});
+  FastVerifySchedule writes_unstaged{Staging::kOff, 1, true};
+  writes_unstaged.solve_writes = FastVerifySchedule::SolveWrites::kSpread;
+  refusals.push_back({writes_unstaged, "solve_writes kSpread needs the staged schedule"});
   if (c.K / 8 < 16) {
     refusals.push_back(
         {{Staging::kOn, 8, true}, absl::StrCat("leaves ", c.K / 8, " state rows a block")});
