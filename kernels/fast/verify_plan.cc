@@ -70,10 +70,17 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
         "In ", op, ": schedule.solve_writes kSpread needs the staged schedule (staging kOn or "
         "kAuto); the unstaged kernels store each state row's outputs from its own thread"));
   }
+  using WindowLoads = FastVerifySchedule::WindowLoads;
+  if (schedule.window_loads == WindowLoads::kBeforeCursor && schedule.staging == Staging::kOff) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "In ", op, ": schedule.window_loads kBeforeCursor needs the staged schedule (staging kOn "
+        "or kAuto); the unstaged kernels load their window after the cursor"));
+  }
   const auto staged_plan = [&](int splits) {
     VerifyLaunchPlan plan{true, splits, staged_bytes(splits), true};
     plan.spread_ring_values = schedule.ring_values != RingValues::kPerRow;
     plan.spread_solve_writes = schedule.solve_writes == SolveWrites::kSpread;
+    plan.window_before_cursor = schedule.window_loads == WindowLoads::kBeforeCursor;
     return plan;
   };
   if (schedule.staging == Staging::kOff || (schedule.staging == Staging::kAuto && !tensor_cores)) {

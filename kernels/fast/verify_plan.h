@@ -113,6 +113,15 @@ struct FastVerifySchedule {
   // row; kSpread with staging kOff is refused. kAuto: kPerRow.
   enum class SolveWrites { kAuto, kPerRow, kSpread };
   SolveWrites solve_writes = SolveWrites::kAuto;
+  // When the staged kernel loads its window's tokens (q, k, v, gate inputs,
+  // beta: one a warp): after the row's cursor, whose value its checks need
+  // (kAfterCursor), or before it, in flight together (kBeforeCursor: one
+  // memory round trip fewer ahead of the window's phase; the cursor's
+  // checks still come before anything is written or the ring is read).
+  // The same values. The unstaged kernels load after the cursor;
+  // kBeforeCursor with staging kOff is refused. kAuto: kAfterCursor.
+  enum class WindowLoads { kAuto, kAfterCursor, kBeforeCursor };
+  WindowLoads window_loads = WindowLoads::kAuto;
 };
 
 // Ring tokens per chunk of Verify's and the fold's shared memory.
@@ -199,6 +208,7 @@ struct VerifyLaunchPlan {
   bool bulk_copies = false;  // piped: the TMA's bulk copies (PipeCopies::kBulk)
   bool spread_ring_values = false;  // staged: RingValues::kSpread
   bool spread_solve_writes = false;  // staged: SolveWrites::kSpread
+  bool window_before_cursor = false;  // staged: WindowLoads::kBeforeCursor
 };
 
 // `schedule` made concrete for a launch of `blocks` (row, value head) pairs

@@ -52,6 +52,11 @@ FastVerifySchedule SpreadSolveWrites(FastVerifySchedule s) {
   return s;
 }
 
+FastVerifySchedule WindowBeforeCursor(FastVerifySchedule s) {
+  s.window_loads = FastVerifySchedule::WindowLoads::kBeforeCursor;
+  return s;
+}
+
 VerifyLaunchPlan Plan(const FastVerifyArgs& a, int64_t blocks, FastVerifySchedule s = {},
                       bool tensor_cores = true) {
   absl::StatusOr<VerifyLaunchPlan> plan = PlanFastVerify(a, s, tensor_cores, blocks, kSms, kSmemOptin);
@@ -293,6 +298,23 @@ TEST(VerifyPlanTest, StagedKernelsStoreTheSolvesOutputsPerRowUnlessAskedToSpread
   EXPECT_FALSE(p.spread_solve_writes);
 }
 
+TEST(VerifyPlanTest, StagedKernelsLoadTheWindowAfterTheCursorUnlessAskedBefore) {
+  const FastVerifyArgs a = Layer(32, 128);
+  VerifyLaunchPlan p = Plan(a, 32);
+  EXPECT_TRUE(p.staged);
+  EXPECT_FALSE(p.window_before_cursor);
+  for (int splits : {1, 2, 4, 8}) {
+    p = Plan(a, 32, WindowBeforeCursor({Staging::kOn, splits, true}));
+    EXPECT_TRUE(p.staged);
+    EXPECT_TRUE(p.window_before_cursor) << splits;
+    EXPECT_EQ(p.smem, StagedBytes(a, splits));
+  }
+  EXPECT_TRUE(Plan(a, 32, WindowBeforeCursor({})).window_before_cursor);
+  p = Plan(a, 32 * 64, WindowBeforeCursor({}));
+  EXPECT_FALSE(p.staged);
+  EXPECT_FALSE(p.window_before_cursor);
+}
+
 TEST(VerifyPlanTest, SchedulesItCannotRunAreRefusedByName) {
   struct Refusal {
     FastVerifyArgs args;
@@ -317,6 +339,8 @@ TEST(VerifyPlanTest, SchedulesItCannotRunAreRefusedByName) {
        "schedule.ring_values kSpread needs the staged schedule (staging kOn or kAuto)"},
       {Layer(32, 128), SpreadSolveWrites({Staging::kOff, 1, true}), true,
        "schedule.solve_writes kSpread needs the staged schedule (staging kOn or kAuto)"},
+      {Layer(32, 128), WindowBeforeCursor({Staging::kOff, 1, true}), true,
+       "schedule.window_loads kBeforeCursor needs the staged schedule (staging kOn or kAuto)"},
   };
   for (const Refusal& r : refusals) {
     const absl::StatusOr<VerifyLaunchPlan> plan =

@@ -351,7 +351,8 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
           {per_row, absl::StrCat("staged, ", splits, " a head, ring values per row")});
     }
     // The solve's outputs and u stored by the whole block
-    // (SolveWrites::kSpread) at N = 1: the launcher's split, and four.
+    // (SolveWrites::kSpread) at N = 1: the launcher's split, and four; the
+    // window loaded with the cursor, and both.
     kernels::fast::FastVerifySchedule spread_writes;
     spread_writes.solve_writes = kernels::fast::FastVerifySchedule::SolveWrites::kSpread;
     if (b.N == 1) {
@@ -361,6 +362,13 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
         spread_writes.value_splits = 4;
         schedules.push_back({spread_writes, "staged, 4 a head, solve's writes spread"});
       }
+      // The window loaded with the cursor (WindowLoads::kBeforeCursor).
+      kernels::fast::FastVerifySchedule window_first;
+      window_first.window_loads = kernels::fast::FastVerifySchedule::WindowLoads::kBeforeCursor;
+      schedules.push_back({window_first, "launcher's choice, window loaded with the cursor"});
+      window_first.solve_writes = kernels::fast::FastVerifySchedule::SolveWrites::kSpread;
+      schedules.push_back(
+          {window_first, "launcher's choice, window loaded with the cursor, solve's writes spread"});
     }
     for (const auto& [schedule, name] : schedules) {
       std::vector<Row> runs;

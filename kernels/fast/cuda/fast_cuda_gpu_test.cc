@@ -181,13 +181,17 @@ std::string NameOf(const FastVerifySchedule& s) {
                           : "",
                       s.solve_writes == FastVerifySchedule::SolveWrites::kSpread
                           ? ", solve's writes spread"
+                          : "",
+                      s.window_loads == FastVerifySchedule::WindowLoads::kBeforeCursor
+                          ? ", window before the cursor"
                           : "");
 }
 
 // The schedules Verify can run for case c, the kernel of large grids first;
 // with tensor cores, the unstaged kernel that may start early and the
 // staged one at every split that leaves a block 16 rows or more (its ring
-// values and its solve's writes per row and spread), each with and without
+// values and its solve's writes per row and spread, its window loaded after
+// the cursor and before), each with and without
 // rows_before_checks (its reads before its wait); the kernel
 // of large grids with the piped checkpoint pass (head dim 128; its copies
 // by the lanes and by the TMA) and without, and (on CUDA cores too) with
@@ -222,6 +226,11 @@ std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& 
       out.push_back({staged, early});
       staged.ring_values = FastVerifySchedule::RingValues::kPerRow;
       out.push_back({staged, early});
+      staged.window_loads = FastVerifySchedule::WindowLoads::kBeforeCursor;
+      out.push_back({staged, early});
+      staged.ring_values = FastVerifySchedule::RingValues::kSpread;
+      staged.solve_writes = FastVerifySchedule::SolveWrites::kAuto;
+      out.push_back({staged, early});
     }
   }
   return out;
@@ -244,6 +253,9 @@ void ExpectSchedulesRefused(const Case& c, const FastVerifyArgs& a, const FastNu
   FastVerifySchedule writes_unstaged{Staging::kOff, 1, true};
   writes_unstaged.solve_writes = FastVerifySchedule::SolveWrites::kSpread;
   refusals.push_back({writes_unstaged, "solve_writes kSpread needs the staged schedule"});
+  FastVerifySchedule window_unstaged{Staging::kOff, 1, true};
+  window_unstaged.window_loads = FastVerifySchedule::WindowLoads::kBeforeCursor;
+  refusals.push_back({window_unstaged, "window_loads kBeforeCursor needs the staged schedule"});
   if (c.K / 8 < 16) {
     refusals.push_back(
         {{Staging::kOn, 8, true}, absl::StrCat("leaves ", c.K / 8, " state rows a block")});

@@ -83,7 +83,9 @@ enum class CheckpointPassKind {
 // thread, one a (side, window token, state row), not by each row's owner.
 // spread_solve_writes (SolveWrites::kSpread, staged only): the forward
 // substitution's outputs and u through shared memory, stored by every
-// thread, not by each row's owner.
+// thread, not by each row's owner. window_before_cursor
+// (WindowLoads::kBeforeCursor, staged only): each warp's window token
+// loaded before the row's cursor, in the same memory round trip.
 //
 // kEarly: may start before its checks end (rows_before_checks, below); the
 // staged kernel always may. An instantiation of its own unstaged, served at
@@ -100,7 +102,8 @@ template <typename Act, typename State, int K, CheckpointPassKind kPass, bool kS
 __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <= 128 ? 4 : 1))
     FastVerifyKernel(FastVerifyArgs a, bool small_grid,
                      FastVerifySchedule::CheckpointPrefetch checkpoint_prefetch,
-                     bool spread_ring_values, bool spread_solve_writes) {
+                     bool spread_ring_values, bool spread_solve_writes,
+                     bool window_before_cursor) {
   constexpr bool kMma =
       kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3;
   constexpr bool kPiped = kPipe != PipeCopy::kNone;
@@ -142,9 +145,45 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   const kda::GateRule rule = RuleOf(s, a.params, h);
   if (!IsBlock(block) || block >= a.state.num_blocks || block >= a.rings.num_blocks) return;
   const int Q = a.spec_query_len, R = a.rings.capacity;
+  if (T < 0 || T > Q || bos < 0 || bos + T > a.num_tokens) return;
+  // A window token's inputs, lane columns lane + 32 e (phase 1).
+  constexpr int kLaneCols = K / 32;
+  struct TokenInputs {
+    Act k_act[kLaneCols];
+    float qv[kLaneCols], gv[kLaneCols], bias[kLaneCols], vv[kLaneCols];
+    float g0_raw, beta_raw;
+  };
+  const bool gdn = s.kind == LayerKind::kGdn;
+  // Every input of token t loaded before any is used (one memory round
+  // trip, not one per input).
+  const auto load_token = [&](int t, TokenInputs& in) {
+    const int64_t tok = bos + t;
+    const Act* q_raw = static_cast<const Act*>(a.q.data) + tok * a.q.token_stride + int64_t{h} * K;
+    const Act* k_raw = static_cast<const Act*>(a.k.data) + tok * a.k.token_stride + int64_t{h} * K;
+    const Act* g = static_cast<const Act*>(a.g.data) + tok * a.g.token_stride +
+                   (gdn ? int64_t{hv} : int64_t{h} * K);
+    const Act* v = static_cast<const Act*>(a.v.data) + tok * a.v.token_stride + int64_t{hv} * K;
+#pragma unroll
+    for (int e = 0; e < kLaneCols; ++e) {
+      const int j = lane + 32 * e;
+      in.qv[e] = ToFloat(q_raw[j]);
+      in.k_act[e] = k_raw[j];
+      in.vv[e] = ToFloat(v[j]);
+      in.gv[e] = gdn ? 0.0f : ToFloat(g[j]);
+      in.bias[e] = gdn ? 0.0f : a.params.dt_bias[int64_t{h} * K + j];
+    }
+    in.g0_raw = gdn ? ToFloat(g[0]) : 0.0f;
+    in.beta_raw = ToFloat(static_cast<const Act*>(a.beta.data)[tok * a.beta.token_stride + hv]);
+  };
+  // kBeforeCursor: this warp's token (T <= Q <= kMaxWindow = kWarps: one a
+  // warp) in flight with the cursor's load.
+  static_assert(kMaxWindow <= kWarps, "a window token a warp");
+  const bool preloaded = kStaged && window_before_cursor;
+  TokenInputs preload;
+  if (preloaded && warp < T) load_token(warp, preload);
   FastCursor* cursor = a.rings.cursors + block;
   const int c = cursor->tokens;
-  if (T < 0 || T > Q || bos < 0 || bos + T > a.num_tokens || c < 0 || c + T > R) return;
+  if (c < 0 || c + T > R) return;
   if (T == 0) {
     if (early) {
       WaitForPrerequisiteGrid();
@@ -153,7 +192,6 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
     if (hv == 0 && lead && tid == 0) cursor->candidates = 0;
     return;
   }
-  const bool gdn = s.kind == LayerKind::kGdn;
   const int HV = ValueHeads(s), H = s.num_heads;
   const bool first_of_group = hv % (HV / H) == 0;
 
@@ -244,31 +282,22 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   float* kept_gammas = gc + K;  // kEarly: the candidates' gammas until the checks end
 
   // 1. The window (a warp per token), and its candidates' k and gamma.
-  constexpr int kLaneCols = K / 32;
   for (int t = warp; t < T; t += kWarps) {
-    const int64_t tok = bos + t;
-    const Act* q_raw = static_cast<const Act*>(a.q.data) + tok * a.q.token_stride + int64_t{h} * K;
-    const Act* k_raw = static_cast<const Act*>(a.k.data) + tok * a.k.token_stride + int64_t{h} * K;
-    const Act* g = static_cast<const Act*>(a.g.data) + tok * a.g.token_stride +
-                   (gdn ? int64_t{hv} : int64_t{h} * K);
-    const Act* v = static_cast<const Act*>(a.v.data) + tok * a.v.token_stride + int64_t{hv} * K;
-    // Every input of the token loaded before any is used (one memory round
-    // trip, not one per input); lane columns lane + 32 e.
-    Act k_act[kLaneCols];
-    float qv[kLaneCols], kv[kLaneCols], gv[kLaneCols], bias[kLaneCols], vv[kLaneCols];
-#pragma unroll
-    for (int e = 0; e < kLaneCols; ++e) {
-      const int j = lane + 32 * e;
-      qv[e] = ToFloat(q_raw[j]);
-      k_act[e] = k_raw[j];
-      kv[e] = ToFloat(k_act[e]);
-      vv[e] = ToFloat(v[j]);
-      gv[e] = gdn ? 0.0f : ToFloat(g[j]);
-      bias[e] = gdn ? 0.0f : a.params.dt_bias[int64_t{h} * K + j];
+    TokenInputs in;
+    if (preloaded) {
+      in = preload;  // t == warp
+    } else {
+      load_token(t, in);
     }
-    const float g0_raw = gdn ? ToFloat(g[0]) : 0.0f;
-    const float beta_raw =
-        ToFloat(static_cast<const Act*>(a.beta.data)[tok * a.beta.token_stride + hv]);
+    const Act* k_act = in.k_act;
+    const float* qv = in.qv;
+    const float* vv = in.vv;
+    const float* bias = in.bias;
+    float* gv = in.gv;
+    float kv[kLaneCols];
+#pragma unroll
+    for (int e = 0; e < kLaneCols; ++e) kv[e] = ToFloat(k_act[e]);
+    const float g0_raw = in.g0_raw, beta_raw = in.beta_raw;
     // q, k normalized as WarpNormalize (squares summed in column order a lane).
     float sq = 0.0f, sk = 0.0f;
 #pragma unroll
@@ -709,7 +738,7 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
     const dim3 grid(a.num_rows, ValueHeads(a.shape), plan->splits);
     err = LaunchDependent(kernel, grid, kThreads, plan->smem, stream, a, small_grid,
                           plan->checkpoint_prefetch, plan->spread_ring_values,
-                          plan->spread_solve_writes);
+                          plan->spread_solve_writes, plan->window_before_cursor);
     if (err == cudaSuccess) err = cudaGetLastError();
   });
   if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
