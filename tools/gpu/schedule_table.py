@@ -21,6 +21,13 @@ times the per-row sums at N = 1 only: pass --ns=1). --set=ring_values_v1
 reads the runs from before the spread was served (kda_bench's rows then
 named the spread, not the per-row sums).
 
+--set=tail: the staged kernel at N = 1 (pass --ns=1) with its solve's outputs
+and u stored by the whole block (FastVerifySchedule::SolveWrites::kSpread), its
+window loaded with the row's cursor (WindowLoads::kBeforeCursor), and both,
+beside the launcher's choice (served); --set=floors: the served Verify beside
+kda_bench's floors (the checkpoint read once after one and two dependent
+loads, no math; tests/bench/floor_kernels.h) and the stock kernel.
+
 --set=folds: Commit's folds and cursors alone (kda_bench's `FAST folds and
 cursors, <schedule>, direct call` rows) under each FastFoldSchedule, and the
 served commit (conv windows and plan included), each per layer.
@@ -51,6 +58,14 @@ SETS = {
     "ring_values_v1": ["staged, 2 a head", "staged, 2 a head, ring values spread",
                        "staged, 4 a head", "staged, 4 a head, ring values spread",
                        "launcher's choice", "launcher's choice, ring values spread", "served"],
+    # FastVerifySchedule::solve_writes and window_loads (N = 1).
+    "tail": ["launcher's choice", "staged, 4 a head", "staged, 4 a head, solve's writes spread",
+             "launcher's choice, solve's writes spread",
+             "launcher's choice, window loaded with the cursor",
+             "launcher's choice, window loaded with the cursor, solve's writes spread", "served"],
+    # kda_bench's floors (any N) beside the served Verify.
+    "floors": ["floor: 1 dependent load", "floor: 2 dependent loads", "launcher's choice",
+               "served"],
     # FastFoldSchedule: kda_bench's direct-call fold rows, per layer.
     "folds": ["folds: unstaged, 16 blocks a head", "folds: staged, 16 blocks a head",
               "folds: pipelined, 1 block a head", "folds: pipelined, 2 blocks a head",
@@ -58,6 +73,7 @@ SETS = {
 }
 FOLD_ROW = re.compile(r"FAST folds and cursors, (.+), direct call, (\d+) layers")
 COMMIT_ROW = re.compile(r"FAST commit, (\d+) layers \(F")
+FLOOR_ROW = re.compile(r"floor: the checkpoint read once after (\d+ dependent loads?)")
 
 
 def parse(path):
@@ -84,6 +100,8 @@ def parse(path):
             column, us = "served commit", round(us / int(COMMIT_ROW.match(name).group(1)), 1)
         elif name.startswith("stock spec path"):
             column = "stock"
+        elif FLOOR_ROW.match(name):
+            column = "floor: " + FLOOR_ROW.match(name).group(1)
         else:
             continue
         out.setdefault((section, n), {})[column] = us
