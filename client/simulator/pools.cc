@@ -85,7 +85,8 @@ absl::Status ServicePools::FlipStateBit(int layer, int32_t block, int64_t elemen
     if (nan) {
       word = d_.ss == 4 ? 0x7fc00000u : 0x7fc0u;  // fp32 / bf16 quiet NaN
     } else {
-      word ^= d_.ss == 4 ? (1u << 20) : (1u << 5);
+      word ^= elements > 1 ? (d_.ss == 4 ? (1u << 23) : (1u << 7))
+                           : (d_.ss == 4 ? (1u << 20) : (1u << 5));
     }
     st = memory_.CopyIn(p, &word, d_.ss);
     if (!st.ok()) return st;

@@ -338,7 +338,7 @@ absl::Status Driver::RecordStateBlocks(const StepPlan& p) {
 // Under tensor parallelism only `corrupt_rank` flips the bit, but every
 // rank pins the request (which changes the random draws that follow).
 // FAST (ModePhases::corrupt_whole_block): the block is flushed first and
-// the bit flipped in every element of the block.
+// every element of the block doubled or halved (ServicePools::FlipStateBit).
 absl::Status Driver::CorruptARunningState(bool flip, int step) {
   const int slot = model_->FirstLive();
   if (slot < 0) return absl::OkStatus();
