@@ -64,12 +64,6 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
         "In ", op, ": schedule.ring_values kSpread needs the staged schedule (staging kOn or "
         "kAuto); the unstaged kernels sum the ring's values per state row"));
   }
-  using SolveWrites = FastVerifySchedule::SolveWrites;
-  if (schedule.solve_writes == SolveWrites::kSpread && schedule.staging == Staging::kOff) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "In ", op, ": schedule.solve_writes kSpread needs the staged schedule (staging kOn or "
-        "kAuto); the unstaged kernels store each state row's outputs from its own thread"));
-  }
   using WindowLoads = FastVerifySchedule::WindowLoads;
   if (schedule.window_loads == WindowLoads::kBeforeCursor && schedule.staging == Staging::kOff) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -79,8 +73,7 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
   const auto staged_plan = [&](int splits) {
     VerifyLaunchPlan plan{true, splits, staged_bytes(splits), true};
     plan.spread_ring_values = schedule.ring_values != RingValues::kPerRow;
-    plan.spread_solve_writes = schedule.solve_writes == SolveWrites::kSpread;
-    plan.window_before_cursor = schedule.window_loads == WindowLoads::kBeforeCursor;
+    plan.window_before_cursor = schedule.window_loads != WindowLoads::kAfterCursor;
     return plan;
   };
   if (schedule.staging == Staging::kOff || (schedule.staging == Staging::kAuto && !tensor_cores)) {

@@ -103,23 +103,17 @@ struct FastVerifySchedule {
   // docs/results/kda_bench_h100_20261207_ring_values.md).
   enum class RingValues { kAuto, kPerRow, kSpread };
   RingValues ring_values = RingValues::kAuto;
-  // The staged kernel's stores after the forward substitution (each state
-  // row's outputs and candidates' u for the window's tokens): by the row's
-  // own thread (kPerRow: at a split of four one warp of eight, 2T
-  // predicated stores each through the kernel's last stretch of code), or
-  // put in shared memory by the row's thread and stored by every thread of
-  // the block, one a (output or u, window token, state row) (kSpread). The
-  // same values to the same places. The unstaged kernels always store per
-  // row; kSpread with staging kOff is refused. kAuto: kPerRow.
-  enum class SolveWrites { kAuto, kPerRow, kSpread };
-  SolveWrites solve_writes = SolveWrites::kAuto;
   // When the staged kernel loads its window's tokens (q, k, v, gate inputs,
   // beta: one a warp): after the row's cursor, whose value its checks need
   // (kAfterCursor), or before it, in flight together (kBeforeCursor: one
   // memory round trip fewer ahead of the window's phase; the cursor's
   // checks still come before anything is written or the ring is read).
   // The same values. The unstaged kernels load after the cursor;
-  // kBeforeCursor with staging kOff is refused. kAuto: kAfterCursor.
+  // kBeforeCursor with staging kOff is refused. kAuto: kBeforeCursor
+  // wherever the kernel is staged (an H100 at N = 1, 2026-12-07, cold L2,
+  // launcher's split: 0.1-1.3 us a layer faster for every shape and state
+  // dtype, 9% for Kimi-Linear and Qwen3-Next with fp32 state rows;
+  // docs/results/kda_bench_h100_20261207_window_loads_n1.md).
   enum class WindowLoads { kAuto, kAfterCursor, kBeforeCursor };
   WindowLoads window_loads = WindowLoads::kAuto;
 };
@@ -207,7 +201,6 @@ struct VerifyLaunchPlan {
       FastVerifySchedule::CheckpointPrefetch::kNone;
   bool bulk_copies = false;  // piped: the TMA's bulk copies (PipeCopies::kBulk)
   bool spread_ring_values = false;  // staged: RingValues::kSpread
-  bool spread_solve_writes = false;  // staged: SolveWrites::kSpread
   bool window_before_cursor = false;  // staged: WindowLoads::kBeforeCursor
 };
 

@@ -47,11 +47,6 @@ FastVerifySchedule SpreadRingValues(FastVerifySchedule s) {
   return s;
 }
 
-FastVerifySchedule SpreadSolveWrites(FastVerifySchedule s) {
-  s.solve_writes = FastVerifySchedule::SolveWrites::kSpread;
-  return s;
-}
-
 FastVerifySchedule WindowBeforeCursor(FastVerifySchedule s) {
   s.window_loads = FastVerifySchedule::WindowLoads::kBeforeCursor;
   return s;
@@ -272,47 +267,27 @@ TEST(VerifyPlanTest, StagedKernelsSpreadTheRingValuesUnlessAskedPerRow) {
   EXPECT_FALSE(Plan(a, 32 * 64).spread_ring_values);
 }
 
-TEST(VerifyPlanTest, StagedKernelsStoreTheSolvesOutputsPerRowUnlessAskedToSpread) {
+TEST(VerifyPlanTest, StagedKernelsLoadTheWindowWithTheCursorUnlessAskedAfter) {
   const FastVerifyArgs a = Layer(32, 128);
-  // kAuto: each state row's own thread, staged or not.
+  // kAuto: with the cursor wherever the kernel is staged, chosen or forced.
   VerifyLaunchPlan p = Plan(a, 32);
   EXPECT_TRUE(p.staged);
-  EXPECT_FALSE(p.spread_solve_writes);
-  // kSpread: the staged kernel at any split, forced or kAuto's choice, with
-  // either ring values, in the buffer the ring chunk had (no more bytes).
-  for (int splits : {1, 2, 4, 8}) {
-    for (auto values : {FastVerifySchedule::RingValues::kPerRow,
-                        FastVerifySchedule::RingValues::kSpread}) {
-      FastVerifySchedule spread = SpreadSolveWrites({Staging::kOn, splits, true});
-      spread.ring_values = values;
-      p = Plan(a, 32, spread);
-      EXPECT_TRUE(p.staged);
-      EXPECT_TRUE(p.spread_solve_writes) << splits;
-      EXPECT_EQ(p.smem, StagedBytes(a, splits));
-    }
-  }
-  EXPECT_TRUE(Plan(a, 32, SpreadSolveWrites({})).spread_solve_writes);
-  // The grids kAuto runs unstaged store per row, whatever was asked.
-  p = Plan(a, 32 * 64, SpreadSolveWrites({}));
-  EXPECT_FALSE(p.staged);
-  EXPECT_FALSE(p.spread_solve_writes);
-}
-
-TEST(VerifyPlanTest, StagedKernelsLoadTheWindowAfterTheCursorUnlessAskedBefore) {
-  const FastVerifyArgs a = Layer(32, 128);
-  VerifyLaunchPlan p = Plan(a, 32);
-  EXPECT_TRUE(p.staged);
-  EXPECT_FALSE(p.window_before_cursor);
+  EXPECT_TRUE(p.window_before_cursor);
+  EXPECT_TRUE(Plan(a, 32, {Staging::kOn, 2, true}).window_before_cursor);
   for (int splits : {1, 2, 4, 8}) {
     p = Plan(a, 32, WindowBeforeCursor({Staging::kOn, splits, true}));
     EXPECT_TRUE(p.staged);
     EXPECT_TRUE(p.window_before_cursor) << splits;
-    EXPECT_EQ(p.smem, StagedBytes(a, splits));
+    EXPECT_EQ(p.smem, StagedBytes(a, splits));  // registers, not shared memory
+    FastVerifySchedule after{Staging::kOn, splits, true};
+    after.window_loads = FastVerifySchedule::WindowLoads::kAfterCursor;
+    EXPECT_FALSE(Plan(a, 32, after).window_before_cursor) << splits;
   }
-  EXPECT_TRUE(Plan(a, 32, WindowBeforeCursor({})).window_before_cursor);
+  // The grids kAuto runs unstaged load after the cursor, whatever was asked.
   p = Plan(a, 32 * 64, WindowBeforeCursor({}));
   EXPECT_FALSE(p.staged);
   EXPECT_FALSE(p.window_before_cursor);
+  EXPECT_FALSE(Plan(a, 32 * 64).window_before_cursor);
 }
 
 TEST(VerifyPlanTest, SchedulesItCannotRunAreRefusedByName) {
@@ -337,8 +312,6 @@ TEST(VerifyPlanTest, SchedulesItCannotRunAreRefusedByName) {
        "staging kOn needs the checkpoint's products on tensor cores"},
       {Layer(32, 128), SpreadRingValues({Staging::kOff, 1, true}), true,
        "schedule.ring_values kSpread needs the staged schedule (staging kOn or kAuto)"},
-      {Layer(32, 128), SpreadSolveWrites({Staging::kOff, 1, true}), true,
-       "schedule.solve_writes kSpread needs the staged schedule (staging kOn or kAuto)"},
       {Layer(32, 128), WindowBeforeCursor({Staging::kOff, 1, true}), true,
        "schedule.window_loads kBeforeCursor needs the staged schedule (staging kOn or kAuto)"},
   };

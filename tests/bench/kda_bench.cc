@@ -350,25 +350,18 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
       schedules.push_back(
           {per_row, absl::StrCat("staged, ", splits, " a head, ring values per row")});
     }
-    // The solve's outputs and u stored by the whole block
-    // (SolveWrites::kSpread) at N = 1: the launcher's split, and four; the
-    // window loaded with the cursor, and both.
-    kernels::fast::FastVerifySchedule spread_writes;
-    spread_writes.solve_writes = kernels::fast::FastVerifySchedule::SolveWrites::kSpread;
+    // The staged kernel's window loaded after the row's cursor
+    // (WindowLoads::kAfterCursor; the launcher loads it with the cursor) at
+    // N = 1: the launcher's split, and four.
+    kernels::fast::FastVerifySchedule window_after;
+    window_after.window_loads = kernels::fast::FastVerifySchedule::WindowLoads::kAfterCursor;
     if (b.N == 1) {
-      schedules.push_back({spread_writes, "launcher's choice, solve's writes spread"});
+      schedules.push_back({window_after, "launcher's choice, window loaded after the cursor"});
       if (b.shape.K / 4 >= 16) {
-        spread_writes.staging = Staging::kOn;
-        spread_writes.value_splits = 4;
-        schedules.push_back({spread_writes, "staged, 4 a head, solve's writes spread"});
+        window_after.staging = Staging::kOn;
+        window_after.value_splits = 4;
+        schedules.push_back({window_after, "staged, 4 a head, window loaded after the cursor"});
       }
-      // The window loaded with the cursor (WindowLoads::kBeforeCursor).
-      kernels::fast::FastVerifySchedule window_first;
-      window_first.window_loads = kernels::fast::FastVerifySchedule::WindowLoads::kBeforeCursor;
-      schedules.push_back({window_first, "launcher's choice, window loaded with the cursor"});
-      window_first.solve_writes = kernels::fast::FastVerifySchedule::SolveWrites::kSpread;
-      schedules.push_back(
-          {window_first, "launcher's choice, window loaded with the cursor, solve's writes spread"});
     }
     for (const auto& [schedule, name] : schedules) {
       std::vector<Row> runs;

@@ -21,10 +21,12 @@ times the per-row sums at N = 1 only: pass --ns=1). --set=ring_values_v1
 reads the runs from before the spread was served (kda_bench's rows then
 named the spread, not the per-row sums).
 
---set=tail: the staged kernel at N = 1 (pass --ns=1) with its solve's outputs
-and u stored by the whole block (FastVerifySchedule::SolveWrites::kSpread), its
-window loaded with the row's cursor (WindowLoads::kBeforeCursor), and both,
-beside the launcher's choice (served); --set=floors: the served Verify beside
+--set=window_loads: the staged kernel at N = 1 (pass --ns=1) with its window
+loaded after the row's cursor (FastVerifySchedule::WindowLoads::kAfterCursor)
+beside the served load with the cursor, at four blocks a head and the
+launcher's split; --set=window_loads_v1 reads the run that decided it
+(2026-12-07, when kda_bench's rows named the option, not the served order).
+--set=floors: the served Verify beside
 kda_bench's floors (the checkpoint read once after one and two dependent
 loads, no math; tests/bench/floor_kernels.h) and the stock kernel.
 
@@ -58,11 +60,12 @@ SETS = {
     "ring_values_v1": ["staged, 2 a head", "staged, 2 a head, ring values spread",
                        "staged, 4 a head", "staged, 4 a head, ring values spread",
                        "launcher's choice", "launcher's choice, ring values spread", "served"],
-    # FastVerifySchedule::solve_writes and window_loads (N = 1).
-    "tail": ["launcher's choice", "staged, 4 a head", "staged, 4 a head, solve's writes spread",
-             "launcher's choice, solve's writes spread",
-             "launcher's choice, window loaded with the cursor",
-             "launcher's choice, window loaded with the cursor, solve's writes spread", "served"],
+    # FastVerifySchedule::window_loads (N = 1).
+    "window_loads": ["staged, 4 a head, window loaded after the cursor", "staged, 4 a head",
+                     "launcher's choice, window loaded after the cursor", "launcher's choice",
+                     "served"],
+    "window_loads_v1": ["staged, 4 a head", "launcher's choice",
+                        "launcher's choice, window loaded with the cursor", "served"],
     # kda_bench's floors (any N) beside the served Verify.
     "floors": ["floor: 1 dependent load", "floor: 2 dependent loads", "launcher's choice",
                "served"],

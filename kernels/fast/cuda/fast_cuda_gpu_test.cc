@@ -179,19 +179,18 @@ std::string NameOf(const FastVerifySchedule& s) {
                       : s.ring_values == FastVerifySchedule::RingValues::kPerRow
                           ? ", ring values per row"
                           : "",
-                      s.solve_writes == FastVerifySchedule::SolveWrites::kSpread
-                          ? ", solve's writes spread"
-                          : "",
                       s.window_loads == FastVerifySchedule::WindowLoads::kBeforeCursor
-                          ? ", window before the cursor"
+                          ? ", window loaded with the cursor"
+                      : s.window_loads == FastVerifySchedule::WindowLoads::kAfterCursor
+                          ? ", window loaded after the cursor"
                           : "");
 }
 
 // The schedules Verify can run for case c, the kernel of large grids first;
 // with tensor cores, the unstaged kernel that may start early and the
 // staged one at every split that leaves a block 16 rows or more (its ring
-// values and its solve's writes per row and spread, its window loaded after
-// the cursor and before), each with and without
+// values per row and spread, its window loaded with the cursor and after
+// it), each with and without
 // rows_before_checks (its reads before its wait); the kernel
 // of large grids with the piped checkpoint pass (head dim 128; its copies
 // by the lanes and by the TMA) and without, and (on CUDA cores too) with
@@ -222,15 +221,13 @@ std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& 
       out.push_back({staged, early});
       staged.ring_values = FastVerifySchedule::RingValues::kSpread;
       out.push_back({staged, early});
-      staged.solve_writes = FastVerifySchedule::SolveWrites::kSpread;
-      out.push_back({staged, early});
-      staged.ring_values = FastVerifySchedule::RingValues::kPerRow;
-      out.push_back({staged, early});
-      staged.window_loads = FastVerifySchedule::WindowLoads::kBeforeCursor;
-      out.push_back({staged, early});
-      staged.ring_values = FastVerifySchedule::RingValues::kSpread;
-      staged.solve_writes = FastVerifySchedule::SolveWrites::kAuto;
-      out.push_back({staged, early});
+      for (auto values : {FastVerifySchedule::RingValues::kPerRow,
+                          FastVerifySchedule::RingValues::kSpread}) {
+        FastVerifySchedule window_after = staged;
+        window_after.ring_values = values;
+        window_after.window_loads = FastVerifySchedule::WindowLoads::kAfterCursor;
+        out.push_back({window_after, early});
+      }
     }
   }
   return out;
@@ -250,9 +247,6 @@ void ExpectSchedulesRefused(const Case& c, const FastVerifyArgs& a, const FastNu
   FastVerifySchedule spread_unstaged{Staging::kOff, 1, true};
   spread_unstaged.ring_values = FastVerifySchedule::RingValues::kSpread;
   refusals.push_back({spread_unstaged, "ring_values kSpread needs the staged schedule"});
-  FastVerifySchedule writes_unstaged{Staging::kOff, 1, true};
-  writes_unstaged.solve_writes = FastVerifySchedule::SolveWrites::kSpread;
-  refusals.push_back({writes_unstaged, "solve_writes kSpread needs the staged schedule"});
   FastVerifySchedule window_unstaged{Staging::kOff, 1, true};
   window_unstaged.window_loads = FastVerifySchedule::WindowLoads::kBeforeCursor;
   refusals.push_back({window_unstaged, "window_loads kBeforeCursor needs the staged schedule"});

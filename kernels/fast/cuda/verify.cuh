@@ -81,11 +81,9 @@ enum class CheckpointPassKind {
 // the same under every schedule, so are its bits. spread_ring_values
 // (RingValues::kSpread, staged only): the ring's values summed by every
 // thread, one a (side, window token, state row), not by each row's owner.
-// spread_solve_writes (SolveWrites::kSpread, staged only): the forward
-// substitution's outputs and u through shared memory, stored by every
-// thread, not by each row's owner. window_before_cursor
-// (WindowLoads::kBeforeCursor, staged only): each warp's window token
-// loaded before the row's cursor, in the same memory round trip.
+// window_before_cursor (WindowLoads::kBeforeCursor, staged only): each
+// warp's window token loaded before the row's cursor, in the same memory
+// round trip.
 //
 // kEarly: may start before its checks end (rows_before_checks, below); the
 // staged kernel always may. An instantiation of its own unstaged, served at
@@ -102,8 +100,7 @@ template <typename Act, typename State, int K, CheckpointPassKind kPass, bool kS
 __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <= 128 ? 4 : 1))
     FastVerifyKernel(FastVerifyArgs a, bool small_grid,
                      FastVerifySchedule::CheckpointPrefetch checkpoint_prefetch,
-                     bool spread_ring_values, bool spread_solve_writes,
-                     bool window_before_cursor) {
+                     bool spread_ring_values, bool window_before_cursor) {
   constexpr bool kMma =
       kPass == CheckpointPassKind::kMmaTf32 || kPass == CheckpointPassKind::kMmaTf32x3;
   constexpr bool kPiped = kPipe != PipeCopy::kNone;
@@ -649,38 +646,12 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
       vr[t] = t < T ? vw[t * K + v_own] : 0.0f;
     }
     SolveWindowRow(T, sk, sq, rk, rq, aw, bw, vr, beta, u, o);
-    if (kStaged && spread_solve_writes) {
-      // Into kr as [2][T][rows] (free: this thread's own column, where it
-      // read its ring values), stored below by the whole block.
-#pragma unroll
-      for (int t = 0; t < kMaxWindow; ++t) {
-        if (t < T) {
-          kr[t * rows + tid] = o[t];
-          kr[(T + t) * rows + tid] = u[t];
-        }
-      }
-    } else {
-      Act* out = static_cast<Act*>(a.out);
-#pragma unroll
-      for (int t = 0; t < kMaxWindow; ++t) {
-        if (t < T) {
-          out[((bos + t) * HV + hv) * K + v_own] = FromFloat<Act>(o[t]);
-          a.rings.u[RingAt(a.rings, block, c + t, u_width) + int64_t{hv} * K + v_own] = u[t];
-        }
-      }
-    }
-  }
-  if (kStaged && spread_solve_writes) {
-    // A thread a (output or u, window token, state row): eight warps store
-    // what one would, from a short loop (the tail's code is fetched cold).
-    __syncthreads();
     Act* out = static_cast<Act*>(a.out);
-    for (int x = tid; x < 2 * T * rows; x += kThreads) {
-      const int r = x % rows, t = (x / rows) % T;
-      if (x < T * rows) {
-        out[((bos + t) * HV + hv) * K + v_lo + r] = FromFloat<Act>(kr[x]);
-      } else {
-        a.rings.u[RingAt(a.rings, block, c + t, u_width) + int64_t{hv} * K + v_lo + r] = kr[x];
+#pragma unroll
+    for (int t = 0; t < kMaxWindow; ++t) {
+      if (t < T) {
+        out[((bos + t) * HV + hv) * K + v_own] = FromFloat<Act>(o[t]);
+        a.rings.u[RingAt(a.rings, block, c + t, u_width) + int64_t{hv} * K + v_own] = u[t];
       }
     }
   }
@@ -738,7 +709,7 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
     const dim3 grid(a.num_rows, ValueHeads(a.shape), plan->splits);
     err = LaunchDependent(kernel, grid, kThreads, plan->smem, stream, a, small_grid,
                           plan->checkpoint_prefetch, plan->spread_ring_values,
-                          plan->spread_solve_writes, plan->window_before_cursor);
+                          plan->window_before_cursor);
     if (err == cudaSuccess) err = cudaGetLastError();
   });
   if (err != cudaSuccess) return CudaStatus(err, absl::StrCat("In ", op, ": CUDA kernel launch"));
