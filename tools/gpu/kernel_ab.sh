@@ -15,7 +15,8 @@
 #        cold L2, CUDA graph, each side the mean of its rounds; the rows
 #        whose code did not change show the runs' noise).
 # Flags given replace the defaults: --iters=15 --fast_checkpoint_numerics=false
-# --fast_fold_schedules=false (at N = 1 a run takes about 10 s on an H100).
+# --fast_fold_schedules=false (at N = 1 a run takes about 10 s on an H100; at
+# N = 16, 64, 256 with --fast_verify_schedules=false about 200 s: one round a call).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 case "${1:-}" in
