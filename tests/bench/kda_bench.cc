@@ -18,7 +18,9 @@
 // come at their measured rate), its folds alone under each fold schedule
 // (--fast_fold_schedules) with what a folded row costs against its state's
 // write at copy bandwidth; and the per-layer step of each mode against the
-// stock kernel.
+// stock kernel. With --floors (the default), the floors under every row: an
+// empty kernel, and at each N the checkpoints read once with no math
+// (tests/bench/floor_kernels.h).
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -190,11 +190,10 @@ std::string NameOf(const FastVerifySchedule& s) {
 // with tensor cores, the unstaged kernel that may start early and the
 // staged one at every split that leaves a block 16 rows or more (its ring
 // values per row and spread, its window loaded with the cursor and after
-// it), each with and without
-// rows_before_checks (its reads before its wait); the kernel
-// of large grids with the piped checkpoint pass (head dim 128; its copies
-// by the lanes and by the TMA) and without, and (on CUDA cores too) with
-// its checkpoint prefetched into L2.
+// it), each with and without rows_before_checks (its reads before its
+// wait); the kernel of large grids with the piped checkpoint pass (head dim
+// 128; its copies by the lanes and by the TMA) and without, and (on CUDA
+// cores too) with its checkpoint prefetched into L2.
 std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& c) {
   using Staging = FastVerifySchedule::Staging;
   using Piping = FastVerifySchedule::Piping;
