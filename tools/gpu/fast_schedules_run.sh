@@ -14,7 +14,8 @@
 #  1. gpu_test.txt: fast_cuda_gpu_test (every Verify schedule's cases bit
 #     for bit against the loaded pass: the piped pass with bf16 state rows
 #     and with the TMA's bulk copies, the checkpoint's L2 prefetch, the
-#     staged kernel's ring values per row and spread at every split; every
+#     staged kernel's ring values per row and spread and its window loaded
+#     with the row's cursor and after it, at every split; every
 #     Commit under every fold schedule, unstaged, staged and pipelined, and
 #     Materialize's served (unstaged) folds and pipelined ones, bit for bit), then the same
 #     under memcheck on 3-step loops. Its last
@@ -23,7 +24,9 @@
 #  2. kda_bench.md: every shape, N = 1, 16, 64, 256, both state dtypes,
 #     every mode and every schedule row (cold L2, CUDA graph; at N = 1 the
 #     staged Verify's ring values summed per row beside the served spread,
-#     schedule_table.py --set=ring_values --ns=1), the folds
+#     schedule_table.py --set=ring_values --ns=1, and its window loaded
+#     after the cursor beside the served load with it, --set=window_loads;
+#     the floors at every N, --set=floors), the folds
 #     alone under each FastFoldSchedule and what a folded row costs;
 #     tables.md: its summary table (summary_table.py, docs/benchmarks.md's
 #     lead table) and the schedules side by side at N = 64 and 256
@@ -106,6 +109,12 @@ echo "2. kda_bench: exit $?, $(elapsed) s"
   echo
   echo "## Schedules: --set=ring_values (schedule_table.py, N = 1)"
   python3 "$here/schedule_table.py" "$out/kda_bench.md" --set=ring_values --ns=1
+  echo
+  echo "## Schedules: --set=window_loads (schedule_table.py, N = 1)"
+  python3 "$here/schedule_table.py" "$out/kda_bench.md" --set=window_loads --ns=1
+  echo
+  echo "## Floors: --set=floors (schedule_table.py, every N)"
+  python3 "$here/schedule_table.py" "$out/kda_bench.md" --set=floors --ns=1,16,64,256
 } > "$out/tables.md" 2>&1
 
 [ "$last_step" -le 2 ] && exit 0

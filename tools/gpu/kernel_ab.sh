@@ -12,8 +12,9 @@
 #   mkdir -p /tmp/ab && tar xJf .gpu/kernel_ab.tar.xz -C /tmp/ab
 #   tools/gpu/kernel_ab.sh run /tmp/ab $OUT [ROUNDS=2] [kda_bench flags...]
 #     -> OUT/before_R.md, OUT/after_R.md, OUT/compare.md (compare_bench.py:
-#        cold L2, CUDA graph, each side the mean of its rounds; the rows
-#        whose code did not change show the runs' noise).
+#        cold L2, CUDA graph, each side the mean of its rounds, rewritten
+#        after every round; the rows whose code did not change show the
+#        runs' noise).
 # Flags given replace the defaults: --iters=15 --fast_checkpoint_numerics=false
 # --fast_fold_schedules=false (at N = 1 a run takes about 10 s on an H100; at
 # N = 16, 64, 256 with --fast_verify_schedules=false about 200 s: one round a call).
@@ -77,9 +78,11 @@ case "${1:-}" in
         [ "$rc" -eq 0 ] || exit "$rc"
       done
       pairs+=("$out/before_$r.md" "$out/after_$r.md")
+      # After every round, so that a call cut short still brings back the
+      # table of the rounds it finished.
+      python3 "$here/compare_bench.py" "${pairs[@]}" > "$out/compare.md"
+      echo "round $r: $(tail -n 1 "$out/compare.md")"
     done
-    python3 "$here/compare_bench.py" "${pairs[@]}" > "$out/compare.md"
-    tail -n 1 "$out/compare.md"
     ;;
   *)
     sed -n '2,18p' "$0" >&2

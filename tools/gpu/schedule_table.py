@@ -26,9 +26,10 @@ loaded after the row's cursor (FastVerifySchedule::WindowLoads::kAfterCursor)
 beside the served load with the cursor, at four blocks a head and the
 launcher's split; --set=window_loads_v1 reads the run that decided it
 (2026-12-07, when kda_bench's rows named the option, not the served order).
---set=floors: the served Verify beside
-kda_bench's floors (the checkpoint read once after one and two dependent
-loads, no math; tests/bench/floor_kernels.h) and the stock kernel.
+
+--set=floors: the served Verify beside kda_bench's floors (the checkpoint
+read once after one and two dependent loads, no math;
+tests/bench/floor_kernels.h) and the stock kernel, at any N.
 
 --set=folds: Commit's folds and cursors alone (kda_bench's `FAST folds and
 cursors, <schedule>, direct call` rows) under each FastFoldSchedule, and the
