@@ -57,7 +57,8 @@ struct FastFoldSchedule {
 // A fold block: kFoldThreads threads own FoldRows(K) state rows of one value
 // head (all of them at K <= 128, so that the ring's exponents and decayed
 // keys are computed once per head, not once per tile of rows), each thread
-// a tile of kFoldCols consecutive columns of 1-4 rows.
+// a tile of kFoldCols columns of 1-4 rows (FoldTile, fold.cuh: staged jobs
+// in two runs of four, K / 2 apart; the unstaged one in one run).
 inline constexpr int kFoldThreads = 512;
 inline constexpr int kFoldCols = 8;
 SPECSTATE_HD constexpr int FoldRows(int k) { return k <= 128 ? k : 16 * kFoldThreads / k; }

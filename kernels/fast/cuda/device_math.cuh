@@ -181,28 +181,38 @@ __device__ __forceinline__ void SmemCols(const float* p, float (&out)[C]) {
   }
 }
 
-// C consecutive state elements of shared memory as floats (C a multiple of
-// 8; 16-byte loads, aligned), converted as LoadCols.
+// C consecutive state elements of shared memory as floats (C = 4 or a
+// multiple of 8; 16-byte loads, or one 8-byte load of four bf16, aligned),
+// converted as LoadCols.
 template <int C>
 __device__ __forceinline__ void SharedStateCols(const float* p, float (&out)[C]) {
   SmemCols<C>(p, out);
 }
 template <int C>
 __device__ __forceinline__ void SharedStateCols(const BFloat16* p, float (&out)[C]) {
-  static_assert(C % 8 == 0, "whole 16-byte loads");
+  static_assert(C == 4 || C % 8 == 0, "one 8-byte load, or whole 16-byte loads");
+  if constexpr (C == 4) {
+    const uint2 w = *reinterpret_cast<const uint2*>(p);
+    out[0] = BitsToFloat(w.x << 16);
+    out[1] = BitsToFloat(w.x & 0xffff0000u);
+    out[2] = BitsToFloat(w.y << 16);
+    out[3] = BitsToFloat(w.y & 0xffff0000u);
+  } else {
 #pragma unroll
-  for (int q = 0; q < C / 8; ++q) {
-    const uint4 w = reinterpret_cast<const uint4*>(p)[q];
-    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+    for (int q = 0; q < C / 8; ++q) {
+      const uint4 w = reinterpret_cast<const uint4*>(p)[q];
+      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      out[8 * q + 2 * e] = BitsToFloat(words[e] << 16);
-      out[8 * q + 2 * e + 1] = BitsToFloat(words[e] & 0xffff0000u);
+      for (int e = 0; e < 4; ++e) {
+        out[8 * q + 2 * e] = BitsToFloat(words[e] << 16);
+        out[8 * q + 2 * e + 1] = BitsToFloat(words[e] & 0xffff0000u);
+      }
     }
   }
 }
 
-// Stores 8 consecutive state elements (16-byte stores), rounded as FromFloat.
+// Stores C consecutive state elements (16-byte stores; four bf16 in one
+// 8-byte store), rounded as FromFloat.
 template <int C>
 __device__ __forceinline__ void StoreCols(const float (&x)[C], float* p) {
   static_assert(C % 4 == 0, "whole float4s");
@@ -213,16 +223,24 @@ __device__ __forceinline__ void StoreCols(const float (&x)[C], float* p) {
 }
 template <int C>
 __device__ __forceinline__ void StoreCols(const float (&x)[C], BFloat16* p) {
-  static_assert(C % 8 == 0, "whole 16-byte stores");
+  static_assert(C == 4 || C % 8 == 0, "one 8-byte store, or whole 16-byte stores");
+  if constexpr (C == 4) {
+    *reinterpret_cast<uint2*>(p) =
+        make_uint2(uint32_t{FromFloat<BFloat16>(x[0]).bits} |
+                       (uint32_t{FromFloat<BFloat16>(x[1]).bits} << 16),
+                   uint32_t{FromFloat<BFloat16>(x[2]).bits} |
+                       (uint32_t{FromFloat<BFloat16>(x[3]).bits} << 16));
+  } else {
 #pragma unroll
-  for (int q = 0; q < C / 8; ++q) {
-    uint32_t w[4];
+    for (int q = 0; q < C / 8; ++q) {
+      uint32_t w[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      w[e] = uint32_t{FromFloat<BFloat16>(x[8 * q + 2 * e]).bits} |
-             (uint32_t{FromFloat<BFloat16>(x[8 * q + 2 * e + 1]).bits} << 16);
+      for (int e = 0; e < 4; ++e) {
+        w[e] = uint32_t{FromFloat<BFloat16>(x[8 * q + 2 * e]).bits} |
+               (uint32_t{FromFloat<BFloat16>(x[8 * q + 2 * e + 1]).bits} << 16);
+      }
+      reinterpret_cast<uint4*>(p)[q] = make_uint4(w[0], w[1], w[2], w[3]);
     }
-    reinterpret_cast<uint4*>(p)[q] = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 

@@ -6,11 +6,11 @@
 // their rows in parallel and folding only those that fold; Materialize: one
 // per listed block, or 16 over every block); the ring's log-decays, keys and
 // values staged in shared memory by every thread; exponents a thread per
-// column from the near end; each thread's register tile of 8 columns x 1-4
-// rows advanced by the chain of ring tokens. How a job reads its inputs is
-// the FastFoldSchedule (fold_plan.h): a chain of loads (kOff), one round of
-// copies (kOn), or that round double-buffered across a block's jobs
-// (kPipelined); the same sums in the same order under each.
+// column from the near end; each thread's register tile of 8 columns
+// (FoldTile) x 1-4 rows advanced by the chain of ring tokens. How a job
+// reads its inputs is the FastFoldSchedule (fold_plan.h): a chain of loads
+// (kOff), one round of copies (kOn), or that round double-buffered across a
+// block's jobs (kPipelined); the same sums in the same order under each.
 #ifndef SPECSTATE_KERNELS_FAST_CUDA_FOLD_CUH_
 #define SPECSTATE_KERNELS_FAST_CUDA_FOLD_CUH_
 
@@ -170,14 +170,99 @@ __device__ bool FoldJobOf(const FoldParams& f, const FastLayer& layer, int i, Fo
   }
 }
 
+// A thread's tile of a fold block: kRowsEach rows r0.. by kFoldCols
+// columns. Staged jobs (kRuns, shared memory) take them in two runs of four,
+// c0.. and c0 + K / 2.. (c0 = 4 (tid % (K / 8))): the lanes that share rows
+// read consecutive runs, so their shared-memory reads hit distinct banks
+// (one run of eight a thread read with two-way bank conflicts), and each
+// store covers whole 32-byte sectors. The unstaged job (loads from global
+// memory) keeps one run of eight (c0 = 8 (tid % (K / 8))): with two runs
+// its kernel spilled more (224 -> 288 bytes of stores, Kimi-Linear's
+// instantiation) and folded 3-11% slower at N = 256 (one H100,
+// docs/benchmarks.md "Fold tiles in two runs"). Each element's sums are the
+// same whichever thread forms them.
+template <int K, bool kRuns>
+struct FoldTile {
+  static constexpr int kColGroups = K / kFoldCols;  // threads sharing a row
+  static constexpr int kRun = kRuns ? kFoldCols / 2 : kFoldCols;
+  static constexpr int kRunStride = K / 2;  // kRuns: the second run's offset
+  static_assert(!kRuns || (kRun == 4 && kColGroups * kRun == K / 2), "two runs of four columns");
+  static __device__ __forceinline__ int FirstColumn(int tid) { return (tid % kColGroups) * kRun; }
+  // The column of tile column c (a constant offset after unrolling).
+  static __device__ __forceinline__ int Column(int c0, int c) {
+    return c < kRun ? c0 + c : c0 + kRunStride + (c - kRun);
+  }
+  // The tile's columns of one row: global memory (LoadCols), shared memory
+  // (SharedStateCols), or floats of shared memory (SmemCols).
+  template <typename State>
+  static __device__ __forceinline__ void Load(const State* row, int c0, float (&out)[kFoldCols]) {
+    if constexpr (kRuns) {
+      float a[kRun], b[kRun];
+      LoadCols<kRun>(row + c0, a);
+      LoadCols<kRun>(row + c0 + kRunStride, b);
+      Join(a, b, out);
+    } else {
+      LoadCols<kFoldCols>(row + c0, out);
+    }
+  }
+  template <typename State>
+  static __device__ __forceinline__ void LoadShared(const State* row, int c0,
+                                                    float (&out)[kFoldCols]) {
+    if constexpr (kRuns) {
+      float a[kRun], b[kRun];
+      SharedStateCols<kRun>(row + c0, a);
+      SharedStateCols<kRun>(row + c0 + kRunStride, b);
+      Join(a, b, out);
+    } else {
+      SharedStateCols<kFoldCols>(row + c0, out);
+    }
+  }
+  static __device__ __forceinline__ void LoadFloats(const float* row, int c0,
+                                                    float (&out)[kFoldCols]) {
+    if constexpr (kRuns) {
+      float a[kRun], b[kRun];
+      SmemCols<kRun>(row + c0, a);
+      SmemCols<kRun>(row + c0 + kRunStride, b);
+      Join(a, b, out);
+    } else {
+      SmemCols<kFoldCols>(row + c0, out);
+    }
+  }
+  template <typename State>
+  static __device__ __forceinline__ void Store(const float (&x)[kFoldCols], State* row, int c0) {
+    if constexpr (kRuns) {
+      float a[kRun], b[kRun];
+#pragma unroll
+      for (int c = 0; c < kRun; ++c) {
+        a[c] = x[c];
+        b[c] = x[kRun + c];
+      }
+      StoreCols<kRun>(a, row + c0);
+      StoreCols<kRun>(b, row + c0 + kRunStride);
+    } else {
+      StoreCols<kFoldCols>(x, row + c0);
+    }
+  }
+
+ private:
+  static __device__ __forceinline__ void Join(const float (&a)[kRun], const float (&b)[kRun],
+                                              float (&out)[kFoldCols]) {
+#pragma unroll
+    for (int c = 0; c < kRun; ++c) {
+      out[c] = a[c];
+      out[kRun + c] = b[c];
+    }
+  }
+};
+
 // A ring token's terms on a thread's tile, the fold's step for every
-// schedule: acc[r][c] += u_i[r0 + r] * kr_i[c0 + c], `kr` at the token's
-// decayed key's column c0 and `u` at its value's row r0 (shared memory).
-template <int kRowsEach>
-__device__ __forceinline__ void AddRingToken(const float* kr, const float* u,
+// schedule: acc[r][c] += u_i[r0 + r] * kr_i[column c], `kr` the token's
+// decayed key (K floats) and `u` its value at row r0 (shared memory).
+template <typename Tile, int kRowsEach>
+__device__ __forceinline__ void AddRingToken(const float* kr, int c0, const float* u,
                                              float (&acc)[kRowsEach][kFoldCols]) {
   float kv[kFoldCols], uv[kRowsEach];
-  SmemCols<kFoldCols>(kr, kv);
+  Tile::LoadFloats(kr, c0, kv);
   SmemCols<kRowsEach>(u, uv);
 #pragma unroll
   for (int r = 0; r < kRowsEach; ++r) {
@@ -186,13 +271,12 @@ __device__ __forceinline__ void AddRingToken(const float* kr, const float* u,
   }
 }
 
-// A thread's tile stored to its rows r0.. of `dst` (a value head's rows),
-// columns c0..
-template <int K, int kRowsEach, typename State>
+// A thread's tile stored to its rows r0.. of `dst` (a value head's rows).
+template <typename Tile, int K, int kRowsEach, typename State>
 __device__ __forceinline__ void StoreTile(const float (&acc)[kRowsEach][kFoldCols], State* dst,
                                           int r0, int c0) {
 #pragma unroll
-  for (int r = 0; r < kRowsEach; ++r) StoreCols<kFoldCols>(acc[r], dst + int64_t{r0 + r} * K + c0);
+  for (int r = 0; r < kRowsEach; ++r) Tile::Store(acc[r], dst + int64_t{r0 + r} * K, c0);
 }
 
 // The staged folds (FastFoldSchedule kOn, kPipelined): the same sums as the
@@ -304,11 +388,12 @@ __device__ __forceinline__ void FoldFromShared(const FoldParams& f, const FastLa
     const float norm = WarpNormOf<Act, K>(buf.raw_k + i * K, lane);
     if (lane == 0) norms[i] = norm;
   }
-  // A thread's tile, as the unstaged job's.
-  constexpr int kColGroups = K / kFoldCols;
+  // A thread's tile (FoldTile: two runs of four columns).
+  using Tile = FoldTile<K, true>;
+  constexpr int kColGroups = Tile::kColGroups;
   constexpr int kRowGroups = kFoldThreads / kColGroups;
   constexpr int kRowsEach = kRows / kRowGroups;
-  const int c0 = (tid % kColGroups) * kFoldCols, r0 = (tid / kColGroups) * kRowsEach;
+  const int c0 = Tile::FirstColumn(tid), r0 = (tid / kColGroups) * kRowsEach;
   for (int target = job.count - 1; target >= 0; --target) {
     const int n = TokensOf(job, target);
     if (target != job.count - 1) {
@@ -339,14 +424,16 @@ __device__ __forceinline__ void FoldFromShared(const FoldParams& f, const FastLa
     float acc[kRowsEach][kFoldCols];
 #pragma unroll
     for (int r = 0; r < kRowsEach; ++r) {
-      SharedStateCols<kFoldCols>(buf.rows + (r0 + r) * K + c0, acc[r]);
+      Tile::LoadShared(buf.rows + (r0 + r) * K, c0, acc[r]);
 #pragma unroll
       for (int c = 0; c < kFoldCols; ++c) {
-        acc[r][c] = ::specstate::fast::Decayed(acc[r][c], gc[c0 + c]);
+        acc[r][c] = ::specstate::fast::Decayed(acc[r][c], gc[Tile::Column(c0, c)]);
       }
     }
-    for (int i = 0; i < n; ++i) AddRingToken(buf.keys + i * K + c0, buf.u + i * kRows + r0, acc);
-    StoreTile<K>(acc, static_cast<State*>(DestinationOf(job, target)) + int64_t{hv} * K * K,
+    for (int i = 0; i < n; ++i) {
+      AddRingToken<Tile>(buf.keys + i * K, c0, buf.u + i * kRows + r0, acc);
+    }
+    StoreTile<Tile, K>(acc, static_cast<State*>(DestinationOf(job, target)) + int64_t{hv} * K * K,
                  v0 + r0, c0);
   }
 }
@@ -477,16 +564,17 @@ __global__ void __launch_bounds__(kFoldThreads,
             return gdn ? g[hv] : g[int64_t{h} * K + e % K];
           });
         };
-        // A thread's tile: kRowsEach rows x kFoldCols consecutive columns (one
-        // 16-byte load of u's rows and two of kr's columns a ring token, not
-        // a shared-memory load per product).
-        constexpr int kColGroups = K / kFoldCols;
+        // A thread's tile (FoldTile: one run of eight columns): kRowsEach
+        // rows x kFoldCols columns (one 16-byte load of u's rows and two of
+        // kr's columns a ring token, not a shared-memory load per product).
+        using Tile = FoldTile<K, false>;
+        constexpr int kColGroups = Tile::kColGroups;
         constexpr int kRowGroups = kFoldThreads / kColGroups;
         constexpr int kRowsEach = kRows / kRowGroups;  // 1, 4, 2 at K = 64, 128, 256
         static_assert(kRowsEach * kRowGroups == kRows && kRowsEach * kFoldCols <= 32 &&
                           (kRowsEach == 1 || kRowsEach == 2 || kRowsEach == 4),
                       "32 accumulators at most; u's rows one load");
-        const int c0 = (tid % kColGroups) * kFoldCols, r0 = (tid / kColGroups) * kRowsEach;
+        const int c0 = Tile::FirstColumn(tid), r0 = (tid / kColGroups) * kRowsEach;
         const State* s0 = static_cast<const State*>(layer.state.data) +
                           int64_t{job.block} * layer.state.block_stride + int64_t{hv} * K * K;
         // Align mode's two folds, the final state first: the boundary state
@@ -521,10 +609,10 @@ __global__ void __launch_bounds__(kFoldThreads,
           float acc[kRowsEach][kFoldCols];
 #pragma unroll
           for (int r = 0; r < kRowsEach; ++r) {
-            LoadCols<kFoldCols>(s0 + int64_t{v0 + r0 + r} * K + c0, acc[r]);
+            Tile::Load(s0 + int64_t{v0 + r0 + r} * K, c0, acc[r]);
 #pragma unroll
             for (int c = 0; c < kFoldCols; ++c) {
-              acc[r][c] = ::specstate::fast::Decayed(acc[r][c], gc[c0 + c]);
+              acc[r][c] = ::specstate::fast::Decayed(acc[r][c], gc[Tile::Column(c0, c)]);
             }
           }
           const Act* ring_k = static_cast<const Act*>(rings.k);
@@ -550,10 +638,10 @@ __global__ void __launch_bounds__(kFoldThreads,
             }
             __syncthreads();
             for (int i = i0; i < i1; ++i) {
-              AddRingToken(kr + (i - i0) * K + c0, uc + (i - i0) * kRows + r0, acc);
+              AddRingToken<Tile>(kr + (i - i0) * K, c0, uc + (i - i0) * kRows + r0, acc);
             }
           }
-          StoreTile<K>(acc, static_cast<State*>(DestinationOf(job, target)) + int64_t{hv} * K * K,
+          StoreTile<Tile, K>(acc, static_cast<State*>(DestinationOf(job, target)) + int64_t{hv} * K * K,
                        v0 + r0, c0);
         }
       }
