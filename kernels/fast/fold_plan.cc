@@ -31,7 +31,7 @@ absl::StatusOr<FoldLaunchPlan> PlanFastFold(const KdaShape& shape, int capacity,
     case Staging::kOff:
       break;
     case Staging::kAuto:
-      if (rows >= 2 && rows <= 64 && fits(2)) return plan(Staging::kPipelined, staged.Bytes(2));
+      if (rows >= 2 && fits(2)) return plan(Staging::kPipelined, staged.Bytes(2));
       break;
     case Staging::kOn:
     case Staging::kPipelined: {

@@ -24,13 +24,15 @@ namespace fast {
 // writes the same bits (fast_cuda_gpu_test checks it).
 struct FastFoldSchedule {
   enum class Staging {
-    // Commit: kPipelined where its two buffers fit a block, one block a
-    // head for 2 to 32 rows, four for 33 to 64; otherwise (and for
-    // Materialize) kOff. Measured on an H100
+    // Commit: kPipelined for 2 rows or more where its two buffers fit a
+    // block, one block a head up to 32 rows, four beyond; otherwise (and
+    // for Materialize) kOff. Measured on an H100
     // (docs/benchmarks.md, "FAST's folds staged and pipelined"): its folds
     // and cursors 10-32% faster than kOff's at N = 16 with one block a
     // head, 1-15% faster at N = 64 with four (two runs), for every shape
-    // and state dtype; at N = 256 from 4.6% faster to 12.3% slower.
+    // and state dtype; at N = 256, with four blocks a head, 4% faster for
+    // Kimi-K3 before the fold tiles' two runs and 11-24% for Kimi-Linear
+    // and Qwen3-Next after ("Fold tiles in two runs").
     kAuto,
     // A chain of phases, each loading from global memory when it needs
     // it: the exponent pass's log-decays, then the checkpoint's rows, then
@@ -119,7 +121,7 @@ struct FoldLaunchPlan {
 // `schedule` made concrete for folds of `shape` with rings of `capacity`
 // tokens over `rows` rows (Commit) or blocks (Materialize), on a GPU whose
 // blocks take at most `smem_optin` bytes of shared memory (an SM: that plus
-// the 1 KiB the runtime reserves a block): kAuto pipelines 2 to 64 rows
+// the 1 KiB the runtime reserves a block): kAuto pipelines 2 rows or more
 // where the two buffers fit one block (one block a head up to 32 rows, four
 // beyond); kOn runs where one buffer fits (two blocks an SM when two fit),
 // kPipelined where two do.

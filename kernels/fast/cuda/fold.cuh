@@ -176,8 +176,9 @@ __device__ bool FoldJobOf(const FoldParams& f, const FastLayer& layer, int i, Fo
 // read consecutive runs, so their shared-memory reads hit distinct banks
 // (one run of eight a thread read with two-way bank conflicts), and each
 // store covers whole 32-byte sectors. The unstaged job (loads from global
-// memory) keeps one run of eight (c0 = 8 (tid % (K / 8))): with two runs
-// its kernel spilled more (224 -> 288 bytes of stores, Kimi-Linear's
+// memory; Commit's folds of one row, Materialize's, and rings too large for
+// two buffers) keeps one run of eight (c0 = 8 (tid % (K / 8))): with two
+// runs its kernel spilled more (224 -> 288 bytes of stores, Kimi-Linear's
 // instantiation) and folded 3-11% slower at N = 256 (one H100,
 // docs/benchmarks.md "Fold tiles in two runs"). Each element's sums are the
 // same whichever thread forms them.
