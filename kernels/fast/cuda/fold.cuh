@@ -434,8 +434,8 @@ __device__ __forceinline__ void FoldFromShared(const FoldParams& f, const FastLa
     for (int i = 0; i < n; ++i) {
       AddRingToken<Tile>(buf.keys + i * K, c0, buf.u + i * kRows + r0, acc);
     }
-    StoreTile<Tile, K>(acc, static_cast<State*>(DestinationOf(job, target)) + int64_t{hv} * K * K,
-                 v0 + r0, c0);
+    State* const dst = static_cast<State*>(DestinationOf(job, target)) + int64_t{hv} * K * K;
+    StoreTile<Tile, K>(acc, dst, v0 + r0, c0);
   }
 }
 
@@ -642,8 +642,9 @@ __global__ void __launch_bounds__(kFoldThreads,
               AddRingToken<Tile>(kr + (i - i0) * K, c0, uc + (i - i0) * kRows + r0, acc);
             }
           }
-          StoreTile<Tile, K>(acc, static_cast<State*>(DestinationOf(job, target)) + int64_t{hv} * K * K,
-                       v0 + r0, c0);
+          State* const dst =
+              static_cast<State*>(DestinationOf(job, target)) + int64_t{hv} * K * K;
+          StoreTile<Tile, K>(acc, dst, v0 + r0, c0);
         }
       }
     }
