@@ -49,10 +49,12 @@ else
   echo "bundle.sh: no libucp.so.0 here (libucx-dev): the bundle's transfers will be UNAVAILABLE" >&2
 fi
 # Tests find the server and the CLI through their runfiles, as under Bazel
-# (hard links: the archive holds each binary once).
-ln "$dest/bin/specstated" "$dest/runfiles/specstate/server/"
-ln "$dest/bin/specstatectl" "$dest/runfiles/specstate/client/cli/"
-ln "$dest/bin/specstate-keeper" "$dest/runfiles/specstate/keeper/"
+# (hard links: the archive holds each binary once). A BUNDLE_TARGETS without
+# them (kernel benchmarks only) leaves them out.
+for runfile in server/specstated client/cli/specstatectl keeper/specstate-keeper; do
+  bin="$dest/bin/$(basename "$runfile")"
+  if [ -e "$bin" ]; then ln "$bin" "$dest/runfiles/specstate/$(dirname "$runfile")/"; fi
+done
 cp tools/gpu/run_suite.sh tools/gpu/examples.sh tools/gpu/diagnose.sh tools/gpu/profile_kernels.sh tools/gpu/ab_servers.sh \
   tools/gpu/trace/timeline.py tools/start_services.sh "$dest/"
 # The Python client with freshly generated stubs and its tests, and a
