@@ -8,6 +8,10 @@
 # /tmp/kda_bench_before, before the change):
 #   tools/gpu/kernel_ab.sh pack /tmp/kda_bench_before [DEST=.gpu]
 #     -> DEST/kernel_ab.tar.xz (about 53 MB; carry DEST)
+#   KERNEL_AB_EXTRA="bazel-bin/kernels/fast/fast_cuda_gpu_test" adds those
+#   binaries to bin/ (the change's own test in the same call), packed with
+#   xz -9e, whose 64 MiB window finds the kernels the binaries share (three
+#   come to about 45 MB).
 # There:
 #   mkdir -p /tmp/ab && tar xJf .gpu/kernel_ab.tar.xz -C /tmp/ab
 #   tools/gpu/kernel_ab.sh run /tmp/ab $OUT [ROUNDS=2] [kda_bench flags...]
@@ -39,6 +43,12 @@ case "${1:-}" in
     mkdir -p "$stage/bin" "$stage/lib"
     cp -L "$after" "$stage/bin/kda_bench"
     cp -L "$before" "$stage/bin/kda_bench_before"
+    level=-6
+    for extra in ${KERNEL_AB_EXTRA:-}; do
+      [ -x "$extra" ] || { echo "kernel_ab.sh: $extra (KERNEL_AB_EXTRA) is not an executable" >&2; exit 2; }
+      cp -L "$extra" "$stage/bin/"
+      level=-9e
+    done
     skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|librt\.so|libpthread\.so|libstdc\+\+\.so|libgcc_s\.so|libcuda\.so)'
     for bin in "$stage"/bin/*; do
       ldd "$bin" | awk '/=>/ {print $1, $3}' | while read -r name path; do
@@ -46,7 +56,7 @@ case "${1:-}" in
         if [ -n "$path" ] && [ -e "$path" ]; then cp -Ln "$path" "$stage/lib/" 2>/dev/null || true; fi
       done
     done
-    tar -C "$stage" -cf - bin lib | xz -T0 -6 > "$dest/kernel_ab.tar.xz"
+    tar -C "$stage" -cf - bin lib | xz -T0 "$level" > "$dest/kernel_ab.tar.xz"
     bytes=$(stat -c %s "$dest/kernel_ab.tar.xz")
     echo "packed $((bytes / 1048576)) MiB into $dest/kernel_ab.tar.xz"
     if [ "$bytes" -gt $((60 * 1048576)) ]; then
