@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Registers and spills of each kernel in a .cu file, as ptxas reports them
-for sm_90 with the build's nvcc flags (read from bazel/cuda.bzl), one row a
-kernel whose demangled name matches REGEX. Runs here, no GPU needed
-(a few minutes for kernels/fast/cuda/fast_cuda.cu).
+"""Registers, spills and code bytes of each kernel in a .cu file, as ptxas
+reports them for sm_90 with the build's nvcc flags (read from
+bazel/cuda.bzl), one row a kernel whose demangled name matches REGEX; code
+bytes are the size of the kernel's .text section in the cubin (16 bytes a
+SASS instruction). Runs here, no GPU needed (a few minutes for
+kernels/fast/cuda/fast_cuda.cu).
 
     tools/ptxas_usage.py kernels/fast/cuda/fast_cuda.cu 'FastVerifyKernel<.*128, 3, false, false'
 """
@@ -24,6 +26,22 @@ def build_flags():
     return [part for flag in ast.literal_eval(literal) for part in flag.split()]
 
 
+def text_sizes(keep_dir):
+    """{mangled kernel name: bytes of its .text section} over the cubins
+    nvcc kept in keep_dir (readelf's section table)."""
+    sizes = {}
+    for name in os.listdir(keep_dir):
+        if not name.endswith(".cubin"):
+            continue
+        table = subprocess.run(["readelf", "-S", "-W", os.path.join(keep_dir, name)],
+                               capture_output=True, text=True).stdout
+        for line in table.splitlines():
+            m = re.search(r"\]\s+\.text\.(\S+)\s+\S+\s+\S+\s+\S+\s+([0-9a-f]+)\s", line)
+            if m:
+                sizes[m.group(1)] = int(m.group(2), 16)
+    return sizes
+
+
 def main(argv):
     if len(argv) not in (2, 3):
         print(__doc__, file=sys.stderr)
@@ -33,8 +51,10 @@ def main(argv):
     gendir = os.path.join(ROOT, "bazel-bin")
     with tempfile.TemporaryDirectory() as tmp:
         run = subprocess.run([nvcc] + build_flags() + ["-Xptxas", "-v", "-I" + ROOT, "-I" + gendir,
-                              "-c", src, "-o", os.path.join(tmp, "out.o")],
+                              "--keep", "--keep-dir", tmp, "-c", src, "-o",
+                              os.path.join(tmp, "out.o")],
                              cwd=ROOT, capture_output=True, text=True)
+        code_bytes = text_sizes(tmp)
     if run.returncode != 0:
         print(run.stderr, file=sys.stderr)
         return run.returncode
@@ -56,10 +76,10 @@ def main(argv):
             if pattern.search(name):
                 stores = re.search(r"(\d+) bytes spill stores", spills).group(1)
                 loads = re.search(r"(\d+) bytes spill loads", spills).group(1)
-                rows.append((name, m.group(1), stores, loads))
+                rows.append((name, m.group(1), stores, loads, str(code_bytes.get(kernel, "?"))))
             kernel = None
-    print("| kernel | registers | spill stores (bytes) | spill loads (bytes) |")
-    print("|---|---:|---:|---:|")
+    print("| kernel | registers | spill stores (bytes) | spill loads (bytes) | code (bytes) |")
+    print("|---|---:|---:|---:|---:|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     return 0
