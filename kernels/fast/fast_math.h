@@ -119,13 +119,17 @@ SPECSTATE_HD void WindowExponents(int T, const float* g, float* w, float* pair) 
 //   b[t * kMaxWindow + s] = q_t . (k_s * exp(E_{t,s})) for s <= t (E_{t,t} = 0),
 //   v[t], beta[t] (sigmoid'ed for KDA: GateRule::Beta).
 // Writes u[t] = the token's u_v (kda::DeltaCoefficient) and o[t] its output.
+// kBound: the most tokens a window of this call may have (T <= kBound <=
+// kMaxWindow), what the loops unroll to; a and b keep kMaxWindow's stride.
+template <int kBound = kMaxWindow>
 SPECSTATE_HD void SolveWindowRow(int T, const float* sk, const float* sq, const float* rk,
                                  const float* rq, const float* a, const float* b, const float* v,
                                  const float* beta, float* u, float* o) {
-  // Unrolled to kMaxWindow with T as a predicate: on the GPU the arrays stay
-  // in registers (indexed by constants); the order of the sums is the same.
+  static_assert(kBound >= 1 && kBound <= kMaxWindow, "a window bound of 1 .. kMaxWindow");
+  // Unrolled to kBound with T as a predicate: on the GPU the arrays stay in
+  // registers (indexed by constants); the order of the sums is the same.
   SPECSTATE_UNROLL
-  for (int t = 0; t < kMaxWindow; ++t) {
+  for (int t = 0; t < kBound; ++t) {
     if (t >= T) break;
     float kdot = sk[t] + rk[t];
     SPECSTATE_UNROLL

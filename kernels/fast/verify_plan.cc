@@ -51,13 +51,25 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
        (schedule.piped_checkpoint == Piping::kAuto && a.shape.state_dtype == DType::kBFloat16 &&
         four_fit_piped));
   using Prefetch = FastVerifySchedule::CheckpointPrefetch;
-  const VerifyLaunchPlan unstaged{false,
-                                  1,
-                                  piped ? piped_bytes : base_bytes(early),
-                                  early,
-                                  piped,
-                                  early || piped ? Prefetch::kNone : schedule.checkpoint_prefetch,
-                                  piped && bulk};
+  const bool short_window = schedule.window_bound == FastVerifySchedule::WindowBound::kShort;
+  if (short_window && a.spec_query_len > kShortWindow) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "In ", op, ": schedule.window_bound kShort needs spec_query_len <= ", kShortWindow,
+        "; it is ", a.spec_query_len));
+  }
+  if (short_window && !tensor_cores) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "In ", op, ": schedule.window_bound kShort needs the checkpoint's products on tensor "
+        "cores (FastNumerics::checkpoint kTf32Split)"));
+  }
+  VerifyLaunchPlan unstaged{false,
+                            1,
+                            piped ? piped_bytes : base_bytes(early),
+                            early,
+                            piped,
+                            early || piped ? Prefetch::kNone : schedule.checkpoint_prefetch,
+                            piped && bulk};
+  unstaged.short_window = short_window;
   using RingValues = FastVerifySchedule::RingValues;
   if (schedule.ring_values == RingValues::kSpread && schedule.staging == Staging::kOff) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -74,6 +86,7 @@ absl::StatusOr<VerifyLaunchPlan> PlanFastVerify(const FastVerifyArgs& a,
     VerifyLaunchPlan plan{true, splits, staged_bytes(splits), true};
     plan.spread_ring_values = schedule.ring_values != RingValues::kPerRow;
     plan.window_before_cursor = schedule.window_loads != WindowLoads::kAfterCursor;
+    plan.short_window = short_window;
     return plan;
   };
   if (schedule.staging == Staging::kOff || (schedule.staging == Staging::kAuto && !tensor_cores)) {

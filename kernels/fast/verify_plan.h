@@ -116,7 +116,21 @@ struct FastVerifySchedule {
   // docs/results/kda_bench_h100_20261207_window_loads_n1.md).
   enum class WindowLoads { kAuto, kAfterCursor, kBeforeCursor };
   WindowLoads window_loads = WindowLoads::kAuto;
+  // What the per-row arrays of the ring's values and the forward
+  // substitution are sized and unrolled to: kMaxFastQueryLen tokens (kFull),
+  // or kShortWindow (kShort: windows of at most that many tokens, 3xTF32
+  // operands only; the served kernel of large grids at Kimi-Linear's shape
+  // has 24% less code, tools/ptxas_usage.py,
+  // docs/results/ptxas_short_window_20261208.md). The same sums in the
+  // same order. kAuto is kFull until kShort is timed on a GPU (kda_bench's
+  // verify schedule rows time it beside the launcher's choice).
+  enum class WindowBound { kAuto, kFull, kShort };
+  WindowBound window_bound = WindowBound::kAuto;
 };
+
+// The window bound of WindowBound::kShort: Kimi-Linear's and Qwen3-Next's
+// Q = 4.
+inline constexpr int kShortWindow = 4;
 
 // Ring tokens per chunk of Verify's and the fold's shared memory.
 inline constexpr int kRingChunk = 32;
@@ -202,6 +216,8 @@ struct VerifyLaunchPlan {
   bool bulk_copies = false;  // piped: the TMA's bulk copies (PipeCopies::kBulk)
   bool spread_ring_values = false;  // staged: RingValues::kSpread
   bool window_before_cursor = false;  // staged: WindowLoads::kBeforeCursor
+  // The window's arrays sized to kShortWindow (WindowBound::kShort).
+  bool short_window = false;
 };
 
 // `schedule` made concrete for a launch of `blocks` (row, value head) pairs

@@ -52,6 +52,11 @@ FastVerifySchedule WindowBeforeCursor(FastVerifySchedule s) {
   return s;
 }
 
+FastVerifySchedule ShortWindow(FastVerifySchedule s) {
+  s.window_bound = FastVerifySchedule::WindowBound::kShort;
+  return s;
+}
+
 VerifyLaunchPlan Plan(const FastVerifyArgs& a, int64_t blocks, FastVerifySchedule s = {},
                       bool tensor_cores = true) {
   absl::StatusOr<VerifyLaunchPlan> plan = PlanFastVerify(a, s, tensor_cores, blocks, kSms, kSmemOptin);
@@ -290,6 +295,22 @@ TEST(VerifyPlanTest, StagedKernelsLoadTheWindowWithTheCursorUnlessAskedAfter) {
   EXPECT_FALSE(Plan(a, 32 * 64).window_before_cursor);
 }
 
+TEST(VerifyPlanTest, TheShortWindowKernelsRunWhereAskedForWindowsOfFourOrFewer) {
+  const FastVerifySchedule short_window = ShortWindow({});
+  FastVerifySchedule full;
+  full.window_bound = FastVerifySchedule::WindowBound::kFull;
+  // Every grid (staged at N = 1, early at N = 16, the kernel of large
+  // grids at N = 256): kShort with Q = 4 or 2; not by default (kAuto) or kFull.
+  for (int64_t blocks : {32, 512, 8192}) {
+    EXPECT_TRUE(Plan(Layer(32, 128), blocks, short_window).short_window) << blocks;
+    EXPECT_TRUE(Plan(Layer(32, 128, DType::kFloat32, 2), blocks, short_window).short_window)
+        << blocks;
+    EXPECT_FALSE(Plan(Layer(32, 128), blocks).short_window) << blocks;
+    EXPECT_FALSE(Plan(Layer(32, 128), blocks, full).short_window) << blocks;
+    EXPECT_FALSE(Plan(Layer(12, 128, DType::kFloat32, 8), blocks).short_window) << blocks;
+  }
+}
+
 TEST(VerifyPlanTest, SchedulesItCannotRunAreRefusedByName) {
   struct Refusal {
     FastVerifyArgs args;
@@ -314,6 +335,10 @@ TEST(VerifyPlanTest, SchedulesItCannotRunAreRefusedByName) {
        "schedule.ring_values kSpread needs the staged schedule (staging kOn or kAuto)"},
       {Layer(32, 128), WindowBeforeCursor({Staging::kOff, 1, true}), true,
        "schedule.window_loads kBeforeCursor needs the staged schedule (staging kOn or kAuto)"},
+      {Layer(12, 128, DType::kFloat32, 8), ShortWindow({}), true,
+       "schedule.window_bound kShort needs spec_query_len <= 4; it is 8"},
+      {Layer(32, 128), ShortWindow({}), false,
+       "schedule.window_bound kShort needs the checkpoint's products on tensor cores"},
   };
   for (const Refusal& r : refusals) {
     const absl::StatusOr<VerifyLaunchPlan> plan =

@@ -365,6 +365,14 @@ void MeasureFast(Bench& b, int fold_every, bool align_too, int iters, cudaStream
         schedules.push_back({window_after, "staged, 4 a head, window loaded after the cursor"});
       }
     }
+    // The launcher's choice with the per-row arrays unrolled to a window of
+    // kShortWindow tokens (WindowBound::kShort; the launcher unrolls to the
+    // full window): what the short-window kernels save.
+    if (b.shape.Q <= kernels::fast::kShortWindow) {
+      kernels::fast::FastVerifySchedule short_window;
+      short_window.window_bound = kernels::fast::FastVerifySchedule::WindowBound::kShort;
+      schedules.push_back({short_window, "launcher's choice, unrolled to a window of four"});
+    }
     for (const auto& [schedule, name] : schedules) {
       std::vector<Row> runs;
       for (int x = 0; x < steps; ++x) {

@@ -183,6 +183,9 @@ std::string NameOf(const FastVerifySchedule& s) {
                           ? ", window loaded with the cursor"
                       : s.window_loads == FastVerifySchedule::WindowLoads::kAfterCursor
                           ? ", window loaded after the cursor"
+                          : "",
+                      s.window_bound == FastVerifySchedule::WindowBound::kShort
+                          ? ", unrolled to a window of four"
                           : "");
 }
 
@@ -193,7 +196,15 @@ std::string NameOf(const FastVerifySchedule& s) {
 // it), each with and without rows_before_checks (its reads before its
 // wait); the kernel of large grids with the piped checkpoint pass (head dim
 // 128; its copies by the lanes and by the TMA) and without, and (on CUDA
-// cores too) with its checkpoint prefetched into L2.
+// cores too) with its checkpoint prefetched into L2. With 3xTF32 and
+// windows of at most kShortWindow tokens, a kernel of each kind unrolled to
+// that window too (WindowBound::kShort).
+FastVerifySchedule SpreadStaged(int splits) {
+  FastVerifySchedule staged{FastVerifySchedule::Staging::kOn, splits, true};
+  staged.ring_values = FastVerifySchedule::RingValues::kSpread;
+  return staged;
+}
+
 std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& c) {
   using Staging = FastVerifySchedule::Staging;
   using Piping = FastVerifySchedule::Piping;
@@ -229,6 +240,15 @@ std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& 
       }
     }
   }
+  if (c.checkpoint == FastNumerics::Operands::kTf32Split && c.Q <= kShortWindow) {
+    std::vector<std::pair<FastVerifySchedule, bool>> kinds = {
+        out[0], {{Staging::kOff, 1, false, Piping::kOn}, false}, {{Staging::kOff, 1, true}, true}};
+    if (c.K / 4 >= 16) kinds.push_back({SpreadStaged(4), true});
+    for (auto [schedule, early] : kinds) {
+      schedule.window_bound = FastVerifySchedule::WindowBound::kShort;
+      out.push_back({schedule, early});
+    }
+  }
   return out;
 }
 
@@ -256,6 +276,14 @@ void ExpectSchedulesRefused(const Case& c, const FastVerifyArgs& a, const FastNu
   if (c.checkpoint == FastNumerics::Operands::kFp32) {
     refusals.push_back(
         {{Staging::kOn, 1, true}, "staging kOn needs the checkpoint's products on tensor cores"});
+  }
+  FastVerifySchedule short_window;
+  short_window.window_bound = FastVerifySchedule::WindowBound::kShort;
+  if (c.checkpoint != FastNumerics::Operands::kTf32Split) {
+    refusals.push_back({short_window, "window_bound kShort needs 3xTF32 operands"});
+  } else if (c.Q > kShortWindow) {
+    refusals.push_back({short_window, absl::StrCat("window_bound kShort needs spec_query_len <= ",
+                                                   kShortWindow, "; it is ", c.Q)});
   }
   for (const Refusal& r : refusals) {
     const absl::Status st = FastVerifyCuda(a, numerics, nullptr, r.schedule);

@@ -95,8 +95,13 @@ enum class CheckpointPassKind {
 // by its lanes (kLanes) or the TMA (kBulk): its first column group at the
 // block's start, the next once the ring's phase frees its buffer, the rest
 // as the pass frees theirs (PipedMmaCheckpointPass).
+//
+// kWindow: the most tokens a window of this launch may have (the launch's
+// spec_query_len <= kWindow <= kMaxWindow), what the per-row arrays of the
+// ring's values and the solve are sized and unrolled to. Each row's sums are
+// the same MulAdds in the same order whatever the bound.
 template <typename Act, typename State, int K, CheckpointPassKind kPass, bool kStaged,
-          bool kEarly, PipeCopy kPipe = PipeCopy::kNone>
+          bool kEarly, PipeCopy kPipe = PipeCopy::kNone, int kWindow = kMaxWindow>
 __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <= 128 ? 4 : 1))
     FastVerifyKernel(FastVerifyArgs a, bool small_grid,
                      FastVerifySchedule::CheckpointPrefetch checkpoint_prefetch,
@@ -108,6 +113,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   static_assert(kEarly || !kStaged, "the staged kernel may start early");
   static_assert(!kPiped || (kMma && !kStaged && !kEarly && K == PipedSmem::kHeadDim),
                 "the piped pass: the kernel of large grids, tensor cores, head dim 128");
+  static_assert(kWindow >= 1 && kWindow <= kMaxWindow, "a window bound of 1 .. kMaxWindow");
   extern __shared__ float smem[];
   const int n = blockIdx.x, hv = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -142,7 +148,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   const kda::GateRule rule = RuleOf(s, a.params, h);
   if (!IsBlock(block) || block >= a.state.num_blocks || block >= a.rings.num_blocks) return;
   const int Q = a.spec_query_len, R = a.rings.capacity;
-  if (T < 0 || T > Q || bos < 0 || bos + T > a.num_tokens) return;
+  if (Q > kWindow || T < 0 || T > Q || bos < 0 || bos + T > a.num_tokens) return;
   // A window token's inputs, lane columns lane + 32 e (phase 1).
   constexpr int kLaneCols = K / 32;
   struct TokenInputs {
@@ -558,7 +564,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
 
   // The ring's values: a thread per state row, oldest token first (after
   // the checkpoint pass, so that rk, rq hold no registers during it).
-  float rk[kMaxWindow], rq[kMaxWindow];
+  float rk[kWindow], rq[kWindow];
   const int v_own = v_lo + tid;
   const bool owns_row = tid < rows;
   if (kStaged && spread_ring_values) {
@@ -576,14 +582,14 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
     __syncthreads();
     if (owns_row) {
 #pragma unroll
-      for (int t = 0; t < kMaxWindow; ++t) {
+      for (int t = 0; t < kWindow; ++t) {
         rk[t] = t < T ? kr[t * rows + tid] : 0.0f;
         rq[t] = t < T ? kr[(T + t) * rows + tid] : 0.0f;
       }
     }
   } else if (owns_row) {
 #pragma unroll
-    for (int t = 0; t < kMaxWindow; ++t) rk[t] = rq[t] = 0.0f;
+    for (int t = 0; t < kWindow; ++t) rk[t] = rq[t] = 0.0f;
     for (int i0 = 0; i0 < c; i0 += kLoadBatch) {
       float ui[kLoadBatch];  // loaded together, summed oldest first
 #pragma unroll
@@ -600,7 +606,7 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
       for (int e = 0; e < kLoadBatch; ++e) {
         if (i0 + e >= c) break;
 #pragma unroll
-        for (int t = 0; t < kMaxWindow; ++t) {
+        for (int t = 0; t < kWindow; ++t) {
           if (t < T) {
             rk[t] = kda::MulAdd(ar[t * R + i0 + e], ui[e], rk[t]);
             rq[t] = kda::MulAdd(br[t * R + i0 + e], ui[e], rq[t]);
@@ -637,18 +643,18 @@ __global__ void __launch_bounds__(kThreads, kStaged ? (K <= 128 ? 2 : 1) : (K <=
   }
   // 4. The forward substitution per state row: outputs and u.
   if (owns_row) {
-    // Loops unrolled to kMaxWindow (T a predicate): the arrays stay in registers.
-    float sk[kMaxWindow], sq[kMaxWindow], vr[kMaxWindow], u[kMaxWindow], o[kMaxWindow];
+    // Loops unrolled to kWindow (T a predicate): the arrays stay in registers.
+    float sk[kWindow], sq[kWindow], vr[kWindow], u[kWindow], o[kWindow];
 #pragma unroll
-    for (int t = 0; t < kMaxWindow; ++t) {
+    for (int t = 0; t < kWindow; ++t) {
       sk[t] = t < T ? kn[t * K + v_own] : 0.0f;
       sq[t] = t < T ? qn[t * K + v_own] : 0.0f;
       vr[t] = t < T ? vw[t * K + v_own] : 0.0f;
     }
-    SolveWindowRow(T, sk, sq, rk, rq, aw, bw, vr, beta, u, o);
+    SolveWindowRow<kWindow>(T, sk, sq, rk, rq, aw, bw, vr, beta, u, o);
     Act* out = static_cast<Act*>(a.out);
 #pragma unroll
-    for (int t = 0; t < kMaxWindow; ++t) {
+    for (int t = 0; t < kWindow; ++t) {
       if (t < T) {
         out[((bos + t) * HV + hv) * K + v_own] = FromFloat<Act>(o[t]);
         a.rings.u[RingAt(a.rings, block, c + t, u_width) + int64_t{hv} * K + v_own] = u[t];
@@ -666,6 +672,12 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
   if (checkpoint != O::kFp32 && checkpoint != O::kTf32 && checkpoint != O::kTf32Split) {
     return NumericsUnimplemented(op);
   }
+  if (schedule.window_bound == FastVerifySchedule::WindowBound::kShort &&
+      checkpoint != O::kTf32Split) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "In ", op, ": schedule.window_bound kShort needs 3xTF32 operands "
+        "(FastNumerics::checkpoint kTf32Split)"));
+  }
   if (a.num_rows == 0) return absl::OkStatus();
   int sms = 0, smem_optin = 0;
   cudaError_t err = CurrentDeviceLimits(&sms, &smem_optin);
@@ -681,24 +693,35 @@ absl::Status LaunchFastVerify(const FastVerifyArgs& a, cudaStream_t stream,
     constexpr int K = decltype(head_dim)::value;
     using P = CheckpointPassKind;
     // Staged (always early), unstaged early, or the one kernel of large
-    // grids, at K = 128 piped or not.
-    const auto mma_kernel = [&](auto pass) {
+    // grids, at K = 128 piped or not; its window bound kW (FastVerifyKernel's
+    // kWindow).
+    const auto mma_kernel = [&](auto pass, auto window) {
       constexpr P kPass = decltype(pass)::value;
+      constexpr int kW = decltype(window)::value;
       constexpr bool kCanPipe = K == PipedSmem::kHeadDim;
-      constexpr PipeCopy kLanes = kCanPipe ? PipeCopy::kLanes : PipeCopy::kNone;
-      constexpr PipeCopy kBulk = kCanPipe ? PipeCopy::kBulk : PipeCopy::kNone;
+      constexpr PipeCopy kNone = PipeCopy::kNone;
+      constexpr PipeCopy kLanes = kCanPipe ? PipeCopy::kLanes : kNone;
+      constexpr PipeCopy kBulk = kCanPipe ? PipeCopy::kBulk : kNone;
       const bool piped = kCanPipe && plan->piped;
-      return plan->staged  ? FastVerifyKernel<Act, State, K, kPass, true, true>
-             : plan->early ? FastVerifyKernel<Act, State, K, kPass, false, true>
+      return plan->staged  ? FastVerifyKernel<Act, State, K, kPass, true, true, kNone, kW>
+             : plan->early ? FastVerifyKernel<Act, State, K, kPass, false, true, kNone, kW>
              : piped && plan->bulk_copies
-                 ? FastVerifyKernel<Act, State, K, kPass, false, false, kBulk>
-             : piped ? FastVerifyKernel<Act, State, K, kPass, false, false, kLanes>
-                     : FastVerifyKernel<Act, State, K, kPass, false, false>;
+                 ? FastVerifyKernel<Act, State, K, kPass, false, false, kBulk, kW>
+             : piped ? FastVerifyKernel<Act, State, K, kPass, false, false, kLanes, kW>
+                     : FastVerifyKernel<Act, State, K, kPass, false, false, kNone, kW>;
     };
+    // 3xTF32 (what the kernel interface serves) has kernels of its own for
+    // windows of at most kShortWindow tokens (plan->short_window,
+    // WindowBound::kShort): half the solve's and the ring values' unrolled
+    // code and registers.
+    using FullWindow = std::integral_constant<int, kMaxWindow>;
+    using ShortWindow = std::integral_constant<int, kShortWindow>;
+    const auto split = std::integral_constant<P, P::kMmaTf32x3>{};
     auto kernel = checkpoint == O::kTf32Split
-                      ? mma_kernel(std::integral_constant<P, P::kMmaTf32x3>{})
+                      ? (plan->short_window ? mma_kernel(split, ShortWindow{})
+                                            : mma_kernel(split, FullWindow{}))
                   : checkpoint == O::kTf32
-                      ? mma_kernel(std::integral_constant<P, P::kMmaTf32>{})
+                      ? mma_kernel(std::integral_constant<P, P::kMmaTf32>{}, FullWindow{})
                   : small_grid ? FastVerifyKernel<Act, State, K, P::kRowBatch, false, false>
                                : FastVerifyKernel<Act, State, K, P::kRowOwner, false, false>;
     if (plan->smem > 48 * 1024) {
