@@ -189,6 +189,13 @@ std::string NameOf(const FastVerifySchedule& s) {
                           : "");
 }
 
+// The staged kernel at `splits` blocks a head, its ring values spread.
+FastVerifySchedule SpreadStaged(int splits) {
+  FastVerifySchedule staged{FastVerifySchedule::Staging::kOn, splits, true};
+  staged.ring_values = FastVerifySchedule::RingValues::kSpread;
+  return staged;
+}
+
 // The schedules Verify can run for case c, the kernel of large grids first;
 // with tensor cores, the unstaged kernel that may start early and the
 // staged one at every split that leaves a block 16 rows or more (its ring
@@ -199,12 +206,6 @@ std::string NameOf(const FastVerifySchedule& s) {
 // cores too) with its checkpoint prefetched into L2. With 3xTF32 and
 // windows of at most kShortWindow tokens, a kernel of each kind unrolled to
 // that window too (WindowBound::kShort).
-FastVerifySchedule SpreadStaged(int splits) {
-  FastVerifySchedule staged{FastVerifySchedule::Staging::kOn, splits, true};
-  staged.ring_values = FastVerifySchedule::RingValues::kSpread;
-  return staged;
-}
-
 std::vector<std::pair<FastVerifySchedule, bool>> SchedulesToCompare(const Case& c) {
   using Staging = FastVerifySchedule::Staging;
   using Piping = FastVerifySchedule::Piping;
