@@ -10,8 +10,8 @@
 #     -> DEST/kernel_ab.tar.xz (about 53 MB; carry DEST)
 #   KERNEL_AB_EXTRA="bazel-bin/kernels/fast/fast_cuda_gpu_test" adds those
 #   binaries to bin/ (the change's own test in the same call), packed with
-#   xz -9e, whose 64 MiB window finds the kernels the binaries share (three
-#   come to about 45 MB).
+#   xz -9e, whose 64 MiB window finds the kernels the binaries share (two
+#   kda_bench and fast_cuda_gpu_test came to 52 MiB on 2026-12-08).
 # There:
 #   mkdir -p /tmp/ab && tar xJf .gpu/kernel_ab.tar.xz -C /tmp/ab
 #   tools/gpu/kernel_ab.sh run /tmp/ab $OUT [ROUNDS=2] [kda_bench flags...]
